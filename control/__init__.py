@@ -1,0 +1,1 @@
+"""wakegate's control side: everything that decides (runtime, feeder, scaler, operator, CLI)."""

@@ -1,0 +1,224 @@
+"""Local runtime for `wakegate up`: backend processes per model, their health, and what is routable.
+
+Each model runs `replicas` backend processes on loopback ports. A replica is
+routable once its health path answers 200; a replica whose process exits is
+taken out of the routes at once and restarted with capped backoff. Every change
+of routable endpoints is pushed to `on_change` (the xDS feeder), never polled
+by the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import aiohttp
+
+from control.backends import BACKENDS
+from control.local.process import Child
+from control.schema import Model
+from control.xds.resources import RoutedModel
+
+log = logging.getLogger("wakegate.up")
+
+
+class ReplicaState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class RuntimeSettings:
+    """Knobs of the local runtime; one object per `up` process."""
+
+    #: Where backend logs go: one file per replica.
+    log_dir: Path = Path(".wakegate/logs")
+    host: str = "127.0.0.1"
+    #: Health probe period while a replica loads, and once it is ready.
+    probe_interval_loading: float = 0.1
+    probe_interval_ready: float = 2.0
+    #: Restart backoff bounds after a crash.
+    restart_backoff_min: float = 1.0
+    restart_backoff_max: float = 30.0
+    #: Grace given to a backend on stop before SIGKILL.
+    stop_grace: float = 15.0
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    child: Child
+    state: ReplicaState = ReplicaState.STARTING
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    restarts: int = 0
+    task: asyncio.Task[None] | None = None
+
+
+class ModelRuntime:
+    """The replicas of one model."""
+
+    def __init__(self, model: Model, settings: RuntimeSettings, on_change: Callable[[], None]) -> None:
+        self.model = model
+        self.backend = BACKENDS[model.spec.backend]
+        self.settings = settings
+        self._on_change = on_change
+        self.replicas: list[Replica] = []
+        self._indexes = itertools.count()
+        self.generation = 0
+
+    @property
+    def ready_endpoints(self) -> tuple[tuple[str, int], ...]:
+        return tuple((self.settings.host, r.port) for r in self.replicas if r.state is ReplicaState.READY)
+
+    def routed(self) -> RoutedModel:
+        spec = self.model.spec
+        return RoutedModel(
+            key=self.model.key,
+            names=tuple(self.model.client_names),
+            served_name=self.model.served_name,
+            lora_adapters=tuple(spec.loraAdapters),
+            strategy=spec.routing.strategy.value,
+            requests_per_second=spec.limits.requestsPerSecond,
+            burst=spec.limits.burst,
+            cold_mode=spec.endpoint.coldMode.value,
+            max_queue=spec.endpoint.maxQueue,
+            activation_timeout_s=float(spec.scaling.activationTimeout),
+            endpoints=self.ready_endpoints,
+            generation=self.generation,
+        )
+
+    async def scale_to(self, count: int) -> None:
+        while len(self.replicas) < count:
+            self._start_replica()
+        while len(self.replicas) > count:
+            replica = self.replicas.pop()
+            await self._stop_replica(replica)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(self._stop_replica(r) for r in self.replicas))
+        self.replicas.clear()
+
+    # -- replicas ---------------------------------------------------------------------------------
+
+    def _argv(self, port: int) -> list[str]:
+        command = self.backend.render_command(
+            host=self.settings.host, port=port, model=self.model.name, served_name=self.model.served_name
+        )
+        return command + list(self.model.spec.args)
+
+    def _env(self, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        values = {"host": self.settings.host, "port": str(port)}
+        env.update({k: v.format(**values) for k, v in self.backend.env.items()})
+        env.update(self.model.spec.env)
+        return env
+
+    def _start_replica(self) -> Replica:
+        index = next(self._indexes)
+        port = free_port(self.settings.host)
+        name = f"{self.model.name}-{index}"
+        child = Child(name, self._argv(port), self.settings.log_dir / f"{name}.log", self._env(port))
+        replica = Replica(index=index, port=port, child=child)
+        self.replicas.append(replica)
+        replica.task = asyncio.create_task(self._supervise(replica), name=f"replica-{name}")
+        return replica
+
+    async def _stop_replica(self, replica: Replica) -> None:
+        was_ready = replica.state is ReplicaState.READY
+        replica.state = ReplicaState.STOPPING
+        if was_ready:
+            self._changed()
+        if replica.task is not None:
+            replica.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replica.task
+        await replica.child.stop(self.settings.stop_grace)
+        replica.state = ReplicaState.STOPPED
+        log.info("replica stopped model=%s replica=%d", self.model.key, replica.index)
+
+    def _changed(self) -> None:
+        self.generation += 1
+        self._on_change()
+
+    async def _supervise(self, replica: Replica) -> None:
+        backoff = self.settings.restart_backoff_min
+        url = f"http://{self.settings.host}:{replica.port}{self.backend.health_path}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while True:
+                replica.state = ReplicaState.STARTING
+                replica.started_at = time.monotonic()
+                await replica.child.start()
+                exited = asyncio.ensure_future(replica.child.wait())
+                try:
+                    code = await self._watch(replica, session, url, exited)
+                finally:
+                    if not exited.done():
+                        exited.cancel()
+                if replica.state is ReplicaState.READY:
+                    backoff = self.settings.restart_backoff_min
+                replica.state = ReplicaState.RESTARTING
+                replica.ready_at = None
+                replica.restarts += 1
+                self._changed()
+                log.warning(
+                    "replica exited model=%s replica=%d code=%s restart_in=%.1fs log=%s",
+                    self.model.key, replica.index, code, backoff, replica.child.log_path,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.restart_backoff_max)
+
+    async def _watch(
+        self, replica: Replica, session: aiohttp.ClientSession, url: str, exited: asyncio.Future[int]
+    ) -> int:
+        """Probe health until the process exits; returns its exit code."""
+        while not exited.done():
+            healthy = await _probe(session, url)
+            if healthy and replica.state is not ReplicaState.READY:
+                replica.state = ReplicaState.READY
+                replica.ready_at = time.monotonic()
+                log.info(
+                    "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
+                    self.model.key, replica.index, replica.port, replica.ready_at - replica.started_at,
+                )
+                self._changed()
+            elif not healthy and replica.state is ReplicaState.READY:
+                replica.state = ReplicaState.STARTING
+                log.warning("replica unhealthy model=%s replica=%d", self.model.key, replica.index)
+                self._changed()
+            interval = (
+                self.settings.probe_interval_ready
+                if replica.state is ReplicaState.READY
+                else self.settings.probe_interval_loading
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), interval)
+        return exited.result()
+
+
+async def _probe(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False

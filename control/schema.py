@@ -1,0 +1,266 @@
+"""The one typed definition of the `Model` manifest (wakegate.io/v1alpha1).
+
+`wakegate up` validates files with it and the Kubernetes CRD's OpenAPI schema
+is generated from it (control/crd.py), so a manifest means the same on one
+machine and on a cluster. Field names are the manifest's camelCase names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+API_VERSION = "wakegate.io/v1alpha1"
+GROUP = "wakegate.io"
+VERSION = "v1alpha1"
+
+#: DNS-1123 label: what Kubernetes accepts as a Model name, and what we accept locally.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: Names clients may send as `model`: vLLM-style names such as `org/Model-7B:q4`.
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,252}$"
+
+ServedName = Annotated[str, Field(pattern=SERVED_NAME_PATTERN, max_length=253)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class Strategy(str, Enum):
+    DEFAULT = "default"
+    SESSION_AFFINITY = "session-affinity"
+    PREFIX = "prefix"
+    LEAST_LOADED = "least-loaded"
+
+
+class ColdMode(str, Enum):
+    HOLD = "hold"
+    KEEPALIVE = "keepalive"
+    REJECT = "reject"
+
+
+class ScalingEngine(str, Enum):
+    KEDA = "keda"
+    BUILTIN = "builtin"
+
+
+class Routing(_Spec):
+    strategy: Strategy = Field(Strategy.DEFAULT, description="How the gateway picks among ready endpoints.")
+
+
+class Limits(_Spec):
+    requestsPerSecond: float = Field(
+        0, ge=0, description="Per-model request rate admitted by each gateway; 0 means unlimited."
+    )
+    burst: float = Field(0, ge=0, description="Token-bucket burst; 0 means max(1, requestsPerSecond).")
+
+
+class Scaling(_Spec):
+    min: int = Field(1, ge=0, le=1000, description="Replicas kept running; 0 enables scale to zero.")
+    max: int = Field(1, ge=1, le=1000, description="Upper bound on replicas.")
+    idleTimeout: int = Field(
+        300, ge=1, le=86400, description="Seconds without demand or in-flight requests before scaling to min."
+    )
+    activationTimeout: int = Field(
+        180, ge=1, le=3600, description="Seconds a cold request waits for the model before 503."
+    )
+    targetInFlight: int = Field(
+        8, ge=1, le=100000, description="Per-replica concurrency above which another replica is added."
+    )
+    engine: ScalingEngine = Field(
+        ScalingEngine.KEDA,
+        description="Who owns replicas on Kubernetes: KEDA (external-push scaler) or wakegate's builtin engine.",
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Scaling:
+        if self.min > self.max:
+            raise ValueError(f"scaling.min ({self.min}) must not exceed scaling.max ({self.max})")
+        return self
+
+
+class Endpoint(_Spec):
+    maxQueue: int = Field(100, ge=0, le=100000, description="Cold requests held per model per gateway.")
+    coldMode: ColdMode = Field(ColdMode.HOLD, description="What a request to a model with no ready replica gets.")
+
+
+class Gpu(_Spec):
+    shared: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        max_length=63,
+        description="GPU group name: models in one group never run at the same time.",
+    )
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher priority may take over the group.")
+    minRunSeconds: int = Field(
+        30, ge=0, le=86400, description="An active group member runs at least this long before it can be swapped out."
+    )
+    swapCooldownSeconds: int = Field(
+        60, ge=0, le=86400, description="A member swapped out may not swap back in for this long."
+    )
+    demandWindowSeconds: int = Field(
+        5, ge=0, le=3600, description="Demand must last this long before it causes a swap."
+    )
+
+
+class GpuResources(_Spec):
+    count: int = Field(0, ge=0, le=64, description="Accelerators per replica.")
+    vendor: Literal["nvidia", "amd"] | None = Field(None, description="Accelerator vendor.")
+    minVramMb: int = Field(0, ge=0, description="Minimum free VRAM per accelerator, MiB.")
+    arch: list[Annotated[str, Field(pattern=r"^[a-z0-9]+$", max_length=32)]] = Field(
+        default_factory=list, description="Accepted architectures, e.g. sm90, gfx1100; empty = any."
+    )
+
+
+class Resources(_Spec):
+    gpu: GpuResources = Field(default_factory=GpuResources)
+    cpu: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m.")
+    memory: str | None = Field(
+        None, pattern=r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$", description="Memory request, e.g. 32Gi."
+    )
+
+
+class RuntimeRef(_Spec):
+    name: str = Field(pattern=NAME_PATTERN, max_length=253, description="InferenceRuntime to render from.")
+
+
+class Toleration(_Spec):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]+@sha256:[0-9a-f]{64})$"
+
+
+class ModelSpec(_Spec):
+    backend: str = Field(description="Backend plugin that serves the model (see `wakegate up --list-backends`).")
+    servedName: ServedName | None = Field(
+        None, description="Name the backend serves; defaults to metadata.name. Request bodies are rewritten to it."
+    )
+    aliases: list[ServedName] = Field(default_factory=list, description="Other names clients may ask for.")
+    loraAdapters: list[ServedName] = Field(
+        default_factory=list, description="LoRA adapters the backend serves on top of this model."
+    )
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, description="Appended to the backend's command."
+    )
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+        default_factory=dict, description="Extra environment for the backend process."
+    )
+    routing: Routing = Field(default_factory=Routing)
+    limits: Limits = Field(default_factory=Limits)
+    scaling: Scaling = Field(default_factory=Scaling)
+    endpoint: Endpoint = Field(default_factory=Endpoint)
+    gpu: Gpu = Field(default_factory=Gpu)
+    # Kubernetes placement; ignored by `wakegate up`.
+    runtimeRef: RuntimeRef | None = None
+    source: str | None = Field(None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…")
+    resources: Resources = Field(default_factory=Resources)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from control.backends import BACKENDS
+
+        if value not in BACKENDS:
+            raise ValueError(f"unknown backend {value!r}; known: {', '.join(sorted(BACKENDS))}")
+        return value
+
+
+class Metadata(_Spec):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: str = Field(pattern=NAME_PATTERN, max_length=63)
+    namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Model(_Spec):
+    apiVersion: Literal["wakegate.io/v1alpha1"]
+    kind: Literal["Model"]
+    metadata: Metadata
+    spec: ModelSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def key(self) -> str:
+        """Stable identity: `name` locally, `namespace/name` on a cluster."""
+        ns = self.metadata.namespace
+        return f"{ns}/{self.metadata.name}" if ns else self.metadata.name
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.servedName or self.metadata.name
+
+    @property
+    def client_names(self) -> list[str]:
+        """Every name a client may send, the model's own name first, without repeats."""
+        names = [self.metadata.name, self.served_name, *self.spec.aliases]
+        return list(dict.fromkeys(names))
+
+
+class ManifestError(ValueError):
+    """A manifest file that cannot be used; the message names the document and field."""
+
+
+@dataclass(frozen=True)
+class _Doc:
+    index: int
+    body: Any
+
+
+def _docs(text: str) -> Iterable[_Doc]:
+    try:
+        for index, body in enumerate(yaml.safe_load_all(text), start=1):
+            if body is not None:
+                yield _Doc(index, body)
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"not valid YAML: {exc}") from None
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def parse_models(text: str, source: str = "<input>") -> list[Model]:
+    """Parse YAML documents of `kind: Model`; raise ManifestError naming document and field."""
+    models: list[Model] = []
+    seen_names: dict[str, str] = {}
+    for doc in _docs(text):
+        where = f"{source}: document {doc.index}"
+        if not isinstance(doc.body, dict):
+            raise ManifestError(f"{where}: expected a mapping with apiVersion, kind, metadata, spec")
+        name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
+        if name:
+            where += f" (Model {name!r})"
+        try:
+            model = Model.model_validate(doc.body)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors()
+            )
+            raise ManifestError(f"{where}: {problems}") from None
+        for client_name in model.client_names + model.spec.loraAdapters:
+            owner = seen_names.get(client_name)
+            if owner is not None and owner != model.key:
+                raise ManifestError(f"{where}: name {client_name!r} is already used by Model {owner!r}")
+            seen_names[client_name] = model.key
+        models.append(model)
+    if not models:
+        raise ManifestError(f"{source}: no Model documents found")
+    return models

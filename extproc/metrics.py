@@ -1,0 +1,39 @@
+"""The extproc process's one metrics registry and the series it exports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "wakegate_gateway_requests",
+            "Requests decided by the gateway, by model and outcome (`routed`, or the HTTP status it answered).",
+            ["model", "code"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "wakegate_gateway_in_flight", "Requests routed to a backend and not yet finished.", ["model"],
+            registry=r,
+        )
+        self.pick_seconds = Histogram(
+            "wakegate_gateway_pick_seconds",
+            "Time extproc spends deciding a request (headers and body phases), seconds.",
+            buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "wakegate_gateway_queue_depth", "Cold requests held for a model on this gateway.", ["model"],
+            registry=r,
+        )
+        self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)
+        self.route_updates = Counter(
+            "wakegate_gateway_route_updates", "Route table updates received from the feeder.", registry=r
+        )

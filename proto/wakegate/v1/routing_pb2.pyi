@@ -1,0 +1,78 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STRATEGY_DEFAULT: _ClassVar[Strategy]
+    STRATEGY_SESSION_AFFINITY: _ClassVar[Strategy]
+    STRATEGY_PREFIX: _ClassVar[Strategy]
+    STRATEGY_LEAST_LOADED: _ClassVar[Strategy]
+
+class ColdMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLD_MODE_HOLD: _ClassVar[ColdMode]
+    COLD_MODE_KEEPALIVE: _ClassVar[ColdMode]
+    COLD_MODE_REJECT: _ClassVar[ColdMode]
+STRATEGY_DEFAULT: Strategy
+STRATEGY_SESSION_AFFINITY: Strategy
+STRATEGY_PREFIX: Strategy
+STRATEGY_LEAST_LOADED: Strategy
+COLD_MODE_HOLD: ColdMode
+COLD_MODE_KEEPALIVE: ColdMode
+COLD_MODE_REJECT: ColdMode
+
+class Endpoint(_message.Message):
+    __slots__ = ("address", "port")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class RateLimit(_message.Message):
+    __slots__ = ("requests_per_second", "burst")
+    REQUESTS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    requests_per_second: float
+    burst: float
+    def __init__(self, requests_per_second: _Optional[float] = ..., burst: _Optional[float] = ...) -> None: ...
+
+class ColdPolicy(_message.Message):
+    __slots__ = ("mode", "max_queue", "activation_timeout_ms")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    mode: ColdMode
+    max_queue: int
+    activation_timeout_ms: int
+    def __init__(self, mode: _Optional[_Union[ColdMode, str]] = ..., max_queue: _Optional[int] = ..., activation_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ModelRoute(_message.Message):
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    served_name: str
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    cluster: str
+    strategy: Strategy
+    rate_limit: RateLimit
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    cold: ColdPolicy
+    generation: int
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
