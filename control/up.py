@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from control.backends import BACKENDS
 from control.local.process import Child
@@ -39,12 +40,16 @@ BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstr
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", type=Path, help="YAML file of Model documents")
     parser.add_argument("--listen", default="127.0.0.1:8080", help="gateway address HOST:PORT")
+    parser.add_argument("--admin-listen", default="127.0.0.1:8081",
+                        help="HTTP address for /status (models, replicas, ports) and /healthz")
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     parser.add_argument("--global-rps", type=float, default=0.0)
     parser.add_argument("--global-burst", type=float, default=0.0)
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
+    parser.add_argument("--upstream-header", action="store_true",
+                        help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging")
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
     parser.add_argument("--log-level", default="INFO")
@@ -110,7 +115,8 @@ class Up:
         self.args = args
         self.models = models
         self.state_dir: Path = args.state_dir
-        self.gateway = GatewaySettings(listen_host=host, listen_port=port, max_request_bytes=args.max_body_bytes)
+        self.gateway = GatewaySettings(listen_host=host, listen_port=port, max_request_bytes=args.max_body_bytes,
+                                       upstream_header=args.upstream_header)
         self.cache = SnapshotCache()
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
         self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon) for m in models}
@@ -149,7 +155,9 @@ class Up:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         server = None
+        admin = None
         try:
+            admin = await self._start_admin()
             await self._publish()
             server, _ads, xds_port = await start_server(self.cache, "127.0.0.1:0")
             ports = Ports(xds=xds_port, extproc=free_port(), extproc_admin=free_port(), envoy_admin=free_port())
@@ -170,10 +178,47 @@ class Up:
             await self._shutdown()
             if server is not None:
                 await server.stop(1)
+            if admin is not None:
+                await admin.cleanup()
         if self._failure:
             log.error("%s", self._failure)
             return 1
         return 0
+
+    def status(self) -> dict[str, object]:
+        return {
+            "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+            "models": [
+                {
+                    "key": rt.model.key,
+                    "names": rt.model.client_names,
+                    "backend": rt.model.spec.backend,
+                    "replicas": [
+                        {"index": r.index, "port": r.port, "state": r.state.value, "pid": r.child.pid,
+                         "restarts": r.restarts, "log": str(r.child.log_path)}
+                        for r in rt.replicas
+                    ],
+                    "ready": len(rt.ready_endpoints),
+                }
+                for rt in self.runtimes.values()
+            ],
+        }
+
+    async def _start_admin(self) -> web.AppRunner:
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_get("/status", status)
+        app.router.add_get("/healthz", healthz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, port = _host_port(self.args.admin_listen)
+        await web.TCPSite(runner, host, port).start()
+        return runner
 
     async def _start_extproc(self, ports: Ports) -> Child:
         argv = [sys.executable, "-m", "extproc", "--listen", f"127.0.0.1:{ports.extproc}",

@@ -104,6 +104,8 @@ class GatewaySettings:
     #: Idle timeout of a stream (0 disables); long generations send tokens often.
     stream_idle_timeout_s: int = 300
     upstream_connect_timeout_ms: int = 2000
+    #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
+    upstream_header: bool = False
     extra_listener_filters: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
 
 
@@ -222,10 +224,20 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     )  # type: ignore[return-value]
 
 
-def route_configuration() -> route_pb2.RouteConfiguration:
+UPSTREAM_HEADER = "x-wakegate-upstream"
+
+
+def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfiguration:
+    extra: dict[str, Any] = {}
+    if settings.upstream_header:
+        extra["response_headers_to_add"] = [
+            {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        ]
     return _parse(
         route_pb2.RouteConfiguration(),
         {
+            **extra,
             "name": ROUTE_NAME,
             "virtual_hosts": [
                 {
@@ -349,7 +361,7 @@ def build(models: Sequence[RoutedModel], settings: GatewaySettings) -> Resources
     return Resources(
         by_type={
             LISTENER: {LISTENER_NAME: listener(settings)},
-            ROUTE: {ROUTE_NAME: route_configuration()},
+            ROUTE: {ROUTE_NAME: route_configuration(settings)},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
             ENDPOINT: {m.cluster: load_assignment(m) for m in models},
             MODEL_ROUTE: {m.key: model_route(m) for m in models},

@@ -1,0 +1,320 @@
+"""Endpoint picking: owns the routing strategies that choose a model's backend endpoint.
+
+Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
+
+``default``
+    None: Envoy's own load balancer chooses. Unknown strategy names behave the same.
+``session-affinity``
+    Consistent-hash ring lookup of :func:`session_key`; requests without one go least-loaded.
+``prefix``
+    Consistent-hash ring lookup of :func:`prefix_key` (so requests sharing a prompt prefix reuse
+    one server's prefix cache); requests without one go least-loaded.
+``least-loaded``
+    The endpoint with the fewest in-flight requests (:class:`InFlight`), ties rotated.
+
+In-flight contract: :attr:`Picker.inflight` is shared. :meth:`Picker.pick` only reads it; when
+``pick`` returns an endpoint, the caller calls ``picker.inflight.acquire(endpoint)`` once it routes
+the request there, and exactly one ``release(endpoint)`` when that response ends, however it ends
+(complete, error, client gone, stream cancelled). A long stream therefore counts as in flight for
+its whole life, which is what ``least-loaded`` balances on.
+
+Hashing uses BLAKE2b (8-byte digests) and SHA-256, never Python's ``hash()``, so every process
+and restart maps a key to the same endpoint. Single-threaded asyncio use; no locks, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "STRATEGIES",
+    "HashRing",
+    "InFlight",
+    "Picker",
+    "prefix_key",
+    "session_key",
+]
+
+STRATEGIES = frozenset({"default", "session-affinity", "prefix", "least-loaded"})
+"""The strategy names :meth:`Picker.pick` understands."""
+
+SESSION_MESSAGES = 5
+"""How many leading ``messages`` identify a session when no explicit id is given."""
+
+_MAX_RINGS = 10_000
+
+
+def _hash64(text: str) -> int:
+    """A stable 64-bit hash of ``text`` (same value in every process)."""
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
+    )
+
+
+def _sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class HashRing:
+    """Consistent hashing with ``vnodes`` virtual nodes per endpoint.
+
+    Each endpoint owns the points ``_hash64(f"{endpoint}#{i}")`` for ``i < vnodes``; a key goes to
+    the owner of the first point at or after ``_hash64(key)``, wrapping around. The ring depends
+    only on the *set* of endpoints (order and duplicates don't matter). Adding an endpoint to N
+    moves about 1/(N+1) of the keys, all onto the new endpoint; removing one moves only its keys.
+    Lookup is O(log(endpoints * vnodes)).
+    """
+
+    __slots__ = ("_owners", "_points", "endpoints")
+
+    def __init__(self, endpoints: Sequence[str], vnodes: int = 160) -> None:
+        if vnodes < 1:
+            raise ValueError(f"vnodes must be >= 1, got {vnodes!r}")
+        unique = sorted(set(endpoints))
+        self.endpoints: tuple[str, ...] = tuple(unique)
+        # Sorting (point, endpoint) settles the rare collision the same way whatever the order
+        # endpoints were given in: the smaller endpoint name owns the point.
+        ring = sorted((_hash64(f"{ep}#{i}"), ep) for ep in unique for i in range(vnodes))
+        self._points: list[int] = [p for p, _ in ring]
+        self._owners: list[str] = [ep for _, ep in ring]
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def lookup(self, key: str) -> str | None:
+        """The endpoint owning ``key``; None when the ring is empty."""
+        points = self._points
+        if not points:
+            return None
+        i = bisect_left(points, _hash64(key))
+        return self._owners[i if i < len(points) else 0]
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _body_str(body: Mapping[str, Any] | None, name: str) -> str | None:
+    if body is None:
+        return None
+    value = body.get(name)
+    if isinstance(value, str) and value:
+        return value
+    return None
+
+
+def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> str | None:
+    """The key that keeps a conversation on one endpoint, or None.
+
+    First that applies: header ``x-session-id``, header ``x-conversation-id`` (header names are
+    lower-case), body ``session_id`` (non-empty string), else the SHA-256 hex of the canonical
+    JSON of the first :data:`SESSION_MESSAGES` entries of a non-empty body ``messages`` list.
+    Empty or whitespace-only header values count as absent.
+    """
+    key = _header(headers, "x-session-id") or _header(headers, "x-conversation-id")
+    if key is not None:
+        return key
+    key = _body_str(body, "session_id")
+    if key is not None:
+        return key
+    if body is None:
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    try:
+        canonical = json.dumps(
+            messages[:SESSION_MESSAGES], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    except (TypeError, ValueError):  # not JSON data (cannot happen for a parsed body)
+        return None
+    return _sha256_hex(canonical)
+
+
+def _message_text(content: Any) -> str:
+    """The text of a chat message's ``content``: a string, or the text parts of a part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                text = part.get("text")
+                if isinstance(text, str):
+                    texts.append(text)
+        return "".join(texts)
+    return ""
+
+
+def _chat_prefix(messages: list[Any], limit: int) -> str:
+    """``role + "\\x1f" + text`` per message, joined by ``"\\x1e"``, cut to ``limit`` characters.
+
+    Stops reading messages as soon as ``limit`` characters are collected, so a long conversation
+    costs no more than a short one.
+    """
+    pieces: list[str] = []
+    size = 0
+    for message in messages:
+        if size >= limit:
+            break
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        piece = (role if isinstance(role, str) else "") + "\x1f" + _message_text(message.get("content"))
+        if pieces:
+            piece = "\x1e" + piece
+        pieces.append(piece)
+        size += len(piece)
+    return "".join(pieces)[:limit]
+
+
+def prefix_key(
+    headers: Mapping[str, str], body: Mapping[str, Any] | None, prefix_chars: int = 1024
+) -> str | None:
+    """The key that sends requests sharing a prompt prefix to one endpoint, or None.
+
+    First that applies: header ``x-cache-key``, body ``cache_key`` (non-empty string), else the
+    SHA-256 hex of the first ``prefix_chars`` characters of the prompt: for chat (a non-empty
+    ``messages`` list) each message's ``role + "\\x1f" + text`` joined by ``"\\x1e"``, where text is
+    a string ``content`` or the concatenated ``text`` of its ``{"type": "text"}`` parts (other
+    parts are ignored); for completions ``prompt`` (a string, or the first element of a list of
+    strings). An empty prefix gives None.
+    """
+    if prefix_chars < 1:
+        raise ValueError(f"prefix_chars must be >= 1, got {prefix_chars!r}")
+    key = _header(headers, "x-cache-key")
+    if key is not None:
+        return key
+    key = _body_str(body, "cache_key")
+    if key is not None:
+        return key
+    if body is None:
+        return None
+    prefix = ""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        prefix = _chat_prefix(messages, prefix_chars)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prefix = prompt[:prefix_chars]
+    if not prefix:
+        return None
+    return _sha256_hex(prefix)
+
+
+class InFlight:
+    """In-flight request counts per endpoint (only endpoints with a count > 0 are stored)."""
+
+    __slots__ = ("_counts", "_turn")
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._turn = 0
+
+    def acquire(self, endpoint: str) -> None:
+        """A request was sent to ``endpoint``."""
+        self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
+
+    def release(self, endpoint: str) -> None:
+        """A request to ``endpoint`` ended. Never goes below 0; zero entries are removed."""
+        n = self._counts.get(endpoint, 0)
+        if n > 1:
+            self._counts[endpoint] = n - 1
+        else:
+            self._counts.pop(endpoint, None)
+
+    def count(self, endpoint: str) -> int:
+        """In-flight requests on ``endpoint``."""
+        return self._counts.get(endpoint, 0)
+
+    def total(self) -> int:
+        """In-flight requests over all endpoints."""
+        return sum(self._counts.values())
+
+    def least_loaded(self, endpoints: Sequence[str]) -> str | None:
+        """The endpoint with the fewest in-flight requests; None if ``endpoints`` is empty.
+
+        Ties rotate round-robin among the tied endpoints (in the order given), so equally idle
+        endpoints share the traffic instead of the first one taking it all.
+        """
+        if not endpoints:
+            return None
+        counts = self._counts
+        best = -1
+        tied: list[str] = []
+        for ep in endpoints:
+            n = counts.get(ep, 0)
+            if best < 0 or n < best:
+                best = n
+                tied = [ep]
+            elif n == best:
+                tied.append(ep)
+        if len(tied) == 1:
+            return tied[0]
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+
+class Picker:
+    """Chooses an endpoint per request; keeps one :class:`HashRing` per model."""
+
+    __slots__ = ("_rings", "inflight", "prefix_chars", "vnodes")
+
+    def __init__(self) -> None:
+        self.inflight = InFlight()
+        self.vnodes = 160
+        self.prefix_chars = 1024
+        # model_key -> (sorted endpoint tuple, ring built from it)
+        self._rings: dict[str, tuple[tuple[str, ...], HashRing]] = {}
+
+    def pick(
+        self,
+        model_key: str,
+        strategy: str,
+        endpoints: Sequence[str],
+        headers: Mapping[str, str],
+        body: Mapping[str, Any] | None,
+    ) -> str | None:
+        """The endpoint for this request, or None to let Envoy's load balancer choose.
+
+        Returns None for ``default``, unknown strategies and empty ``endpoints``. Reads but never
+        changes :attr:`inflight` (see the module docstring for the acquire/release contract).
+        """
+        if not endpoints or strategy not in STRATEGIES or strategy == "default":
+            return None
+        if strategy == "least-loaded":
+            return self.inflight.least_loaded(endpoints)
+        if strategy == "session-affinity":
+            key = session_key(headers, body)
+        else:  # prefix
+            key = prefix_key(headers, body, self.prefix_chars)
+        if key is None:
+            return self.inflight.least_loaded(endpoints)
+        return self._ring(model_key, endpoints).lookup(key)
+
+    def _ring(self, model_key: str, endpoints: Sequence[str]) -> HashRing:
+        wanted = tuple(sorted(endpoints))
+        cached = self._rings.get(model_key)
+        if cached is not None and cached[0] == wanted:
+            return cached[1]
+        ring = HashRing(wanted, self.vnodes)
+        if cached is None and len(self._rings) >= _MAX_RINGS:
+            # Defensive bound; callers only pass known models. Drop the oldest-built ring.
+            del self._rings[next(iter(self._rings))]
+        self._rings[model_key] = (wanted, ring)
+        return ring
+
+    def forget(self, model_key: str) -> None:
+        """Drop the cached ring of a model that no longer exists."""
+        self._rings.pop(model_key, None)

@@ -1,0 +1,56 @@
+"""One real gateway (Envoy + extproc + feeder + sim backends) shared by the gateway tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.support import UpProcess, model_doc
+
+API_KEY = "sk-test-gateway-0123456789"
+MAX_BODY = 64 * 1024
+
+FLEET = "".join([
+    model_doc("chat-a", extra="""  servedName: org/chat-a
+  aliases: [a, gpt-a]
+  loraAdapters: [a-sql]
+  scaling: {min: 2, max: 2}
+"""),
+    model_doc("chat-b", extra="""  aliases: [b]
+  routing: {strategy: session-affinity}
+  scaling: {min: 3, max: 3}
+"""),
+    model_doc("chat-p", extra="""  routing: {strategy: prefix}
+  scaling: {min: 3, max: 3}
+"""),
+    model_doc("chat-l", extra="""  args: [--tokens-per-second, "50"]
+  routing: {strategy: least-loaded}
+  scaling: {min: 3, max: 3}
+"""),
+    model_doc("chat-r", extra="""  limits: {requestsPerSecond: 0.5, burst: 2}
+"""),
+    model_doc("chat-cold", extra="""  scaling: {min: 0, max: 1}
+  endpoint: {coldMode: reject}
+"""),
+])
+
+
+@pytest.fixture(scope="session")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    tmp: Path = tmp_path_factory.mktemp("gateway")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"# test keys\n{API_KEY}\n")
+    up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
+    try:
+        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-r": 1}, timeout=90)
+        yield up
+    finally:
+        code = up.stop()
+        assert code == 0, up.log()
+
+
+@pytest.fixture(scope="session")
+def keys_file(gateway: UpProcess) -> Path:
+    return gateway.tmp / "keys.txt"

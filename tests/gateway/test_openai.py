@@ -1,0 +1,71 @@
+"""The official openai client against the real gateway."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.gateway.conftest import API_KEY
+from tests.gateway.support import UpProcess, request
+
+
+@pytest.fixture
+def client(gateway: UpProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+
+
+@pytest.mark.parametrize("model", ["chat-a", "a", "gpt-a", "chat-b", "b"])
+def test_chat_completion_non_streaming(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=5
+    )
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("model", ["chat-a", "chat-b"])
+def test_chat_completion_streaming(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(pieces) == 6
+    assert usage is not None and usage.completion_tokens == 6
+
+
+def test_alias_is_rewritten_to_served_name(client: openai.OpenAI) -> None:
+    # The backend only serves org/chat-a; it would answer 404 for the alias.
+    reply = client.chat.completions.create(model="gpt-a", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert reply.model == "org/chat-a"
+
+
+def test_models_lists_every_name_and_alias(client: openai.OpenAI) -> None:
+    ids = {m.id for m in client.models.list()}
+    assert {"chat-a", "org/chat-a", "a", "gpt-a", "a-sql", "chat-b", "b", "chat-p", "chat-l", "chat-r",
+            "chat-cold"} <= ids
+
+
+def test_completions_and_embeddings(client: openai.OpenAI) -> None:
+    done = client.completions.create(model="a", prompt="once upon", max_tokens=3)
+    assert done.choices[0].text
+    emb = client.embeddings.create(model="chat-b", input=["one", "two"])
+    assert len(emb.data) == 2
+
+
+def test_model_from_header_and_path(gateway: UpProcess) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "org/chat-a"}
+    by_header = request("POST", f"{gateway.url}/v1/chat/completions", body=body,
+                        headers={**headers, "x-model-id": "a"})
+    assert by_header.status == 200, by_header.text
+    by_path = request("POST", f"{gateway.url}/model/chat-b/v1/chat/completions", body={**body, "model": "chat-b"},
+                      headers=headers)
+    assert by_path.status == 200, by_path.text
+    assert by_path.json()["model"] == "chat-b"

@@ -1,0 +1,97 @@
+"""Each routing strategy's property, over many requests through the real gateway to several sims.
+
+The gateway runs with --upstream-header, so every response names the backend that served it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+
+from tests.gateway.conftest import API_KEY
+from tests.gateway.support import UpProcess, request
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+def served_by(gateway: UpProcess, body: dict[str, object], headers: dict[str, str] | None = None) -> str:
+    response = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**AUTH, **(headers or {})})
+    assert response.status == 200, response.text
+    return response.headers["x-wakegate-upstream"]
+
+
+def chat(model: str, *messages: str, **extra: object) -> dict[str, object]:
+    return {"model": model, "max_tokens": 1,
+            "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(messages)],
+            **extra}
+
+
+def test_default_spreads_over_all_endpoints(gateway: UpProcess) -> None:
+    seen = collections.Counter(served_by(gateway, chat("chat-a", f"q{i}")) for i in range(40))
+    assert set(seen) == set(gateway.endpoints("chat-a"))
+
+
+def test_session_affinity_keeps_each_session_on_one_endpoint(gateway: UpProcess) -> None:
+    endpoints = set(gateway.endpoints("chat-b"))
+    per_session: dict[str, set[str]] = collections.defaultdict(set)
+    for round_ in range(3):
+        for s in range(40):
+            per_session[f"s{s}"].add(served_by(gateway, chat("chat-b", f"turn {round_}"), {"x-session-id": f"s{s}"}))
+    assert all(len(eps) == 1 for eps in per_session.values()), per_session
+    load = collections.Counter(next(iter(eps)) for eps in per_session.values())
+    assert set(load) == endpoints, "sessions should spread over every endpoint"
+    assert min(load.values()) >= 4
+
+
+def test_session_affinity_from_body_and_conversation(gateway: UpProcess) -> None:
+    # Without a session header, the first messages identify the conversation.
+    first = served_by(gateway, chat("chat-b", "a long-running conversation opener"))
+    for _ in range(5):
+        assert served_by(gateway, chat("chat-b", "a long-running conversation opener")) == first
+    by_body = {served_by(gateway, chat("chat-b", f"x{i}", session_id="sess-body-1")) for i in range(6)}
+    assert len(by_body) == 1
+
+
+def test_prefix_routes_shared_prompt_prefix_to_one_endpoint(gateway: UpProcess) -> None:
+    endpoints = set(gateway.endpoints("chat-p"))
+    chosen: dict[int, set[str]] = collections.defaultdict(set)
+    for prompt in range(30):
+        system = f"You are assistant number {prompt}. " + "Follow the house rules carefully. " * 40
+        for tail in range(3):
+            body = {"model": "chat-p", "max_tokens": 1, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": f"question {tail}"}]}
+            chosen[prompt].add(served_by(gateway, body))
+    assert all(len(eps) == 1 for eps in chosen.values()), chosen
+    assert set().union(*chosen.values()) == endpoints
+    assert served_by(gateway, chat("chat-p", "x"), {"x-cache-key": "k1"}) == served_by(
+        gateway, chat("chat-p", "y"), {"x-cache-key": "k1"})
+
+
+def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:
+    endpoints = gateway.endpoints("chat-l")
+    # Two long streams (50 tok/s x 150 tokens = 3 s) occupy two endpoints...
+    started = threading.Barrier(3)
+    streams: list[str] = []
+
+    def long_stream() -> None:
+        body = chat("chat-l", "long", stream=True)
+        body["max_tokens"] = 150
+        started.wait()
+        streams.append(served_by(gateway, body))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(long_stream) for _ in range(2)]
+        started.wait()
+        time.sleep(0.5)
+        # ...so short requests made meanwhile all go to the idle third one.
+        short = {served_by(gateway, chat("chat-l", f"short {i}")) for i in range(10)}
+        for future in futures:
+            future.result()
+    assert len(set(streams)) == 2, "the two streams should have been spread"
+    idle = set(endpoints) - set(streams)
+    assert short == idle
+    # Once the streams end, load spreads again.
+    after = {served_by(gateway, chat("chat-l", f"after {i}")) for i in range(12)}
+    assert after == set(endpoints)
