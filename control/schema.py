@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -31,20 +31,20 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
-class Strategy(str, Enum):
+class Strategy(StrEnum):
     DEFAULT = "default"
     SESSION_AFFINITY = "session-affinity"
     PREFIX = "prefix"
     LEAST_LOADED = "least-loaded"
 
 
-class ColdMode(str, Enum):
+class ColdMode(StrEnum):
     HOLD = "hold"
     KEEPALIVE = "keepalive"
     REJECT = "reject"
 
 
-class ScalingEngine(str, Enum):
+class ScalingEngine(StrEnum):
     KEDA = "keda"
     BUILTIN = "builtin"
 
@@ -74,7 +74,7 @@ class Scaling(_Spec):
     )
     engine: ScalingEngine = Field(
         ScalingEngine.KEDA,
-        description="Who owns replicas on Kubernetes: KEDA (external-push scaler) or wakegate's builtin engine.",
+        description="Who owns replicas on Kubernetes: KEDA (external-push) or the builtin engine.",
     )
 
     @model_validator(mode="after")
@@ -86,7 +86,9 @@ class Scaling(_Spec):
 
 class Endpoint(_Spec):
     maxQueue: int = Field(100, ge=0, le=100000, description="Cold requests held per model per gateway.")
-    coldMode: ColdMode = Field(ColdMode.HOLD, description="What a request to a model with no ready replica gets.")
+    coldMode: ColdMode = Field(
+        ColdMode.HOLD, description="What a request to a model with no ready replica gets."
+    )
 
 
 class Gpu(_Spec):
@@ -98,7 +100,10 @@ class Gpu(_Spec):
     )
     priority: int = Field(0, ge=-1000, le=1000, description="Higher priority may take over the group.")
     minRunSeconds: int = Field(
-        30, ge=0, le=86400, description="An active group member runs at least this long before it can be swapped out."
+        30,
+        ge=0,
+        le=86400,
+        description="An active group member runs at least this long before it can be swapped out.",
     )
     swapCooldownSeconds: int = Field(
         60, ge=0, le=86400, description="A member swapped out may not swap back in for this long."
@@ -119,7 +124,9 @@ class GpuResources(_Spec):
 
 class Resources(_Spec):
     gpu: GpuResources = Field(default_factory=GpuResources)
-    cpu: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m.")
+    cpu: str | None = Field(
+        None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m."
+    )
     memory: str | None = Field(
         None, pattern=r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$", description="Memory request, e.g. 32Gi."
     )
@@ -141,9 +148,12 @@ SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]
 
 
 class ModelSpec(_Spec):
-    backend: str = Field(description="Backend plugin that serves the model (see `wakegate up --list-backends`).")
+    backend: str = Field(
+        description="Backend plugin that serves the model (see `wakegate up --list-backends`)."
+    )
     servedName: ServedName | None = Field(
-        None, description="Name the backend serves; defaults to metadata.name. Request bodies are rewritten to it."
+        None,
+        description="Name the backend serves; defaults to metadata.name. Request bodies are rewritten to it.",
     )
     aliases: list[ServedName] = Field(default_factory=list, description="Other names clients may ask for.")
     loraAdapters: list[ServedName] = Field(
@@ -162,7 +172,9 @@ class ModelSpec(_Spec):
     gpu: Gpu = Field(default_factory=Gpu)
     # Kubernetes placement; ignored by `wakegate up`.
     runtimeRef: RuntimeRef | None = None
-    source: str | None = Field(None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…")
+    source: str | None = Field(
+        None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…"
+    )
     resources: Resources = Field(default_factory=Resources)
     tolerations: list[Toleration] = Field(default_factory=list)
     nodeSelector: dict[str, str] = Field(default_factory=dict)
@@ -245,7 +257,9 @@ def parse_models(text: str, source: str = "<input>") -> list[Model]:
         where = f"{source}: document {doc.index}"
         if not isinstance(doc.body, dict):
             raise ManifestError(f"{where}: expected a mapping with apiVersion, kind, metadata, spec")
-        name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
+        name = (
+            doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
+        )
         if name:
             where += f" (Model {name!r})"
         try:

@@ -40,16 +40,24 @@ BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstr
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", type=Path, help="YAML file of Model documents")
     parser.add_argument("--listen", default="127.0.0.1:8080", help="gateway address HOST:PORT")
-    parser.add_argument("--admin-listen", default="127.0.0.1:8081",
-                        help="HTTP address for /status (models, replicas, ports) and /healthz")
+    parser.add_argument(
+        "--admin-listen",
+        default="127.0.0.1:8081",
+        help="HTTP address for /status (models, replicas, ports) and /healthz",
+    )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
-    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
+    parser.add_argument(
+        "--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)"
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     parser.add_argument("--global-rps", type=float, default=0.0)
     parser.add_argument("--global-burst", type=float, default=0.0)
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
-    parser.add_argument("--upstream-header", action="store_true",
-                        help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging")
+    parser.add_argument(
+        "--upstream-header",
+        action="store_true",
+        help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging",
+    )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
     parser.add_argument("--log-level", default="INFO")
@@ -115,8 +123,12 @@ class Up:
         self.args = args
         self.models = models
         self.state_dir: Path = args.state_dir
-        self.gateway = GatewaySettings(listen_host=host, listen_port=port, max_request_bytes=args.max_body_bytes,
-                                       upstream_header=args.upstream_header)
+        self.gateway = GatewaySettings(
+            listen_host=host,
+            listen_port=port,
+            max_request_bytes=args.max_body_bytes,
+            upstream_header=args.upstream_header,
+        )
         self.cache = SnapshotCache()
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
         self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon) for m in models}
@@ -160,17 +172,26 @@ class Up:
             admin = await self._start_admin()
             await self._publish()
             server, _ads, xds_port = await start_server(self.cache, "127.0.0.1:0")
-            ports = Ports(xds=xds_port, extproc=free_port(), extproc_admin=free_port(), envoy_admin=free_port())
+            ports = Ports(
+                xds=xds_port, extproc=free_port(), extproc_admin=free_port(), envoy_admin=free_port()
+            )
             extproc = await self._start_extproc(ports)
             envoy = await self._start_envoy(ports)
             await asyncio.gather(*(rt.scale_to(rt.model.spec.scaling.min) for rt in self.runtimes.values()))
             watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
             if await self._wait_gateway_ready(ports):
                 names = ", ".join(m.key for m in self.models)
-                log.info("wakegate up: gateway http://%s:%d models=[%s] envoy_admin=127.0.0.1:%d",
-                         self.gateway.listen_host, self.gateway.listen_port, names, ports.envoy_admin)
-                print(f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
-                      flush=True)
+                log.info(
+                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=127.0.0.1:%d",
+                    self.gateway.listen_host,
+                    self.gateway.listen_port,
+                    names,
+                    ports.envoy_admin,
+                )
+                print(
+                    f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+                    flush=True,
+                )
             await self._stop.wait()
             for watcher in watchers:
                 watcher.cancel()
@@ -194,8 +215,14 @@ class Up:
                     "names": rt.model.client_names,
                     "backend": rt.model.spec.backend,
                     "replicas": [
-                        {"index": r.index, "port": r.port, "state": r.state.value, "pid": r.child.pid,
-                         "restarts": r.restarts, "log": str(r.child.log_path)}
+                        {
+                            "index": r.index,
+                            "port": r.port,
+                            "state": r.state.value,
+                            "pid": r.child.pid,
+                            "restarts": r.restarts,
+                            "log": str(r.child.log_path),
+                        }
                         for r in rt.replicas
                     ],
                     "ready": len(rt.ready_endpoints),
@@ -221,10 +248,25 @@ class Up:
         return runner
 
     async def _start_extproc(self, ports: Ports) -> Child:
-        argv = [sys.executable, "-m", "extproc", "--listen", f"127.0.0.1:{ports.extproc}",
-                "--admin-listen", f"127.0.0.1:{ports.extproc_admin}", "--xds", f"127.0.0.1:{ports.xds}",
-                "--max-body-bytes", str(self.args.max_body_bytes), "--global-rps", str(self.args.global_rps),
-                "--global-burst", str(self.args.global_burst), "--log-level", self.args.log_level]
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "--listen",
+            f"127.0.0.1:{ports.extproc}",
+            "--admin-listen",
+            f"127.0.0.1:{ports.extproc_admin}",
+            "--xds",
+            f"127.0.0.1:{ports.xds}",
+            "--max-body-bytes",
+            str(self.args.max_body_bytes),
+            "--global-rps",
+            str(self.args.global_rps),
+            "--global-burst",
+            str(self.args.global_burst),
+            "--log-level",
+            self.args.log_level,
+        ]
         if self.args.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.args.api_keys_file.resolve())]
         child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
@@ -235,15 +277,31 @@ class Up:
     async def _start_envoy(self, ports: Ports) -> Child:
         template = string.Template(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))
         rendered = template.substitute(
-            node_id=f"wakegate-up-{os.getpid()}", admin_host="127.0.0.1", admin_port=ports.envoy_admin,
-            xds_host="127.0.0.1", xds_port=ports.xds, extproc_host="127.0.0.1", extproc_port=ports.extproc,
+            node_id=f"wakegate-up-{os.getpid()}",
+            admin_host="127.0.0.1",
+            admin_port=ports.envoy_admin,
+            xds_host="127.0.0.1",
+            xds_port=ports.xds,
+            extproc_host="127.0.0.1",
+            extproc_port=ports.extproc,
         )
         config = self.state_dir / "envoy.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(rendered, encoding="utf-8")
-        argv = [envoy_binary(), "-c", str(config), "--concurrency", str(self.args.envoy_concurrency),
-                "--use-dynamic-base-id", "--log-level", "warn", "--drain-time-s", "5",
-                "--drain-strategy", "immediate"]
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(config),
+            "--concurrency",
+            str(self.args.envoy_concurrency),
+            "--use-dynamic-base-id",
+            "--log-level",
+            "warn",
+            "--drain-time-s",
+            "5",
+            "--drain-strategy",
+            "immediate",
+        ]
         child = Child("envoy", argv, self.state_dir / "logs" / "envoy.log")
         self.children.append(child)
         await child.start()
@@ -257,7 +315,10 @@ class Up:
     async def _wait_gateway_ready(self, ports: Ports, timeout: float = 30.0) -> bool:
         """Envoy's listener is up and extproc has its routes."""
         deadline = asyncio.get_running_loop().time() + timeout
-        urls = [f"http://127.0.0.1:{ports.envoy_admin}/ready", f"http://127.0.0.1:{ports.extproc_admin}/healthz"]
+        urls = [
+            f"http://127.0.0.1:{ports.envoy_admin}/ready",
+            f"http://127.0.0.1:{ports.extproc_admin}/healthz",
+        ]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
             while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
                 ok = 0

@@ -17,8 +17,9 @@ def make_app(gateway: Gateway, ready: Callable[[], bool]) -> web.Application:
         return web.json_response({"status": "ok", "models": len(gateway.table.routes)})
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(gateway.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(gateway.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
@@ -31,4 +32,3 @@ async def start(gateway: Gateway, ready: Callable[[], bool], host: str, port: in
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
-

@@ -60,8 +60,12 @@ class RouteFeed:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                log.warning("route feed disconnected from %s: %s; retrying in %.1fs",
-                            self._target, exc.code().name, backoff)
+                log.warning(
+                    "route feed disconnected from %s: %s; retrying in %.1fs",
+                    self._target,
+                    exc.code().name,
+                    backoff,
+                )
             self.connected = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff)
@@ -82,16 +86,22 @@ class RouteFeed:
                 routes = decode(response)
             except ValueError as exc:
                 log.error("route update version=%s rejected: %s", response.version_info, exc)
-                await outgoing.put(discovery_pb2.DiscoveryRequest(
-                    node=self._node, type_url=MODEL_ROUTE, version_info=version,
-                    response_nonce=response.nonce,
-                    error_detail=status_pb2.Status(code=3, message=str(exc)),
-                ))
+                await outgoing.put(
+                    discovery_pb2.DiscoveryRequest(
+                        node=self._node,
+                        type_url=MODEL_ROUTE,
+                        version_info=version,
+                        response_nonce=response.nonce,
+                        error_detail=status_pb2.Status(code=3, message=str(exc)),
+                    )
+                )
                 continue
             self._on_routes(routes)
             version = response.version_info
             log.info("routes updated version=%s models=%d", version, len(routes))
             self.synced.set()
-            await outgoing.put(discovery_pb2.DiscoveryRequest(
-                node=self._node, type_url=MODEL_ROUTE, version_info=version, response_nonce=response.nonce
-            ))
+            await outgoing.put(
+                discovery_pb2.DiscoveryRequest(
+                    node=self._node, type_url=MODEL_ROUTE, version_info=version, response_nonce=response.nonce
+                )
+            )

@@ -28,15 +28,24 @@ log = logging.getLogger("wakegate.extproc")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:9002",
-                        help="gRPC address Envoy connects to (HOST:PORT or unix:PATH)")
-    parser.add_argument("--admin-listen", default="127.0.0.1:9003", help="HTTP address for /healthz and /metrics")
+    parser.add_argument(
+        "--listen", default="127.0.0.1:9002", help="gRPC address Envoy connects to (HOST:PORT or unix:PATH)"
+    )
+    parser.add_argument(
+        "--admin-listen", default="127.0.0.1:9003", help="HTTP address for /healthz and /metrics"
+    )
     parser.add_argument("--xds", required=True, help="address of the xDS feeder (HOST:PORT)")
     parser.add_argument("--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}")
-    parser.add_argument("--api-keys-file", type=Path, default=None,
-                        help="file with one API key per line; re-read on change; omit to disable auth")
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="file with one API key per line; re-read on change; omit to disable auth",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
+    parser.add_argument(
+        "--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)"
+    )
     parser.add_argument("--global-burst", type=float, default=0.0)
     parser.add_argument("--drain-seconds", type=float, default=30.0)
     parser.add_argument("--log-level", default="INFO")
@@ -49,8 +58,9 @@ def main(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         log.error("%s", exc)
         return 2
-    settings = Settings(max_body_bytes=args.max_body_bytes, global_rate=args.global_rps,
-                        global_burst=args.global_burst)
+    settings = Settings(
+        max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
+    )
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -64,10 +74,12 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", args.max_body_bytes + 1024 * 1024),
-        ("grpc.so_reuseport", 0),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", args.max_body_bytes + 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     ep_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -93,8 +105,13 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("extproc ready listen=%s admin=%s xds=%s auth=%s", args.listen, args.admin_listen, args.xds,
-             "on" if gateway.keys.enabled else "off")
+    log.info(
+        "extproc ready listen=%s admin=%s xds=%s auth=%s",
+        args.listen,
+        args.admin_listen,
+        args.xds,
+        "on" if gateway.keys.enabled else "off",
+    )
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", args.drain_seconds)
     await health_servicer.enter_graceful_shutdown()

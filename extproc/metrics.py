@@ -15,12 +15,14 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "wakegate_gateway_requests",
-            "Requests decided by the gateway, by model and outcome (`routed`, or the HTTP status it answered).",
+            "Requests decided by the gateway, by model and outcome (`routed`, or the status it answered).",
             ["model", "code"],
             registry=r,
         )
         self.in_flight = Gauge(
-            "wakegate_gateway_in_flight", "Requests routed to a backend and not yet finished.", ["model"],
+            "wakegate_gateway_in_flight",
+            "Requests routed to a backend and not yet finished.",
+            ["model"],
             registry=r,
         )
         self.pick_seconds = Histogram(
@@ -30,7 +32,9 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "wakegate_gateway_queue_depth", "Cold requests held for a model on this gateway.", ["model"],
+            "wakegate_gateway_queue_depth",
+            "Cold requests held for a model on this gateway.",
+            ["model"],
             registry=r,
         )
         self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)

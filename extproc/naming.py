@@ -44,7 +44,7 @@ def model_from_headers(headers: Mapping[str, str]) -> FromHeaders:
         return FromHeaders(_checked(name.strip()))
     path = headers.get(":path", "")
     if path.startswith(_PATH_PREFIX):
-        rest = path[len(_PATH_PREFIX):]
+        rest = path[len(_PATH_PREFIX) :]
         name, slash, tail = rest.partition("/")
         if not name or not slash:
             raise BadRequest("path must look like /model/<name>/v1/...", "invalid_path")
@@ -133,8 +133,13 @@ class RouteTable:
         data: list[dict[str, Any]] = []
         for name, resolved in sorted(self._by_name.items()):
             route = resolved.route
-            entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "wakegate",
-                                     "root": route.served_name}
+            entry: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "wakegate",
+                "root": route.served_name,
+            }
             if name in route.lora_adapters:
                 entry["parent"] = route.served_name
             data.append(entry)

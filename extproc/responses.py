@@ -48,7 +48,7 @@ def immediate(
     headers = [header("content-type", content_type), *(header(k, v) for k, v in extra_headers)]
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=ep.HeaderMutation(set_headers=headers),
             body=body,
             details=details,
@@ -56,8 +56,8 @@ def immediate(
     )
 
 
-def error(
-    status: int, code: str, message: str, *, retry_after: str | None = None
-) -> ep.ProcessingResponse:
+def error(status: int, code: str, message: str, *, retry_after: str | None = None) -> ep.ProcessingResponse:
     extra = [("retry-after", retry_after)] if retry_after else []
-    return immediate(status, error_body(status, code, message), extra_headers=extra, details=f"wakegate_{code}")
+    return immediate(
+        status, error_body(status, code, message), extra_headers=extra, details=f"wakegate_{code}"
+    )

@@ -93,8 +93,10 @@ class Gateway:
 
 
 def _headers(message: ep.HttpHeaders) -> dict[str, str]:
-    return {h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-            for h in message.headers.headers}
+    return {
+        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+        for h in message.headers.headers
+    }
 
 
 class _Exchange:
@@ -115,7 +117,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def Process(  # noqa: N802 - gRPC method name
+    async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         exchange = _Exchange()
@@ -160,12 +162,22 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._route(ex, None, None, in_body=False)
         # The model is in the body: check what we can before asking Envoy to buffer it.
         if message.end_of_stream:
-            return self._reject(None, 400, "model_required",
-                                "no model named: send X-Model-ID, /model/<name>/..., or a body with `model`")
+            return self._reject(
+                None,
+                400,
+                "model_required",
+                "no model named: send X-Model-ID, /model/<name>/..., or a body with `model`",
+            )
         content_type = headers.get("content-type", "").lower()
-        if not (content_type.startswith("application/json") or content_type.startswith("multipart/form-data")):
-            return self._reject(None, 415, "unsupported_media_type",
-                                "body must be application/json or multipart/form-data to name a model")
+        if not (
+            content_type.startswith("application/json") or content_type.startswith("multipart/form-data")
+        ):
+            return self._reject(
+                None,
+                415,
+                "unsupported_media_type",
+                "body must be application/json or multipart/form-data to name a model",
+            )
         length = headers.get("content-length")
         if length is not None:
             try:
@@ -173,8 +185,12 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             except ValueError:
                 return self._reject(None, 400, "invalid_content_length", "content-length is not a number")
             if too_big:
-                return self._reject(None, 413, "body_too_large",
-                                    f"request body exceeds {self.gw.settings.max_body_bytes} bytes")
+                return self._reject(
+                    None,
+                    413,
+                    "body_too_large",
+                    f"request body exceeds {self.gw.settings.max_body_bytes} bytes",
+                )
         return _BUFFER_BODY
 
     def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
@@ -182,8 +198,9 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return _CONTINUE_BODY  # routed from headers; Envoy should not have sent it
         body = message.body
         if len(body) > self.gw.settings.max_body_bytes:
-            return self._reject(None, 413, "body_too_large",
-                                f"request body exceeds {self.gw.settings.max_body_bytes} bytes")
+            return self._reject(
+                None, 413, "body_too_large", f"request body exceeds {self.gw.settings.max_body_bytes} bytes"
+            )
         content_type = ex.headers.get("content-type", "")
         try:
             if content_type.lower().startswith("multipart/form-data"):
@@ -208,11 +225,21 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         rate = route.rate_limit
         wait = self.gw.limiter.admit(route.key, rate.requests_per_second or None, rate.burst or None)
         if wait > 0:
-            return self._reject(route.key, 429, "rate_limited", "rate limit exceeded; retry later",
-                                retry_after=retry_after_header(wait))
+            return self._reject(
+                route.key,
+                429,
+                "rate_limited",
+                "rate limit exceeded; retry later",
+                retry_after=retry_after_header(wait),
+            )
         if not route.endpoints:
-            return self._reject(route.key, 503, "model_not_ready",
-                                f"model {ex.model_name!r} has no ready backend", retry_after="5")
+            return self._reject(
+                route.key,
+                503,
+                "model_not_ready",
+                f"model {ex.model_name!r} has no ready backend",
+                retry_after="5",
+            )
         endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
         strategy = _STRATEGY_NAMES.get(route.strategy, "default")
         endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
@@ -246,8 +273,9 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.gw.picker.inflight.acquire(endpoint)
         self.gw.metrics.pick_seconds.observe(time.perf_counter() - ex.started)
         if not in_body:
-            return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                         dynamic_metadata=metadata)
+            return ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
     def _finish(self, ex: _Exchange) -> None:
@@ -261,15 +289,20 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _open_path(self, path: str) -> ep.ProcessingResponse:
         if path == "/healthz":
             return immediate(200, b'{"status":"ok"}')
-        return immediate(200, generate_latest(self.gw.metrics.registry),
-                         content_type="text/plain; version=0.0.4; charset=utf-8")
+        return immediate(
+            200,
+            generate_latest(self.gw.metrics.registry),
+            content_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     def _reject(
         self, model_key: str | None, status: int, code: str, message: str, *, retry_after: str | None = None
     ) -> ep.ProcessingResponse:
         return self._done(model_key, error(status, code, message, retry_after=retry_after), str(status))
 
-    def _done(self, model_key: str | None, response: ep.ProcessingResponse, code: str = "200") -> ep.ProcessingResponse:
+    def _done(
+        self, model_key: str | None, response: ep.ProcessingResponse, code: str = "200"
+    ) -> ep.ProcessingResponse:
         self.gw.metrics.requests.labels(model_key or "", code).inc()
         return response
 
@@ -277,4 +310,3 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 def header_map(mutation: ep.HeaderMutation) -> Mapping[str, str]:
     """Header mutation as a plain mapping (tests and logs)."""
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
-

@@ -15,8 +15,15 @@ def generate(out_dir: Path = ROOT) -> None:
     include = str(Path(protoc.__file__).parent / "_proto")
     for proto in protos:
         rc = protoc.main(
-            ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-             f"--grpc_python_out={out_dir}", proto]
+            [
+                "protoc",
+                f"-I{ROOT}",
+                f"-I{include}",
+                f"--python_out={out_dir}",
+                f"--pyi_out={out_dir}",
+                f"--grpc_python_out={out_dir}",
+                proto,
+            ]
         )
         if rc != 0:
             raise SystemExit(f"protoc failed on {proto}")

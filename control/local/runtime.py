@@ -18,7 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import aiohttp
@@ -31,7 +31,7 @@ from control.xds.resources import RoutedModel
 log = logging.getLogger("wakegate.up")
 
 
-class ReplicaState(str, Enum):
+class ReplicaState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     RESTARTING = "restarting"
@@ -183,7 +183,11 @@ class ModelRuntime:
                 self._changed()
                 log.warning(
                     "replica exited model=%s replica=%d code=%s restart_in=%.1fs log=%s",
-                    self.model.key, replica.index, code, backoff, replica.child.log_path,
+                    self.model.key,
+                    replica.index,
+                    code,
+                    backoff,
+                    replica.child.log_path,
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.settings.restart_backoff_max)
@@ -199,7 +203,10 @@ class ModelRuntime:
                 replica.ready_at = time.monotonic()
                 log.info(
                     "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
-                    self.model.key, replica.index, replica.port, replica.ready_at - replica.started_at,
+                    self.model.key,
+                    replica.index,
+                    replica.port,
+                    replica.ready_at - replica.started_at,
                 )
                 self._changed()
             elif not healthy and replica.state is ReplicaState.READY:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from google.protobuf import any_pb2, json_format
-from google.protobuf.message import Message
+from typing import Any, TypeVar
 
 # Importing the generated modules registers their types in the default pool, which
 # json_format needs to resolve "@type" inside Any fields.
@@ -28,7 +25,11 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from google.protobuf import any_pb2, json_format
+from google.protobuf.message import Message
 from wakegate.v1 import routing_pb2
+
+_M = TypeVar("_M", bound=Message)
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -106,7 +107,7 @@ class GatewaySettings:
     upstream_connect_timeout_ms: int = 2000
     #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
     upstream_header: bool = False
-    extra_listener_filters: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    extra_listener_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)
@@ -140,15 +141,18 @@ def pack(message: Message) -> any_pb2.Any:
     return packed
 
 
-def _parse(message: Message, data: Mapping[str, Any]) -> Message:
+def _parse(message: _M, data: dict[str, Any]) -> _M:
     json_format.ParseDict(data, message)
     return message
 
 
 def _json_error(status: int, code: str, message: str, error_type: str) -> dict[str, Any]:
     return {
-        "filter": {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": status,
-                                                                               "runtime_key": "_"}}}},
+        "filter": {
+            "status_code_filter": {
+                "comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": "_"}}
+            }
+        },
         "body_format_override": {
             "json_format": {"error": {"message": message, "type": error_type, "code": code}},
             "content_type": "application/json",
@@ -199,13 +203,24 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         "use_remote_address": True,
         "local_reply_config": {
             "mappers": [
-                _json_error(413, "body_too_large", "request body is larger than the gateway accepts",
-                            "invalid_request_error"),
+                _json_error(
+                    413,
+                    "body_too_large",
+                    "request body is larger than the gateway accepts",
+                    "invalid_request_error",
+                ),
                 {
-                    "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}},
+                    "filter": {
+                        "response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}
+                    },
                     "body_format_override": {
-                        "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error",
-                                                  "code": "upstream_unavailable"}},
+                        "json_format": {
+                            "error": {
+                                "message": "%LOCAL_REPLY_BODY%",
+                                "type": "server_error",
+                                "code": "upstream_unavailable",
+                            }
+                        },
                         "content_type": "application/json",
                     },
                 },
@@ -216,12 +231,15 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         listener_pb2.Listener(),
         {
             "name": LISTENER_NAME,
-            "address": {"socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}},
+            "address": {
+                "socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}
+            },
             "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                            "typed_config": hcm}]}],
+            "filter_chains": [
+                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+            ],
         },
-    )  # type: ignore[return-value]
+    )
 
 
 UPSTREAM_HEADER = "x-wakegate-upstream"
@@ -231,8 +249,10 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
     extra: dict[str, Any] = {}
     if settings.upstream_header:
         extra["response_headers_to_add"] = [
-            {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
-             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            {
+                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
         ]
     return _parse(
         route_pb2.RouteConfiguration(),
@@ -245,22 +265,27 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                     "domains": ["*"],
                     "routes": [
                         {
-                            "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
+                            "match": {
+                                "prefix": "/",
+                                "headers": [{"name": CLUSTER_HEADER, "present_match": True}],
+                            },
                             "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
                         },
                         {
                             "match": {"prefix": "/"},
                             "direct_response": {
                                 "status": 404,
-                                "body": {"inline_string": '{"error":{"message":"no route","type":'
-                                                          '"invalid_request_error","code":"no_route"}}'},
+                                "body": {
+                                    "inline_string": '{"error":{"message":"no route","type":'
+                                    '"invalid_request_error","code":"no_route"}}'
+                                },
                             },
                         },
                     ],
                 }
             ],
         },
-    )  # type: ignore[return-value]
+    )
 
 
 def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:
@@ -282,8 +307,16 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
             "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
             "connect_timeout": f"{settings.upstream_connect_timeout_ms / 1000:.3f}s",
             "per_connection_buffer_limit_bytes": 1024 * 1024,
-            "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
-                                                 "max_requests": 100000, "max_retries": 3}]},
+            "circuit_breakers": {
+                "thresholds": [
+                    {
+                        "max_connections": 100000,
+                        "max_pending_requests": 100000,
+                        "max_requests": 100000,
+                        "max_retries": 3,
+                    }
+                ]
+            },
             "load_balancing_policy": {
                 "policies": [
                     {
@@ -294,12 +327,22 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                                 ".override_host.v3.OverrideHost",
                                 "override_host_sources": [
                                     {"header": DESTINATION_HEADER},
-                                    {"metadata": {"key": LB_METADATA_NAMESPACE,
-                                                  "path": [{"key": DESTINATION_HEADER}]}},
+                                    {
+                                        "metadata": {
+                                            "key": LB_METADATA_NAMESPACE,
+                                            "path": [{"key": DESTINATION_HEADER}],
+                                        }
+                                    },
                                 ],
                                 "fallback_policy": {
-                                    "policies": [{"typed_extension_config": {"name": fallback,
-                                                                             "typed_config": {"@type": fallback_type}}}]
+                                    "policies": [
+                                        {
+                                            "typed_extension_config": {
+                                                "name": fallback,
+                                                "typed_config": {"@type": fallback_type},
+                                            }
+                                        }
+                                    ]
                                 },
                             },
                         }
@@ -314,7 +357,7 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                 }
             },
         },
-    )  # type: ignore[return-value]
+    )
 
 
 def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
@@ -334,7 +377,7 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
                 }
             ],
         },
-    )  # type: ignore[return-value]
+    )
 
 
 def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:

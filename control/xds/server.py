@@ -53,7 +53,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         self._cache = cache
         self.stats = StreamStats()
 
-    async def StreamAggregatedResources(  # noqa: N802 - gRPC method name
+    async def StreamAggregatedResources(
         self,
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
@@ -112,7 +112,10 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             self.stats.last_nack = request.error_detail.message
             log.warning(
                 "xds NACK node=%s type=%s version=%s reason=%s",
-                node_id, request.type_url.rsplit(".", 1)[-1], watch.sent_version, request.error_detail.message,
+                node_id,
+                request.type_url.rsplit(".", 1)[-1],
+                watch.sent_version,
+                request.error_detail.message,
             )
         elif request.response_nonce:
             self.stats.acks += 1

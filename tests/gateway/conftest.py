@@ -12,29 +12,49 @@ from tests.gateway.support import UpProcess, model_doc
 API_KEY = "sk-test-gateway-0123456789"
 MAX_BODY = 64 * 1024
 
-FLEET = "".join([
-    model_doc("chat-a", extra="""  servedName: org/chat-a
+FLEET = "".join(
+    [
+        model_doc(
+            "chat-a",
+            extra="""  servedName: org/chat-a
   aliases: [a, gpt-a]
   loraAdapters: [a-sql]
   scaling: {min: 2, max: 2}
-"""),
-    model_doc("chat-b", extra="""  aliases: [b]
+""",
+        ),
+        model_doc(
+            "chat-b",
+            extra="""  aliases: [b]
   routing: {strategy: session-affinity}
   scaling: {min: 3, max: 3}
-"""),
-    model_doc("chat-p", extra="""  routing: {strategy: prefix}
+""",
+        ),
+        model_doc(
+            "chat-p",
+            extra="""  routing: {strategy: prefix}
   scaling: {min: 3, max: 3}
-"""),
-    model_doc("chat-l", extra="""  args: [--tokens-per-second, "50"]
+""",
+        ),
+        model_doc(
+            "chat-l",
+            extra="""  args: [--tokens-per-second, "50"]
   routing: {strategy: least-loaded}
   scaling: {min: 3, max: 3}
-"""),
-    model_doc("chat-r", extra="""  limits: {requestsPerSecond: 0.5, burst: 2}
-"""),
-    model_doc("chat-cold", extra="""  scaling: {min: 0, max: 1}
+""",
+        ),
+        model_doc(
+            "chat-r",
+            extra="""  limits: {requestsPerSecond: 0.5, burst: 2}
+""",
+        ),
+        model_doc(
+            "chat-cold",
+            extra="""  scaling: {min: 0, max: 1}
   endpoint: {coldMode: reject}
-"""),
-])
+""",
+        ),
+    ]
+)
 
 
 @pytest.fixture(scope="session")

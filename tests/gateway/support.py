@@ -43,10 +43,26 @@ class UpProcess:
         self.log_path = tmp / "up.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "control", "up", "-f", str(self.models_file), "--listen",
-             f"127.0.0.1:{self.port}", "--admin-listen", f"127.0.0.1:{self.admin_port}",
-             "--state-dir", str(self.state_dir), "--upstream-header", *extra],
-            cwd=tmp, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            [
+                sys.executable,
+                "-m",
+                "control",
+                "up",
+                "-f",
+                str(self.models_file),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--admin-listen",
+                f"127.0.0.1:{self.admin_port}",
+                "--state-dir",
+                str(self.state_dir),
+                "--upstream-header",
+                *extra,
+            ],
+            cwd=tmp,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
 
     def log(self) -> str:
@@ -134,7 +150,11 @@ class Response:
 
 
 def request(
-    method: str, url: str, *, headers: dict[str, str] | None = None, body: bytes | dict[str, Any] | None = None,
+    method: str,
+    url: str,
+    *,
+    headers: dict[str, str] | None = None,
+    body: bytes | dict[str, Any] | None = None,
     timeout: float = 15.0,
 ) -> Response:
     """A plain HTTP request that returns error statuses instead of raising."""

@@ -14,8 +14,12 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 GOOD = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
-def post(gateway: UpProcess, body: bytes | dict[str, object] | None, headers: dict[str, str] | None = None,
-         path: str = "/v1/chat/completions"):
+def post(
+    gateway: UpProcess,
+    body: bytes | dict[str, object] | None,
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/chat/completions",
+):
     return request("POST", f"{gateway.url}{path}", body=body, headers={**AUTH, **(headers or {})})
 
 
@@ -59,9 +63,13 @@ def test_huge_chunked_body_is_refused(gateway: UpProcess) -> None:
 
     conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
     chunks = [b'{"model": "a", "pad": "', *([b"y" * 16384] * 8), b'"}']
-    conn.request("POST", "/v1/chat/completions", body=iter(chunks),
-                 headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"},
-                 encode_chunked=True)
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=iter(chunks),
+        headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"},
+        encode_chunked=True,
+    )
     response = conn.getresponse()
     assert response.status == 413
     assert b"body_too_large" in response.read()
@@ -78,8 +86,9 @@ def test_bad_model_path(gateway: UpProcess) -> None:
 def test_missing_and_invalid_token(gateway: UpProcess) -> None:
     no_auth = request("POST", f"{gateway.url}/v1/chat/completions", body=GOOD)
     assert_error(no_auth, 401, "invalid_api_key")
-    wrong = request("POST", f"{gateway.url}/v1/chat/completions", body=GOOD,
-                    headers={"authorization": "Bearer sk-wrong"})
+    wrong = request(
+        "POST", f"{gateway.url}/v1/chat/completions", body=GOOD, headers={"authorization": "Bearer sk-wrong"}
+    )
     assert_error(wrong, 401, "invalid_api_key")
     models = request("GET", f"{gateway.url}/v1/models")
     assert_error(models, 401, "invalid_api_key")
@@ -90,19 +99,30 @@ def test_missing_and_invalid_token(gateway: UpProcess) -> None:
 
 def test_multipart_without_model(gateway: UpProcess) -> None:
     boundary = "XyZ"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
-            f"Content-Type: audio/wav\r\n\r\nRIFF....\r\n--{boundary}--\r\n").encode()
-    response = post(gateway, body, {"content-type": f"multipart/form-data; boundary={boundary}"},
-                    path="/v1/audio/transcriptions")
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        f"Content-Type: audio/wav\r\n\r\nRIFF....\r\n--{boundary}--\r\n"
+    ).encode()
+    response = post(
+        gateway,
+        body,
+        {"content-type": f"multipart/form-data; boundary={boundary}"},
+        path="/v1/audio/transcriptions",
+    )
     assert_error(response, 400, "model_required")
 
 
 def test_multipart_with_model_is_routed_unchanged(gateway: UpProcess) -> None:
     boundary = "b0undary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nchat-b\r\n"
-            f"--{boundary}--\r\n").encode()
-    response = post(gateway, body, {"content-type": f"multipart/form-data; boundary={boundary}"},
-                    path="/v1/audio/transcriptions")
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nchat-b\r\n--{boundary}--\r\n'
+    ).encode()
+    response = post(
+        gateway,
+        body,
+        {"content-type": f"multipart/form-data; boundary={boundary}"},
+        path="/v1/audio/transcriptions",
+    )
     # Routed to chat-b's backend (the simulator has no audio endpoint: its own 404 proves the hop).
     assert "x-wakegate-upstream" in response.headers
     assert response.headers["x-wakegate-upstream"] in set(gateway.endpoints("chat-b"))
@@ -127,14 +147,20 @@ def test_key_rotation_needs_no_restart(gateway: UpProcess, keys_file: Path) -> N
     keys_file.write_text(f"{API_KEY}\n{new_key}\n")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status == 200:
+        if (
+            request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status
+            == 200
+        ):
             break
         time.sleep(0.2)
     else:
         pytest.fail("rotated key not accepted within 5 s")
     keys_file.write_text(f"{API_KEY}\n")
     deadline = time.monotonic() + 5
-    while request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status != 401:
+    while (
+        request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status
+        != 401
+    ):
         assert time.monotonic() < deadline, "revoked key still accepted after 5 s"
         time.sleep(0.2)
 

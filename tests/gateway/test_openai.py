@@ -27,7 +27,10 @@ def test_chat_completion_non_streaming(client: openai.OpenAI, model: str) -> Non
 @pytest.mark.parametrize("model", ["chat-a", "chat-b"])
 def test_chat_completion_streaming(client: openai.OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True,
+        model=model,
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=6,
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, usage = [], None
@@ -42,14 +45,27 @@ def test_chat_completion_streaming(client: openai.OpenAI, model: str) -> None:
 
 def test_alias_is_rewritten_to_served_name(client: openai.OpenAI) -> None:
     # The backend only serves org/chat-a; it would answer 404 for the alias.
-    reply = client.chat.completions.create(model="gpt-a", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    reply = client.chat.completions.create(
+        model="gpt-a", messages=[{"role": "user", "content": "x"}], max_tokens=1
+    )
     assert reply.model == "org/chat-a"
 
 
 def test_models_lists_every_name_and_alias(client: openai.OpenAI) -> None:
     ids = {m.id for m in client.models.list()}
-    assert {"chat-a", "org/chat-a", "a", "gpt-a", "a-sql", "chat-b", "b", "chat-p", "chat-l", "chat-r",
-            "chat-cold"} <= ids
+    assert {
+        "chat-a",
+        "org/chat-a",
+        "a",
+        "gpt-a",
+        "a-sql",
+        "chat-b",
+        "b",
+        "chat-p",
+        "chat-l",
+        "chat-r",
+        "chat-cold",
+    } <= ids
 
 
 def test_completions_and_embeddings(client: openai.OpenAI) -> None:
@@ -62,10 +78,15 @@ def test_completions_and_embeddings(client: openai.OpenAI) -> None:
 def test_model_from_header_and_path(gateway: UpProcess) -> None:
     headers = {"authorization": f"Bearer {API_KEY}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "org/chat-a"}
-    by_header = request("POST", f"{gateway.url}/v1/chat/completions", body=body,
-                        headers={**headers, "x-model-id": "a"})
+    by_header = request(
+        "POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**headers, "x-model-id": "a"}
+    )
     assert by_header.status == 200, by_header.text
-    by_path = request("POST", f"{gateway.url}/model/chat-b/v1/chat/completions", body={**body, "model": "chat-b"},
-                      headers=headers)
+    by_path = request(
+        "POST",
+        f"{gateway.url}/model/chat-b/v1/chat/completions",
+        body={**body, "model": "chat-b"},
+        headers=headers,
+    )
     assert by_path.status == 200, by_path.text
     assert by_path.json()["model"] == "chat-b"

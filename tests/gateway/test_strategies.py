@@ -17,15 +17,22 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 def served_by(gateway: UpProcess, body: dict[str, object], headers: dict[str, str] | None = None) -> str:
-    response = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**AUTH, **(headers or {})})
+    response = request(
+        "POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**AUTH, **(headers or {})}
+    )
     assert response.status == 200, response.text
     return response.headers["x-wakegate-upstream"]
 
 
 def chat(model: str, *messages: str, **extra: object) -> dict[str, object]:
-    return {"model": model, "max_tokens": 1,
-            "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(messages)],
-            **extra}
+    return {
+        "model": model,
+        "max_tokens": 1,
+        "messages": [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(messages)
+        ],
+        **extra,
+    }
 
 
 def test_default_spreads_over_all_endpoints(gateway: UpProcess) -> None:
@@ -38,7 +45,9 @@ def test_session_affinity_keeps_each_session_on_one_endpoint(gateway: UpProcess)
     per_session: dict[str, set[str]] = collections.defaultdict(set)
     for round_ in range(3):
         for s in range(40):
-            per_session[f"s{s}"].add(served_by(gateway, chat("chat-b", f"turn {round_}"), {"x-session-id": f"s{s}"}))
+            per_session[f"s{s}"].add(
+                served_by(gateway, chat("chat-b", f"turn {round_}"), {"x-session-id": f"s{s}"})
+            )
     assert all(len(eps) == 1 for eps in per_session.values()), per_session
     load = collections.Counter(next(iter(eps)) for eps in per_session.values())
     assert set(load) == endpoints, "sessions should spread over every endpoint"
@@ -60,13 +69,20 @@ def test_prefix_routes_shared_prompt_prefix_to_one_endpoint(gateway: UpProcess) 
     for prompt in range(30):
         system = f"You are assistant number {prompt}. " + "Follow the house rules carefully. " * 40
         for tail in range(3):
-            body = {"model": "chat-p", "max_tokens": 1, "messages": [
-                {"role": "system", "content": system}, {"role": "user", "content": f"question {tail}"}]}
+            body = {
+                "model": "chat-p",
+                "max_tokens": 1,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {tail}"},
+                ],
+            }
             chosen[prompt].add(served_by(gateway, body))
     assert all(len(eps) == 1 for eps in chosen.values()), chosen
     assert set().union(*chosen.values()) == endpoints
     assert served_by(gateway, chat("chat-p", "x"), {"x-cache-key": "k1"}) == served_by(
-        gateway, chat("chat-p", "y"), {"x-cache-key": "k1"})
+        gateway, chat("chat-p", "y"), {"x-cache-key": "k1"}
+    )
 
 
 def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:

@@ -1,0 +1,151 @@
+"""Generate the Kubernetes CRD for `Model` from the typed schema in control/schema.py.
+
+Pydantic's JSON Schema is turned into a structural OpenAPI v3 schema as the API
+server wants it: references inlined, `Optional[X]` as `nullable`, no titles.
+`python -m control.crd` rewrites the committed CRD file; a test keeps it in sync.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from control.schema import GROUP, VERSION, ModelSpec
+
+CRD_DIR = Path(__file__).resolve().parent.parent / "charts" / "wakegate" / "crds"
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_structural(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _structural(merged, defs)
+    any_of = node.get("anyOf")
+    if any_of is not None:
+        non_null = [branch for branch in any_of if branch.get("type") != "null"]
+        if len(non_null) == 1:
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            out = _structural({**non_null[0], **rest}, defs)
+            if len(non_null) < len(any_of):
+                out["nullable"] = True
+            return out
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "properties":
+            out[key] = {name: _structural(prop, defs) for name, prop in value.items()}
+        elif key == "const":
+            out["enum"] = [value]
+        else:
+            out[key] = _structural(value, defs)
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if out.get("default") is None:
+        out.pop("default", None)
+    return out
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = ModelSpec.model_json_schema(mode="validation")
+    schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
+    return schema
+
+
+STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "x-kubernetes-preserve-unknown-fields": True,
+    "properties": {
+        "phase": {"type": "string", "enum": ["Idle", "Pending", "Loading", "Ready", "Failed", "Preempted"]},
+        "readyReplicas": {"type": "integer"},
+        "replicas": {"type": "integer"},
+        "lastColdStartSeconds": {"type": "number"},
+        "observedGeneration": {"type": "integer"},
+        "conditions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "status"],
+                "properties": {
+                    "type": {"type": "string"},
+                    "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                    "reason": {"type": "string"},
+                    "message": {"type": "string"},
+                    "lastTransitionTime": {"type": "string", "format": "date-time"},
+                    "observedGeneration": {"type": "integer"},
+                },
+            },
+            "x-kubernetes-list-map-keys": ["type"],
+            "x-kubernetes-list-type": "map",
+        },
+    },
+}
+
+
+def model_crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"models.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": "models", "singular": "model", "kind": "Model", "listKind": "ModelList",
+                      "shortNames": ["mdl"], "categories": ["wakegate"]},
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+                        {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
+                        {"name": "Reason", "type": "string", "priority": 1,
+                         "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": STATUS_SCHEMA,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render() -> dict[str, str]:
+    """File name -> YAML text for every CRD we ship."""
+    header = "# Generated by `python -m control.crd` from control/schema.py; do not edit.\n"
+    return {f"models.{GROUP}.yaml": header + yaml.safe_dump(model_crd(), sort_keys=False, width=120)}
+
+
+def main() -> int:
+    CRD_DIR.mkdir(parents=True, exist_ok=True)
+    for name, text in render().items():
+        (CRD_DIR / name).write_text(text, encoding="utf-8")
+        print(f"wrote {CRD_DIR / name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,549 @@
+"""The simulator's HTTP request handling: an OpenAI-compatible server shaped like vLLM's.
+
+Tokens, as this simulator counts them
+-------------------------------------
+* A prompt token is a whitespace-separated word (``len(text.split())``). Chat
+  prompts count the words of every message's text content (string content, or
+  the ``text`` of ``{"type": "text"}`` parts); roles and the chat template are
+  free. A completions prompt given as token ids (a list of ints) counts one per id.
+* Generated text is deterministic: token ``i`` is ``WORDS[i % len(WORDS)]``,
+  joined by single spaces, so a streamed answer concatenates to exactly the
+  non-streamed one and ``completion_tokens == len(text.split())``.
+* A request generates ``max_tokens`` (or ``max_completion_tokens``; default
+  ``--max-tokens-default``) tokens and finishes with ``"length"``, unless
+  ``--eos-after-tokens N`` is set and smaller, in which case it finishes with
+  ``"stop"`` after N tokens.
+
+The request path avoids per-request work it does not need: routes are a dict
+lookup, static bodies are pre-encoded, stream chunks are byte templates with
+only the token spliced in, and metrics are plain integer updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
+
+from control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from control.sim.metrics import SimMetrics
+
+log = logging.getLogger("wakegate.sim")
+
+WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+    "seven", "small", "robots", "hum", "softly", "under", "bright", "stars", "and",
+    "one", "old", "lighthouse", "keeps", "watch", "across", "calm", "grey", "water",
+    "until", "morning", "comes", "again",
+)  # fmt: skip
+_NW = len(WORDS)
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+#: JSON-encoded token pieces: the first token has no leading space, later ones do.
+_FIRST_JSON = tuple(_dumps(w).encode() for w in WORDS)
+_NEXT_JSON = tuple(_dumps(" " + w).encode() for w in WORDS)
+
+JSON_CT = "application/json"
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@lru_cache(maxsize=4096)
+def generated_text(n: int) -> str:
+    """The deterministic text of ``n`` generated tokens."""
+    return " ".join([WORDS[i % _NW] for i in range(n)])
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+def embedding_vector(data: bytes, dim: int) -> list[float]:
+    """A deterministic unit vector of ``dim`` floats derived from ``data``."""
+    raw = hashlib.shake_128(data).digest(2 * dim)
+    vec = [x / 32767.5 - 1.0 for x in struct.unpack(f"<{dim}H", raw)]
+    norm = sum(v * v for v in vec) ** 0.5 or 1.0
+    return [v / norm for v in vec]
+
+
+@dataclass
+class SimConfig:
+    model: str
+    served_names: list[str]
+    #: LoRA adapter name -> its path (``root`` in /v1/models)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    startup_seconds: float = 0.0
+    ttft_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    max_concurrency: int = 0
+    max_tokens_default: int = 16
+    max_model_len: int = 8192
+    kv_cache_tokens: int = 32768
+    eos_after_tokens: int = 0
+    embedding_dim: int = 16
+    api_key: str | None = None
+    never_ready: bool = False
+
+    @property
+    def primary(self) -> str:
+        return self.served_names[0]
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def error_response(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An OpenAI-shaped error, as vLLM returns it."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(status=status, body=_dumps(body).encode(), content_type=JSON_CT, headers=headers)
+
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+class Sim:
+    """State and handlers of one simulated vLLM server."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.metrics = SimMetrics(cfg.primary, cfg.kv_cache_tokens)
+        self.ready = False
+        self.draining = False
+        self.names = frozenset(cfg.served_names) | frozenset(cfg.lora_modules)
+        self._sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency > 0 else None
+        self._ttft = max(0.0, cfg.ttft_ms) / 1000.0
+        self._tpot = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
+        self._id_prefix = os.urandom(6).hex()
+        self._seq = 0
+        self._api_key = cfg.api_key.encode() if cfg.api_key else None
+        self._tasks: set[asyncio.Task[Any]] = set()  # handlers of /v1 requests in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._models_body = self._build_models_body()
+        # path -> (allowed method, handler, is an OpenAI API route)
+        self._routes: dict[str, tuple[frozenset[str], Handler, bool]] = {
+            "/health": (frozenset({"GET"}), self._health, False),
+            "/ping": (frozenset({"GET", "POST"}), self._health, False),
+            "/metrics": (frozenset({"GET"}), self._metrics, False),
+            "/version": (frozenset({"GET"}), self._version, False),
+            "/v1/models": (frozenset({"GET"}), self._models, True),
+            "/v1/chat/completions": (frozenset({"POST"}), self._chat, True),
+            "/v1/completions": (frozenset({"POST"}), self._completions, True),
+            "/v1/embeddings": (frozenset({"POST"}), self._embeddings, True),
+        }
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    def _build_models_body(self) -> bytes:
+        created = int(time.time())
+        data: list[dict[str, Any]] = []
+        for name in self.cfg.served_names:
+            data.append(
+                {"id": name, "object": "model", "created": created, "owned_by": "vllm",
+                 "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len}
+            )  # fmt: skip
+        for name, root in self.cfg.lora_modules.items():
+            data.append(
+                {"id": name, "object": "model", "created": created, "owned_by": "vllm",
+                 "root": root, "parent": self.cfg.primary, "max_model_len": None}
+            )  # fmt: skip
+        return _dumps({"object": "list", "data": data}).encode()
+
+    def _next_id(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}-{self._id_prefix}{self._seq:08x}"
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = self._routes.get(request.path)
+        if route is None:
+            return error_response(404, f"Route {request.path} not found", "NotFoundError")
+        methods, handler, api = route
+        if request.method not in methods:
+            return error_response(
+                405, "Method Not Allowed", "MethodNotAllowed", headers={"Allow": ", ".join(sorted(methods))}
+            )
+        if api:
+            if self._api_key is not None and not self._authorized(request):
+                return error_response(401, "Unauthorized", "AuthenticationError")
+            if not self.ready:
+                return error_response(503, "The model is still loading", "ServiceUnavailableError")
+            task = asyncio.current_task()
+            assert task is not None
+            self._tasks.add(task)
+            self._idle.clear()
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return error_response(exc.status, str(exc), exc.kind)
+            finally:
+                self._tasks.discard(task)
+                if not self._tasks:
+                    self._idle.set()
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc), exc.kind)
+
+    async def drain(self, grace: float) -> int:
+        """Wait up to ``grace`` seconds for in-flight /v1 requests; cancel the rest. Returns how many were."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+            return 0
+        except TimeoutError:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
+            return len(tasks)
+
+    def _authorized(self, request: web.BaseRequest) -> bool:
+        assert self._api_key is not None
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key)
+
+    async def _json_body(self, request: web.BaseRequest) -> dict[str, Any]:
+        try:
+            raw = await request.read()
+        except HTTPRequestEntityTooLarge as exc:
+            raise BadRequest("Request body too large", 413) from exc
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"Malformed JSON body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("The request body must be a JSON object")
+        return body
+
+    def _model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if model is None or model == "":
+            return self.cfg.primary
+        if not isinstance(model, str):
+            raise BadRequest("'model' must be a string")
+        if model not in self.names:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        return model
+
+    def _max_tokens(self, body: dict[str, Any], prompt_tokens: int, chat: bool) -> int:
+        value = body.get("max_completion_tokens") if chat else None
+        if value is None:
+            value = body.get("max_tokens")
+        if value is None:
+            return max(1, min(self.cfg.max_tokens_default, self.cfg.max_model_len - prompt_tokens))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"max_tokens must be an integer of at least 1, got {value!r}")
+        if prompt_tokens + value > self.cfg.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, you "
+                f"requested {prompt_tokens + value} tokens ({prompt_tokens} in the messages, {value} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+        return value
+
+    def _plan(self, max_tokens: int) -> tuple[int, str]:
+        eos = self.cfg.eos_after_tokens
+        if 0 < eos < max_tokens:
+            return eos, "stop"
+        return max_tokens, "length"
+
+    async def _acquire(self) -> None:
+        sem = self._sem
+        if sem is None:
+            return
+        if sem.locked():
+            self.metrics.waiting += 1
+            try:
+                await sem.acquire()
+            finally:
+                self.metrics.waiting -= 1
+        else:
+            await sem.acquire()
+
+    def _release(self) -> None:
+        if self._sem is not None:
+            self._sem.release()
+
+    # ---- small endpoints ----------------------------------------------------------
+
+    async def _health(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self.ready and not self.draining:
+            return web.Response(status=200)
+        return web.Response(status=503)
+
+    async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return resp
+
+    async def _version(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=b'{"version":"0.0.0+wakegate.sim"}', content_type=JSON_CT)
+
+    async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=self._models_body, content_type=JSON_CT)
+
+    # ---- generation ----------------------------------------------------------------
+
+    async def _chat(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await self._json_body(request)
+        model = self._model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list")
+        prompt_tokens = 0
+        for msg in messages:
+            if not isinstance(msg, dict):
+                raise BadRequest("each message must be an object")
+            content = msg.get("content")
+            if isinstance(content, str):
+                prompt_tokens += count_words(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        prompt_tokens += count_words(part["text"])
+        return await self._generate(request, body, model, prompt_tokens, chat=True)
+
+    async def _completions(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await self._json_body(request)
+        model = self._model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_tokens = count_words(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            prompt_tokens = len(prompt)
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            # the openai client sends one prompt as a list of one; more than one is not simulated
+            p0 = prompt[0]
+            prompt_tokens = count_words(p0) if isinstance(p0, str) else len(p0)
+        else:
+            raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of those")
+        return await self._generate(request, body, model, prompt_tokens, chat=False)
+
+    async def _generate(
+        self, request: web.BaseRequest, body: dict[str, Any], model: str, prompt_tokens: int, chat: bool
+    ) -> web.StreamResponse:
+        max_tokens = self._max_tokens(body, prompt_tokens, chat)
+        n_tokens, finish = self._plan(max_tokens)
+        stream = body.get("stream") is True
+        include_usage = False
+        if stream:
+            opts = body.get("stream_options")
+            include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        m = self.metrics
+        try:
+            await self._acquire()
+        except asyncio.CancelledError:
+            m.success["abort"] += 1
+            raise
+        m.running += 1
+        m.kv_tokens += prompt_tokens
+        try:
+            if stream:
+                return await self._stream(
+                    request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start
+                )
+            return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start)
+        finally:
+            m.running -= 1
+            m.kv_tokens -= prompt_tokens
+            self._release()
+
+    async def _complete(
+        self, model: str, prompt_tokens: int, n: int, finish: str, chat: bool, start: float
+    ) -> web.StreamResponse:
+        m = self.metrics
+        loop = asyncio.get_running_loop()
+        m.kv_tokens += n  # a non-streamed answer holds its KV space for its whole life
+        try:
+            if self._ttft:
+                await asyncio.sleep(self._ttft)
+            m.prompt_tokens += prompt_tokens
+            m.ttft.observe(loop.time() - start)
+            if self._tpot and n > 1:
+                await asyncio.sleep(self._tpot * (n - 1))
+        except asyncio.CancelledError:
+            m.success["abort"] += 1
+            raise
+        finally:
+            m.kv_tokens -= n
+        m.generation_tokens += n
+        text = generated_text(n)
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n}
+        created = int(time.time())
+        out: dict[str, Any]
+        if chat:
+            out = {
+                "id": self._next_id("chatcmpl"), "object": "chat.completion", "created": created,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                }],
+                "usage": usage, "prompt_logprobs": None,
+            }  # fmt: skip
+        else:
+            out = {
+                "id": self._next_id("cmpl"), "object": "text_completion", "created": created,
+                "model": model,
+                "choices": [{
+                    "index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                    "stop_reason": None, "prompt_logprobs": None,
+                }],
+                "usage": usage,
+            }  # fmt: skip
+        m.success[finish] += 1
+        m.e2e.observe(loop.time() - start)
+        return web.Response(body=_dumps(out).encode(), content_type=JSON_CT)
+
+    async def _stream(
+        self,
+        request: web.BaseRequest,
+        model: str,
+        prompt_tokens: int,
+        n: int,
+        finish: str,
+        chat: bool,
+        include_usage: bool,
+        start: float,
+    ) -> web.StreamResponse:
+        m = self.metrics
+        loop = asyncio.get_running_loop()
+        created = int(time.time())
+        rid = self._next_id("chatcmpl" if chat else "cmpl")
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        common = (
+            f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{created},'
+            f'"model":{json.dumps(model)},"choices":'
+        ).encode()
+        if chat:
+            head = common + b'[{"index":0,"delta":{"content":'
+            tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            last_tail = f'}},"logprobs":null,"finish_reason":"{finish}","stop_reason":null}}]}}\n\n'.encode()
+            first = common + b'[{"index":0,"delta":{"role":"assistant","content":""},' \
+                b'"logprobs":null,"finish_reason":null}]}\n\n'  # fmt: skip
+        else:
+            head = common + b'[{"index":0,"text":'
+            tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            last_tail = f',"logprobs":null,"finish_reason":"{finish}","stop_reason":null}}]}}\n\n'.encode()
+            first = b""
+
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        generated = 0
+        try:
+            await resp.prepare(request)
+            if self._ttft:
+                await asyncio.sleep(self._ttft)
+            m.prompt_tokens += prompt_tokens
+            tpot = self._tpot
+            t_first = loop.time()
+            for i in range(n):
+                piece = _NEXT_JSON[i % _NW] if i else _FIRST_JSON[0]
+                chunk = head + piece + (last_tail if i == n - 1 else tail)
+                if i == 0:
+                    chunk = first + chunk
+                elif tpot:
+                    delay = t_first + i * tpot - loop.time()
+                    await asyncio.sleep(delay if delay > 0 else 0)
+                else:
+                    await asyncio.sleep(0)  # let other requests (and cancellation) in
+                await resp.write(chunk)
+                generated += 1
+                m.kv_tokens += 1
+                m.generation_tokens += 1
+                if i == 0:
+                    m.ttft.observe(loop.time() - start)
+            if include_usage:
+                usage = _dumps(
+                    {
+                        "prompt_tokens": prompt_tokens,
+                        "total_tokens": prompt_tokens + n,
+                        "completion_tokens": n,
+                    }
+                ).encode()
+                await resp.write(common + b'[],"usage":' + usage + b"}\n\n")
+            await resp.write(_DONE)
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            m.success["abort"] += 1
+            raise
+        except ConnectionResetError:  # the client went away: stop generating, free the slot
+            m.success["abort"] += 1
+            return resp
+        finally:
+            m.kv_tokens -= generated
+        m.success[finish] += 1
+        m.e2e.observe(loop.time() - start)
+        return resp
+
+    # ---- embeddings ----------------------------------------------------------------
+
+    async def _embeddings(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await self._json_body(request)
+        model = self._model(body)
+        raw = body.get("input")
+        items: list[str | list[int]]
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw)):
+            items = [raw]
+        elif isinstance(raw, list) and raw and all(isinstance(x, str | list) for x in raw):
+            items = raw
+        else:
+            raise BadRequest("'input' must be a string, a list of strings, or token ids")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise BadRequest("'encoding_format' must be 'float' or 'base64'")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        m = self.metrics
+        data: list[dict[str, Any]] = []
+        tokens = 0
+        for idx, item in enumerate(items):
+            if isinstance(item, str):
+                tokens += count_words(item)
+                vec = embedding_vector(item.encode(), self.cfg.embedding_dim)
+            else:
+                tokens += len(item)
+                vec = embedding_vector(_dumps(item).encode(), self.cfg.embedding_dim)
+            emb: list[float] | str = vec
+            if fmt == "base64":
+                emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"index": idx, "object": "embedding", "embedding": emb})
+        await self._acquire()
+        m.running += 1
+        m.kv_tokens += tokens
+        try:
+            if self._ttft:
+                await asyncio.sleep(self._ttft)
+        finally:
+            m.running -= 1
+            m.kv_tokens -= tokens
+            self._release()
+        m.prompt_tokens += tokens
+        m.success["stop"] += 1
+        m.e2e.observe(loop.time() - start)
+        out = {
+            "id": self._next_id("embd"), "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }  # fmt: skip
+        return web.Response(body=_dumps(out).encode(), content_type=JSON_CT)

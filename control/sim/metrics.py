@@ -1,0 +1,107 @@
+"""vLLM-compatible Prometheus metrics for the simulator.
+
+Gauges and counters are plain Python numbers on :class:`SimMetrics`, turned into
+metric families only when ``/metrics`` is scraped, so the request path pays an
+integer add instead of a lock. The two latency histograms use prometheus-client's
+``Histogram`` (one ``observe`` per request). Everything lives in a per-process
+:class:`~prometheus_client.CollectorRegistry`, never the global one.
+
+Names and labels follow vLLM's V1 engine (``model_name="<served name>"``), plus
+the pre-0.10 alias ``vllm:gpu_cache_usage_perc`` so older dashboards and KEDA
+triggers keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class SimMetrics(Collector):
+    """Live counters of one simulator process; also its own collector."""
+
+    def __init__(self, model_name: str, kv_capacity_tokens: int) -> None:
+        self.model_name = model_name
+        self.kv_capacity_tokens = max(1, kv_capacity_tokens)
+        self.running = 0
+        self.waiting = 0
+        self.kv_tokens = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name=model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            ["model_name"],
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name=model_name)
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_tokens / self.kv_capacity_tokens)
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", self.running
+        )
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting)
+        usage = self.kv_usage
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated alias).", usage)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)
+        yield counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, n in self.success.items():
+            success.add_metric([self.model_name, reason], n)
+        yield success
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
