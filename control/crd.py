@@ -32,10 +32,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         non_null = [branch for branch in any_of if branch.get("type") != "null"]
         if len(non_null) == 1:
             rest = {k: v for k, v in node.items() if k != "anyOf"}
-            out = _structural({**non_null[0], **rest}, defs)
+            flattened: dict[str, Any] = _structural({**non_null[0], **rest}, defs)
             if len(non_null) < len(any_of):
-                out["nullable"] = True
-            return out
+                flattened["nullable"] = True
+            return flattened
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in ("title", "$defs"):
@@ -97,8 +97,14 @@ def model_crd() -> dict[str, Any]:
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"plural": "models", "singular": "model", "kind": "Model", "listKind": "ModelList",
-                      "shortNames": ["mdl"], "categories": ["wakegate"]},
+            "names": {
+                "plural": "models",
+                "singular": "model",
+                "kind": "Model",
+                "listKind": "ModelList",
+                "shortNames": ["mdl"],
+                "categories": ["wakegate"],
+            },
             "versions": [
                 {
                     "name": VERSION,
@@ -110,8 +116,12 @@ def model_crd() -> dict[str, Any]:
                         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
                         {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
-                        {"name": "Reason", "type": "string", "priority": 1,
-                         "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
+                        {
+                            "name": "Reason",
+                            "type": "string",
+                            "priority": 1,
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+                        },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

@@ -86,9 +86,7 @@ class Scaling(_Spec):
 
 class Endpoint(_Spec):
     maxQueue: int = Field(100, ge=0, le=100000, description="Cold requests held per model per gateway.")
-    coldMode: ColdMode = Field(
-        ColdMode.HOLD, description="What a request to a model with no ready replica gets."
-    )
+    coldMode: ColdMode = Field(ColdMode.HOLD, description="What a request to a model with no ready replica gets.")
 
 
 class Gpu(_Spec):
@@ -124,9 +122,7 @@ class GpuResources(_Spec):
 
 class Resources(_Spec):
     gpu: GpuResources = Field(default_factory=GpuResources)
-    cpu: str | None = Field(
-        None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m."
-    )
+    cpu: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m.")
     memory: str | None = Field(
         None, pattern=r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$", description="Memory request, e.g. 32Gi."
     )
@@ -148,9 +144,7 @@ SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]
 
 
 class ModelSpec(_Spec):
-    backend: str = Field(
-        description="Backend plugin that serves the model (see `wakegate up --list-backends`)."
-    )
+    backend: str = Field(description="Backend plugin that serves the model (see `wakegate up --list-backends`).")
     servedName: ServedName | None = Field(
         None,
         description="Name the backend serves; defaults to metadata.name. Request bodies are rewritten to it.",
@@ -172,9 +166,7 @@ class ModelSpec(_Spec):
     gpu: Gpu = Field(default_factory=Gpu)
     # Kubernetes placement; ignored by `wakegate up`.
     runtimeRef: RuntimeRef | None = None
-    source: str | None = Field(
-        None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…"
-    )
+    source: str | None = Field(None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…")
     resources: Resources = Field(default_factory=Resources)
     tolerations: list[Toleration] = Field(default_factory=list)
     nodeSelector: dict[str, str] = Field(default_factory=dict)
@@ -257,17 +249,13 @@ def parse_models(text: str, source: str = "<input>") -> list[Model]:
         where = f"{source}: document {doc.index}"
         if not isinstance(doc.body, dict):
             raise ManifestError(f"{where}: expected a mapping with apiVersion, kind, metadata, spec")
-        name = (
-            doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
-        )
+        name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
         if name:
             where += f" (Model {name!r})"
         try:
             model = Model.model_validate(doc.body)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors()
-            )
+            problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
             raise ManifestError(f"{where}: {problems}") from None
         for client_name in model.client_names + model.spec.loraAdapters:
             owner = seen_names.get(client_name)

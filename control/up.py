@@ -20,13 +20,19 @@ import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from wakegate.v1 import demand_pb2_grpc
 
 from control.backends import BACKENDS
+from control.demand import DemandBook, DemandService
+from control.local.metrics import UpMetrics
 from control.local.process import Child
-from control.local.runtime import ModelRuntime, RuntimeSettings, free_port
+from control.local.runtime import ModelRuntime, ReplicaState, RuntimeSettings, free_port
+from control.local.scaler import LocalScaler
 from control.schema import ManifestError, Model, parse_models
 from control.xds.cache import SnapshotCache
 from control.xds.resources import GatewaySettings, build
@@ -46,9 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP address for /status (models, replicas, ports) and /healthz",
     )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
-    parser.add_argument(
-        "--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)"
-    )
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     parser.add_argument("--global-rps", type=float, default=0.0)
     parser.add_argument("--global-burst", type=float, default=0.0)
@@ -57,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--upstream-header",
         action="store_true",
         help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging",
+    )
+    parser.add_argument(
+        "--status-display",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live status table on the terminal (default: when stderr is a terminal)",
     )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
@@ -86,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"wakegate up: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
         return 2
+    if args.status_display is None:
+        args.status_display = sys.stderr.isatty()
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -115,6 +127,7 @@ class Ports:
     xds: int
     extproc: int
     extproc_admin: int
+    activator: int
     envoy_admin: int
 
 
@@ -132,10 +145,62 @@ class Up:
         self.cache = SnapshotCache()
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
         self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon) for m in models}
+        self.metrics = UpMetrics()
+        self.book = DemandBook()
+        self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
+        self.demand_service = DemandService(self.book, self.scaler.poke)
         self.children: list[Child] = []
         self._publish_pending = False
         self._stop = asyncio.Event()
         self._failure: str | None = None
+
+    # -- observability --------------------------------------------------------------------------
+
+    def _cold_start(self, model: str, stage: str, seconds: float) -> None:
+        self.metrics.cold_start.labels(model, stage).observe(seconds)
+        if stage == "process_start":
+            self.metrics.cold_starts.labels(model).inc()
+        log.info("cold start model=%s stage=%s seconds=%.3f", model, stage, seconds)
+
+    def _swap(self, group: str, old: str | None, new: str) -> None:
+        if old is not None and new:
+            self.metrics.swaps.labels(group).inc()
+
+    def _refresh_gauges(self) -> None:
+        for key, runtime in self.runtimes.items():
+            load = self.scaler.loads.get(key)
+            self.metrics.replicas.labels(key).set(runtime.replica_count)
+            self.metrics.ready.labels(key).set(len(runtime.ready_endpoints))
+            self.metrics.queued.labels(key).set(load.queued if load else 0)
+            self.metrics.in_flight.labels(key).set(load.in_flight if load else 0)
+            self.metrics.leases.labels(key).set(load.leases if load else 0)
+
+    async def _status_display(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.table import Table
+
+        def table() -> Table:
+            view = Table(title=f"wakegate up — http://{self.gateway.listen_host}:{self.gateway.listen_port}")
+            for column in ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start"):
+                view.add_column(column)
+            for model in self.status()["models"]:
+                cold = model["last_cold_start_seconds"]
+                view.add_row(
+                    model["key"],
+                    model["state"],
+                    str(len(model["replicas"])),
+                    str(model["ready"]),
+                    str(model["queued"]),
+                    str(model["in_flight"]),
+                    f"{cold:.2f}s" if cold else "-",
+                )
+            return view
+
+        with Live(table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
+            while True:
+                await asyncio.sleep(0.5)
+                live.update(table())
 
     # -- feeder -------------------------------------------------------------------------------
 
@@ -171,14 +236,25 @@ class Up:
         try:
             admin = await self._start_admin()
             await self._publish()
-            server, _ads, xds_port = await start_server(self.cache, "127.0.0.1:0")
+            server, _ads, xds_port = await start_server(
+                self.cache,
+                "127.0.0.1:0",
+                lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
+            )
             ports = Ports(
-                xds=xds_port, extproc=free_port(), extproc_admin=free_port(), envoy_admin=free_port()
+                xds=xds_port,
+                extproc=free_port(),
+                extproc_admin=free_port(),
+                activator=free_port(),
+                envoy_admin=free_port(),
             )
             extproc = await self._start_extproc(ports)
             envoy = await self._start_envoy(ports)
-            await asyncio.gather(*(rt.scale_to(rt.model.spec.scaling.min) for rt in self.runtimes.values()))
             watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
+            watchers.append(asyncio.create_task(self.scaler.run()))
+            self.scaler.poke()
+            if self.args.status_display:
+                watchers.append(asyncio.create_task(self._status_display()))
             if await self._wait_gateway_ready(ports):
                 names = ", ".join(m.key for m in self.models)
                 log.info(
@@ -206,7 +282,7 @@ class Up:
             return 1
         return 0
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         return {
             "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
             "models": [
@@ -226,9 +302,23 @@ class Up:
                         for r in rt.replicas
                     ],
                     "ready": len(rt.ready_endpoints),
+                    "state": _model_state(rt),
+                    "admitted": rt.admitted,
+                    "failed_activations": rt.failed_activations,
+                    "last_failure": rt.last_failure,
+                    "last_cold_start_seconds": rt.last_cold_start,
+                    "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,
+                    "in_flight": (
+                        self.scaler.loads[rt.model.key].in_flight if rt.model.key in self.scaler.loads else 0
+                    ),
+                    "leases": self.scaler.loads[rt.model.key].leases if rt.model.key in self.scaler.loads else 0,
                 }
                 for rt in self.runtimes.values()
             ],
+            "gpu_groups": {
+                name: {"active": self.scaler.group_active(name), "swaps": swaps}
+                for name, swaps in self.scaler.swaps.items()
+            },
         }
 
     async def _start_admin(self) -> web.AppRunner:
@@ -238,7 +328,14 @@ class Up:
         async def healthz(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
 
+        async def metrics(_: web.Request) -> web.Response:
+            self._refresh_gauges()
+            return web.Response(
+                body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
+
         app = web.Application()
+        app.router.add_get("/metrics", metrics)
         app.router.add_get("/status", status)
         app.router.add_get("/healthz", healthz)
         runner = web.AppRunner(app, access_log=None)
@@ -256,6 +353,8 @@ class Up:
             f"127.0.0.1:{ports.extproc}",
             "--admin-listen",
             f"127.0.0.1:{ports.extproc_admin}",
+            "--activator-listen",
+            f"127.0.0.1:{ports.activator}",
             "--xds",
             f"127.0.0.1:{ports.xds}",
             "--max-body-bytes",
@@ -284,6 +383,8 @@ class Up:
             xds_port=ports.xds,
             extproc_host="127.0.0.1",
             extproc_port=ports.extproc,
+            activator_host="127.0.0.1",
+            activator_port=ports.activator,
         )
         config = self.state_dir / "envoy.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
@@ -349,3 +450,17 @@ class Up:
             await child.stop(10.0)
         await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
         log.info("wakegate up: stopped")
+
+
+def _model_state(runtime: ModelRuntime) -> str:
+    """One word for the status table: idle, waiting (GPU group), loading, ready, restarting."""
+    states = {r.state for r in runtime.replicas}
+    if ReplicaState.READY in states:
+        return "ready"
+    if ReplicaState.STARTING in states:
+        return "loading"
+    if ReplicaState.RESTARTING in states:
+        return "restarting"
+    if not runtime.admitted:
+        return "waiting"
+    return "idle"

@@ -21,7 +21,11 @@ def make_app(gateway: Gateway, ready: Callable[[], bool]) -> web.Application:
             body=generate_latest(gateway.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def queue(_: web.Request) -> web.Response:
+        return web.json_response(gateway.queue_view())
+
     app = web.Application()
+    app.router.add_get("/wakegate/queue", queue)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

@@ -185,9 +185,7 @@ class ApiKeys:
     def _report(self, problem: str) -> None:
         if problem != self._problem:
             self._problem = problem
-            log.warning(
-                "API key file %s %s; keeping the previous %d keys", self._path, problem, len(self._digests)
-            )
+            log.warning("API key file %s %s; keeping the previous %d keys", self._path, problem, len(self._digests))
 
     def _log_loaded(self, verb: str) -> None:
         n = len(self._digests)

@@ -19,8 +19,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from extproc import admin
+from extproc import activator, admin
 from extproc.auth import ApiKeys, AuthConfigError
+from extproc.demand import DemandReporter
 from extproc.feed import RouteFeed
 from extproc.service import Gateway, Processor, Settings
 
@@ -31,10 +32,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", default="127.0.0.1:9002", help="gRPC address Envoy connects to (HOST:PORT or unix:PATH)"
     )
-    parser.add_argument(
-        "--admin-listen", default="127.0.0.1:9003", help="HTTP address for /healthz and /metrics"
-    )
+    parser.add_argument("--admin-listen", default="127.0.0.1:9003", help="HTTP address for /healthz and /metrics")
     parser.add_argument("--xds", required=True, help="address of the xDS feeder (HOST:PORT)")
+    parser.add_argument(
+        "--activator-listen",
+        default="127.0.0.1:9004",
+        help="HTTP address of the activator (keepalive cold mode); loopback only",
+    )
+    parser.add_argument("--demand", default=None, help="address of the demand receiver (HOST:PORT); defaults to --xds")
+    parser.add_argument(
+        "--demand-token-file", type=Path, default=None, help="file holding the bearer token for demand reports"
+    )
+    parser.add_argument(
+        "--keepalive-seconds",
+        type=float,
+        default=2.0,
+        help="interval of SSE heartbeats while a keepalive request waits",
+    )
     parser.add_argument("--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}")
     parser.add_argument(
         "--api-keys-file",
@@ -43,9 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file with one API key per line; re-read on change; omit to disable auth",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument(
-        "--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)"
-    )
+    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
     parser.add_argument("--global-burst", type=float, default=0.0)
     parser.add_argument("--drain-seconds", type=float, default=30.0)
     parser.add_argument("--log-level", default="INFO")
@@ -58,9 +70,7 @@ def main(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         log.error("%s", exc)
         return 2
-    settings = Settings(
-        max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
-    )
+    settings = Settings(max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst)
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -87,10 +97,25 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         log.error("cannot listen on %s", args.listen)
         return 2
     feed = RouteFeed(args.xds, args.node_id, gateway.set_routes)
+    reporter = DemandReporter(
+        args.demand or args.xds,
+        args.node_id,
+        gateway.cold.snapshot,
+        lambda: gateway.in_flight,
+        token_file=args.demand_token_file,
+    )
+    gateway.on_demand_change = reporter.changed
     host, port = _host_port(args.admin_listen)
     runner = await admin.start(gateway, feed.synced.is_set, host, port)
+    keepalive = activator.Activator(gateway, args.keepalive_seconds)
+    host, port = _host_port(args.activator_listen)
+    activator_runner = await activator.start(keepalive, host, port)
     await server.start()
-    feed_task = asyncio.create_task(feed.run())
+    tasks = [
+        asyncio.create_task(feed.run()),
+        asyncio.create_task(reporter.run()),
+        asyncio.create_task(_expire_leases(gateway)),
+    ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = 0
@@ -116,9 +141,20 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     log.info("extproc draining (up to %.0fs)", args.drain_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(args.drain_seconds)
-    feed_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await feed_task
+    await activator_runner.cleanup()
+    await keepalive.close()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await runner.cleanup()
     log.info("extproc stopped")
     return 0
+
+
+async def _expire_leases(gateway: Gateway) -> None:
+    """End activation leases on time, so demand reports stop carrying them."""
+    while True:
+        next_end = gateway.cold.expire()
+        await asyncio.sleep(min(next_end, 1.0) if next_end is not None else 1.0)

@@ -50,9 +50,7 @@ _MAX_RINGS = 10_000
 
 def _hash64(text: str) -> int:
     """A stable 64-bit hash of ``text`` (same value in every process)."""
-    return int.from_bytes(
-        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
-    )
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
 def _sha256_hex(text: str) -> str:
@@ -131,9 +129,7 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> s
     if not isinstance(messages, list) or not messages:
         return None
     try:
-        canonical = json.dumps(
-            messages[:SESSION_MESSAGES], sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        )
+        canonical = json.dumps(messages[:SESSION_MESSAGES], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):  # not JSON data (cannot happen for a parsed body)
         return None
     return _sha256_hex(canonical)
@@ -176,9 +172,7 @@ def _chat_prefix(messages: list[Any], limit: int) -> str:
     return "".join(pieces)[:limit]
 
 
-def prefix_key(
-    headers: Mapping[str, str], body: Mapping[str, Any] | None, prefix_chars: int = 1024
-) -> str | None:
+def prefix_key(headers: Mapping[str, str], body: Mapping[str, Any] | None, prefix_chars: int = 1024) -> str | None:
     """The key that sends requests sharing a prompt prefix to one endpoint, or None.
 
     First that applies: header ``x-cache-key``, body ``cache_key`` (non-empty string), else the

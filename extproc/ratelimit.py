@@ -133,9 +133,7 @@ class RateLimiter:
             glob._take(now)
         return 0.0
 
-    def _model_bucket(
-        self, model_key: str, rate: float | None, burst: float | None, now: float
-    ) -> TokenBucket | None:
+    def _model_bucket(self, model_key: str, rate: float | None, burst: float | None, now: float) -> TokenBucket | None:
         params = _normalize(rate, burst)
         models = self._models
         bucket = models.get(model_key)

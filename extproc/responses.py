@@ -58,6 +58,4 @@ def immediate(
 
 def error(status: int, code: str, message: str, *, retry_after: str | None = None) -> ep.ProcessingResponse:
     extra = [("retry-after", retry_after)] if retry_after else []
-    return immediate(
-        status, error_body(status, code, message), extra_headers=extra, details=f"wakegate_{code}"
-    )
+    return immediate(status, error_body(status, code, message), extra_headers=extra, details=f"wakegate_{code}")

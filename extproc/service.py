@@ -2,8 +2,10 @@
 
 Order of decisions for each request, cheapest first, nothing queued before auth:
 open paths (/healthz, /metrics) -> auth -> model from header or path (else ask
-Envoy for the buffered body) -> resolve name -> rate limit -> endpoint pick ->
-mutations (cluster header, endpoint header + envoy.lb metadata, body rewrite).
+Envoy for the buffered body) -> resolve name -> rate limit -> ready endpoint?
+-> pick + mutations (cluster header, endpoint header + envoy.lb metadata, body
+rewrite). A model with no ready endpoint takes the cold path: demand first,
+then its cold mode (hold here, keepalive via the activator, or reject).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +21,16 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 from prometheus_client import generate_latest
 from wakegate.v1 import routing_pb2
 
 from extproc.auth import ApiKeys
+from extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from extproc.metrics import Metrics
 from extproc.naming import (
     BadRequest,
+    Resolved,
     RouteTable,
     model_from_headers,
     model_from_json,
@@ -42,6 +46,9 @@ log = logging.getLogger("wakegate.extproc")
 CLUSTER_HEADER = "x-wakegate-cluster"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
+ACTIVATOR_CLUSTER = "wakegate_activator"
+#: Set on requests routed to the activator: which model they wait for.
+ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 
 _STRATEGY_NAMES = {
     routing_pb2.STRATEGY_DEFAULT: "default",
@@ -51,9 +58,7 @@ _STRATEGY_NAMES = {
 }
 _BUFFER_BODY = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED
-    ),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
 )
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 
@@ -67,6 +72,8 @@ class Settings:
     #: Token bucket over all models, requests/s (0 = unlimited) and burst.
     global_rate: float = 0.0
     global_burst: float = 0.0
+    #: Retry-After sent with cold-mode `reject` and failed activations, seconds.
+    cold_retry_after: int = 5
 
 
 class Gateway:
@@ -79,23 +86,61 @@ class Gateway:
         self.table = RouteTable()
         self.limiter = RateLimiter(settings.global_rate or None, settings.global_burst or None)
         self.picker = Picker()
+        self.in_flight: dict[str, int] = {}
+        self.on_demand_change: Callable[[], None] = lambda: None
+        self.cold = ColdQueues(self._demand_changed)
         self._models_body = b'{"object":"list","data":[]}'
+
+    def _demand_changed(self) -> None:
+        self.on_demand_change()
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
         self.table = RouteTable(routes)
         self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
         self.metrics.routes.set(len(self.table.routes))
         self.metrics.route_updates.inc()
+        self.cold.on_routes(self.table.routes)
 
     @property
     def models_body(self) -> bytes:
         return self._models_body
 
+    def queue_view(self) -> dict[str, Any]:
+        """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
+        cold = self.cold.snapshot()
+        keys = sorted(set(cold) | {k for k, v in self.in_flight.items() if v} | set(self.table.routes))
+        return {
+            "models": [
+                {
+                    "model": key,
+                    "queued": cold.get(key, (0, 0, 0))[0],
+                    "leases": cold.get(key, (0, 0, 0))[1],
+                    "in_flight": self.in_flight.get(key, 0),
+                    "ready_endpoints": len(self.table.routes[key].endpoints) if key in self.table.routes else 0,
+                }
+                for key in keys
+            ]
+        }
+
+    def routed(self, key: str, endpoint: str | None) -> None:
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        self.metrics.in_flight.labels(key).inc()
+        self.metrics.requests.labels(key, "routed").inc()
+        if endpoint is not None:
+            self.picker.inflight.acquire(endpoint)
+
+    def finished(self, key: str, endpoint: str | None) -> None:
+        self.in_flight[key] -= 1
+        if not self.in_flight[key]:
+            del self.in_flight[key]
+        self.metrics.in_flight.labels(key).dec()
+        if endpoint is not None:
+            self.picker.inflight.release(endpoint)
+
 
 def _headers(message: ep.HttpHeaders) -> dict[str, str]:
     return {
-        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-        for h in message.headers.headers
+        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
     }
 
 
@@ -110,7 +155,17 @@ class _Exchange:
         self.new_path: str | None = None
         self.endpoint: str | None = None
         self.model_key: str | None = None
-        self.started = time.perf_counter()
+        self.started = time.monotonic()
+
+
+@dataclass(slots=True)
+class _Cold:
+    """The request must wait for its model: what to resume with once it is ready."""
+
+    resolved: Resolved
+    parsed: dict[str, Any] | None
+    raw_body: bytes | None
+    in_body: bool
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -125,24 +180,32 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
-                    exchange.started = time.perf_counter()
-                    yield self._on_headers(exchange, message.request_headers)
+                    exchange.started = time.monotonic()
+                    decided = self._on_headers(exchange, message.request_headers)
                 elif kind == "request_body":
-                    yield self._on_body(exchange, message.request_body)
+                    decided = self._on_body(exchange, message.request_body)
                 elif kind == "response_headers":
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+                    decided = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
                 elif kind == "response_body":
-                    yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                    decided = ep.ProcessingResponse(response_body=ep.BodyResponse())
                 elif kind == "request_trailers":
-                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                elif kind == "response_trailers":
-                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                    decided = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                else:
+                    decided = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                if isinstance(decided, _Cold):
+                    timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
+                    # Tell Envoy we may take up to the activation timeout for this message.
+                    yield ep.ProcessingResponse(
+                        override_message_timeout=duration_pb2.Duration(seconds=int(timeout_s) + 1)
+                    )
+                    decided = await self._hold(exchange, decided, exchange.started + timeout_s)
+                yield decided
         finally:
             self._finish(exchange)
 
     # -- phases ---------------------------------------------------------------------------------
 
-    def _on_headers(self, ex: _Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse:
+    def _on_headers(self, ex: _Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse | _Cold:
         headers = _headers(message)
         ex.headers = headers
         path = headers.get(":path", "")
@@ -159,7 +222,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ex.new_path = found.new_path
         if found.model is not None:
             ex.model_name = found.model
-            return self._route(ex, None, None, in_body=False)
+            return self._decide(ex, None, None, in_body=False)
         # The model is in the body: check what we can before asking Envoy to buffer it.
         if message.end_of_stream:
             return self._reject(
@@ -169,9 +232,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 "no model named: send X-Model-ID, /model/<name>/..., or a body with `model`",
             )
         content_type = headers.get("content-type", "").lower()
-        if not (
-            content_type.startswith("application/json") or content_type.startswith("multipart/form-data")
-        ):
+        if not (content_type.startswith("application/json") or content_type.startswith("multipart/form-data")):
             return self._reject(
                 None,
                 415,
@@ -186,14 +247,11 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return self._reject(None, 400, "invalid_content_length", "content-length is not a number")
             if too_big:
                 return self._reject(
-                    None,
-                    413,
-                    "body_too_large",
-                    f"request body exceeds {self.gw.settings.max_body_bytes} bytes",
+                    None, 413, "body_too_large", f"request body exceeds {self.gw.settings.max_body_bytes} bytes"
                 )
         return _BUFFER_BODY
 
-    def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
+    def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse | _Cold:
         if ex.model_name is not None:
             return _CONTINUE_BODY  # routed from headers; Envoy should not have sent it
         body = message.body
@@ -205,18 +263,18 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             if content_type.lower().startswith("multipart/form-data"):
                 ex.model_name = model_from_multipart(content_type, body)
-                return self._route(ex, None, None, in_body=True)
+                return self._decide(ex, None, None, in_body=True)
             parsed = parse_json_body(body)
             ex.model_name = model_from_json(parsed)
         except BadRequest as exc:
             return self._reject(None, 400, exc.code, str(exc))
-        return self._route(ex, parsed, body, in_body=True)
+        return self._decide(ex, parsed, body, in_body=True)
 
     # -- decisions ------------------------------------------------------------------------------
 
-    def _route(
+    def _decide(
         self, ex: _Exchange, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
-    ) -> ep.ProcessingResponse:
+    ) -> ep.ProcessingResponse | _Cold:
         assert ex.model_name is not None
         resolved = self.gw.table.resolve(ex.model_name)
         if resolved is None:
@@ -226,32 +284,80 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         wait = self.gw.limiter.admit(route.key, rate.requests_per_second or None, rate.burst or None)
         if wait > 0:
             return self._reject(
-                route.key,
-                429,
-                "rate_limited",
-                "rate limit exceeded; retry later",
-                retry_after=retry_after_header(wait),
+                route.key, 429, "rate_limited", "rate limit exceeded; retry later", retry_after=retry_after_header(wait)
             )
-        if not route.endpoints:
+        if route.endpoints:
+            return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
+        # Cold: demand is registered before anything that can wait or refuse.
+        self.gw.cold.demand(route)
+        mode = route.cold.mode
+        if mode == routing_pb2.COLD_MODE_REJECT:
             return self._reject(
                 route.key,
                 503,
                 "model_not_ready",
-                f"model {ex.model_name!r} has no ready backend",
-                retry_after="5",
+                f"model {ex.model_name!r} is starting; retry later",
+                retry_after=str(self.gw.settings.cold_retry_after),
             )
-        endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
-        strategy = _STRATEGY_NAMES.get(route.strategy, "default")
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
-        mutations = [header(CLUSTER_HEADER, route.cluster)]
+        if mode == routing_pb2.COLD_MODE_KEEPALIVE and parsed is not None and parsed.get("stream") is True:
+            if self.gw.cold.depth(route.key) >= route.cold.max_queue:
+                return self._queue_full(route)
+            return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
+        return _Cold(resolved, parsed, raw_body, in_body)
+
+    async def _hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+        route = cold.resolved.route
+        self.gw.metrics.queue_depth.labels(route.key).inc()
+        try:
+            await self.gw.cold.wait(route, deadline)
+        except QueueFull:
+            return self._queue_full(route)
+        except ActivationTimeout:
+            return self._reject(
+                route.key,
+                503,
+                "activation_timeout",
+                f"model {ex.model_name!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
+            )
+        except ActivationFailed as exc:
+            return self._reject(
+                route.key,
+                503,
+                "activation_failed",
+                f"model {ex.model_name!r} failed to start: {exc}",
+                retry_after=str(self.gw.settings.cold_retry_after),
+            )
+        finally:
+            self.gw.metrics.queue_depth.labels(route.key).dec()
+        resolved = self.gw.table.resolve(ex.model_name or "")
+        if resolved is None:
+            return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
+            return await self._hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
+        return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
+
+    def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
+        return self._reject(
+            route.key,
+            429,
+            "queue_full",
+            f"too many requests waiting for model {route.key!r}",
+            retry_after=str(self.gw.settings.cold_retry_after),
+        )
+
+    def _mutations(
+        self,
+        ex: _Exchange,
+        resolved: Resolved,
+        parsed: dict[str, Any] | None,
+        raw_body: bytes | None,
+        cluster: str,
+        extra: list[Any],
+    ) -> tuple[ep.CommonResponse, bool]:
+        mutations = [header(CLUSTER_HEADER, cluster), *extra]
         removals: list[str] = []
-        metadata: struct_pb2.Struct | None = None
-        if endpoint is not None:
-            mutations.append(header(DESTINATION_HEADER, endpoint))
-            metadata = struct_pb2.Struct()
-            metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = endpoint
-        elif DESTINATION_HEADER in ex.headers:
-            removals.append(DESTINATION_HEADER)  # a client may not choose the backend itself
+        if self.gw.keys.enabled:
+            removals.append("authorization")  # the gateway's key is not the backend's business
         if ex.new_path is not None:
             mutations.append(header(":path", ex.new_path))
         body_mutation = None
@@ -265,34 +371,55 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             body_mutation=body_mutation,
             clear_route_cache=True,
         )
+        return common, body_mutation is not None
+
+    def _forward(
+        self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
+    ) -> ep.ProcessingResponse:
+        route = resolved.route
+        endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
+        strategy = _STRATEGY_NAMES.get(route.strategy, "default")
+        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
+        extra = []
+        metadata: struct_pb2.Struct | None = None
+        if endpoint is not None:
+            extra.append(header(DESTINATION_HEADER, endpoint))
+            metadata = struct_pb2.Struct()
+            metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = endpoint
+        common, _ = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
+        if endpoint is None and DESTINATION_HEADER in ex.headers:
+            common.header_mutation.remove_headers.append(DESTINATION_HEADER)  # clients may not pick backends
         ex.model_key = route.key
         ex.endpoint = endpoint
-        self.gw.metrics.requests.labels(route.key, "routed").inc()
-        self.gw.metrics.in_flight.labels(route.key).inc()
-        if endpoint is not None:
-            self.gw.picker.inflight.acquire(endpoint)
-        self.gw.metrics.pick_seconds.observe(time.perf_counter() - ex.started)
-        if not in_body:
-            return ep.ProcessingResponse(
-                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
-            )
-        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+        self.gw.routed(route.key, endpoint)
+        self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
+        if in_body:
+            return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata)
+
+    def _to_activator(
+        self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any], raw_body: bytes | None, *, in_body: bool
+    ) -> ep.ProcessingResponse:
+        extra = [header(ACTIVATOR_MODEL_HEADER, resolved.route.key)]
+        common, _ = self._mutations(ex, resolved, parsed, raw_body, ACTIVATOR_CLUSTER, extra)
+        if DESTINATION_HEADER in ex.headers:
+            common.header_mutation.remove_headers.append(DESTINATION_HEADER)
+        self.gw.metrics.requests.labels(resolved.route.key, "keepalive").inc()
+        if in_body:
+            return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
 
     def _finish(self, ex: _Exchange) -> None:
         if ex.model_key is None:
             return
-        self.gw.metrics.in_flight.labels(ex.model_key).dec()
-        if ex.endpoint is not None:
-            self.gw.picker.inflight.release(ex.endpoint)
+        self.gw.finished(ex.model_key, ex.endpoint)
         ex.model_key = None
 
     def _open_path(self, path: str) -> ep.ProcessingResponse:
         if path == "/healthz":
             return immediate(200, b'{"status":"ok"}')
         return immediate(
-            200,
-            generate_latest(self.gw.metrics.registry),
-            content_type="text/plain; version=0.0.4; charset=utf-8",
+            200, generate_latest(self.gw.metrics.registry), content_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
     def _reject(
@@ -300,13 +427,6 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> ep.ProcessingResponse:
         return self._done(model_key, error(status, code, message, retry_after=retry_after), str(status))
 
-    def _done(
-        self, model_key: str | None, response: ep.ProcessingResponse, code: str = "200"
-    ) -> ep.ProcessingResponse:
+    def _done(self, model_key: str | None, response: ep.ProcessingResponse, code: str = "200") -> ep.ProcessingResponse:
         self.gw.metrics.requests.labels(model_key or "", code).inc()
         return response
-
-
-def header_map(mutation: ep.HeaderMutation) -> Mapping[str, str]:
-    """Header mutation as a plain mapping (tests and logs)."""
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}

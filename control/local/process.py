@@ -30,9 +30,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class Child:
     """One supervised process."""
 
-    def __init__(
-        self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
-    ) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path

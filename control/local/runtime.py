@@ -53,8 +53,9 @@ class RuntimeSettings:
     #: Where backend logs go: one file per replica.
     log_dir: Path = Path(".wakegate/logs")
     host: str = "127.0.0.1"
-    #: Health probe period while a replica loads, and once it is ready.
-    probe_interval_loading: float = 0.1
+    #: Health probe period while a replica loads (short: readiness is noticed within this
+    #: long, and held requests wait for it), and once it is ready.
+    probe_interval_loading: float = 0.02
     probe_interval_ready: float = 2.0
     #: Restart backoff bounds after a crash.
     restart_backoff_min: float = 1.0
@@ -86,6 +87,16 @@ class ModelRuntime:
         self.replicas: list[Replica] = []
         self._indexes = itertools.count()
         self.generation = 0
+        self.failed_activations = 0
+        self.last_failure = ""
+        #: False while a GPU-group peer holds the accelerator.
+        self.admitted = True
+        #: Seconds from the scale-from-zero decision to the first ready replica, last time.
+        self.last_cold_start: float | None = None
+        #: Hooks for the scaler and metrics: a replica spawned, became ready, or exited for good.
+        self.on_spawned: Callable[[ModelRuntime, Replica], None] | None = None
+        self.on_ready: Callable[[ModelRuntime, Replica], None] | None = None
+        self.on_exit: Callable[[ModelRuntime], None] | None = None
 
     @property
     def ready_endpoints(self) -> tuple[tuple[str, int], ...]:
@@ -106,9 +117,18 @@ class ModelRuntime:
             activation_timeout_s=float(spec.scaling.activationTimeout),
             endpoints=self.ready_endpoints,
             generation=self.generation,
+            failed_activations=self.failed_activations,
+            last_failure=self.last_failure,
+            admitted=self.admitted,
         )
 
+    @property
+    def replica_count(self) -> int:
+        return len(self.replicas)
+
     async def scale_to(self, count: int) -> None:
+        if count != len(self.replicas):
+            log.info("scale model=%s from=%d to=%d", self.model.key, len(self.replicas), count)
         while len(self.replicas) < count:
             self._start_replica()
         while len(self.replicas) > count:
@@ -157,6 +177,10 @@ class ModelRuntime:
         replica.state = ReplicaState.STOPPED
         log.info("replica stopped model=%s replica=%d", self.model.key, replica.index)
 
+    def publish(self) -> None:
+        """Routing-relevant state changed outside a replica (admission, failures)."""
+        self._changed()
+
     def _changed(self) -> None:
         self.generation += 1
         self._on_change()
@@ -164,22 +188,47 @@ class ModelRuntime:
     async def _supervise(self, replica: Replica) -> None:
         backoff = self.settings.restart_backoff_min
         url = f"http://{self.settings.host}:{replica.port}{self.backend.health_path}"
+        load_timeout = float(self.model.spec.scaling.activationTimeout)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while True:
                 replica.state = ReplicaState.STARTING
                 replica.started_at = time.monotonic()
                 await replica.child.start()
+                if self.on_spawned is not None:
+                    self.on_spawned(self, replica)
                 exited = asyncio.ensure_future(replica.child.wait())
                 try:
-                    code = await self._watch(replica, session, url, exited)
+                    code, reason = await self._watch(replica, session, url, exited, load_timeout)
                 finally:
                     if not exited.done():
                         exited.cancel()
-                if replica.state is ReplicaState.READY:
+                was_ready = replica.ready_at is not None
+                if was_ready:
                     backoff = self.settings.restart_backoff_min
+                else:
+                    self._activation_failed(
+                        reason or f"backend exited with code {code} while loading (log: {replica.child.log_path})"
+                    )
                 replica.state = ReplicaState.RESTARTING
                 replica.ready_at = None
                 replica.restarts += 1
+                if self.model.spec.scaling.min == 0:
+                    # Scale-from-zero models do not restart on their own: the scaler decides
+                    # again from demand, and a failed load needs a new activation lease.
+                    log.warning(
+                        "replica exited model=%s replica=%d code=%s log=%s",
+                        self.model.key,
+                        replica.index,
+                        code,
+                        replica.child.log_path,
+                    )
+                    replica.state = ReplicaState.STOPPED
+                    if replica in self.replicas:
+                        self.replicas.remove(replica)
+                    self._changed()
+                    if self.on_exit is not None:
+                        self.on_exit(self)
+                    return
                 self._changed()
                 log.warning(
                     "replica exited model=%s replica=%d code=%s restart_in=%.1fs log=%s",
@@ -192,11 +241,27 @@ class ModelRuntime:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.settings.restart_backoff_max)
 
+    def _activation_failed(self, reason: str) -> None:
+        self.failed_activations += 1
+        self.last_failure = reason
+        log.warning("activation failed model=%s failures=%d reason=%s", self.model.key, self.failed_activations, reason)
+
     async def _watch(
-        self, replica: Replica, session: aiohttp.ClientSession, url: str, exited: asyncio.Future[int]
-    ) -> int:
-        """Probe health until the process exits; returns its exit code."""
+        self,
+        replica: Replica,
+        session: aiohttp.ClientSession,
+        url: str,
+        exited: asyncio.Future[int],
+        load_timeout: float,
+    ) -> tuple[int | None, str | None]:
+        """Probe health until the process exits; returns its exit code and, for a load that
+        never passed health in time, the reason it was stopped."""
         while not exited.done():
+            if replica.ready_at is None and time.monotonic() - replica.started_at > load_timeout:
+                await replica.child.stop(self.settings.stop_grace)
+                return exited.result() if exited.done() else None, (
+                    f"health check {self.backend.health_path} did not pass within {load_timeout:.0f}s"
+                )
             healthy = await _probe(session, url)
             if healthy and replica.state is not ReplicaState.READY:
                 replica.state = ReplicaState.READY
@@ -208,6 +273,8 @@ class ModelRuntime:
                     replica.port,
                     replica.ready_at - replica.started_at,
                 )
+                if self.on_ready is not None:
+                    self.on_ready(self, replica)
                 self._changed()
             elif not healthy and replica.state is ReplicaState.READY:
                 replica.state = ReplicaState.STARTING
@@ -220,7 +287,7 @@ class ModelRuntime:
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(exited), interval)
-        return exited.result()
+        return exited.result(), None
 
 
 async def _probe(session: aiohttp.ClientSession, url: str) -> bool:

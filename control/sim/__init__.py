@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--exit-code", type=int, default=1, help="exit status for --fail-after-seconds (137 looks like OOM)")
     a("--never-ready", action="store_true", help="never finish loading: /health stays 503")
     a(
+        "--fault-file",
+        default=None,
+        metavar="PATH",
+        help="fault injection read at start: if PATH holds 'crash' the sim exits with code 3 while loading; "
+        "'hang' never finishes loading; missing or empty: no fault (lets tests fix a fault between starts)",
+    )
+    a(
         "--api-key",
         default=os.environ.get("VLLM_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY)",
@@ -138,9 +145,7 @@ async def serve(
         writer: AbstractStreamWriter,
         task: asyncio.Task[None],
     ) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, loop, client_max_size=CLIENT_MAX_SIZE
-        )
+        return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=CLIENT_MAX_SIZE)
 
     server = web.Server(sim.handle, request_factory=make_request, handler_cancellation=True, access_log=None)
     # in-flight requests are drained below; aiohttp's own wait is only for stragglers
@@ -197,12 +202,33 @@ async def serve(
     return 0
 
 
+def _read_fault(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            fault = f.read().strip()
+    except FileNotFoundError:
+        return ""
+    if fault not in ("", "crash", "hang"):
+        raise SystemExit(f"sim: unknown fault {fault!r} in {path}")
+    if fault:
+        log.warning("sim fault injected: %s (from %s)", fault, path)
+    return fault
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=str(args.log_level).upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    fault = _read_fault(args.fault_file)
+    if fault == "crash":
+        args.fail_after_seconds = args.startup_seconds / 2 if args.startup_seconds else 0.2
+        args.exit_code = 3
+    elif fault == "hang":
+        args.never_ready = True
     cfg = config_from_args(args)
     coro = serve(
         cfg,

@@ -108,9 +108,7 @@ class BadRequest(Exception):
         self.kind = kind
 
 
-def error_response(
-    status: int, message: str, kind: str, headers: dict[str, str] | None = None
-) -> web.Response:
+def error_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-shaped error, as vLLM returns it."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.Response(status=status, body=_dumps(body).encode(), content_type=JSON_CT, headers=headers)
@@ -360,9 +358,7 @@ class Sim:
         m.kv_tokens += prompt_tokens
         try:
             if stream:
-                return await self._stream(
-                    request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start
-                )
+                return await self._stream(request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start)
             return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start)
         finally:
             m.running -= 1

@@ -80,17 +80,13 @@ class SimMetrics(Collector):
             c.add_metric(value, v)
             return c
 
-        yield gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", self.running
-        )
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting)
         usage = self.kv_usage
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated alias).", usage)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)
-        yield counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens
-        )
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens)
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

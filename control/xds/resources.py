@@ -80,6 +80,9 @@ class RoutedModel:
     #: Ready endpoints as (ip, port).
     endpoints: tuple[tuple[str, int], ...] = ()
     generation: int = 0
+    failed_activations: int = 0
+    last_failure: str = ""
+    admitted: bool = True
 
     @property
     def cluster(self) -> str:
@@ -149,9 +152,7 @@ def _parse(message: _M, data: dict[str, Any]) -> _M:
 def _json_error(status: int, code: str, message: str, error_type: str) -> dict[str, Any]:
     return {
         "filter": {
-            "status_code_filter": {
-                "comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": "_"}}
-            }
+            "status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": "_"}}}
         },
         "body_format_override": {
             "json_format": {"error": {"message": message, "type": error_type, "code": code}},
@@ -210,9 +211,7 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                     "invalid_request_error",
                 ),
                 {
-                    "filter": {
-                        "response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}
-                    },
+                    "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}},
                     "body_format_override": {
                         "json_format": {
                             "error": {
@@ -231,9 +230,7 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         listener_pb2.Listener(),
         {
             "name": LISTENER_NAME,
-            "address": {
-                "socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}
-            },
+            "address": {"socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}},
             "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
             "filter_chains": [
                 {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
@@ -396,6 +393,9 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
             activation_timeout_ms=int(model.activation_timeout_s * 1000),
         ),
         generation=model.generation,
+        failed_activations=model.failed_activations,
+        last_failure=model.last_failure,
+        admitted=model.admitted,
     )
 
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -144,9 +144,16 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         )
 
 
-async def start_server(cache: SnapshotCache, listen: str) -> tuple[grpc.aio.Server, AdsServer, int]:
-    """Start the ADS gRPC server with the standard health service; returns the bound port."""
+async def start_server(
+    cache: SnapshotCache, listen: str, extra: Callable[[grpc.aio.Server], None] | None = None
+) -> tuple[grpc.aio.Server, AdsServer, int]:
+    """Start the ADS gRPC server with the standard health service; returns the bound port.
+
+    `extra` registers more services on the same server (the demand service in `wakegate up`).
+    """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
+    if extra is not None:
+        extra(server)
     ads = AdsServer(cache)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     health_servicer = health.aio.HealthServicer()

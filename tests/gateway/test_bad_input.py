@@ -70,9 +70,12 @@ def test_huge_chunked_body_is_refused(gateway: UpProcess) -> None:
         headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"},
         encode_chunked=True,
     )
-    response = conn.getresponse()
-    assert response.status == 413
-    assert b"body_too_large" in response.read()
+    try:
+        response = conn.getresponse()
+        assert response.status == 413
+        assert b"body_too_large" in response.read()
+    finally:
+        conn.close()
 
 
 def test_unknown_model_by_header(gateway: UpProcess) -> None:
@@ -147,20 +150,14 @@ def test_key_rotation_needs_no_restart(gateway: UpProcess, keys_file: Path) -> N
     keys_file.write_text(f"{API_KEY}\n{new_key}\n")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if (
-            request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status
-            == 200
-        ):
+        if request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status == 200:
             break
         time.sleep(0.2)
     else:
         pytest.fail("rotated key not accepted within 5 s")
     keys_file.write_text(f"{API_KEY}\n")
     deadline = time.monotonic() + 5
-    while (
-        request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status
-        != 401
-    ):
+    while request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status != 401:
         assert time.monotonic() < deadline, "revoked key still accepted after 5 s"
         time.sleep(0.2)
 

@@ -45,9 +45,7 @@ def test_chat_completion_streaming(client: openai.OpenAI, model: str) -> None:
 
 def test_alias_is_rewritten_to_served_name(client: openai.OpenAI) -> None:
     # The backend only serves org/chat-a; it would answer 404 for the alias.
-    reply = client.chat.completions.create(
-        model="gpt-a", messages=[{"role": "user", "content": "x"}], max_tokens=1
-    )
+    reply = client.chat.completions.create(model="gpt-a", messages=[{"role": "user", "content": "x"}], max_tokens=1)
     assert reply.model == "org/chat-a"
 
 
@@ -78,9 +76,7 @@ def test_completions_and_embeddings(client: openai.OpenAI) -> None:
 def test_model_from_header_and_path(gateway: UpProcess) -> None:
     headers = {"authorization": f"Bearer {API_KEY}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "org/chat-a"}
-    by_header = request(
-        "POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**headers, "x-model-id": "a"}
-    )
+    by_header = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**headers, "x-model-id": "a"})
     assert by_header.status == 200, by_header.text
     by_path = request(
         "POST",

@@ -17,9 +17,7 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 def served_by(gateway: UpProcess, body: dict[str, object], headers: dict[str, str] | None = None) -> str:
-    response = request(
-        "POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**AUTH, **(headers or {})}
-    )
+    response = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**AUTH, **(headers or {})})
     assert response.status == 200, response.text
     return response.headers["x-wakegate-upstream"]
 
@@ -28,9 +26,7 @@ def chat(model: str, *messages: str, **extra: object) -> dict[str, object]:
     return {
         "model": model,
         "max_tokens": 1,
-        "messages": [
-            {"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(messages)
-        ],
+        "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(messages)],
         **extra,
     }
 
@@ -45,9 +41,7 @@ def test_session_affinity_keeps_each_session_on_one_endpoint(gateway: UpProcess)
     per_session: dict[str, set[str]] = collections.defaultdict(set)
     for round_ in range(3):
         for s in range(40):
-            per_session[f"s{s}"].add(
-                served_by(gateway, chat("chat-b", f"turn {round_}"), {"x-session-id": f"s{s}"})
-            )
+            per_session[f"s{s}"].add(served_by(gateway, chat("chat-b", f"turn {round_}"), {"x-session-id": f"s{s}"}))
     assert all(len(eps) == 1 for eps in per_session.values()), per_session
     load = collections.Counter(next(iter(eps)) for eps in per_session.values())
     assert set(load) == endpoints, "sessions should spread over every endpoint"

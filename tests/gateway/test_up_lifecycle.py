@@ -22,15 +22,22 @@ def child_pids(up: UpProcess) -> list[int]:
 
 
 def chat(up: UpProcess) -> int:
-    return request("POST", f"{up.base_url}/chat/completions",
-                   body={"model": "s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).status
+    return request(
+        "POST",
+        f"{up.base_url}/chat/completions",
+        body={"model": "s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    ).status
 
 
 def test_invalid_file_fails_before_anything_starts(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(ONE + model_doc("broken", extra="  scaling: {min: 2, max: 1}\n"))
-    result = subprocess.run([sys.executable, "-m", "control", "up", "-f", str(bad), "--state-dir",
-                             str(tmp_path / "state")], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "control", "up", "-f", str(bad), "--state-dir", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "document 2 (Model 'broken')" in result.stderr and "spec.scaling" in result.stderr
     assert not (tmp_path / "state").exists()

@@ -66,14 +66,25 @@ async def test_nack_is_logged_and_does_not_wedge_the_stream(server, caplog: pyte
     await client.send(type_url=r.CLUSTER)
     first = await client.receive()
     assert len(first.resources) == 1
-    await client.send(type_url=r.CLUSTER, response_nonce=first.nonce, version_info="",
-                      error_detail=status_pb2.Status(code=3, message="bad cluster: reason from envoy"))
+    await client.send(
+        type_url=r.CLUSTER,
+        response_nonce=first.nonce,
+        version_info="",
+        error_detail=status_pb2.Status(code=3, message="bad cluster: reason from envoy"),
+    )
     with pytest.raises(TimeoutError):
         await client.receive(timeout=0.3)  # the same version is not re-sent after a NACK
     assert "reason from envoy" in caplog.text
     assert ads.stats.nacks == 1
-    await cache.set(r.build([r.RoutedModel(key="m", names=("m",), served_name="m"),
-                             r.RoutedModel(key="n", names=("n",), served_name="n")], r.GatewaySettings()))
+    await cache.set(
+        r.build(
+            [
+                r.RoutedModel(key="m", names=("m",), served_name="m"),
+                r.RoutedModel(key="n", names=("n",), served_name="n"),
+            ],
+            r.GatewaySettings(),
+        )
+    )
     second = await client.receive()
     assert len(second.resources) == 2 and second.version_info != first.version_info
     await client.send(type_url=r.CLUSTER, response_nonce=second.nonce, version_info=second.version_info)
@@ -86,8 +97,9 @@ async def test_named_endpoints_are_pushed_only_on_change(server) -> None:
     client = Client(channel)
     await client.send(type_url=r.ENDPOINT, resource_names=["model.m"])
     first = await client.receive()
-    await client.send(type_url=r.ENDPOINT, resource_names=["model.m"], response_nonce=first.nonce,
-                      version_info=first.version_info)
+    await client.send(
+        type_url=r.ENDPOINT, resource_names=["model.m"], response_nonce=first.nonce, version_info=first.version_info
+    )
     await cache.set(snapshot(9000))  # same content: nothing to push
     with pytest.raises(TimeoutError):
         await client.receive(timeout=0.3)

@@ -48,8 +48,10 @@ def test_bad_model_values(value: object) -> None:
 
 
 def test_multipart() -> None:
-    body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="m"\r\n\r\nmodel\r\n'
-            b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--B--\r\n')
+    body = (
+        b'--B\r\nContent-Disposition: form-data; name="file"; filename="m"\r\n\r\nmodel\r\n'
+        b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--B--\r\n'
+    )
     assert model_from_multipart("multipart/form-data; boundary=B", body) == "whisper"
     with pytest.raises(BadRequest, match="no `model`"):
         model_from_multipart("multipart/form-data; boundary=B", b"--B\r\n\r\n--B--")
@@ -58,8 +60,9 @@ def test_multipart() -> None:
 
 
 def test_route_table_resolves_names_aliases_and_adapters() -> None:
-    route = routing_pb2.ModelRoute(key="m", names=["m", "alias"], served_name="org/m", lora_adapters=["sql"],
-                                   cluster="model.m")
+    route = routing_pb2.ModelRoute(
+        key="m", names=["m", "alias"], served_name="org/m", lora_adapters=["sql"], cluster="model.m"
+    )
     table = RouteTable([route])
     assert table.resolve("alias").body_model == "org/m"  # type: ignore[union-attr]
     assert table.resolve("org/m").body_model == "org/m"  # type: ignore[union-attr]

@@ -12,8 +12,13 @@ from google.protobuf import json_format
 from control.xds import resources as r
 
 MODELS = [
-    r.RoutedModel(key="a", names=("a", "alias"), served_name="org/a", strategy="least-loaded",
-                  endpoints=(("127.0.0.1", 9001), ("127.0.0.1", 9000))),
+    r.RoutedModel(
+        key="a",
+        names=("a", "alias"),
+        served_name="org/a",
+        strategy="least-loaded",
+        endpoints=(("127.0.0.1", 9001), ("127.0.0.1", 9000)),
+    ),
     r.RoutedModel(key="ns/b", names=("b",), served_name="b", cold_mode="keepalive", max_queue=7),
 ]
 
@@ -34,8 +39,10 @@ def test_versions_follow_content() -> None:
     two = r.build(list(reversed(MODELS)), r.GatewaySettings())
     for type_url in one.by_type:
         assert r.version_of(one.by_type[type_url]) == r.version_of(two.by_type[type_url])
-    moved = r.build([MODELS[0], r.RoutedModel(key="ns/b", names=("b",), served_name="b",
-                                              endpoints=(("127.0.0.1", 1),))], r.GatewaySettings())
+    moved = r.build(
+        [MODELS[0], r.RoutedModel(key="ns/b", names=("b",), served_name="b", endpoints=(("127.0.0.1", 1),))],
+        r.GatewaySettings(),
+    )
     assert r.version_of(moved.by_type[r.ENDPOINT]) != r.version_of(one.by_type[r.ENDPOINT])
     assert r.version_of(moved.by_type[r.LISTENER]) == r.version_of(one.by_type[r.LISTENER])
 
@@ -60,15 +67,33 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
         as_dict["type"] = "STATIC"
         as_dict["loadAssignment"] = json_format.MessageToDict(built.by_type[r.ENDPOINT][name])
         clusters.append(as_dict)
-    clusters.append({"name": r.EXTPROC_CLUSTER, "type": "STATIC", "connectTimeout": "1s",
-                     "typedExtensionProtocolOptions": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                         "explicitHttpConfig": {"http2ProtocolOptions": {}}}},
-                     "loadAssignment": {"clusterName": r.EXTPROC_CLUSTER, "endpoints": [{"lbEndpoints": [
-                         {"endpoint": {"address": {"socketAddress": {"address": "127.0.0.1", "portValue": 1}}}}]}]}})
+    clusters.append(
+        {
+            "name": r.EXTPROC_CLUSTER,
+            "type": "STATIC",
+            "connectTimeout": "1s",
+            "typedExtensionProtocolOptions": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicitHttpConfig": {"http2ProtocolOptions": {}},
+                }
+            },
+            "loadAssignment": {
+                "clusterName": r.EXTPROC_CLUSTER,
+                "endpoints": [
+                    {
+                        "lbEndpoints": [
+                            {"endpoint": {"address": {"socketAddress": {"address": "127.0.0.1", "portValue": 1}}}}
+                        ]
+                    }
+                ],
+            },
+        }
+    )
     config = tmp_path / "envoy.json"
     config.write_text(json.dumps({"static_resources": {"listeners": [listener], "clusters": clusters}}))
     envoy = Path(sys.executable).parent / "envoy"
-    result = subprocess.run([str(envoy), "--mode", "validate", "-c", str(config)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [str(envoy), "--mode", "validate", "-c", str(config)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -20,7 +20,11 @@ def test_defaults() -> None:
     (model,) = parse_models(MINIMAL)
     spec = model.spec
     assert (spec.scaling.min, spec.scaling.max, spec.scaling.idleTimeout, spec.scaling.activationTimeout) == (
-        1, 1, 300, 180)
+        1,
+        1,
+        300,
+        180,
+    )
     assert spec.endpoint.maxQueue == 100 and spec.endpoint.coldMode is ColdMode.HOLD
     assert model.served_name == "small" and model.client_names == ["small"]
 
@@ -64,8 +68,11 @@ def test_bad_yaml_and_empty_and_wrong_kind() -> None:
 
 
 def test_a_name_may_belong_to_one_model_only() -> None:
-    text = MINIMAL + "---\n" + MINIMAL.replace("name: small", "name: other").replace(
-        "{backend: sim}", "{backend: sim, aliases: [small]}")
+    text = (
+        MINIMAL
+        + "---\n"
+        + MINIMAL.replace("name: small", "name: other").replace("{backend: sim}", "{backend: sim, aliases: [small]}")
+    )
     with pytest.raises(ManifestError, match="'small' is already used by Model 'small'"):
         parse_models(text)
 

@@ -54,7 +54,7 @@ class ColdPolicy(_message.Message):
     def __init__(self, mode: _Optional[_Union[ColdMode, str]] = ..., max_queue: _Optional[int] = ..., activation_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ModelRoute(_message.Message):
-    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation")
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class ModelRoute(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     COLD_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
@@ -75,4 +78,7 @@ class ModelRoute(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
     cold: ColdPolicy
     generation: int
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+    failed_activations: int
+    last_failure: str
+    admitted: bool
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,172 @@
+"""Demand aggregation across gateways (pure) and the gRPC service that feeds it.
+
+Every gateway process reports its per-model demand (queued cold requests,
+in-flight requests, activation leases) with its gateway id, a process-unique
+instance id and a strictly increasing sequence. The book keeps the newest
+report per gateway, drops stale and replayed ones, forgets a member silent for
+`member_ttl` seconds or one that withdraws, and bounds members and values so a
+misbehaving reporter cannot grow memory or inflate demand without limit.
+Memory only: after a restart, reports rebuild the state within one interval.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from wakegate.v1 import demand_pb2, demand_pb2_grpc
+
+log = logging.getLogger("wakegate.demand")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    queued: int = 0
+    in_flight: int = 0
+    leases: int = 0
+    #: Smallest failures_seen among live leases: a lease begun after the newest
+    #: failed activation may start another one.
+    newest_failures_seen: int = 0
+
+    @property
+    def demand(self) -> int:
+        return self.queued + self.in_flight
+
+
+@dataclass(slots=True)
+class _Member:
+    instance: str
+    sequence: int
+    seen_at: float
+    models: dict[str, ModelLoad]
+
+
+@dataclass
+class Limits:
+    member_ttl: float = 10.0
+    max_members: int = 256
+    max_models_per_report: int = 10_000
+    max_value: int = 1_000_000
+
+
+@dataclass
+class Rejections:
+    stale: int = 0
+    oversized: int = 0
+    too_many_members: int = 0
+    unauthenticated: int = 0
+    invalid: int = 0
+
+
+@dataclass
+class DemandBook:
+    limits: Limits = field(default_factory=Limits)
+    rejections: Rejections = field(default_factory=Rejections)
+    _members: dict[str, _Member] = field(default_factory=dict)
+
+    def apply(self, report: demand_pb2.DemandReport, now: float) -> tuple[bool, str]:
+        """Take one report; returns (accepted, reason when refused)."""
+        if not report.gateway_id or not report.instance:
+            self.rejections.invalid += 1
+            return False, "gateway_id and instance are required"
+        if len(report.models) > self.limits.max_models_per_report:
+            self.rejections.oversized += 1
+            return False, f"report names more than {self.limits.max_models_per_report} models"
+        member = self._members.get(report.gateway_id)
+        if member is not None and member.instance == report.instance and report.sequence <= member.sequence:
+            self.rejections.stale += 1
+            return False, f"stale sequence {report.sequence} <= {member.sequence}"
+        if report.withdraw:
+            if member is None or member.instance == report.instance:
+                self._members.pop(report.gateway_id, None)
+            return True, ""
+        if member is None:
+            self.expire(now)
+            if len(self._members) >= self.limits.max_members:
+                self.rejections.too_many_members += 1
+                return False, f"more than {self.limits.max_members} gateways report"
+        cap = self.limits.max_value
+        models: dict[str, ModelLoad] = {}
+        for entry in report.models:
+            if entry.queued > cap or entry.in_flight > cap or entry.leases > cap:
+                self.rejections.oversized += 1
+                return False, f"values for {entry.model!r} exceed {cap}"
+            models[entry.model] = ModelLoad(entry.queued, entry.in_flight, entry.leases, entry.failures_seen)
+        # A new instance under the same gateway id replaces the old one (restart).
+        self._members[report.gateway_id] = _Member(report.instance, report.sequence, now, models)
+        return True, ""
+
+    def expire(self, now: float) -> list[str]:
+        gone = [gid for gid, m in self._members.items() if now - m.seen_at > self.limits.member_ttl]
+        for gid in gone:
+            del self._members[gid]
+            log.warning("demand member expired gateway=%s (silent for %.0fs)", gid, self.limits.member_ttl)
+        return gone
+
+    def next_expiry(self) -> float | None:
+        if not self._members:
+            return None
+        return min(m.seen_at for m in self._members.values()) + self.limits.member_ttl
+
+    @property
+    def members(self) -> int:
+        return len(self._members)
+
+    def totals(self) -> dict[str, ModelLoad]:
+        """Per-model sums over the newest report of every live member."""
+        sums: dict[str, list[int]] = {}
+        for member in self._members.values():
+            for key, load in member.models.items():
+                acc = sums.setdefault(key, [0, 0, 0, -1])
+                acc[0] += load.queued
+                acc[1] += load.in_flight
+                acc[2] += load.leases
+                if load.leases:
+                    acc[3] = max(acc[3], load.newest_failures_seen)
+        return {k: ModelLoad(q, f, le, max(s, 0)) for k, (q, f, le, s) in sums.items()}
+
+
+class DemandService(demand_pb2_grpc.DemandServiceServicer):  # type: ignore[misc]
+    """gRPC face of the book. With a token file, reports must carry `authorization: Bearer <token>`."""
+
+    def __init__(
+        self,
+        book: DemandBook,
+        on_change: Callable[[], None],
+        *,
+        token_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.book = book
+        self._on_change = on_change
+        self._token_file = token_file
+        self._clock = clock
+
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
+        if self._token_file is None:
+            return True
+        try:
+            expected = self._token_file.read_text(encoding="utf-8").strip().encode()
+        except OSError:
+            return False
+        presented = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                presented = value[len("Bearer ") :].encode()
+        return bool(expected) and hmac.compare_digest(presented, expected)
+
+    async def Report(
+        self, request: demand_pb2.DemandReport, context: grpc.aio.ServicerContext
+    ) -> demand_pb2.ReportReply:
+        if not self._authorized(context):
+            self.book.rejections.unauthenticated += 1
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid demand token")
+        accepted, reason = self.book.apply(request, self._clock())
+        if accepted:
+            self._on_change()
+        return demand_pb2.ReportReply(accepted=accepted, reason=reason)

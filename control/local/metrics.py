@@ -1,0 +1,39 @@
+"""The `wakegate up` process's one metrics registry: cold starts, swaps, replicas, activation failures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+
+
+@dataclass
+class UpMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.cold_start = Histogram(
+            "wakegate_cold_start_seconds",
+            "Cold start of a model from zero replicas, by stage: process_start (decision to spawn), "
+            "health_pass (spawn to healthy), total (decision to ready).",
+            ["model", "stage"],
+            buckets=COLD_START_BUCKETS,
+            registry=r,
+        )
+        self.cold_starts = Counter("wakegate_cold_starts", "Scale-from-zero activations.", ["model"], registry=r)
+        self.activation_failures = Counter(
+            "wakegate_activation_failures", "Loads that crashed or never passed health.", ["model"], registry=r
+        )
+        self.swaps = Counter("wakegate_gpu_swaps", "GPU-group hand-overs between models.", ["group"], registry=r)
+        self.replicas = Gauge("wakegate_model_replicas", "Backend replicas (any state).", ["model"], registry=r)
+        self.ready = Gauge("wakegate_model_ready_replicas", "Backend replicas passing health.", ["model"], registry=r)
+        self.queued = Gauge("wakegate_model_queued", "Cold requests held, summed over gateways.", ["model"], registry=r)
+        self.in_flight = Gauge(
+            "wakegate_model_in_flight", "Requests in flight, summed over gateways.", ["model"], registry=r
+        )
+        self.leases = Gauge(
+            "wakegate_model_activation_leases", "Live activation leases over gateways.", ["model"], registry=r
+        )

@@ -1,0 +1,180 @@
+"""Cold requests: bounded per-model queues, activation leases, and the wake-up when a model is ready.
+
+A request for a model with no ready endpoint first registers demand (it starts
+or joins the model's activation lease), then waits here until the route table
+shows an endpoint, the activation fails, or its own activation timeout passes.
+Waiting is a future per model resolved by route pushes from the feeder: no
+polling. A cancelled waiter (client gone) frees its queue slot at once.
+
+The lease lives independently of the requests: it begins with the first cold
+request, keeps the model demanded while it loads even if every client left,
+and ends at readiness plus a short grace, at the activation timeout, or when
+the feeder reports the activation failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from wakegate.v1 import routing_pb2
+
+log = logging.getLogger("wakegate.extproc.cold")
+
+#: How long a lease outlives readiness, so the scaler sees demand until the
+#: flushed requests show up as in-flight.
+LEASE_GRACE_SECONDS = 5.0
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ActivationFailed(Exception):
+    pass
+
+
+class ActivationTimeout(Exception):
+    pass
+
+
+@dataclass
+class Lease:
+    started: float
+    deadline: float
+    failures_seen: int
+    ready_at: float | None = None
+
+    def live(self, now: float) -> bool:
+        if self.ready_at is not None:
+            return now < self.ready_at + LEASE_GRACE_SECONDS
+        return now < self.deadline
+
+
+@dataclass
+class ModelQueue:
+    key: str
+    waiting: int = 0
+    lease: Lease | None = None
+    ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    failures_seen: int = 0
+    started_activations: int = 0
+
+
+class ColdQueues:
+    """All cold-path state of one gateway process."""
+
+    def __init__(self, on_demand_change: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self._models: dict[str, ModelQueue] = {}
+        self._on_demand_change = on_demand_change
+        self._clock = clock
+
+    def queue(self, key: str) -> ModelQueue:
+        queue = self._models.get(key)
+        if queue is None:
+            queue = self._models[key] = ModelQueue(key)
+        return queue
+
+    def depth(self, key: str) -> int:
+        queue = self._models.get(key)
+        return queue.waiting if queue else 0
+
+    def snapshot(self) -> dict[str, tuple[int, int, int]]:
+        """key -> (queued, live leases, failures seen) for demand reports."""
+        now = self._clock()
+        out = {}
+        for key, queue in self._models.items():
+            lease = 1 if queue.lease is not None and queue.lease.live(now) else 0
+            if queue.waiting or lease:
+                out[key] = (queue.waiting, lease, queue.lease.failures_seen if queue.lease else queue.failures_seen)
+        return out
+
+    def demand(self, route: routing_pb2.ModelRoute) -> None:
+        """Count a cold request as demand: start the model's lease if none is live."""
+        queue = self.queue(route.key)
+        now = self._clock()
+        if queue.lease is None or not queue.lease.live(now):
+            queue.lease = Lease(
+                started=now,
+                deadline=now + route.cold.activation_timeout_ms / 1000,
+                failures_seen=route.failed_activations,
+            )
+            queue.started_activations += 1
+            log.info(
+                "activation lease started model=%s timeout_s=%.0f", route.key, route.cold.activation_timeout_ms / 1000
+            )
+            self._on_demand_change()
+
+    async def wait(self, route: routing_pb2.ModelRoute, deadline: float) -> None:
+        """Hold one request until its model is ready; raise QueueFull, ActivationFailed or ActivationTimeout."""
+        queue = self.queue(route.key)
+        if queue.waiting >= route.cold.max_queue:
+            raise QueueFull(route.key)
+        queue.waiting += 1
+        self._on_demand_change()
+        try:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise ActivationTimeout(route.key)
+            try:
+                await asyncio.wait_for(asyncio.shield(queue.ready), remaining)
+            except TimeoutError:
+                raise ActivationTimeout(route.key) from None
+        finally:
+            queue.waiting -= 1
+            self._on_demand_change()
+
+    def on_routes(self, routes: dict[str, routing_pb2.ModelRoute]) -> None:
+        """Wake waiters of models that became ready; fail those whose activation failed."""
+        now = self._clock()
+        for key, queue in list(self._models.items()):
+            route = routes.get(key)
+            if route is None:
+                self._fail(queue, f"model {key!r} was removed")
+                del self._models[key]
+                continue
+            if route.failed_activations > queue.failures_seen:
+                queue.failures_seen = route.failed_activations
+                if queue.lease is not None:
+                    queue.lease = None
+                self._fail(queue, route.last_failure or "model failed to start")
+            elif route.endpoints:
+                if queue.lease is not None and queue.lease.ready_at is None:
+                    queue.lease.ready_at = now
+                    log.info(
+                        "model ready model=%s held=%d waited_s=%.3f", key, queue.waiting, now - queue.lease.started
+                    )
+                if not queue.ready.done():
+                    queue.ready.set_result(None)
+            elif queue.ready.done():
+                queue.ready = asyncio.get_running_loop().create_future()  # cold again
+        self._on_demand_change()
+
+    def _fail(self, queue: ModelQueue, message: str) -> None:
+        if not queue.ready.done():
+            queue.ready.set_exception(ActivationFailed(message))
+            queue.ready.exception()  # retrieved here: waiters may all be gone
+        queue.ready = asyncio.get_running_loop().create_future()
+        log.warning("activation failed model=%s held=%d reason=%s", queue.key, queue.waiting, message)
+
+    def expire(self) -> float | None:
+        """Drop leases that ended; returns seconds until the next lease ends (None if none)."""
+        now = self._clock()
+        soonest: float | None = None
+        changed = False
+        for queue in self._models.values():
+            lease = queue.lease
+            if lease is None:
+                continue
+            if not lease.live(now):
+                queue.lease = None
+                changed = True
+                continue
+            end = lease.ready_at + LEASE_GRACE_SECONDS if lease.ready_at is not None else lease.deadline
+            soonest = end - now if soonest is None else min(soonest, end - now)
+        if changed:
+            self._on_demand_change()
+        return soonest

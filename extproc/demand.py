@@ -1,0 +1,106 @@
+"""Demand reports from this gateway to the scaler: on every cold-path transition and every 2 s.
+
+Each report carries this gateway's id, a process-unique instance id and a
+strictly increasing sequence, so the receiver can drop stale or replayed
+reports and tell a restarted gateway from a live one. Shutting down sends a
+withdrawal so the scaler forgets this gateway's share at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from wakegate.v1 import demand_pb2, demand_pb2_grpc
+
+log = logging.getLogger("wakegate.extproc.demand")
+
+#: (queued, leases, failures_seen) per model from the cold queues; in-flight per model from the gateway.
+ColdSnapshot = Callable[[], dict[str, tuple[int, int, int]]]
+InFlightSnapshot = Callable[[], dict[str, int]]
+
+
+class DemandReporter:
+    def __init__(
+        self,
+        target: str,
+        gateway_id: str,
+        cold: ColdSnapshot,
+        in_flight: InFlightSnapshot,
+        *,
+        token_file: Path | None = None,
+        interval: float = 2.0,
+    ) -> None:
+        self._target = target
+        self._gateway_id = gateway_id
+        self._instance = uuid.uuid4().hex
+        self._sequence = 0
+        self._cold = cold
+        self._in_flight = in_flight
+        self._token_file = token_file
+        self._interval = interval
+        self._dirty = asyncio.Event()
+        self.sent = 0
+        self.failed = 0
+
+    def changed(self) -> None:
+        """Something on the cold path moved: report on the next loop turn."""
+        self._dirty.set()
+
+    def report(self, withdraw: bool = False) -> demand_pb2.DemandReport:
+        self._sequence += 1
+        models: dict[str, demand_pb2.ModelDemand] = {}
+        for key, (queued, leases, failures_seen) in self._cold().items():
+            models[key] = demand_pb2.ModelDemand(model=key, queued=queued, leases=leases, failures_seen=failures_seen)
+        for key, count in self._in_flight().items():
+            if count:
+                models.setdefault(key, demand_pb2.ModelDemand(model=key)).in_flight = count
+        return demand_pb2.DemandReport(
+            gateway_id=self._gateway_id,
+            instance=self._instance,
+            sequence=self._sequence,
+            models=[] if withdraw else list(models.values()),
+            withdraw=withdraw,
+        )
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        if self._token_file is None:
+            return ()
+        try:
+            token = self._token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            log.warning("cannot read demand token file: %s", exc.strerror)
+            return ()
+        return (("authorization", f"Bearer {token}"),)
+
+    async def run(self) -> None:
+        async with grpc.aio.insecure_channel(self._target) as channel:
+            stub = demand_pb2_grpc.DemandServiceStub(channel)
+            try:
+                while True:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._dirty.wait(), self._interval)
+                    self._dirty.clear()
+                    await self._send(stub, self.report())
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._send(stub, self.report(withdraw=True), timeout=1.0))
+
+    async def _send(
+        self, stub: demand_pb2_grpc.DemandServiceStub, report: demand_pb2.DemandReport, timeout: float = 2.0
+    ) -> None:
+        try:
+            reply = await stub.Report(report, timeout=timeout, metadata=self._metadata())
+        except grpc.aio.AioRpcError as exc:
+            self.failed += 1
+            if self.failed == 1 or self.failed % 30 == 0:
+                log.warning("demand report failed (%d so far): %s", self.failed, exc.code().name)
+            return
+        self.sent += 1
+        if not reply.accepted:
+            log.warning("demand report refused: %s", reply.reason)
