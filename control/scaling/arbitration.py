@@ -162,7 +162,7 @@ def _scan(
         state = states.get(member.key, _NO_STATE)
         if state.demand_since is None:
             continue
-        at = max(active_since, state.demand_since + member.demand_window_seconds)
+        at = max(active_since + active.min_run_seconds, state.demand_since + member.demand_window_seconds)
         if state.swapped_out_at is not None:
             at = max(at, state.swapped_out_at + member.swap_cooldown_seconds)
         if at <= now and now > active_since:

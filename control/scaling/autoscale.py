@@ -7,6 +7,11 @@ summed over gateways by the caller). It is pure: the caller passes ``now``
 stores the new state, and calls again on every load change and at the returned
 ``next_check_at``. Who turns the count into processes or pods is not its concern.
 
+``ScaleState.replicas`` is the count returned last time (the desired count), not
+the live one: the over/under windows are measured against it, so a caller that
+passes a live count lagging behind a change (replicas still starting or
+stopping) restarts those windows on every call until the runtime catches up.
+
 Definitions (per call)
 ----------------------
 * ``demand = queued + in_flight``; ``need = ceil(demand / target_in_flight)``.
