@@ -36,7 +36,7 @@ from control.local.scaler import LocalScaler
 from control.schema import ManifestError, Model, parse_models
 from control.xds.cache import SnapshotCache
 from control.xds.resources import GatewaySettings, build
-from control.xds.server import start_server
+from control.xds.server import AdsServer, start_server
 
 log = logging.getLogger("wakegate.up")
 
@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="live status table on the terminal (default: when stderr is a terminal)",
+    )
+    parser.add_argument(
+        "--keepalive-seconds",
+        type=float,
+        default=2.0,
+        help="SSE heartbeat interval for cold requests of keepalive models",
     )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
@@ -150,6 +156,7 @@ class Up:
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
         self.demand_service = DemandService(self.book, self.scaler.poke)
         self.children: list[Child] = []
+        self.ads: AdsServer | None = None
         self._publish_pending = False
         self._stop = asyncio.Event()
         self._failure: str | None = None
@@ -213,7 +220,10 @@ class Up:
     async def _publish(self) -> None:
         self._publish_pending = False
         routed = [runtime.routed() for runtime in self.runtimes.values()]
-        await self.cache.set(build(routed, self.gateway))
+        if self.ads is None:
+            await self.cache.set(build(routed, self.gateway))
+        else:
+            await self.cache.set(build(routed, self.gateway, self.ads.confirmed(), self.ads.retained()))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -236,10 +246,11 @@ class Up:
         try:
             admin = await self._start_admin()
             await self._publish()
-            server, _ads, xds_port = await start_server(
+            server, self.ads, xds_port = await start_server(
                 self.cache,
                 "127.0.0.1:0",
                 lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
+                on_endpoints_acked=self._publish_soon,
             )
             ports = Ports(
                 xds=xds_port,
@@ -355,6 +366,8 @@ class Up:
             f"127.0.0.1:{ports.extproc_admin}",
             "--activator-listen",
             f"127.0.0.1:{ports.activator}",
+            "--keepalive-seconds",
+            str(self.args.keepalive_seconds),
             "--xds",
             f"127.0.0.1:{ports.xds}",
             "--max-body-bytes",

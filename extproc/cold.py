@@ -150,7 +150,10 @@ class ColdQueues:
                 if not queue.ready.done():
                     queue.ready.set_result(None)
             elif queue.ready.done():
-                queue.ready = asyncio.get_running_loop().create_future()  # cold again
+                # Cold again (scaled to zero, swapped out): the old activation is over, and
+                # the next cold request starts a new lease.
+                queue.ready = asyncio.get_running_loop().create_future()
+                queue.lease = None
         self._on_demand_change()
 
     def _fail(self, queue: ModelQueue, message: str) -> None:

@@ -123,7 +123,9 @@ class Gateway:
         }
 
     def routed(self, key: str, endpoint: str | None) -> None:
-        self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        if count == 1:
+            self.on_demand_change()  # a model going from idle to busy matters to the scaler at once
         self.metrics.in_flight.labels(key).inc()
         self.metrics.requests.labels(key, "routed").inc()
         if endpoint is not None:
@@ -133,6 +135,7 @@ class Gateway:
         self.in_flight[key] -= 1
         if not self.in_flight[key]:
             del self.in_flight[key]
+            self.on_demand_change()
         self.metrics.in_flight.labels(key).dec()
         if endpoint is not None:
             self.picker.inflight.release(endpoint)

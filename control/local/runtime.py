@@ -60,8 +60,11 @@ class RuntimeSettings:
     #: Restart backoff bounds after a crash.
     restart_backoff_min: float = 1.0
     restart_backoff_max: float = 30.0
-    #: Grace given to a backend on stop before SIGKILL.
-    stop_grace: float = 15.0
+    #: Grace given to a backend on stop before SIGKILL; in-flight streams finish within it.
+    stop_grace: float = 30.0
+    #: Pause between taking a replica out of the routes and signalling it, so that no
+    #: request is sent to a backend that stopped listening (Envoy applies the push in ms).
+    unroute_delay: float = 0.5
 
 
 @dataclass
@@ -85,6 +88,7 @@ class ModelRuntime:
         self.settings = settings
         self._on_change = on_change
         self.replicas: list[Replica] = []
+        self._stopping = 0
         self._indexes = itertools.count()
         self.generation = 0
         self.failed_activations = 0
@@ -124,7 +128,13 @@ class ModelRuntime:
 
     @property
     def replica_count(self) -> int:
+        """Replicas the model is meant to have (starting, ready or restarting)."""
         return len(self.replicas)
+
+    @property
+    def occupied(self) -> bool:
+        """Any process of this model still exists, including replicas being stopped."""
+        return bool(self.replicas) or self._stopping > 0
 
     async def scale_to(self, count: int) -> None:
         if count != len(self.replicas):
@@ -165,15 +175,21 @@ class ModelRuntime:
         return replica
 
     async def _stop_replica(self, replica: Replica) -> None:
-        was_ready = replica.state is ReplicaState.READY
-        replica.state = ReplicaState.STOPPING
-        if was_ready:
-            self._changed()
-        if replica.task is not None:
-            replica.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await replica.task
-        await replica.child.stop(self.settings.stop_grace)
+        self._stopping += 1
+        try:
+            # Supervision ends first, so no health probe can mark the replica ready again.
+            if replica.task is not None:
+                replica.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await replica.task
+            was_ready = replica.state is ReplicaState.READY
+            replica.state = ReplicaState.STOPPING
+            if was_ready:
+                self._changed()
+                await asyncio.sleep(self.settings.unroute_delay)
+            await replica.child.stop(self.settings.stop_grace)
+        finally:
+            self._stopping -= 1
         replica.state = ReplicaState.STOPPED
         log.info("replica stopped model=%s replica=%d", self.model.key, replica.index)
 

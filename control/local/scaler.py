@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from control.demand import DemandBook, ModelLoad
 from control.local.runtime import ModelRuntime, Replica
@@ -127,12 +127,11 @@ class LocalScaler:
                 min=spec.min, max=spec.max, idle_timeout=float(spec.idleTimeout), target_in_flight=spec.targetInFlight
             )
             state = self._models[key]
-            scale = autoscale.ScaleState(
-                replicas=runtime.replica_count,
-                idle_since=state.scale.idle_since,
-                over_since=state.scale.over_since,
-                under_since=state.scale.under_since,
-            )
+            scale = state.scale
+            settled = state.applying is None or state.applying.done()
+            if settled and scale.replicas != runtime.replica_count:
+                # Replicas went away on their own (a failed load of a scale-from-zero model).
+                scale = replace(scale, replicas=runtime.replica_count)
             load = self._effective(key, self.loads.get(key))
             demanded[key] = load.queued + load.in_flight + load.leases > 0
             desired, state.scale, next_at = autoscale.decide(policy, load, scale, now)
@@ -161,7 +160,7 @@ class LocalScaler:
                 demand_since=since, swapped_out_at=previous.swapped_out_at
             )
         # The active member going idle releases the group.
-        if group.active is not None and wanted[group.active] == 0 and not self.runtimes[group.active].replica_count:
+        if group.active is not None and wanted[group.active] == 0 and not self.runtimes[group.active].occupied:
             group.active = None
             group.active_since = None
         decision = arbitration.arbitrate(group.members, group.states, group.active, group.active_since, now)
@@ -186,7 +185,7 @@ class LocalScaler:
                 wanted[member.key] = 0
         # The incoming member starts only once the outgoing one has stopped.
         if group.active is not None and any(
-            self.runtimes[m.key].replica_count for m in group.members if m.key != group.active
+            self.runtimes[m.key].occupied for m in group.members if m.key != group.active
         ):
             wanted[group.active] = min(wanted[group.active], self.runtimes[group.active].replica_count)
         return decision.next_check_at

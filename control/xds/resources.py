@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 # Importing the generated modules registers their types in the default pool, which
@@ -399,14 +399,44 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
     )
 
 
-def build(models: Sequence[RoutedModel], settings: GatewaySettings) -> Resources:
-    """Every resource for one consistent view of the fleet."""
+def build(
+    models: Sequence[RoutedModel],
+    settings: GatewaySettings,
+    confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+    retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+) -> Resources:
+    """Every resource for one consistent view of the fleet.
+
+    `confirmed` (cluster -> endpoints every gateway Envoy has acknowledged) gates what
+    extproc sees: a new endpoint reaches extproc's route only once Envoy can route to
+    it, so a held request is never flushed to a cluster that does not know the host
+    yet. Clusters missing from `confirmed` are not gated (no Envoy to wait for).
+
+    `retained` (cluster -> endpoints some extproc may still pick) keeps a removed
+    endpoint in Envoy's cluster until every extproc has dropped it, so the other
+    direction has no gap either. The backend is still draining meanwhile.
+    """
+    envoy_models = [
+        replace(m, endpoints=tuple(sorted(set(m.endpoints) | retained[m.cluster])))
+        if retained is not None and m.cluster in retained
+        else m
+        for m in models
+    ]
+    if confirmed is not None:
+        models_for_extproc = [
+            replace(m, endpoints=tuple(e for e in m.endpoints if e in confirmed[m.cluster]))
+            if m.cluster in confirmed
+            else m
+            for m in models
+        ]
+    else:
+        models_for_extproc = list(models)
     return Resources(
         by_type={
             LISTENER: {LISTENER_NAME: listener(settings)},
             ROUTE: {ROUTE_NAME: route_configuration(settings)},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
-            ENDPOINT: {m.cluster: load_assignment(m) for m in models},
-            MODEL_ROUTE: {m.key: model_route(m) for m in models},
+            ENDPOINT: {m.cluster: load_assignment(m) for m in envoy_models},
+            MODEL_ROUTE: {m.key: model_route(m) for m in models_for_extproc},
         }
     )

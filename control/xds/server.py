@@ -16,11 +16,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from wakegate.v1 import routing_pb2
 
 from control.xds.cache import SnapshotCache
-from control.xds.resources import WILDCARD_TYPES, pack, version_of
+from control.xds.resources import ENDPOINT, MODEL_ROUTE, WILDCARD_TYPES, pack, version_of
 
 log = logging.getLogger("wakegate.xds")
 
@@ -30,6 +33,7 @@ _nonces = itertools.count(1)
 @dataclass
 class _Watch:
     names: frozenset[str] = frozenset()
+    sent: dict[str, Message] = field(default_factory=dict)
     sent_version: str | None = None
     sent_names: frozenset[str] | None = None
     nonce: str = ""
@@ -49,9 +53,29 @@ class StreamStats:
 
 
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
-    def __init__(self, cache: SnapshotCache) -> None:
+    def __init__(self, cache: SnapshotCache, on_endpoints_acked: Callable[[], None] = lambda: None) -> None:
         self._cache = cache
         self.stats = StreamStats()
+        self._on_endpoints_acked = on_endpoints_acked
+        #: type URL -> node -> cluster -> endpoints that node acknowledged. Envoys
+        #: acknowledge EDS (ENDPOINT), extprocs acknowledge ModelRoutes.
+        self._acked: dict[str, dict[str, dict[str, frozenset[tuple[str, int]]]]] = {ENDPOINT: {}, MODEL_ROUTE: {}}
+
+    def confirmed(self) -> dict[str, frozenset[tuple[str, int]]] | None:
+        """cluster -> endpoints every connected Envoy has acknowledged; None when no Envoy is connected."""
+        nodes = list(self._acked[ENDPOINT].values())
+        if not nodes:
+            return None
+        clusters = set().union(*(set(n) for n in nodes))
+        return {c: frozenset.intersection(*(n.get(c, frozenset()) for n in nodes)) for c in clusters}
+
+    def retained(self) -> dict[str, frozenset[tuple[str, int]]]:
+        """cluster -> endpoints some connected extproc may still pick (it has not acknowledged their removal)."""
+        out: dict[str, frozenset[tuple[str, int]]] = {}
+        for clusters in self._acked[MODEL_ROUTE].values():
+            for cluster, endpoints in clusters.items():
+                out[cluster] = out.get(cluster, frozenset()) | endpoints
+        return out
 
     async def StreamAggregatedResources(
         self,
@@ -102,6 +126,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                 await reader
             if node_id:
                 log.info("xds stream closed node=%s", node_id)
+                if any(acks.pop(node_id, None) is not None for acks in self._acked.values()):
+                    self._on_endpoints_acked()
 
     def _on_request(self, node_id: str, request: discovery_pb2.DiscoveryRequest, watch: _Watch) -> None:
         if request.response_nonce and request.response_nonce != watch.nonce:
@@ -120,7 +146,27 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         elif request.response_nonce:
             self.stats.acks += 1
             watch.acked_version = request.version_info
+            if request.type_url in self._acked:
+                self._record_endpoints(node_id, request.type_url, watch)
         watch.waiting = True
+
+    def _record_endpoints(self, node_id: str, type_url: str, watch: _Watch) -> None:
+        acked: dict[str, frozenset[tuple[str, int]]] = {}
+        for message in watch.sent.values():
+            if isinstance(message, routing_pb2.ModelRoute):
+                acked[message.cluster] = frozenset((e.address, e.port) for e in message.endpoints)
+            elif isinstance(message, endpoint_pb2.ClusterLoadAssignment):
+                acked[message.cluster_name] = frozenset(
+                    (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value)
+                    for locality in message.endpoints
+                    for lb in locality.lb_endpoints
+                )
+        if type_url == ENDPOINT:
+            # EDS is per name: names not in this response keep their earlier acknowledgement.
+            acked = {**self._acked[type_url].get(node_id, {}), **acked}
+        if self._acked[type_url].get(node_id) != acked:
+            self._acked[type_url][node_id] = acked
+            self._on_endpoints_acked()
 
     def _respond(self, type_url: str, watch: _Watch) -> discovery_pb2.DiscoveryResponse | None:
         if not watch.waiting:
@@ -132,6 +178,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         if version == watch.sent_version and watch.names == watch.sent_names:
             return None
         watch.nonce = str(next(_nonces))
+        watch.sent = selected
         watch.sent_version = version
         watch.sent_names = watch.names
         watch.waiting = False
@@ -145,7 +192,10 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
 
 
 async def start_server(
-    cache: SnapshotCache, listen: str, extra: Callable[[grpc.aio.Server], None] | None = None
+    cache: SnapshotCache,
+    listen: str,
+    extra: Callable[[grpc.aio.Server], None] | None = None,
+    on_endpoints_acked: Callable[[], None] = lambda: None,
 ) -> tuple[grpc.aio.Server, AdsServer, int]:
     """Start the ADS gRPC server with the standard health service; returns the bound port.
 
@@ -154,7 +204,7 @@ async def start_server(
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
     if extra is not None:
         extra(server)
-    ads = AdsServer(cache)
+    ads = AdsServer(cache, on_endpoints_acked)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

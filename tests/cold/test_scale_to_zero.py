@@ -1,0 +1,159 @@
+"""Scale to zero and back through the real gateway: hold, wake, answer, release when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.gateway.support import UpProcess, pids_alive, request
+
+
+def replicas(up: UpProcess, key: str) -> list[dict[str, object]]:
+    for model in up.status()["models"]:
+        if model["key"] == key:
+            return list(model["replicas"])
+    raise KeyError(key)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def chat_body(model: str, **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "wake up"}], "max_tokens": 4, **extra}
+
+
+def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpProcess) -> None:
+    up = cold_gateway
+    client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=60)
+    assert replicas(up, "cold-a") == []
+    started = time.monotonic()
+    reply = client.chat.completions.create(model="cold-a", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.choices[0].message.content
+    assert time.monotonic() - started >= 1.5, "answered before the 2 s load could finish"
+    (replica,) = replicas(up, "cold-a")
+    pid = int(replica["pid"])  # type: ignore[call-overload]
+    stream = client.chat.completions.create(
+        model="cold-a", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 5
+    # idleTimeout 3 s (+ the lease's grace after readiness): the process goes away...
+    wait_for(lambda: replicas(up, "cold-a") == [], 30, "cold-a to scale to zero")
+    wait_for(lambda: pids_alive([pid]) == [], 10, "the backend process to exit")
+    # ...and the next request, streaming this time, brings it back.
+    stream = client.chat.completions.create(
+        model="cold-a", messages=[{"role": "user", "content": "again"}], max_tokens=4, stream=True
+    )
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 4
+    assert len(replicas(up, "cold-a")) == 1
+
+
+async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(cold_gateway: UpProcess) -> None:
+    up = cold_gateway
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+    ) as session:
+
+        async def one(i: int) -> tuple[int, dict[str, object]]:
+            async with session.post(f"{up.base_url}/chat/completions", json=chat_body("cold-q")) as response:
+                return response.status, await response.json(content_type=None)
+
+        results = await asyncio.gather(*(one(i) for i in range(200)))
+    statuses = collections.Counter(status for status, _ in results)
+    assert statuses == {200: 100, 429: 100}, statuses
+    for status, body in results:
+        if status == 429:
+            assert body["error"]["code"] == "queue_full"  # type: ignore[index]
+    assert up.log().count("process started name=cold-q-") == 1
+
+
+async def test_keepalive_streams_heartbeats_then_tokens(cold_gateway: UpProcess) -> None:
+    up = cold_gateway
+    lines: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{up.base_url}/chat/completions", json=chat_body("cold-k", stream=True, max_tokens=6)
+        ) as response:
+            assert response.status == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if line:
+                    lines.append(line)
+    heartbeats = [i for i, line in enumerate(lines) if line == ": keepalive"]
+    data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
+    assert len(heartbeats) >= 2, lines
+    assert max(heartbeats) < min(data), "heartbeats come before the model's tokens"
+    tokens = [json.loads(lines[i][6:]) for i in data if lines[i] != "data: [DONE]"]
+    assert sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content")) == 6
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_crash_during_load_fails_held_requests_then_recovers(cold_gateway: UpProcess, faults: Path) -> None:
+    up = cold_gateway
+    (faults / "crash").write_text("crash")
+    started = time.monotonic()
+    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-crash"), timeout=30)
+    assert failed.status == 503, failed.text
+    assert failed.json()["error"]["code"] == "activation_failed"
+    assert "exited with code 3 while loading" in failed.json()["error"]["message"]
+    assert time.monotonic() - started < 10, "a crashed load must fail its requests at once, not at the timeout"
+    time.sleep(1)
+    assert replicas(up, "cold-crash") == [], "no retry loop after a failed load"
+    (faults / "crash").unlink()
+    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-crash"), timeout=30)
+    assert ok.status == 200, ok.text
+
+
+def test_never_healthy_backend_times_out_then_recovers(cold_gateway: UpProcess, faults: Path) -> None:
+    up = cold_gateway
+    (faults / "hang").write_text("hang")
+    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-hang"), timeout=30)
+    assert failed.status == 503, failed.text
+    assert failed.json()["error"]["code"] in ("activation_timeout", "activation_failed")
+    wait_for(lambda: replicas(up, "cold-hang") == [], 15, "the hung load to be stopped")
+    (faults / "hang").unlink()
+    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-hang"), timeout=30)
+    assert ok.status == 200, ok.text
+
+
+def test_queue_view_and_metrics(cold_gateway: UpProcess) -> None:
+    metrics = request("GET", f"http://127.0.0.1:{cold_gateway.admin_port}/metrics").text
+    assert 'wakegate_cold_start_seconds_count{model="cold-a",stage="total"}' in metrics
+    assert "wakegate_cold_starts_total" in metrics
+
+
+def model_status(up: UpProcess, key: str) -> dict[str, object]:
+    return next(m for m in up.status()["models"] if m["key"] == key)
+
+
+def test_client_disconnect_frees_its_queue_slot(cold_gateway: UpProcess) -> None:
+    """A client that gives up while held leaves the queue at once; the activation goes on."""
+    import socket
+
+    body = json.dumps(chat_body("cold-d")).encode()
+    sock = socket.create_connection(("127.0.0.1", cold_gateway.port))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        wait_for(lambda: model_status(cold_gateway, "cold-d")["queued"] == 1, 5, "the request to be held")
+    finally:
+        sock.close()
+    gone = time.monotonic()
+    wait_for(lambda: model_status(cold_gateway, "cold-d")["queued"] == 0, 5, "the slot to be freed")
+    assert time.monotonic() - gone < 1.0
+    # The lease outlives the client: the model still comes up.
+    wait_for(lambda: model_status(cold_gateway, "cold-d")["ready"] == 1, 20, "cold-d to finish loading")
