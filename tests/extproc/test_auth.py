@@ -107,9 +107,7 @@ def test_malformed_headers_refused(key_file: Path, clock: FakeClock, header: str
     assert not ApiKeys(key_file, clock=clock).check(header)
 
 
-@pytest.mark.parametrize(
-    "header", [f"bearer {KEY_A}", f"BEARER {KEY_A}", f"BeArEr   {KEY_A}", f"Bearer {KEY_A} "]
-)
+@pytest.mark.parametrize("header", [f"bearer {KEY_A}", f"BEARER {KEY_A}", f"BeArEr   {KEY_A}", f"Bearer {KEY_A} "])
 def test_scheme_case_and_spacing(key_file: Path, clock: FakeClock, header: str) -> None:
     assert ApiKeys(key_file, clock=clock).check(header)
 
@@ -241,9 +239,7 @@ def test_disabled_never_stats(clock: FakeClock, stat_calls: list[Path]) -> None:
     assert stat_calls == []
 
 
-def test_unchanged_file_is_not_reread(
-    key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unchanged_file_is_not_reread(key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = ApiKeys(key_file, clock=clock)
     reads: list[Path] = []
     real = auth._read
@@ -263,9 +259,7 @@ def test_unchanged_file_is_not_reread(
     assert len(reads) == 1
 
 
-def test_vanished_file_keeps_old_keys(
-    key_file: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_vanished_file_keeps_old_keys(key_file: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     keys = ApiKeys(key_file, clock=clock)
     key_file.unlink()
     with caplog.at_level(logging.INFO, logger="extproc.auth"):
@@ -325,9 +319,7 @@ def test_reload_if_changed_always_stats(key_file: Path, clock: FakeClock, stat_c
     assert keys.check(f"Bearer {KEY_C}")
 
 
-def test_compares_against_every_digest(
-    key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compares_against_every_digest(key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     path = key_file
     write_keys(path, "".join(f"sk-key-{i:04d}\n" for i in range(50)))
     keys = ApiKeys(path, clock=clock)

@@ -243,8 +243,7 @@ def test_prefix_key_shared_system_prompt_and_first_user_message() -> None:
     assert len(keys) == 1 and None not in keys
     # With a short system prompt the first user message still decides, later turns don't.
     short = {
-        prefix_key(NO_HEADERS, chat(("system", "S"), first, ("assistant", f"a{i}")), prefix_chars=70)
-        for i in range(20)
+        prefix_key(NO_HEADERS, chat(("system", "S"), first, ("assistant", f"a{i}")), prefix_chars=70) for i in range(20)
     }
     assert len(short) == 1
     # A different system prompt gives a different key.
@@ -413,9 +412,7 @@ def test_session_affinity_body_session_and_messages() -> None:
     picker = Picker()
     spread: Counter[str | None] = Counter()
     for i in range(200):
-        five = [
-            {"role": "user" if j % 2 == 0 else "assistant", "content": f"conv {i} turn {j}"} for j in range(5)
-        ]
+        five = [{"role": "user" if j % 2 == 0 else "assistant", "content": f"conv {i} turn {j}"} for j in range(5)]
         a = picker.pick("m", "session-affinity", EPS4, NO_HEADERS, {"messages": five})
         for later in range(3):  # the conversation grows: same first five, same endpoint
             extra = [{"role": "user", "content": f"later {later}"}] * (later + 1)
@@ -442,9 +439,7 @@ def test_prefix_strategy_routes_shared_prefixes_together() -> None:
     for doc in range(200):
         first = ("user", f"Document {doc}: please analyse it.")
         for tail in range(5):
-            body = chat(
-                ("system", SYSTEM[:200]), first, ("assistant", f"reply {tail}"), ("user", f"more {tail}")
-            )
+            body = chat(("system", SYSTEM[:200]), first, ("assistant", f"reply {tail}"), ("user", f"more {tail}"))
             # prefix_chars=1024 covers the system prompt and first user message, plus tails: use a
             # Picker with a shorter prefix to prove the tails are ignored.
             picker.prefix_chars = len("system\x1f" + SYSTEM[:200] + "\x1euser\x1f" + first[1])
@@ -457,8 +452,7 @@ def test_prefix_strategy_routes_shared_prefixes_together() -> None:
 def test_prefix_strategy_long_system_prompt_default_prefix() -> None:
     picker = Picker()
     picks = {
-        picker.pick("m", "prefix", EPS4, NO_HEADERS, chat(("system", SYSTEM), ("user", f"q{i}")))
-        for i in range(50)
+        picker.pick("m", "prefix", EPS4, NO_HEADERS, chat(("system", SYSTEM), ("user", f"q{i}"))) for i in range(50)
     }
     assert len(picks) == 1  # the shared 1024-char prefix decides
 
@@ -488,13 +482,8 @@ def test_picker_caches_ring_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(built) == 1
     picker.pick("other", "session-affinity", EPS4, {"x-session-id": "s"}, None)
     assert len(built) == 2
-    before = {
-        i: picker.pick("m", "session-affinity", EPS4, {"x-session-id": f"s{i}"}, None) for i in range(500)
-    }
-    after = {
-        i: picker.pick("m", "session-affinity", [*EPS4, EP5], {"x-session-id": f"s{i}"}, None)
-        for i in range(500)
-    }
+    before = {i: picker.pick("m", "session-affinity", EPS4, {"x-session-id": f"s{i}"}, None) for i in range(500)}
+    after = {i: picker.pick("m", "session-affinity", [*EPS4, EP5], {"x-session-id": f"s{i}"}, None) for i in range(500)}
     assert len(built) == 3
     assert all(after[i] in (before[i], EP5) for i in range(500))
     picker.forget("m")

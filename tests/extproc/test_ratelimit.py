@@ -84,9 +84,7 @@ def test_bucket_clock_going_backwards_grants_nothing() -> None:
     assert bucket.take() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(
-    ("rate", "burst"), [(0, 1), (-1, 1), (math.nan, 1), (math.inf, 1), (1, 0.5), (1, math.nan)]
-)
+@pytest.mark.parametrize(("rate", "burst"), [(0, 1), (-1, 1), (math.nan, 1), (math.inf, 1), (1, 0.5), (1, math.nan)])
 def test_bucket_rejects_nonsense(rate: float, burst: float) -> None:
     with pytest.raises(ValueError):
         TokenBucket(rate, burst, clock=FakeClock())

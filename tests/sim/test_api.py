@@ -96,9 +96,7 @@ async def test_completions(shared_sim: SimProcess) -> None:
 async def test_embeddings(shared_sim: SimProcess) -> None:
     async with client(shared_sim) as c:
         one = await c.embeddings.create(model="sim-model", input="hello world")  # client asks for base64
-        two = await c.embeddings.create(
-            model="sim-model", input=["hello world", "other"], encoding_format="float"
-        )
+        two = await c.embeddings.create(model="sim-model", input=["hello world", "other"], encoding_format="float")
     vec = one.data[0].embedding
     assert len(vec) == 16
     assert math.isclose(sum(v * v for v in vec), 1.0, rel_tol=1e-5)

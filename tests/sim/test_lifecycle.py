@@ -26,9 +26,7 @@ async def scrape(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
         text = await r.text()
     out: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
-        rest = ",".join(
-            p.replace('"', "") for p in labels.split(",") if p and not p.startswith("model_name=")
-        )
+        rest = ",".join(p.replace('"', "") for p in labels.split(",") if p and not p.startswith("model_name="))
         out[f"{name}{{{rest}}}" if rest else name] = float(value)
     return out
 

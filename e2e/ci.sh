@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Build (or reuse) the pinned control-plane binaries, then run the e2e suite.
+# Called from .ci/run; extra arguments go to pytest (e.g. -k endpointslice).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+start=$(date +%s)
+python -m e2e.build
+echo "e2e: binaries ready after $(( $(date +%s) - start ))s"
+python -m pytest e2e -q "$@"
+echo "e2e: done in $(( $(date +%s) - start ))s"

@@ -1,0 +1,71 @@
+"""Fixtures for the e2e tests: one real cluster per session, one namespace per test.
+
+    python -m pytest e2e                          # builds if needed, starts and stops a cluster
+    python -m pytest e2e --keep                   # leave it running afterwards (prints its dir)
+    python -m pytest e2e --cluster-dir DIR        # reuse the cluster running in DIR, or start one there
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from e2e.cluster import Cluster
+from e2e.helpers import Kube, wait_for
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("e2e", "wakegate e2e harness")
+    group.addoption(
+        "--keep", action="store_true",
+        help="leave the e2e cluster running after the session; stop it with "
+        "`python -m e2e.cluster down --dir DIR`",
+    )
+    group.addoption(
+        "--cluster-dir", default=None,
+        help="reuse the cluster running in DIR (python -m e2e.cluster up --dir DIR), else start one there",
+    )
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The session's cluster: `.kubeconfig`, `.dir`, `.api_client()`, `.pod_cidr`."""
+    keep = bool(request.config.getoption("--keep"))
+    option = request.config.getoption("--cluster-dir")
+    dir = Path(option).resolve() if option else tmp_path_factory.mktemp("cluster")
+    if Cluster.running_in(dir):
+        yield Cluster.attach(dir)
+        return
+    started = Cluster(dir, nodes=2, keep=keep)
+    started.start()
+    yield started
+    if keep:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        message = (f"e2e cluster left running: KUBECONFIG={started.kubeconfig}; "
+                   f"stop it with `python -m e2e.cluster down --dir {started.dir}`")
+        if reporter is not None:
+            reporter.write_line(message)
+        started.detach()
+    else:
+        started.stop()
+
+
+@pytest.fixture
+def kube(cluster: Cluster) -> Iterator[Kube]:
+    """A fresh namespace per test; deleting it (real namespace controller) ends its pods."""
+    with cluster.api_client() as api:
+        ns = f"e2e-{uuid.uuid4().hex[:8]}"
+        core = client.CoreV1Api(api)
+        core.create_namespace({"metadata": {"name": ns}})
+        # Pods are refused until the serviceaccount controller created `default`.
+        wait_for(lambda: _has_default_sa(core, ns), 30, "default service account")
+        yield Kube(api, ns, cluster)
+        core.delete_namespace(ns)
+
+
+def _has_default_sa(core: client.CoreV1Api, ns: str) -> bool:
+    return any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items)

@@ -1,0 +1,109 @@
+"""What the node agent runs for a container image: the image -> command map.
+
+There is no container runtime, so an "image" is a recipe for a local process.
+An image whose repository is not in IMAGES cannot be "pulled"
+(ErrImagePull, then ImagePullBackOff), as on a real node without the image.
+Extend IMAGES to teach the agent a new image.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ContainerContext:
+    """What a recipe may use: the container spec with $(VAR)s expanded, and the pod IP."""
+
+    pod: dict[str, Any]
+    container: dict[str, Any]
+    pod_ip: str
+    env: dict[str, str]
+    command: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def first_port(self) -> int | None:
+        ports = self.container.get("ports") or []
+        return int(ports[0]["containerPort"]) if ports else None
+
+
+Recipe = Callable[[ContainerContext], list[str]]
+
+
+def _python() -> list[str]:
+    # The agent's interpreter: the venv with wakegate installed.
+    return [sys.executable]
+
+
+def sim(ctx: ContainerContext) -> list[str]:
+    """wakegate's simulator image: the entrypoint is `wakegate sim`, the args come from the pod."""
+    port = ctx.first_port or 8000
+    return [*_python(), "-m", "control", "sim", "--host", ctx.pod_ip, "--port", str(port), *ctx.args]
+
+
+def wakegate(ctx: ContainerContext) -> list[str]:
+    """The project's own image: command/args name a wakegate subcommand (`wakegate operator ...`)."""
+    argv = [*ctx.command, *ctx.args]
+    if argv and (argv[0] == "wakegate" or argv[0].endswith("/wakegate")):
+        argv = argv[1:]
+    return [*_python(), "-m", "control", *argv]
+
+
+def exec_image(ctx: ContainerContext) -> list[str]:
+    """A test image that runs its command + args verbatim, `python` meaning the agent's interpreter.
+
+    Lets e2e tests describe any behaviour (crash, exit 137, trap SIGTERM) in the pod spec.
+    """
+    argv = [*ctx.command, *ctx.args]
+    if not argv:
+        raise ValueError("wakegate/e2e-exec needs a command")
+    if argv[0] in ("python", "python3"):
+        argv = [*_python(), *argv[1:]]
+    return argv
+
+
+#: repository path (registry host and tag ignored; matched on whole path
+#: segments from the right) -> recipe
+IMAGES: dict[str, Recipe] = {
+    "wakegate/sim": sim,
+    "wakegate/wakegate": wakegate,
+    "wakegate/e2e-exec": exec_image,
+}
+
+
+def repository(image: str) -> str:
+    """`ghcr.io/wakegate/sim:1.2@sha256:...` -> `ghcr.io/wakegate/sim`."""
+    name = image.split("@", 1)[0]
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    # A colon after the last slash is a tag; before it, a registry port.
+    if colon > slash:
+        name = name[:colon]
+    return name
+
+
+def lookup(image: str) -> Recipe | None:
+    repo = repository(image)
+    for key, recipe in IMAGES.items():
+        if repo == key or repo.endswith("/" + key):
+            return recipe
+    return None
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes $(VAR) expansion: known names are replaced, unknown ones kept, $$ escapes."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return _VAR.sub(sub, value)
