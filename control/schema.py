@@ -183,7 +183,7 @@ class ModelSpec(_Spec):
 
 class Metadata(_Spec):
     model_config = ConfigDict(extra="ignore", frozen=True)
-    name: str = Field(pattern=NAME_PATTERN, max_length=63)
+    name: str = Field(pattern=NAME_PATTERN, max_length=60)
     namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
 

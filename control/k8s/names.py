@@ -1,0 +1,65 @@
+"""Names, labels and annotations of the objects wakegate manages on a cluster.
+
+One place, so the operator that creates a Model's backend, the feeder that
+routes to it, the scaler that scales it and the scheduler extender that places
+it all agree on what to look for.
+"""
+
+from __future__ import annotations
+
+GROUP = "wakegate.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+MODEL_PLURAL = "models"
+RUNTIME_PLURAL = "inferenceruntimes"
+
+#: Server-side apply field manager of the operator (one manager for everything it applies).
+FIELD_MANAGER = "wakegate-operator"
+#: Field manager of the builtin scaling engine (it owns only spec.replicas via the scale subresource).
+SCALER_FIELD_MANAGER = "wakegate-scaler"
+
+LABEL_MODEL = "wakegate.io/model"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+MANAGED_BY = "wakegate"
+
+#: Pod annotation: the model's VRAM need per GPU, MiB (read by the scheduler extender).
+ANNOTATION_VRAM_ESTIMATE = "wakegate.io/vram-estimate-mb"
+#: Pod annotation: backend plugin name (the extender checks its supported GPU architectures).
+ANNOTATION_BACKEND = "wakegate.io/backend"
+
+#: Node labels and annotations written by the GPU node agent.
+NODE_GPU_VENDOR = "wakegate.io/gpu.vendor"
+NODE_GPU_ARCH = "wakegate.io/gpu.arch"
+NODE_GPU_COUNT = "wakegate.io/gpu.count"
+NODE_GPU_VRAM = "wakegate.io/gpu.vram-mb"
+NODE_GPU_FREE = "wakegate.io/gpu-free-memory-mb"
+NODE_GPU_UTIL = "wakegate.io/gpu-utilization"
+
+#: Longest Model name: "wg-" + name must stay a valid 63-character Service name.
+MAX_MODEL_NAME = 60
+
+
+def backend_name(model_name: str) -> str:
+    """Deployment, Service, PodDisruptionBudget and ScaledObject of a Model share this name."""
+    return f"wg-{model_name}"
+
+
+def model_key(namespace: str, name: str) -> str:
+    """The model's key in routes and demand reports."""
+    return f"{namespace}/{name}"
+
+
+def backend_labels(model_name: str) -> dict[str, str]:
+    """Labels on every object rendered for a Model, and the backend pods' selector."""
+    return {
+        LABEL_NAME: "wakegate-backend",
+        LABEL_COMPONENT: "model-backend",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_MODEL: model_name,
+    }
+
+
+def selector_labels(model_name: str) -> dict[str, str]:
+    return {LABEL_MODEL: model_name, LABEL_NAME: "wakegate-backend"}
