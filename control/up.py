@@ -155,6 +155,10 @@ class Up:
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
         self.demand_service = DemandService(self.book, self.scaler.poke)
+        for runtime in self.runtimes.values():
+            runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
+                rt.model.key
+            ).inc()
         self.children: list[Child] = []
         self.ads: AdsServer | None = None
         self._publish_pending = False

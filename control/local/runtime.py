@@ -101,6 +101,7 @@ class ModelRuntime:
         self.on_spawned: Callable[[ModelRuntime, Replica], None] | None = None
         self.on_ready: Callable[[ModelRuntime, Replica], None] | None = None
         self.on_exit: Callable[[ModelRuntime], None] | None = None
+        self.on_activation_failed: Callable[[ModelRuntime, str], None] | None = None
 
     @property
     def ready_endpoints(self) -> tuple[tuple[str, int], ...]:
@@ -261,6 +262,8 @@ class ModelRuntime:
         self.failed_activations += 1
         self.last_failure = reason
         log.warning("activation failed model=%s failures=%d reason=%s", self.model.key, self.failed_activations, reason)
+        if self.on_activation_failed is not None:
+            self.on_activation_failed(self, reason)
 
     async def _watch(
         self,
