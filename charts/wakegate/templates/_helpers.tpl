@@ -1,0 +1,81 @@
+{{- define "wakegate.name" -}}wakegate{{- end -}}
+
+{{- define "wakegate.fullname" -}}
+{{- if contains "wakegate" .Release.Name -}}{{ .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-wakegate" .Release.Name | trunc 40 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: (dict "root" $ "component" "operator") */}}
+{{- define "wakegate.component" -}}
+{{- printf "%s-%s" (include "wakegate.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "wakegate.labels" -}}
+app.kubernetes.io/name: wakegate
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "wakegate.selector" -}}
+app.kubernetes.io/name: wakegate
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "wakegate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Preferred anti-affinity across nodes for one component, unless the user set affinity. */}}
+{{- define "wakegate.affinity" -}}
+{{- if .affinity -}}
+{{ toYaml .affinity }}
+{{- else -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "wakegate.selector" . | nindent 12 }}
+{{- end -}}
+{{- end -}}
+
+{{/* POD_IP and POD_NAMESPACE for every component: servers bind the pod IP, leases live in the namespace. */}}
+{{- define "wakegate.podEnv" -}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+{{- end -}}
+
+{{- define "wakegate.securityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{- define "wakegate.xdsAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "wakegate.component" (dict "root" . "component" "xds")) .Release.Namespace (int .Values.xds.port) -}}
+{{- end -}}
+
+{{- define "wakegate.scalerHost" -}}
+{{- printf "%s.%s.svc" (include "wakegate.component" (dict "root" . "component" "scaler")) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "wakegate.demandTokenVolume" -}}
+{{- if .Values.demandToken.existingSecret }}
+- name: demand-token
+  secret:
+    secretName: {{ .Values.demandToken.existingSecret }}
+    items: [{key: {{ .Values.demandToken.key }}, path: token}]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,188 @@
+"""charts/wakegate checked by the real Helm (built from its Go module, see e2e/helm):
+lint, template with defaults and with every documented option, the values schema, RBAC shape."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.helm import HELM, BuildError, ensure_helm, is_current
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "wakegate"
+MONITORING = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+              "--api-versions", "monitoring.coreos.com/v1/PrometheusRule")
+
+#: Every documented option set away from its default.
+EVERY_OPTION: dict[str, Any] = {
+    "image": {"repository": "registry.example/wakegate/wakegate", "tag": "1.2.3", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "commonLabels": {"team": "ml"},
+    "demandToken": {"existingSecret": "demand-token", "key": "tok"},
+    "operator": {"replicas": 3, "workers": 8, "installRuntimes": False, "leaseSeconds": 20, "logLevel": "debug",
+                 "pdb": {"minAvailable": 2}, "resources": {"requests": {"cpu": "100m"}},
+                 "nodeSelector": {"pool": "system"}, "tolerations": [{"key": "x", "operator": "Exists"}],
+                 "affinity": {"nodeAffinity": {}}},
+    "xds": {"replicas": 2, "port": 18001, "adminPort": 8081, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
+    "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls"},
+    "gateway": {"replicas": 3, "port": 8000,
+                "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
+                "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "maxBodyBytes": 1048576, "globalRps": 100,
+                "globalBurst": 200, "keepaliveSeconds": 1, "drainSeconds": 10, "pdb": {"minAvailable": "50%"},
+                "envoy": {"image": {"repository": "mirror/envoy", "tag": "v1.40.1", "pullPolicy": "Always"},
+                          "concurrency": 4, "metricsPort": 9912, "resources": {"limits": {"cpu": "2"}}},
+                "extproc": {"resources": {"limits": {"cpu": "1"}}}},
+    "agent": {"interval": 30, "gpuNodeLabels": ["custom/gpu"], "logLevel": "DEBUG", "tolerations": []},
+    "schedulerExtender": {"replicas": 2, "port": 8899, "benchConfigMap": "bench", "exampleSchedulerConfig": False},
+    "metrics": {"serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}},
+                "prometheusRule": {"labels": {"release": "prom"}}},
+    "dashboards": {"label": "grafana_dashboard_x", "labelValue": "yes", "namespace": "monitoring",
+                   "annotations": {"grafana_folder": "wakegate"}},
+}
+DISABLED = {key: {"enabled": False} for key in ("operator", "xds", "scaler", "agent", "schedulerExtender")}
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    if not is_current() and shutil.which("go") is None:
+        pytest.skip("helm is not built and `go` is missing (python -m e2e.helm builds it)")
+    try:
+        return ensure_helm()
+    except BuildError as exc:
+        pytest.fail(f"building helm failed: {exc}")
+
+
+def run(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([str(helm), *args], capture_output=True, text=True)
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def template(helm: Path, tmp: Path, values: dict[str, Any] | None = None, *extra: str) -> list[dict[str, Any]]:
+    args = ["template", "wg", str(CHART), "--namespace", "wakegate-system", *extra]
+    if values is not None:
+        (tmp / "values.yaml").write_text(yaml.safe_dump(values))
+        args += ["-f", str(tmp / "values.yaml")]
+    return [doc for doc in yaml.safe_load_all(run(helm, *args).stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def test_lint_default_and_every_option(helm: Path, tmp_path: Path) -> None:
+    run(helm, "lint", "--strict", str(CHART))
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(EVERY_OPTION))
+    run(helm, "lint", "--strict", str(CHART), "-f", str(tmp_path / "v.yaml"))
+
+
+def test_default_render(helm: Path, tmp_path: Path) -> None:
+    docs = template(helm, tmp_path)
+    deployments = by_kind(docs, "Deployment")
+    assert set(deployments) == {f"wg-wakegate-{c}" for c in ("operator", "xds", "scaler", "gateway",
+                                                             "scheduler-extender")}
+    operator = deployments["wg-wakegate-operator"]["spec"]
+    assert operator["replicas"] == 2
+    assert "podAntiAffinity" in operator["template"]["spec"]["affinity"]
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    assert pdbs["wg-wakegate-operator"]["spec"]["minAvailable"] == 1
+    assert "wg-wakegate-gateway" in pdbs, "two gateway replicas get a PDB"
+    gateway = deployments["wg-wakegate-gateway"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in gateway["containers"]] == ["envoy", "extproc"]
+    assert gateway["automountServiceAccountToken"] is False
+    agent = by_kind(docs, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
+    terms = agent["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {t["matchExpressions"][0]["key"] for t in terms} == {"nvidia.com/gpu.present", "amd.com/gpu.present"}
+    images = {c["image"] for d in [*deployments.values(), by_kind(docs, "DaemonSet")["wg-wakegate-agent"]]
+              for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "envoy"}
+    assert images == {"ghcr.io/wakegate/wakegate:0.1.0"}, "one image for every wakegate component"
+    assert not by_kind(docs, "Secret"), "secrets are referenced, never templated"
+    assert "wg-wakegate-scheduler-extender-example" in by_kind(docs, "ConfigMap")
+    dashboards = [n for n in by_kind(docs, "ConfigMap") if "-dashboard-" in n]
+    assert len(dashboards) == 3
+    assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "PrometheusRule"), "no Prometheus Operator CRDs"
+
+
+def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
+    docs = template(helm, tmp_path)
+    bound = {b["subjects"][0]["name"] for b in [*by_kind(docs, "ClusterRoleBinding").values(),
+                                                 *by_kind(docs, "RoleBinding").values()]}
+    assert "wg-wakegate-gateway" not in bound, "the gateway gets no Kubernetes access at all"
+    roles = {**by_kind(docs, "ClusterRole"), **{f"ns/{k}": v for k, v in by_kind(docs, "Role").items()}}
+    writes = {"create", "update", "patch", "delete"}
+
+    def rules(name: str) -> set[tuple[str, str, str]]:
+        return {(g, r, v) for rule in roles[name]["rules"] for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}
+
+    assert rules("wg-wakegate-agent") == {("", "nodes", "get"), ("", "nodes", "patch")}
+    assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
+                                                             ("discovery.k8s.io", "endpointslices"))
+                                        for v in ("get", "list", "watch")}
+    writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
+    assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
+    assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
+                                                                                      "patch")}
+    assert not any(r == "secrets" for name in roles for _, r, _ in rules(name))
+
+
+def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
+    docs = template(helm, tmp_path, EVERY_OPTION, *MONITORING)
+    deployments = by_kind(docs, "Deployment")
+    gateway = deployments["wg-wakegate-gateway"]["spec"]["template"]["spec"]
+    extproc = next(c for c in gateway["containers"] if c["name"] == "extproc")
+    assert "--api-keys-file=/var/run/wakegate/api-keys/keys" in extproc["args"]
+    assert "--demand-token-file=/var/run/wakegate/demand-token/token" in extproc["args"]
+    assert {v["name"]: v.get("secret", {}).get("secretName") for v in gateway["volumes"]}["api-keys"] == "api-keys"
+    assert by_kind(docs, "PodDisruptionBudget")["wg-wakegate-gateway"]["spec"]["minAvailable"] == "50%"
+    scaler = deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--tls-client-ca=/var/run/wakegate/tls/ca.crt" in scaler["args"]
+    assert "--no-install-runtimes" in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-xds", "wg-wakegate-scaler"}
+    assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
+    rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    assert len(rule["spec"]["groups"][0]["rules"]) >= 6
+    dashboards = [d for n, d in by_kind(docs, "ConfigMap").items() if "-dashboard-" in n]
+    assert all(d["metadata"]["namespace"] == "monitoring" and d["metadata"]["labels"]["grafana_dashboard_x"] == "yes"
+               for d in dashboards)
+    assert "wg-wakegate-scheduler-extender-example" not in by_kind(docs, "ConfigMap")
+    assert not by_kind(docs, "Secret")
+
+
+def test_components_can_be_disabled(helm: Path, tmp_path: Path) -> None:
+    docs = template(helm, tmp_path, {**DISABLED, "gateway": {"replicas": 1}, "dashboards": {"enabled": False}})
+    assert set(by_kind(docs, "Deployment")) == {"wg-wakegate-gateway"}
+    assert not by_kind(docs, "DaemonSet") and not by_kind(docs, "PodDisruptionBudget")
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ConfigMap").keys() - {"wg-wakegate-gateway-envoy"}
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"gateway": {"replicas": 0}}, "/gateway/replicas"),
+        ({"gateway": {"service": {"type": "Ingress"}}}, "/gateway/service/type"),
+        ({"xds": {"port": 70000}}, "/xds/port"),
+        ({"operator": {"replicas": "two"}}, "/operator/replicas"),
+        ({"apiKey": "sk-in-clear"}, "additional properties 'apiKey'"),
+        ({"gateway": {"apiKeys": {"value": "sk-in-clear"}}}, "additional properties 'value'"),
+        ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: dict[str, Any], error: str) -> None:
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(values))
+    out = run(helm, "template", "wg", str(CHART), "-f", str(tmp_path / "bad.yaml"), check=False)
+    assert out.returncode != 0
+    assert error in out.stderr, out.stderr
+
+
+def test_helm_binary_is_the_pinned_release(helm: Path) -> None:
+    assert helm == HELM
+    assert "v3.22.0" in run(helm, "version", "--short").stdout
