@@ -7,6 +7,10 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
   # shellcheck disable=SC1091
   . .venv/bin/activate
 fi
+if ! command -v ip >/dev/null; then
+  # Pod networking (network namespaces, veths, routes: e2e/net.py) runs `ip` from iproute2.
+  apt-get install -y iproute2 || { apt-get update && apt-get install -y iproute2; }
+fi
 start=$(date +%s)
 python -m e2e.build
 echo "e2e: binaries ready after $(( $(date +%s) - start ))s"

@@ -4,7 +4,8 @@
     python -m e2e.cluster down --dir DIR              # stop one left running (pytest --keep)
 
 `up` prints `ready DIR/kubeconfig` once /readyz passes and the nodes are Ready.
-Ports are picked free at start, so two clusters can run side by side.
+Ports and the pod range (a 10.X.0.0/16, one network namespace per node, see
+e2e/net.py) are picked free at start, so two clusters can run side by side.
 """
 
 from __future__ import annotations
@@ -104,7 +105,11 @@ class Cluster:
         self.log = log
         self.procs: list[Proc] = []
         self.ports: dict[str, int] = {}
+        #: the cluster's pod range (10.X.0.0/16 unless given); node i gets its i-th /24
         self.pod_cidr = pod_cidr
+        #: namespaces, veths and addresses of the nodes (e2e/net.py); set once started or attached
+        self.network: net.ClusterNet | None = None
+        self._owns_network = False
 
     @classmethod
     def attach(cls, dir: Path) -> Cluster:
@@ -115,6 +120,8 @@ class Cluster:
         cluster = cls(dir, pod_cidr=state["pod_cidr"], keep=True)
         cluster.ports = state["ports"]
         cluster.nodes = state["nodes"]
+        if "network" in state:
+            cluster.network = net.ClusterNet.from_dict(state["network"])  # not ours to remove
         return cluster
 
     @staticmethod
@@ -143,6 +150,24 @@ class Cluster:
     def state_file(self) -> Path:
         return self.dir / "cluster.json"
 
+    @property
+    def network_file(self) -> Path:
+        return self.dir / "network.json"
+
+    def node_netns(self, node: str | int) -> str:
+        """The network namespace of a node (its name or index), e.g. for `ip netns exec`."""
+        assert self.network is not None, "cluster not started"
+        if isinstance(node, int):
+            return self.network.nodes[node].netns
+        names = self._node_names()
+        return self.network.nodes[names.index(node)].netns
+
+    def _node_names(self) -> list[str]:
+        from e2e.nodes import default_nodes, load_nodes
+
+        specs = load_nodes(self.node_spec) if self.node_spec is not None else default_nodes(self.nodes)
+        return [spec.name for spec in specs]
+
     # -- lifecycle ---------------------------------------------------------
 
     def start(self, timeout: float = 120.0) -> None:
@@ -150,12 +175,8 @@ class Cluster:
         deadline = started + timeout
         bins = build.ensure_built(log=self.log)
         self._reset_dir()
-        if self.pod_cidr is None:
-            problem = net.ensure_pod_route()
-            if problem:
-                self.log(f"WARNING: {problem}; pods get loopback IPs, which the apiserver refuses in "
-                         "EndpointSlices (see e2e/net.py)")
-            self.pod_cidr = net.pick_pod_cidr(local_route=problem is None)
+        if self.node_spec is not None:
+            self.nodes = len(self._node_names())
         for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler"):
             self.ports[name] = free_port()
         pki = PKI(self.pki_dir)
@@ -174,6 +195,7 @@ class Cluster:
             pki.issue("scheduler", "system:kube-scheduler"), "system:kube-scheduler",
         )
         try:
+            self._create_network()
             self._start_etcd(bins, deadline)
             self._start_apiserver(bins, pki, serving, front_proxy, sa.key, sa.cert, deadline)
             self._start_controller_manager(bins, pki, serving, kcm_kubeconfig, sa.key)
@@ -199,12 +221,28 @@ class Cluster:
         # Only what we create here, so a --dir pointed at the wrong place loses nothing else.
         for sub in ("etcd", "pki", "agent", "logs"):
             shutil.rmtree(self.dir / sub, ignore_errors=True)
-        for name in ("kubeconfig", "cluster.json"):
+        for name in ("kubeconfig", "cluster.json", "network.json"):
             (self.dir / name).unlink(missing_ok=True)
         (self.dir / "logs").mkdir()
 
+    def _create_network(self) -> None:
+        try:
+            self.network = net.create(self.nodes, self.pod_cidr, owner=os.getpid(), log=self.log)
+        except net.NetError as exc:
+            raise ClusterError(f"cannot set up the pod network: {exc}") from exc
+        self._owns_network = True
+        self.pod_cidr = self.network.cidr
+        self.network.save(self.network_file)
+        self.log(f"pod network {self.network.cidr}: " + ", ".join(
+            f"{n.netns} {n.cidr}" for n in self.network.nodes))
+
+    def _destroy_network(self) -> None:
+        if self.network is not None and self._owns_network:
+            net.destroy(self.network)
+            self._owns_network = False
+
     def stop(self) -> None:
-        if not self.procs:
+        if not self.procs and not self._owns_network:
             return  # nothing started here (or attached to someone else's cluster): leave its state alone
         # The agent first so pods end while the apiserver still answers, etcd last.
         by_name = {p.name: p for p in self.procs}
@@ -216,6 +254,8 @@ class Cluster:
         ):
             stop_all([by_name[n] for n in batch if n in by_name], grace)
         self.procs.clear()
+        # Last: no pod is left in the namespaces.
+        self._destroy_network()
         self.state_file.unlink(missing_ok=True)
 
     def detach(self) -> None:
@@ -223,6 +263,9 @@ class Cluster:
         for proc in self.procs:
             proc.detach()
         self.procs.clear()
+        # `down --dir` removes the network (cluster.json names it); until then the
+        # components' PIDs in its record keep a later start from reaping it.
+        self._owns_network = False
 
     def check(self) -> None:
         """Raise if a component died."""
@@ -360,7 +403,7 @@ class Cluster:
             f"--kubeconfig={self.kubeconfig}",
             f"--nodes={self.nodes}",
             f"--work-dir={self.dir / 'agent'}",
-            f"--pod-cidr={self.pod_cidr}",
+            f"--network={self.network_file}",
         ]
         if self.node_spec is not None:
             argv.append(f"--node-spec={self.node_spec}")
@@ -447,12 +490,16 @@ class Cluster:
             "kubeconfig": str(self.kubeconfig),
             "server": self.server,
             "pod_cidr": self.pod_cidr,
+            "network": self.network.to_dict() if self.network is not None else None,
             "nodes": self.nodes,
             "ports": self.ports,
             # Each component leads its own process group (start_new_session).
             "pgids": {p.name: p.pid for p in self.procs},
         }
         self.state_file.write_text(json.dumps(state, indent=2) + "\n")
+        if self.network is not None:
+            # While any component lives the network is in use, even after we exit (--keep).
+            net.set_owners(self.network, [os.getpid(), *(p.pid for p in self.procs)])
 
 
 def down(dir: Path) -> int:
@@ -461,12 +508,17 @@ def down(dir: Path) -> int:
     if not state_file.exists():
         _log(f"no cluster state in {dir}")
         return 1
-    pgids: dict[str, int] = json.loads(state_file.read_text())["pgids"]
+    state = json.loads(state_file.read_text())
+    pgids: dict[str, int] = state["pgids"]
     for name in ("node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
         pgid = pgids.get(name)
         if pgid is not None and group_alive(pgid):
             _log(f"stopping {name} (pgid {pgid})")
             stop_group(pgid, grace=5.0)
+    if state.get("network"):
+        network = net.ClusterNet.from_dict(state["network"])
+        _log(f"removing pod network {network.cidr} ({', '.join(n.netns for n in network.nodes)})")
+        net.destroy(network)
     state_file.unlink()
     return 0
 

@@ -33,7 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The session's cluster: `.kubeconfig`, `.dir`, `.api_client()`, `.pod_cidr`."""
+    """The session's cluster: `.kubeconfig`, `.dir`, `.api_client()`, `.pod_cidr`, `.network`."""
     keep = bool(request.config.getoption("--keep"))
     option = request.config.getoption("--cluster-dir")
     dir = Path(option).resolve() if option else tmp_path_factory.mktemp("cluster")

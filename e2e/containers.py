@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from e2e import images
+from e2e import images, net
 from e2e.nodes import now
 from e2e.probes import Handler, probe_loop
 from e2e.procs import die_with_parent, kill_group
@@ -48,6 +50,24 @@ def exit_reason(code: int) -> tuple[int, str]:
     if code == 137:  # what the kernel OOM killer leaves behind
         return 137, "OOMKilled"
     return code, "Completed" if code == 0 else "Error"
+
+
+def container_preexec(netns: str | None) -> Callable[[], None]:
+    """Tie the child to the agent (PR_SET_PDEATHSIG), then move it into the node's namespace.
+
+    setns in the forked child keeps the PID (containerID e2e://PID, signals to its
+    group) the real process; the agent itself stays in the root namespace.
+    """
+    tie = die_with_parent()
+    if netns is None:
+        return tie
+    enter = net.netns_preexec(netns)
+
+    def preexec() -> None:
+        tie()
+        enter()
+
+    return preexec
 
 
 class Container:
@@ -185,9 +205,9 @@ class Container:
                 self.proc = await asyncio.create_subprocess_exec(
                     *argv, env=env, cwd=str(self.pod.dir), stdin=asyncio.subprocess.DEVNULL,
                     stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=die_with_parent(),
+                    preexec_fn=container_preexec(self.pod.netns),
                 )
-            except OSError as exc:
+            except (OSError, subprocess.SubprocessError) as exc:
                 self.ran = True
                 self._set({"terminated": {"exitCode": 128, "reason": "StartError", "message": str(exc),
                                           "startedAt": now(), "finishedAt": now()}})
@@ -195,7 +215,7 @@ class Container:
         self.ran = True
         started_at = now()
         self.container_id = f"e2e://{self.proc.pid}"
-        handler = Handler(self.pod.http, self.spec, self.pod.ip, env, str(self.pod.dir))
+        handler = Handler(self.pod.http, self.spec, self.pod.ip, env, str(self.pod.dir), self.pod.netns)
         no_startup = "startupProbe" not in self.spec
         self.started = no_startup
         self._set({"running": {"startedAt": started_at}},

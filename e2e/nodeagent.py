@@ -1,11 +1,12 @@
 """The e2e node agent: a kubelet stand-in whose pods are local processes.
 
-    python -m e2e.nodeagent --kubeconfig KUBECONFIG [--nodes 2] [--work-dir DIR]
+    python -m e2e.nodeagent --kubeconfig KUBECONFIG --network NET.json [--nodes 2] [--work-dir DIR]
 
 Registers fake GPU nodes, keeps their leases fresh, and runs every pod the
-scheduler binds to them: an IP from a local range (198.18.0.0/15 made
-local by one route, see e2e/net.py), one process per container (e2e/images.py),
-real probes, restart backoff, graceful termination. Test infrastructure only.
+scheduler binds to them: an IP from its node's range, added to the node's
+network namespace (made by the cluster, see e2e/net.py), one process per
+container inside that namespace (e2e/images.py), real probes, restart backoff,
+graceful termination. Test infrastructure only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import ipaddress
 import logging
 import signal
 import sys
+import urllib.parse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +38,12 @@ SHUTDOWN_GRACE_SECONDS = 2.0
 
 
 class IPPool:
-    """Pod IPs from a local range, handed out in order and reused only when free."""
+    """Pod IPs from a node's range, handed out in order and reused only when free."""
 
-    def __init__(self, cidr: str) -> None:
+    def __init__(self, cidr: str, reserved: Iterable[str] = ()) -> None:
         network = ipaddress.ip_network(cidr)
-        self._hosts = [str(ip) for ip in network.hosts()]
+        skip = set(reserved)
+        self._hosts = [str(ip) for ip in network.hosts() if str(ip) not in skip]
         self._next = 0
         self._used: set[str] = set()
 
@@ -58,22 +62,38 @@ class IPPool:
 
 class Agent:
     def __init__(
-        self, api: KubeAPI, nodes: list[NodeSpec], work_dir: Path, pod_cidr: str, settings: Settings
+        self,
+        api: KubeAPI,
+        nodes: list[NodeSpec],
+        work_dir: Path,
+        network: net.ClusterNet,
+        settings: Settings,
+        relay_ports: Iterable[int] = (),
     ) -> None:
+        if len(network.nodes) < len(nodes):
+            raise ValueError(f"the network has {len(network.nodes)} node namespaces for {len(nodes)} nodes")
         self.api = api
         self.nodes = {n.name: n for n in nodes}
         self.keeper = NodeKeeper(api, nodes)
         self.work_dir = work_dir
-        self.ips = IPPool(pod_cidr)
+        #: node i runs its pods in the i-th namespace of the cluster network
+        self.node_nets = {spec.name: network.nodes[i] for i, spec in enumerate(nodes)}
+        self.pools = {name: IPPool(n.cidr, n.reserved()) for name, n in self.node_nets.items()}
+        self.relay_ports = sorted(set(relay_ports))
         self.settings = settings
         self.workers: dict[str, PodWorker] = {}
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._relays: list[asyncio.Server] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         # A fresh connection per probe, as the kubelet's probes disable keep-alive.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         try:
+            # Pods reach the apiserver (and any other relayed port) at 127.0.0.1 in their namespace.
+            for node in self.node_nets.values():
+                for port in self.relay_ports:
+                    self._relays.append(await net.relay(node.netns, port))
             await self.keeper.register()
             heartbeat = asyncio.create_task(self.keeper.run())
             pods = asyncio.create_task(self._pods())
@@ -86,6 +106,8 @@ class Agent:
             await asyncio.gather(*(w.stop(SHUTDOWN_GRACE_SECONDS) for w in self.workers.values()))
             await asyncio.gather(*(w.kill() for w in self.workers.values()))
         finally:
+            for server in self._relays:
+                server.close()
             await self._http.close()
 
     # -- pod watch -------------------------------------------------------------
@@ -137,10 +159,23 @@ class Agent:
                 )
             return
         assert self._http is not None
-        ip = "127.0.0.1" if pod["spec"].get("hostNetwork") else self.ips.take()
+        node_name = pod["spec"]["nodeName"]
+        if pod["spec"].get("hostNetwork"):
+            ip, netns = "127.0.0.1", None
+        else:
+            node = self.node_nets[node_name]
+            ip, netns = self.pools[node_name].take(), node.netns
+            try:
+                await net.add_pod_ip(node, ip)
+            except net.NetError as exc:
+                # Left Pending: the next event for this pod tries again.
+                self.pools[node_name].give_back(ip)
+                log.error("pod %s/%s: cannot add its IP: %s",
+                          pod["metadata"]["namespace"], pod["metadata"]["name"], exc)
+                return
         log.info("starting pod %s/%s on %s with IP %s",
-                 pod["metadata"]["namespace"], pod["metadata"]["name"], pod["spec"]["nodeName"], ip)
-        self.workers[uid] = PodWorker(pod, ip, self.api, self._http, self.work_dir, self.settings)
+                 pod["metadata"]["namespace"], pod["metadata"]["name"], node_name, ip)
+        self.workers[uid] = PodWorker(pod, ip, self.api, self._http, self.work_dir, self.settings, netns=netns)
 
     async def _gone(self, uid: str) -> None:
         worker = self.workers.pop(uid, None)
@@ -154,8 +189,15 @@ class Agent:
 
     async def _reap(self, worker: PodWorker) -> None:
         await worker.kill()
-        if worker.ip != "127.0.0.1":
-            self.ips.give_back(worker.ip)
+        if worker.netns is None:
+            return  # hostNetwork: 127.0.0.1, nothing to give back
+        node_name = worker.pod["spec"]["nodeName"]
+        try:
+            await net.del_pod_ip(self.node_nets[node_name], worker.ip)
+        except net.NetError as exc:
+            log.warning("pod %s/%s: cannot remove its IP: %s", worker.namespace, worker.name, exc)
+            return  # still on the interface: not handed out again
+        self.pools[node_name].give_back(worker.ip)
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -166,14 +208,19 @@ async def amain(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    first = str(next(ipaddress.ip_network(args.pod_cidr).hosts()))
-    if not net.bindable(first):
-        log.error("cannot bind %s: the pod range %s is not local (see e2e/net.py)", first, args.pod_cidr)
+    network = net.ClusterNet.load(Path(args.network))
+    missing = [n.netns for n in network.nodes if not (net.NETNS_DIR / n.netns).exists()]
+    if missing:
+        log.error("network namespaces %s do not exist (the cluster makes them, see e2e/net.py)", missing)
         return 2
     work_dir = Path(args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     async with KubeAPI(Path(args.kubeconfig)) as api:
-        await Agent(api, nodes, work_dir, args.pod_cidr, settings).run(stop)
+        server = urllib.parse.urlsplit(api.config.server)
+        relay_ports = list(args.relay_port)
+        if server.hostname == "127.0.0.1" and server.port:
+            relay_ports.append(server.port)
+        await Agent(api, nodes, work_dir, network, settings, relay_ports).run(stop)
     log.info("node agent stopped")
     return 0
 
@@ -185,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-spec", help="YAML list of {name, labels, capacity, taints}")
     parser.add_argument("--name-prefix", default="e2e-node", help="node names: PREFIX-0, ...")
     parser.add_argument("--work-dir", default="e2e-agent", help="pod logs and per-pod files")
-    parser.add_argument("--pod-cidr", default="198.18.0.0/24", help="local range for pod IPs (e2e/net.py)")
+    parser.add_argument("--network", required=True,
+                        help="the cluster's pod network (JSON written by e2e.cluster, see e2e/net.py)")
+    parser.add_argument("--relay-port", type=int, action="append", default=[],
+                        help="also relay this 127.0.0.1 port into every node namespace (the apiserver's is)")
     parser.add_argument("--backoff-initial", type=float, default=10.0, help="first crash-loop backoff (s)")
     parser.add_argument("--backoff-max", type=float, default=300.0, help="longest crash-loop backoff (s)")
     parser.add_argument("-v", "--verbose", action="store_true")

@@ -1,7 +1,9 @@
 """One pod on a fake node: its IP, its containers in order, its status like a kubelet's.
 
-Per pod: an IP from the agent's range, init containers in order, then the app
-containers (e2e/containers.py). Status is written as a full merge patch of the
+Per pod: an IP from its node's range (already on the node namespace's eth0
+when the worker starts; `netns` None for hostNetwork pods, which run in the
+root namespace with 127.0.0.1), init containers in order, then the app
+containers (e2e/containers.py), all inside the node's network namespace. Status is written as a full merge patch of the
 fields a kubelet owns whenever something changes.
 """
 
@@ -43,8 +45,11 @@ class PodWorker:
         http: aiohttp.ClientSession,
         work_dir: Path,
         agent_settings: Settings,
+        netns: str | None = None,
     ) -> None:
         self.pod = pod
+        #: the node's network namespace the containers (and exec probes) run in; None: the root one
+        self.netns = netns
         meta = pod["metadata"]
         self.uid: str = meta["uid"]
         self.name: str = meta["name"]

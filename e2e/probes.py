@@ -3,6 +3,8 @@
 Semantics follow the kubelet: httpGet succeeds on 200-399, tcpSocket on a
 completed connect, exec on exit status 0; each attempt is bounded by
 timeoutSeconds. grpc probes are not supported and always fail, loudly.
+httpGet/tcpSocket go from the agent (root namespace) to the pod IP through the
+node's veth; exec commands run inside the node's network namespace.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from e2e import net
 
 log = logging.getLogger("e2e.nodeagent")
 
@@ -31,10 +36,14 @@ def resolve_port(port: int | str, container: dict[str, Any]) -> int:
     raise ValueError(f"no container port named {port!r}")
 
 
-async def run_exec(command: list[str], env: dict[str, str], timeout: float, cwd: str) -> bool:
+async def run_exec(
+    command: list[str], env: dict[str, str], timeout: float, cwd: str, netns: str | None = None
+) -> bool:
+    """Run an exec probe/hook: in the pod's network namespace (`netns`), like the kubelet's exec."""
     proc = await asyncio.create_subprocess_exec(
         *command, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=net.netns_preexec(netns) if netns else None,
     )
     try:
         return await asyncio.wait_for(proc.wait(), timeout) == 0
@@ -54,6 +63,7 @@ class Handler:
     pod_ip: str
     env: dict[str, str]
     cwd: str
+    netns: str | None = None
 
     async def __call__(self, spec: dict[str, Any], timeout: float) -> bool:
         try:
@@ -62,11 +72,11 @@ class Handler:
             if "tcpSocket" in spec:
                 return await self._tcp(spec["tcpSocket"], timeout)
             if "exec" in spec:
-                return await run_exec(list(spec["exec"]["command"]), self.env, timeout, self.cwd)
+                return await run_exec(list(spec["exec"]["command"]), self.env, timeout, self.cwd, self.netns)
             if "sleep" in spec:
                 await asyncio.sleep(float(spec["sleep"]["seconds"]))
                 return True
-        except (OSError, TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (OSError, TimeoutError, aiohttp.ClientError, ValueError, subprocess.SubprocessError) as exc:
             log.debug("probe %s failed: %s", spec, exc)
             return False
         log.warning("unsupported probe/handler %s: treated as failing", sorted(spec))

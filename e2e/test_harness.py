@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from e2e import net
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, is_ready, pod_pid, wait_for
 from e2e.procs import Proc, free_port
@@ -312,6 +315,9 @@ def test_up_command_stops_on_sigterm_leaving_no_process_behind(tmp_path: Path) -
         assert up.stdout is not None
         assert up.stdout.readline().strip() == f"ready {dir / 'kubeconfig'}"
         cluster = Cluster.attach(dir)
+        network = cluster.network
+        assert network is not None
+        assert set(net.netns_names()) >= {n.netns for n in network.nodes}
         with cluster.api_client() as api:
             kube = Kube(api, "default", cluster)
             kube.core.create_namespaced_pod("default", {
@@ -320,6 +326,7 @@ def test_up_command_stops_on_sigterm_leaving_no_process_behind(tmp_path: Path) -
             })
             wait_for(lambda: is_ready(kube.pod("sim")), 30, "sim pod Ready")
             pod_ip = kube.pod("sim").status.pod_ip
+            assert ipaddress.ip_address(pod_ip) in ipaddress.ip_network(network.nodes[0].cidr)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
     finally:
@@ -339,6 +346,69 @@ def test_up_command_stops_on_sigterm_leaving_no_process_behind(tmp_path: Path) -
         if str(dir) in cmdline or f"--host {pod_ip} " in cmdline:
             leftovers.append(f"{proc.name}: {cmdline}")
     assert leftovers == []
+    # Namespaces, veths and routes went with it (`ip netns list`, `ip link`, `ip route show table all`).
+    assert net.leftovers(network) == []
+    assert not network.registry.exists()
+
+
+def netns_inode(pid: int | str) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def test_pods_run_in_their_nodes_network_namespace(kube: Kube) -> None:
+    network = kube.cluster.network
+    assert network is not None
+    node0, node1 = network.nodes[0], network.nodes[1]
+    ino0, ino1 = (os.stat(net.NETNS_DIR / n.netns).st_ino for n in (node0, node1))
+    # A sim on node 0, answering on its pod IP inside node 0's namespace.
+    kube.core.create_namespaced_pod(kube.ns, {
+        "metadata": {"name": "server"},
+        "spec": {"nodeName": "e2e-node-0", "containers": [{
+            "name": "sim", "image": SIM, "ports": [{"containerPort": PORT}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": PORT}, "periodSeconds": 1},
+        }]},
+    })
+    wait_for(lambda: is_ready(kube.pod("server")), 30, "server Ready")
+    server = kube.pod("server")
+    server_ip = server.status.pod_ip
+    assert ipaddress.ip_address(server_ip) in ipaddress.ip_network(node0.cidr)
+    assert server_ip not in node0.reserved()
+    assert netns_inode(pod_pid(server)) == ino0 != netns_inode("self")
+    assert http_get(server_ip, "/health")[0] == 200  # from here (root namespace) through the veth
+    # A client on node 1: its exec readiness probe passes only inside node 1's namespace,
+    # and it reaches the server across nodes (through the root namespace).
+    script = (
+        "import os, time, urllib.request\n"
+        f"url = 'http://{server_ip}:{PORT}/health'\n"
+        "with urllib.request.urlopen(url, timeout=5) as r:\n"
+        "    print('fetched', r.status, 'as', os.environ['POD_IP'], flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    probe = [sys.executable, "-c", f"import os, sys; sys.exit(os.stat('/proc/self/ns/net').st_ino != {ino1})"]
+    client = exec_pod("client", ["python", "-c", script], nodeName="e2e-node-1")
+    client["spec"]["containers"][0]["readinessProbe"] = {"exec": {"command": probe}, "periodSeconds": 1}
+    kube.core.create_namespaced_pod(kube.ns, client)
+    wait_for(lambda: is_ready(kube.pod("client")), 30, "client Ready (exec probe in node 1's namespace)")
+    client_pod = kube.pod("client")
+    assert ipaddress.ip_address(client_pod.status.pod_ip) in ipaddress.ip_network(node1.cidr)
+    assert netns_inode(pod_pid(client_pod)) == ino1
+    log = next((kube.cluster.dir / "agent" / "pods" / kube.ns).glob("client-*/main.log"))
+    wait_for(lambda: f"fetched 200 as {client_pod.status.pod_ip}" in log.read_text(), 20, "cross-node fetch")
+    # hostNetwork pods stay in the root namespace with 127.0.0.1.
+    host = exec_pod("host", ["python", "-c", "import time; time.sleep(3600)"], hostNetwork=True)
+    kube.core.create_namespaced_pod(kube.ns, host)
+    wait_for(lambda: is_ready(kube.pod("host")), 30, "hostNetwork pod Ready")
+    assert kube.pod("host").status.pod_ip == "127.0.0.1"
+    assert netns_inode(pod_pid(kube.pod("host"))) == netns_inode("self")
+    # A deleted pod's IP leaves the namespace; connecting to it fails at once (host unreachable).
+    kube.core.delete_namespaced_pod("server", kube.ns, grace_period_seconds=0)
+    wait_for(lambda: "server" not in {p.metadata.name for p in kube.pods()}, 20, "server gone")
+    wait_for(lambda: f"{server_ip}/32" not in net.ip("-n", node0.netns, "-4", "-o", "addr", "show"), 10,
+             "server IP removed from the namespace")
+    started = time.monotonic()
+    with pytest.raises(OSError), socket.create_connection((server_ip, PORT), timeout=5):
+        pass
+    assert time.monotonic() - started < 3
 
 
 def test_liveness_failure_restarts_the_container(kube: Kube) -> None:

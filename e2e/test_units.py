@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e import images
+from e2e import images, net
 from e2e.containers import exit_reason
 from e2e.nodeagent import IPPool
 
@@ -43,10 +43,23 @@ def test_exit_reason(code: int, expected: tuple[int, str]) -> None:
 
 
 def test_ip_pool_hands_out_each_address_once_until_returned() -> None:
-    pool = IPPool("198.18.7.0/30")
+    pool = IPPool("10.200.7.0/29", reserved=("10.200.7.1", "10.200.7.2", "10.200.7.3", "10.200.7.4"))
     a, b = pool.take(), pool.take()
-    assert {a, b} == {"198.18.7.1", "198.18.7.2"}
+    assert {a, b} == {"10.200.7.5", "10.200.7.6"}
     with pytest.raises(RuntimeError):
         pool.take()
     pool.give_back(a)
     assert pool.take() == a
+
+
+def test_network_plan_gives_each_node_a_24_with_gateway_and_node_address() -> None:
+    plan = net.plan("abc123", "10.201.0.0/16", 3)
+    assert [(n.netns, n.cidr, n.gateway, n.address) for n in plan.nodes] == [
+        ("wgabc123-0", "10.201.0.0/24", "10.201.0.1", "10.201.0.2"),
+        ("wgabc123-1", "10.201.1.0/24", "10.201.1.1", "10.201.1.2"),
+        ("wgabc123-2", "10.201.2.0/24", "10.201.2.1", "10.201.2.2"),
+    ]
+    assert all(len(n.netns) <= 15 for n in plan.nodes)  # also the root-side interface name
+    assert net.ClusterNet.from_dict(plan.to_dict()) == plan
+    with pytest.raises(net.NetError):
+        net.plan("abc123", "127.1.0.0/16", 1)  # loopback: refused in EndpointSlices
