@@ -23,13 +23,13 @@ class Alert:
 ALERTS = (
     Alert(
         "WakegateActivationTimeouts",
-        'sum by (model) (increase(wakegate_gateway_requests_total{code="503"}[10m])) > 0',
+        'sum by (model) (increase(wakegate_gateway_requests_total{reason=~"activation_timeout|activation_failed"}[10m])) '
+        "> 0",
         "5m",
         "warning",
         "Cold requests to {{ $labels.model }} are answered 503",
-        "Gateways answered {{ $value | humanize }} requests to {{ $labels.model }} with 503 in 10 minutes: "
-        "the model did not become ready within its activationTimeout, failed to start, or its coldMode is "
-        "`reject`.",
+        "Gateways answered {{ $value | humanize }} cold requests to {{ $labels.model }} with 503 in 10 minutes: "
+        "the model did not become ready within its activationTimeout, or its load failed.",
     ),
     Alert(
         "WakegateModelStuckLoading",
@@ -60,8 +60,9 @@ ALERTS = (
     ),
     Alert(
         "WakegateQueueSaturated",
-        'sum by (model) (rate(wakegate_gateway_requests_total{code="429"}[5m])) > 0 '
-        "and on (model) sum by (model) (wakegate_gateway_queue_depth) > 0",
+        'sum by (model) (rate(wakegate_gateway_requests_total{reason="queue_full"}[5m])) > 0 '
+        "or on (model) (sum by (model) (wakegate_gateway_queue_depth) / max by (model) (wakegate_gateway_queue_limit)"
+        " > 0.8)",
         "2m",
         "warning",
         "Cold queue of {{ $labels.model }} is full",

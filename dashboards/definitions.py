@@ -242,8 +242,8 @@ GATEWAY = Dashboard(
             "timeout or failure), per model.",
             (
                 Target(
-                    f'sum by (model, code) (rate(wakegate_gateway_requests_total{{code=~"429|503"}}[{RI}]))',
-                    "{{code}} {{model}}",
+                    f'sum by (model, reason) (rate(wakegate_gateway_requests_total{{code=~"429|503"}}[{RI}]))',
+                    "{{reason}} {{model}}",
                 ),
             ),
             unit="reqps",

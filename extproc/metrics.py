@@ -15,8 +15,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "wakegate_gateway_requests",
-            "Requests decided by the gateway, by model and outcome (`routed`, or the status it answered).",
-            ["model", "code"],
+            "Requests decided by the gateway, by model, status (`routed` or the status it answered) and error reason.",
+            ["model", "code", "reason"],
             registry=r,
         )
         self.in_flight = Gauge(
@@ -35,6 +35,10 @@ class Metrics:
             "wakegate_gateway_queue_depth",
             "Cold requests held for a model on this gateway.",
             ["model"],
+            registry=r,
+        )
+        self.queue_limit = Gauge(
+            "wakegate_gateway_queue_limit", "Cold requests a gateway holds per model at most (maxQueue).", ["model"],
             registry=r,
         )
         self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)

@@ -98,6 +98,8 @@ class Gateway:
         self.table = RouteTable(routes)
         self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
         self.metrics.routes.set(len(self.table.routes))
+        for key, route in self.table.routes.items():
+            self.metrics.queue_limit.labels(key).set(route.cold.max_queue)
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
 
@@ -127,7 +129,7 @@ class Gateway:
         if count == 1:
             self.on_demand_change()  # a model going from idle to busy matters to the scaler at once
         self.metrics.in_flight.labels(key).inc()
-        self.metrics.requests.labels(key, "routed").inc()
+        self.metrics.requests.labels(key, "routed", "").inc()
         if endpoint is not None:
             self.picker.inflight.acquire(endpoint)
 
@@ -428,8 +430,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _reject(
         self, model_key: str | None, status: int, code: str, message: str, *, retry_after: str | None = None
     ) -> ep.ProcessingResponse:
-        return self._done(model_key, error(status, code, message, retry_after=retry_after), str(status))
+        return self._done(model_key, error(status, code, message, retry_after=retry_after), str(status), code)
 
-    def _done(self, model_key: str | None, response: ep.ProcessingResponse, code: str = "200") -> ep.ProcessingResponse:
-        self.gw.metrics.requests.labels(model_key or "", code).inc()
+    def _done(
+        self, model_key: str | None, response: ep.ProcessingResponse, status: str = "200", reason: str = ""
+    ) -> ep.ProcessingResponse:
+        self.gw.metrics.requests.labels(model_key or "", status, reason).inc()
         return response

@@ -300,6 +300,8 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
         cluster_pb2.Cluster(),
         {
             "name": model.cluster,
+            # Envoy splits stat names at dots; a dot-free name keeps per-model stats one label value.
+            "alt_stat_name": "model_" + model.key.replace("/", "_").replace(".", "_").replace("-", "_"),
             "type": "EDS",
             "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
             "connect_timeout": f"{settings.upstream_connect_timeout_ms / 1000:.3f}s",

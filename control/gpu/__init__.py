@@ -1,0 +1,67 @@
+"""Accelerator discovery: the seam between the node agent and vendor libraries.
+
+A :class:`Discovery` lists the GPUs of this machine as :class:`GpuDevice` values. NVIDIA comes
+from NVML (`pynvml`, the nvidia-ml-py package, :mod:`control.gpu.nvml`), AMD from `amdsmi`
+(:mod:`control.gpu.amd`, used when importable), and :mod:`control.gpu.fake` serves tests and
+demos. :func:`probe` opens every vendor library that works here and explains the ones that do
+not, so "no GPU" and "no library" end in a log line, never in an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class DiscoveryError(Exception):
+    """The vendor library or its driver is missing or refused to answer."""
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    vendor: str
+    #: `sm<major><minor>` (NVIDIA compute capability) or `gfx…` (AMD target)
+    arch: str
+    name: str
+    total_mb: int
+    free_mb: int
+    #: percent 0..100
+    utilization: float
+
+
+class Discovery(Protocol):
+    name: str
+
+    def devices(self) -> list[GpuDevice]:
+        """The GPUs now; raises DiscoveryError when the library stops answering."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _nvml() -> Discovery:
+    from control.gpu.nvml import NvmlDiscovery
+
+    return NvmlDiscovery()
+
+
+def _amd() -> Discovery:
+    from control.gpu.amd import AmdDiscovery
+
+    return AmdDiscovery()
+
+
+OPENERS: tuple[tuple[str, Callable[[], Discovery]], ...] = (("nvml", _nvml), ("amdsmi", _amd))
+
+
+def probe(openers: tuple[tuple[str, Callable[[], Discovery]], ...] = OPENERS) -> tuple[list[Discovery], list[str]]:
+    """Every vendor library that opens, and one line per library that did not (and why)."""
+    opened: list[Discovery] = []
+    problems: list[str] = []
+    for name, opener in openers:
+        try:
+            opened.append(opener())
+        except DiscoveryError as exc:
+            problems.append(f"{name}: {exc}")
+    return opened, problems
