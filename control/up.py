@@ -29,10 +29,13 @@ from wakegate.v1 import demand_pb2_grpc
 
 from control.backends import BACKENDS
 from control.demand import DemandBook, DemandService
+from control.local.gpus import discover
 from control.local.metrics import UpMetrics
 from control.local.process import Child
 from control.local.runtime import ModelRuntime, ReplicaState, RuntimeSettings, free_port
 from control.local.scaler import LocalScaler
+from control.scaler.service import Hub as ScalerHub
+from control.scaler.service import serve_local
 from control.schema import ManifestError, Model, parse_models
 from control.xds.cache import SnapshotCache
 from control.xds.resources import GatewaySettings, build
@@ -73,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="SSE heartbeat interval for cold requests of keepalive models",
+    )
+    parser.add_argument(
+        "--scaler-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve KEDA's ExternalScaler gRPC service for these models (the protocol without a cluster)",
+    )
+    parser.add_argument(
+        "--fake-gpus", type=Path, default=None, help="JSON file of GPUs to pretend this machine has (tests and demos)"
     )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
@@ -150,11 +162,13 @@ class Up:
         )
         self.cache = SnapshotCache()
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
-        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon) for m in models}
+        self.gpus = discover(args.fake_gpus)
+        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon, self.gpus) for m in models}
         self.metrics = UpMetrics()
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
-        self.demand_service = DemandService(self.book, self.scaler.poke)
+        self.demand_service = DemandService(self.book, self._demand_changed)
+        self.scaler_hub: ScalerHub | None = None
         for runtime in self.runtimes.values():
             runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
                 rt.model.key
@@ -164,6 +178,11 @@ class Up:
         self._publish_pending = False
         self._stop = asyncio.Event()
         self._failure: str | None = None
+
+    def _demand_changed(self) -> None:
+        self.scaler.poke()
+        if self.scaler_hub is not None:
+            self.scaler_hub.poke()
 
     # -- observability --------------------------------------------------------------------------
 
@@ -246,9 +265,12 @@ class Up:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         server = None
+        keda_server = None
         admin = None
         try:
             admin = await self._start_admin()
+            if self.args.scaler_listen:
+                keda_server, self.scaler_hub, _ = await serve_local(self.book, self.models, self.args.scaler_listen)
             await self._publish()
             server, self.ads, xds_port = await start_server(
                 self.cache,
@@ -290,6 +312,8 @@ class Up:
             await self._shutdown()
             if server is not None:
                 await server.stop(1)
+            if keda_server is not None:
+                await keda_server.stop(1)
             if admin is not None:
                 await admin.cleanup()
         if self._failure:
@@ -312,6 +336,7 @@ class Up:
                             "state": r.state.value,
                             "pid": r.child.pid,
                             "restarts": r.restarts,
+                            "gpus": self.gpus.owned(r.gpu_owner),
                             "log": str(r.child.log_path),
                         }
                         for r in rt.replicas

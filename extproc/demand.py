@@ -24,6 +24,9 @@ log = logging.getLogger("wakegate.extproc.demand")
 ColdSnapshot = Callable[[], dict[str, tuple[int, int, int]]]
 InFlightSnapshot = Callable[[], dict[str, int]]
 
+#: Longest a lazy change (in-flight going to or from zero) waits to be reported, seconds.
+LAZY_INTERVAL = 0.25
+
 
 class DemandReporter:
     def __init__(
@@ -44,13 +47,27 @@ class DemandReporter:
         self._in_flight = in_flight
         self._token_file = token_file
         self._interval = interval
-        self._dirty = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._urgent = False
+        self._lazy = False
+        self._last_sent = 0.0
         self.sent = 0
         self.failed = 0
 
     def changed(self) -> None:
         """Something on the cold path moved: report on the next loop turn."""
-        self._dirty.set()
+        self._urgent = True
+        self._wake.set()
+
+    def changed_lazily(self) -> None:
+        """Load moved (a model went idle or busy): report within `LAZY_INTERVAL`, coalesced.
+
+        In-flight transitions happen twice per request at low concurrency; reporting each
+        one at once would cost the scaler and this process far more than the request.
+        """
+        if not self._lazy:
+            self._lazy = True
+            self._wake.set()
 
     def report(self, withdraw: bool = False) -> demand_pb2.DemandReport:
         self._sequence += 1
@@ -79,13 +96,28 @@ class DemandReporter:
         return (("authorization", f"Bearer {token}"),)
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self._target) as channel:
+        # Reconnect fast and let a report wait for the connection: a restarted scaler then gets
+        # this gateway's state within one report interval instead of after gRPC's 1 s+ backoff.
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        async with grpc.aio.insecure_channel(self._target, options=options) as channel:
             stub = demand_pb2_grpc.DemandServiceStub(channel)
             try:
+                loop = asyncio.get_running_loop()
                 while True:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._dirty.wait(), self._interval)
-                    self._dirty.clear()
+                    # Urgent changes go out at once, lazy ones at most every LAZY_INTERVAL, and
+                    # the state at least every interval.
+                    now = loop.time()
+                    if self._urgent:
+                        due = now
+                    else:
+                        due = self._last_sent + (LAZY_INTERVAL if self._lazy else self._interval)
+                    if now < due:
+                        self._wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), due - now)
+                        continue
+                    self._urgent = self._lazy = False
+                    self._last_sent = now
                     await self._send(stub, self.report())
             finally:
                 with contextlib.suppress(Exception):
@@ -95,7 +127,7 @@ class DemandReporter:
         self, stub: demand_pb2_grpc.DemandServiceStub, report: demand_pb2.DemandReport, timeout: float = 2.0
     ) -> None:
         try:
-            reply = await stub.Report(report, timeout=timeout, metadata=self._metadata())
+            reply = await stub.Report(report, timeout=timeout, metadata=self._metadata(), wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             self.failed += 1
             if self.failed == 1 or self.failed % 30 == 0:

@@ -105,6 +105,7 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         token_file=args.demand_token_file,
     )
     gateway.on_demand_change = reporter.changed
+    gateway.on_load_change = reporter.changed_lazily
     host, port = _host_port(args.admin_listen)
     runner = await admin.start(gateway, feed.synced.is_set, host, port)
     keepalive = activator.Activator(gateway, args.keepalive_seconds)

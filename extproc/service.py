@@ -88,6 +88,8 @@ class Gateway:
         self.picker = Picker()
         self.in_flight: dict[str, int] = {}
         self.on_demand_change: Callable[[], None] = lambda: None
+        #: Load changes that may be reported a little later (coalesced).
+        self.on_load_change: Callable[[], None] = lambda: None
         self.cold = ColdQueues(self._demand_changed)
         self._models_body = b'{"object":"list","data":[]}'
 
@@ -127,7 +129,7 @@ class Gateway:
     def routed(self, key: str, endpoint: str | None) -> None:
         count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
         if count == 1:
-            self.on_demand_change()  # a model going from idle to busy matters to the scaler at once
+            self.on_load_change()  # a model going from idle to busy: the scaler's idle timer
         self.metrics.in_flight.labels(key).inc()
         self.metrics.requests.labels(key, "routed", "").inc()
         if endpoint is not None:
@@ -137,7 +139,7 @@ class Gateway:
         self.in_flight[key] -= 1
         if not self.in_flight[key]:
             del self.in_flight[key]
-            self.on_demand_change()
+            self.on_load_change()
         self.metrics.in_flight.labels(key).dec()
         if endpoint is not None:
             self.picker.inflight.release(endpoint)
@@ -409,7 +411,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         common, _ = self._mutations(ex, resolved, parsed, raw_body, ACTIVATOR_CLUSTER, extra)
         if DESTINATION_HEADER in ex.headers:
             common.header_mutation.remove_headers.append(DESTINATION_HEADER)
-        self.gw.metrics.requests.labels(resolved.route.key, "keepalive").inc()
+        self.gw.metrics.requests.labels(resolved.route.key, "200", "keepalive").inc()
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))

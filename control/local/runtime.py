@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from control.backends import BACKENDS
+from control.local.gpus import GpuPool, Slot, visible_devices_env
 from control.local.process import Child
 from control.schema import Model
 from control.xds.resources import RoutedModel
@@ -77,13 +78,17 @@ class Replica:
     ready_at: float | None = None
     restarts: int = 0
     task: asyncio.Task[None] | None = None
+    gpu_owner: str = ""
 
 
 class ModelRuntime:
     """The replicas of one model."""
 
-    def __init__(self, model: Model, settings: RuntimeSettings, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self, model: Model, settings: RuntimeSettings, on_change: Callable[[], None], gpus: GpuPool | None = None
+    ) -> None:
         self.model = model
+        self.gpus = gpus if gpus is not None else GpuPool()
         self.backend = BACKENDS[model.spec.backend]
         self.settings = settings
         self._on_change = on_change
@@ -141,7 +146,14 @@ class ModelRuntime:
         if count != len(self.replicas):
             log.info("scale model=%s from=%d to=%d", self.model.key, len(self.replicas), count)
         while len(self.replicas) < count:
-            self._start_replica()
+            if self._start_replica() is None:
+                log.warning(
+                    "scale capped model=%s replicas=%d wanted=%d: not enough free GPUs",
+                    self.model.key,
+                    len(self.replicas),
+                    count,
+                )
+                break
         while len(self.replicas) > count:
             replica = self.replicas.pop()
             await self._stop_replica(replica)
@@ -158,19 +170,44 @@ class ModelRuntime:
         )
         return command + list(self.model.spec.args)
 
-    def _env(self, port: int) -> dict[str, str]:
+    def _env(self, port: int, gpus: list[Slot]) -> dict[str, str]:
         env = dict(os.environ)
         values = {"host": self.settings.host, "port": str(port)}
         env.update({k: v.format(**values) for k, v in self.backend.env.items()})
+        env.update(visible_devices_env(gpus))
         env.update(self.model.spec.env)
         return env
 
-    def _start_replica(self) -> Replica:
+    @property
+    def capacity(self) -> int:
+        """Replicas this machine can run now: the current ones plus what the free GPUs allow."""
+        need = self.gpus_per_replica
+        if need == 0:
+            return self.model.spec.scaling.max
+        vendor = self.model.spec.resources.gpu.vendor
+        vendors = (vendor,) if vendor else self.backend.gpu_vendors
+        free = max((sum(1 for s in self.gpus.free if s.vendor == v) for v in vendors), default=0)
+        return len(self.replicas) + free // need
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """`resources.gpu.count`, or one GPU for a GPU backend on a machine that has any."""
+        wanted = self.model.spec.resources.gpu.count
+        if wanted:
+            return wanted
+        return 1 if self.backend.gpu_vendors and self.gpus.slots else 0
+
+    def _start_replica(self) -> Replica | None:
         index = next(self._indexes)
+        owner = f"{self.model.key}#{index}"
+        gpu = self.model.spec.resources.gpu
+        slots = self.gpus.allocate(owner, self.gpus_per_replica, self.backend.gpu_vendors, gpu.vendor, gpu.minVramMb)
+        if slots is None:
+            return None
         port = free_port(self.settings.host)
         name = f"{self.model.name}-{index}"
-        child = Child(name, self._argv(port), self.settings.log_dir / f"{name}.log", self._env(port))
-        replica = Replica(index=index, port=port, child=child)
+        child = Child(name, self._argv(port), self.settings.log_dir / f"{name}.log", self._env(port, slots))
+        replica = Replica(index=index, port=port, child=child, gpu_owner=owner)
         self.replicas.append(replica)
         replica.task = asyncio.create_task(self._supervise(replica), name=f"replica-{name}")
         return replica
@@ -191,6 +228,7 @@ class ModelRuntime:
             await replica.child.stop(self.settings.stop_grace)
         finally:
             self._stopping -= 1
+            self.gpus.release(replica.gpu_owner)
         replica.state = ReplicaState.STOPPED
         log.info("replica stopped model=%s replica=%d", self.model.key, replica.index)
 
@@ -240,6 +278,7 @@ class ModelRuntime:
                         replica.child.log_path,
                     )
                     replica.state = ReplicaState.STOPPED
+                    self.gpus.release(replica.gpu_owner)
                     if replica in self.replicas:
                         self.replicas.remove(replica)
                     self._changed()

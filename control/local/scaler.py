@@ -143,7 +143,7 @@ class LocalScaler:
             if next_at is not None:
                 next_checks.append(next_at)
         for key, count in wanted.items():
-            self._apply(key, count, now)
+            self._apply(key, min(count, self.runtimes[key].capacity), now)
         self._timer_at = min(next_checks) if next_checks else None
 
     def _arbitrate(
@@ -203,7 +203,10 @@ class LocalScaler:
     async def _scale(self, key: str, runtime: ModelRuntime, state: _ModelState) -> None:
         try:
             while runtime.replica_count != state.wanted:
+                before = runtime.replica_count
                 await runtime.scale_to(state.wanted)
+                if runtime.replica_count == before:
+                    break  # capped (no free GPUs): the next evaluation tries again
         finally:
             self.poke()  # a group peer may be waiting for this one to stop
 

@@ -98,3 +98,25 @@ def test_sigkilled_up_leaves_no_orphans(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert pids_alive(children) == []
     up.stop()
+
+
+def test_replicas_get_their_own_gpus_and_are_capped_by_them(tmp_path: Path) -> None:
+    import json
+
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps({"*": [{"vendor": "nvidia", "arch": "sm90", "total_mb": 81_559}] * 2}))
+    up = UpProcess(tmp_path, model_doc("gpu", extra="""  resources: {gpu: {count: 1, vendor: nvidia}}
+  scaling: {min: 3, max: 3}
+"""), "--fake-gpus", str(gpus))
+    try:
+        up.wait_ready({"gpu": 2})
+        running = up.status()["models"][0]["replicas"]
+        assert len(running) == 2, "two GPUs cap three wanted replicas at two"
+        visible = set()
+        for replica in running:
+            environ = Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0")
+            visible |= {e for e in environ if e.startswith(b"CUDA_VISIBLE_DEVICES=")}
+        assert visible == {b"CUDA_VISIBLE_DEVICES=0", b"CUDA_VISIBLE_DEVICES=1"}
+        assert up.log().count("scale model=gpu") == 1, "one scale-up, capped, and no retry storm"
+    finally:
+        assert up.stop() == 0

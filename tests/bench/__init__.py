@@ -1,0 +1,1 @@
+"""Benchmarks: run by hand (`python -m tests.bench.<module>`), never collected by `pytest tests`."""

