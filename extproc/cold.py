@@ -47,6 +47,10 @@ class Lease:
     deadline: float
     failures_seen: int
     ready_at: float | None = None
+    #: The demand report carrying this lease reached the scaler (activation signal timed).
+    signalled: bool = False
+    #: A held request was sent on after readiness (first byte timed).
+    flushed: bool = False
 
     def live(self, now: float) -> bool:
         if self.ready_at is not None:
@@ -162,6 +166,24 @@ class ColdQueues:
             queue.ready.exception()  # retrieved here: waiters may all be gone
         queue.ready = asyncio.get_running_loop().create_future()
         log.warning("activation failed model=%s held=%d reason=%s", queue.key, queue.waiting, message)
+
+    def delivered(self) -> list[tuple[str, float]]:
+        """Leases whose demand report just reached the scaler: (model, seconds since lease start)."""
+        now = self._clock()
+        out = []
+        for key, queue in self._models.items():
+            if queue.lease is not None and not queue.lease.signalled:
+                queue.lease.signalled = True
+                out.append((key, now - queue.lease.started))
+        return out
+
+    def flushed(self, key: str) -> float | None:
+        """The first held request of the current activation went on: seconds since lease start."""
+        queue = self._models.get(key)
+        if queue is None or queue.lease is None or queue.lease.flushed:
+            return None
+        queue.lease.flushed = True
+        return self._clock() - queue.lease.started
 
     def expire(self) -> float | None:
         """Drop leases that ended; returns seconds until the next lease ends (None if none)."""

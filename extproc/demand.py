@@ -38,6 +38,7 @@ class DemandReporter:
         *,
         token_file: Path | None = None,
         interval: float = 2.0,
+        on_delivered: Callable[[], None] = lambda: None,
     ) -> None:
         self._target = target
         self._gateway_id = gateway_id
@@ -47,6 +48,7 @@ class DemandReporter:
         self._in_flight = in_flight
         self._token_file = token_file
         self._interval = interval
+        self._on_delivered = on_delivered
         self._wake = asyncio.Event()
         self._urgent = False
         self._lazy = False
@@ -134,5 +136,7 @@ class DemandReporter:
                 log.warning("demand report failed (%d so far): %s", self.failed, exc.code().name)
             return
         self.sent += 1
-        if not reply.accepted:
+        if reply.accepted:
+            self._on_delivered()
+        else:
             log.warning("demand report refused: %s", reply.reason)

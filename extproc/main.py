@@ -103,6 +103,7 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         gateway.cold.snapshot,
         lambda: gateway.in_flight,
         token_file=args.demand_token_file,
+        on_delivered=gateway.demand_delivered,
     )
     gateway.on_demand_change = reporter.changed
     gateway.on_load_change = reporter.changed_lazily

@@ -37,8 +37,18 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.cold_start = Histogram(
+            "wakegate_gateway_cold_start_seconds",
+            "Cold start as one gateway sees it, from its first cold request (lease start), by stage: "
+            "activation_signal (demand delivered to the scaler), first_byte (first held request sent on).",
+            ["model", "stage"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
         self.queue_limit = Gauge(
-            "wakegate_gateway_queue_limit", "Cold requests a gateway holds per model at most (maxQueue).", ["model"],
+            "wakegate_gateway_queue_limit",
+            "Cold requests a gateway holds per model at most (maxQueue).",
+            ["model"],
             registry=r,
         )
         self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)

@@ -105,6 +105,11 @@ class Gateway:
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
 
+    def demand_delivered(self) -> None:
+        """A demand report reached the scaler: time the activation signal of new leases."""
+        for key, seconds in self.cold.delivered():
+            self.metrics.cold_start.labels(key, "activation_signal").observe(seconds)
+
     @property
     def models_body(self) -> bytes:
         return self._models_body
@@ -341,6 +346,9 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
             return await self._hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
+        waited = self.gw.cold.flushed(resolved.route.key)
+        if waited is not None:
+            self.gw.metrics.cold_start.labels(resolved.route.key, "first_byte").observe(waited)
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:

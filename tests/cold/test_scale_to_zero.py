@@ -128,10 +128,14 @@ def test_never_healthy_backend_times_out_then_recovers(cold_gateway: UpProcess, 
     assert ok.status == 200, ok.text
 
 
-def test_queue_view_and_metrics(cold_gateway: UpProcess) -> None:
-    metrics = request("GET", f"http://127.0.0.1:{cold_gateway.admin_port}/metrics").text
-    assert 'wakegate_cold_start_seconds_count{model="cold-a",stage="total"}' in metrics
-    assert "wakegate_cold_starts_total" in metrics
+def test_cold_start_stages_are_measured(cold_gateway: UpProcess) -> None:
+    control = request("GET", f"http://127.0.0.1:{cold_gateway.admin_port}/metrics").text
+    for stage in ("process_start", "health_pass", "total"):
+        assert f'wakegate_cold_start_seconds_count{{model="cold-a",stage="{stage}"}}' in control
+    assert "wakegate_cold_starts_total" in control
+    gateway = request("GET", f"{cold_gateway.url}/metrics").text
+    for stage in ("activation_signal", "first_byte"):
+        assert f'wakegate_gateway_cold_start_seconds_count{{model="cold-a",stage="{stage}"}}' in gateway
 
 
 def model_status(up: UpProcess, key: str) -> dict[str, object]:

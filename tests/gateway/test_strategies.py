@@ -105,3 +105,33 @@ def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess
     # Once the streams end, load spreads again.
     after = {served_by(gateway, chat("chat-l", f"after {i}")) for i in range(12)}
     assert after == set(endpoints)
+
+
+def test_stream_is_not_buffered_first_token_arrives_early(gateway: UpProcess) -> None:
+    """SSE passes through unbuffered: the first token arrives long before the stream ends."""
+    import http.client
+    import json
+
+    body = chat("chat-l", "tell me a long story", stream=True)
+    body["max_tokens"] = 100  # 50 tokens/s: a two-second stream
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    try:
+        started = time.monotonic()
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body), headers={**AUTH, "content-type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.status == 200
+        first_token = None
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if first_token is None and b'"content":"' in line and b'"content":""' not in line:
+                first_token = time.monotonic() - started
+        total = time.monotonic() - started
+    finally:
+        conn.close()
+    assert first_token is not None
+    assert total >= 1.5
+    assert first_token < 0.5, f"first token after {first_token:.2f}s of a {total:.2f}s stream"

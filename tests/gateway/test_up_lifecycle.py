@@ -105,9 +105,17 @@ def test_replicas_get_their_own_gpus_and_are_capped_by_them(tmp_path: Path) -> N
 
     gpus = tmp_path / "gpus.json"
     gpus.write_text(json.dumps({"*": [{"vendor": "nvidia", "arch": "sm90", "total_mb": 81_559}] * 2}))
-    up = UpProcess(tmp_path, model_doc("gpu", extra="""  resources: {gpu: {count: 1, vendor: nvidia}}
+    up = UpProcess(
+        tmp_path,
+        model_doc(
+            "gpu",
+            extra="""  resources: {gpu: {count: 1, vendor: nvidia}}
   scaling: {min: 3, max: 3}
-"""), "--fake-gpus", str(gpus))
+""",
+        ),
+        "--fake-gpus",
+        str(gpus),
+    )
     try:
         up.wait_ready({"gpu": 2})
         running = up.status()["models"][0]["replicas"]
