@@ -71,6 +71,11 @@ class DemandReporter:
             self._lazy = True
             self._wake.set()
 
+    def _due(self, now: float) -> float:
+        if self._urgent:
+            return now
+        return self._last_sent + (LAZY_INTERVAL if self._lazy else self._interval)
+
     def report(self, withdraw: bool = False) -> demand_pb2.DemandReport:
         self._sequence += 1
         models: dict[str, demand_pb2.ModelDemand] = {}
@@ -109,10 +114,7 @@ class DemandReporter:
                     # Urgent changes go out at once, lazy ones at most every LAZY_INTERVAL, and
                     # the state at least every interval.
                     now = loop.time()
-                    if self._urgent:
-                        due = now
-                    else:
-                        due = self._last_sent + (LAZY_INTERVAL if self._lazy else self._interval)
+                    due = self._due(now)
                     if now < due:
                         self._wake.clear()
                         with contextlib.suppress(TimeoutError):
