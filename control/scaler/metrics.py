@@ -1,0 +1,53 @@
+"""Prometheus metrics of `wakegate scaler`: demand rejections by reason, members, verdicts, scale patches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from control.demand import DemandBook
+from control.scaler.core import Core
+
+
+class _StateCollector(Collector):
+    """Reads the live state at scrape time instead of mirroring every change into gauges."""
+
+    def __init__(self, book: DemandBook, core: Core, streams: Callable[[], int], leader: Callable[[], bool]) -> None:
+        self._book = book
+        self._core = core
+        self._streams = streams
+        self._leader = leader
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        rejected = CounterMetricFamily(
+            "wakegate_demand_rejections", "Demand reports refused, by reason.", labels=["reason"]
+        )
+        for reason, count in self._book.rejections.counts().items():
+            rejected.add_metric([reason], count)
+        yield rejected
+        yield GaugeMetricFamily("wakegate_demand_members", "Gateways with a live demand report.", self._book.members)
+        yield GaugeMetricFamily("wakegate_scaler_streams", "Open StreamIsActive streams.", self._streams())
+        yield GaugeMetricFamily("wakegate_scaler_leader", "1 while this scaler holds the Lease.", int(self._leader()))
+        demand = GaugeMetricFamily("wakegate_model_demand", "Queued + in-flight over gateways.", labels=["model"])
+        active = GaugeMetricFamily("wakegate_model_active", "1 while the model should run.", labels=["model"])
+        desired = GaugeMetricFamily("wakegate_model_desired_replicas", "Replicas decided.", labels=["model"])
+        for key, verdict in sorted(self._core.verdicts.items()):
+            demand.add_metric([key], verdict.demand)
+            active.add_metric([key], int(verdict.active))
+            desired.add_metric([key], verdict.replicas)
+        yield from (demand, active, desired)
+
+
+class ScalerMetrics:
+    def __init__(self, book: DemandBook, core: Core, streams: Callable[[], int], leader: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(book, core, streams, leader))
+        self.scale_patches = Counter(
+            "wakegate_scaler_scale_patches",
+            "Builtin engine: PATCHes of a Deployment's scale subresource, by result.",
+            ["model", "result"],
+            registry=self.registry,
+        )

@@ -1,0 +1,1 @@
+"""Tests of `wakegate scaler`: demand book, verdicts, KEDA protocol, up --scaler-listen."""
