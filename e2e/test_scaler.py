@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import string
 import subprocess
 import sys
 import threading
@@ -33,8 +32,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
+from control import bootstrap
+from control.bootstrap import envoy_binary
 from control.k8s import names
-from control.up import BOOTSTRAP_TEMPLATE, envoy_binary
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, wait_for
 from e2e.pki import PKI
@@ -125,18 +125,11 @@ class Gateway:
         extproc, extproc_admin, activator, envoy_admin = (free_port() for _ in range(4))
         kubeconfig = str(cluster.kubeconfig)
         py = [sys.executable, "-m"]
-        bootstrap = string.Template(BOOTSTRAP_TEMPLATE.read_text()).substitute(
-            node_id=f"e2e-gateway-{ns}",
-            admin_host="127.0.0.1",
-            admin_port=envoy_admin,
-            xds_host="127.0.0.1",
-            xds_port=xds,
-            extproc_host="127.0.0.1",
-            extproc_port=extproc,
-            activator_host="127.0.0.1",
-            activator_port=activator,
+        rendered = bootstrap.render(
+            f"e2e-gateway-{ns}",
+            bootstrap.GatewayPorts(envoy_admin=envoy_admin, xds=xds, extproc=extproc, activator=activator),
         )
-        (tmp / "envoy.yaml").write_text(bootstrap)
+        (tmp / "envoy.yaml").write_text(rendered)
         self.scaler = Proc(
             "scaler",
             [
