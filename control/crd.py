@@ -1,8 +1,10 @@
-"""Generate the Kubernetes CRD for `Model` from the typed schema in control/schema.py.
+"""Generate the Kubernetes CRDs (`Model`, `InferenceRuntime`) from the typed schemas in control/schema.py.
 
 Pydantic's JSON Schema is turned into a structural OpenAPI v3 schema as the API
-server wants it: references inlined, `Optional[X]` as `nullable`, no titles.
-`python -m control.crd` rewrites the committed CRD file; a test keeps it in sync.
+server wants it: references inlined, `Optional[X]` as `nullable`, no titles,
+no `additionalProperties: false` (unknown fields are pruned), key patterns of
+maps as CEL rules.
+`python -m control.crd` rewrites the committed CRD files; a test keeps them in sync.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-from control.schema import GROUP, VERSION, ModelSpec
+from control.k8s.names import MAX_MODEL_NAME
+from control.schema import GROUP, VERSION, InferenceRuntimeSpec, ModelSpec
 
 CRD_DIR = Path(__file__).resolve().parent.parent / "charts" / "wakegate" / "crds"
 
@@ -46,6 +50,16 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out["enum"] = [value]
         else:
             out[key] = _structural(value, defs)
+    if out.get("additionalProperties") is False:
+        # Structural schemas prune unknown fields already; `false` is not allowed beside properties.
+        del out["additionalProperties"]
+    pattern_props = out.pop("patternProperties", None)
+    if pattern_props:
+        ((key_pattern, value_schema),) = pattern_props.items()
+        out["additionalProperties"] = value_schema
+        out.setdefault("x-kubernetes-validations", []).append(
+            {"rule": f"self.all(k, k.matches({key_pattern!r}))", "message": f"keys must match {key_pattern}"}
+        )
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     if out.get("default") is None:
@@ -53,8 +67,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
-def spec_schema() -> dict[str, Any]:
-    raw = ModelSpec.model_json_schema(mode="validation")
+def spec_schema(spec: type[BaseModel] = ModelSpec) -> dict[str, Any]:
+    raw = spec.model_json_schema(mode="validation")
     schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
     return schema
 
@@ -119,7 +133,6 @@ def model_crd() -> dict[str, Any]:
                         {
                             "name": "Reason",
                             "type": "string",
-                            "priority": 1,
                             "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
                         },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -128,6 +141,13 @@ def model_crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": f"self.metadata.name.size() <= {MAX_MODEL_NAME}",
+                                    "message": f"metadata.name must be at most {MAX_MODEL_NAME} characters "
+                                    "(the backend Service is named wg-<name>)",
+                                }
+                            ],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
@@ -143,10 +163,58 @@ def model_crd() -> dict[str, Any]:
     }
 
 
+def runtime_crd() -> dict[str, Any]:
+    """InferenceRuntime: cluster-scoped and passive (no status; Models render from it)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"inferenceruntimes.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Cluster",
+            "names": {
+                "plural": "inferenceruntimes",
+                "singular": "inferenceruntime",
+                "kind": "InferenceRuntime",
+                "listKind": "InferenceRuntimeList",
+                "shortNames": ["irt"],
+                "categories": ["wakegate"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "additionalPrinterColumns": [
+                        {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
+                        {"name": "Image", "type": "string", "jsonPath": ".spec.image"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(InferenceRuntimeSpec),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
 def render() -> dict[str, str]:
     """File name -> YAML text for every CRD we ship."""
     header = "# Generated by `python -m control.crd` from control/schema.py; do not edit.\n"
-    return {f"models.{GROUP}.yaml": header + yaml.safe_dump(model_crd(), sort_keys=False, width=120)}
+    return {
+        f"models.{GROUP}.yaml": header + yaml.safe_dump(model_crd(), sort_keys=False, width=120),
+        f"inferenceruntimes.{GROUP}.yaml": header + yaml.safe_dump(runtime_crd(), sort_keys=False, width=120),
+    }
 
 
 def main() -> int:

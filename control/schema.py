@@ -61,6 +61,14 @@ class Limits(_Spec):
 
 
 class Scaling(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.min <= self.max", "message": "scaling.min must not exceed scaling.max"}
+            ]
+        }
+    )
+
     min: int = Field(1, ge=0, le=1000, description="Replicas kept running; 0 enables scale to zero.")
     max: int = Field(1, ge=1, le=1000, description="Upper bound on replicas.")
     idleTimeout: int = Field(
@@ -143,8 +151,17 @@ class Toleration(_Spec):
 SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]+@sha256:[0-9a-f]{64})$"
 
 
+def _backend_enum(schema: dict[str, Any]) -> None:
+    from control.backends import BACKENDS
+
+    schema["enum"] = sorted(BACKENDS)
+
+
 class ModelSpec(_Spec):
-    backend: str = Field(description="Backend plugin that serves the model (see `wakegate up --list-backends`).")
+    backend: str = Field(
+        description="Backend plugin that serves the model (see `wakegate up --list-backends`).",
+        json_schema_extra=_backend_enum,
+    )
     servedName: ServedName | None = Field(
         None,
         description="Name the backend serves; defaults to metadata.name. Request bodies are rewritten to it.",
@@ -266,3 +283,73 @@ def parse_models(text: str, source: str = "<input>") -> list[Model]:
     if not models:
         raise ManifestError(f"{source}: no Model documents found")
     return models
+
+
+# -- InferenceRuntime (cluster-scoped, Kubernetes only) -------------------------------------------
+
+
+class RuntimeProbe(_Spec):
+    path: str = Field(pattern=r"^/", description="HTTP path that answers 200 once the backend serves.")
+    initialDelaySeconds: int = Field(0, ge=0, le=3600)
+    periodSeconds: int = Field(2, ge=1, le=300)
+    timeoutSeconds: int = Field(2, ge=1, le=300)
+    failureThreshold: int = Field(3, ge=1, le=10000)
+
+
+class RuntimeScheduling(_Spec):
+    nodeSelector: dict[str, str] = Field(default_factory=dict, description="Merged under the Model's own.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Added before the Model's own.")
+    priorityClassName: str | None = Field(None, max_length=253)
+    schedulerName: str | None = Field(None, max_length=253)
+
+
+class RuntimeLifecycle(_Spec):
+    preStopDrainSeconds: int = Field(
+        5, ge=0, le=3600, description="preStop sleep so the gateway stops routing before the backend exits."
+    )
+    terminationGracePeriodSeconds: int = Field(30, ge=0, le=86400)
+    progressDeadlineSeconds: int = Field(
+        600, ge=1, le=86400, description="Deployment progress deadline (slow model loads need a long one)."
+    )
+
+
+class RuntimeMetrics(_Spec):
+    prefix: str = Field("", max_length=64, description="Prometheus metric prefix the backend exposes.")
+    path: str = Field("/metrics", pattern=r"^/")
+
+
+class InferenceRuntimeSpec(_Spec):
+    backend: str = Field(
+        description="Backend plugin this runtime serves; Models of that backend may select it.",
+        json_schema_extra=_backend_enum,
+    )
+    image: str = Field(min_length=1, max_length=1024, description="Container image.")
+    command: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, description="Container command; empty = the image's entrypoint."
+    )
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list,
+        description="Arguments template; {model}, {served_name}, {port} and {host} are substituted, "
+        "then the Model's spec.args are appended.",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="Port the backend listens on.")
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
+    readinessProbe: RuntimeProbe
+    gpuVendors: list[Literal["nvidia", "amd"]] = Field(
+        default_factory=list, description="Accelerator vendors this runtime supports; empty = CPU only."
+    )
+    acceleratorResources: dict[str, str] = Field(
+        default_factory=lambda: {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"},
+        description="Vendor -> extended resource name requested for spec.resources.gpu.count.",
+    )
+    gpuArch: list[Annotated[str, Field(pattern=r"^[a-z0-9]+$", max_length=32)]] = Field(default_factory=list)
+    scheduling: RuntimeScheduling = Field(default_factory=RuntimeScheduling)
+    lifecycle: RuntimeLifecycle = Field(default_factory=RuntimeLifecycle)
+    metrics: RuntimeMetrics = Field(default_factory=RuntimeMetrics)
+
+
+class InferenceRuntime(_Spec):
+    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+    kind: Literal["InferenceRuntime"] = "InferenceRuntime"
+    metadata: Metadata
+    spec: InferenceRuntimeSpec

@@ -138,9 +138,9 @@ class ModelRuntime:
         return len(self.replicas)
 
     @property
-    def occupied(self) -> bool:
-        """Any process of this model still exists, including replicas being stopped."""
-        return bool(self.replicas) or self._stopping > 0
+    def live_count(self) -> int:
+        """Processes of this model that exist, including replicas being stopped."""
+        return len(self.replicas) + self._stopping
 
     async def scale_to(self, count: int) -> None:
         if count != len(self.replicas):

@@ -18,7 +18,7 @@ stopped, as in local mode.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from control.demand import DemandBook, ModelLoad
 from control.scaling import arbitration, autoscale
@@ -36,6 +36,8 @@ class Verdict:
     #: queued + in-flight + leases > 0 (before arbitration).
     busy: bool
     target_in_flight: int
+    #: False for a GPU-group member that does not hold the group (it waits, cold).
+    admitted: bool = True
 
 
 @dataclass
@@ -88,7 +90,8 @@ class Core:
         for key, model in self.models.items():
             gpu = model.spec.gpu
             if gpu.shared:
-                group_key = f"{model.metadata.namespace or ''}/{gpu.shared}"
+                namespace = model.metadata.namespace
+                group_key = f"{namespace}/{gpu.shared}" if namespace else gpu.shared
                 groups.setdefault(group_key, []).append(
                     arbitration.Member(
                         key=key,
@@ -117,8 +120,32 @@ class Core:
     def group_active(self, name: str) -> str | None:
         return self._groups[name].active
 
-    def evaluate(self, now: float, live: Mapping[str, int] | None = None) -> tuple[dict[str, Verdict], float | None]:
-        """Verdicts for every model at ``now`` and when to evaluate again without a demand change."""
+    @property
+    def swaps(self) -> dict[str, int]:
+        return {name: group.swaps for name, group in self._groups.items()}
+
+    def resync(self, key: str, replicas: int) -> None:
+        """Replicas went away without a verdict (a failed load that is not retried): start from there."""
+        state = self._scale.get(key)
+        if state is not None and state.replicas != replicas:
+            self._scale[key] = replace(state, replicas=replicas)
+
+    def _load(self, key: str, load: ModelLoad, failures: Mapping[str, int]) -> autoscale.Load:
+        # A lease that began before the model's newest failed activation must not start another
+        # one; the requests it held were failed with that activation.
+        if load.leases and load.newest_failures_seen < failures.get(key, 0):
+            return autoscale.Load(queued=0, in_flight=load.in_flight, leases=0)
+        return autoscale.Load(queued=load.queued, in_flight=load.in_flight, leases=load.leases)
+
+    def evaluate(
+        self, now: float, live: Mapping[str, int] | None = None, failures: Mapping[str, int] | None = None
+    ) -> tuple[dict[str, Verdict], float | None]:
+        """Verdicts for every model at ``now`` and when to evaluate again without a demand change.
+
+        ``failures`` (model -> failed activations so far) keeps stale leases from re-waking a model
+        whose load just failed.
+        """
+        failures = failures or {}
         self.book.expire(now)
         self.loads = self.book.totals()
         next_checks: list[float] = []
@@ -128,14 +155,9 @@ class Core:
         wanted: dict[str, int] = {}
         busy: dict[str, bool] = {}
         for key, model in self.models.items():
-            load = self.loads.get(key, ModelLoad())
-            busy[key] = load.demand + load.leases > 0
-            desired, self._scale[key], next_at = autoscale.decide(
-                policy_of(model),
-                autoscale.Load(queued=load.queued, in_flight=load.in_flight, leases=load.leases),
-                self._scale[key],
-                now,
-            )
+            load = self._load(key, self.loads.get(key, ModelLoad()), failures)
+            busy[key] = load.queued + load.in_flight + load.leases > 0
+            desired, self._scale[key], next_at = autoscale.decide(policy_of(model), load, self._scale[key], now)
             wanted[key] = desired
             if next_at is not None:
                 next_checks.append(next_at)
@@ -151,6 +173,7 @@ class Core:
                 demand=0 if key in held_back else self.loads.get(key, ModelLoad()).demand,
                 busy=busy[key],
                 target_in_flight=model.spec.scaling.targetInFlight,
+                admitted=key not in held_back,
             )
             for key, model in self.models.items()
         }

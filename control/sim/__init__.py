@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from aiohttp import web
@@ -92,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY)",
     )
     a("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time in-flight requests get to finish")
+    a(
+        "--log-requests",
+        action="store_true",
+        help="log the moment the sim becomes ready and each /v1 request's arrival, as epoch seconds with "
+        "microseconds ('sim timing ready t=…', 'sim timing request t=…'); for benchmarks",
+    )
     a("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -116,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         embedding_dim=max(1, args.embedding_dim),
         api_key=args.api_key or None,
         never_ready=args.never_ready,
+        log_requests=args.log_requests,
     )
 
 
@@ -176,6 +184,8 @@ async def serve(
 
     def mark_ready() -> None:
         sim.ready = True
+        if cfg.log_requests:
+            log.info("sim timing ready t=%.6f", time.time())
         log.info("sim ready model=%s url=%s", cfg.primary, url)
 
     if cfg.never_ready:

@@ -95,6 +95,8 @@ class SimConfig:
     embedding_dim: int = 16
     api_key: str | None = None
     never_ready: bool = False
+    #: log each /v1 request's arrival (``sim timing request t=<epoch seconds>``; benchmarks)
+    log_requests: bool = False
 
     @property
     def primary(self) -> str:
@@ -179,6 +181,8 @@ class Sim:
                 405, "Method Not Allowed", "MethodNotAllowed", headers={"Allow": ", ".join(sorted(methods))}
             )
         if api:
+            if self.cfg.log_requests:
+                log.info("sim timing request t=%.6f method=%s path=%s", time.time(), request.method, request.path)
             if self._api_key is not None and not self._authorized(request):
                 return error_response(401, "Unauthorized", "AuthenticationError")
             if not self.ready:

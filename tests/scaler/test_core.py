@@ -70,3 +70,21 @@ def test_restart_starts_from_current_replicas() -> None:
     verdicts, next_at = core.evaluate(100.0)
     assert verdicts["ns/a"].replicas == 2 and verdicts["ns/a"].active
     assert next_at == 130.0  # idle timeout counts from the restart
+
+
+def test_a_lease_older_than_the_newest_failed_activation_does_not_wake_again() -> None:
+    book = DemandBook()
+    core = Core(book)
+    core.set_models(parse_models(MODELS), 0.0)
+    lease = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=0)
+    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=1, models=[lease]), 0.0)[0]
+    verdicts, _ = core.evaluate(0.0, failures={"ns/b": 0})
+    assert verdicts["ns/b"].replicas == 1
+    # The load failed (failures -> 1) and the replica went away without a verdict.
+    core.resync("ns/b", 0)
+    verdicts, _ = core.evaluate(1.0, failures={"ns/b": 1})
+    assert verdicts["ns/b"].replicas == 0, "the stale lease must not start a retry loop"
+    fresh = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=1)
+    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=2, models=[fresh]), 2.0)[0]
+    verdicts, _ = core.evaluate(2.0, failures={"ns/b": 1})
+    assert verdicts["ns/b"].replicas == 1, "a lease begun after the failure starts a new activation"

@@ -1,0 +1,331 @@
+"""The operator's I/O: Kopf watches feed a coalescing work queue; each reconcile renders and applies.
+
+Kopf watches Models, InferenceRuntimes, the backend Deployments and Pods (by
+label) and the ScaledObject CRD. Handlers only record and enqueue the Model's
+key; a few workers reconcile one key at a time: render (pure), server-side apply
+when the rendering changed, delete owned kinds no longer rendered, compute the
+status (pure) and patch it only when it differs. Kopf's on-event handlers keep
+no state on the objects (no annotations, no finalizers), so an unchanged world
+causes no writes at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from control.k8s import names
+from control.k8s.client import Kube, KubeError, path
+from control.operator import render as rnd
+from control.operator.status import Observed, compute, swap_holder
+from control.schema import InferenceRuntime
+
+log = logging.getLogger("wakegate.operator")
+
+SCALEDOBJECT_CRD = "scaledobjects.keda.sh"
+BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+
+def _key(namespace: str, name: str) -> str:
+    return names.model_key(namespace, name)
+
+
+def _rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _replicas_owned_elsewhere(deployment: Mapping[str, Any]) -> bool:
+    """Whether a manager other than the operator's apply owns spec.replicas (the scaler, KEDA's HPA)."""
+    for entry in deployment.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == names.FIELD_MANAGER and entry.get("operation") == "Apply":
+            continue
+        if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {}):
+            return True
+    return False
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, settings: rnd.Settings, workers: int = 4) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.models: dict[str, dict[str, Any]] = {}
+        self.runtimes: dict[str, dict[str, Any]] = {}
+        self.deployments: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, dict[str, Any]]] = {}
+        self.applied: dict[str, str] = {}
+        self._was_running: dict[str, bool] = {}
+        self._started_at: dict[str, float] = {}
+        self._stopped_at: dict[str, float] = {}
+        self.workers = workers
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._queued: set[str] = set()
+        self.reconciles = 0
+        self.applies = 0
+
+    # -- queue ----------------------------------------------------------------------------------
+
+    def poke(self, key: str) -> None:
+        if key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._worker() for _ in range(self.workers)))
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            try:
+                await self.reconcile(key)
+            except (KubeError, OSError) as exc:
+                log.warning("reconcile %s failed: %s; retrying", key, exc)
+                asyncio.get_running_loop().call_later(2.0, self.poke, key)
+            except Exception:
+                log.exception("reconcile %s crashed; retrying", key)
+                asyncio.get_running_loop().call_later(5.0, self.poke, key)
+
+    # -- watch events -----------------------------------------------------------------------------
+
+    def on_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        key = _key(meta["namespace"], meta["name"])
+        if event_type == "DELETED":
+            self.models.pop(key, None)
+        else:
+            self.models[key] = _plain(body)
+        self.poke(key)
+
+    def on_runtime(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        name = body["metadata"]["name"]
+        if event_type == "DELETED":
+            self.runtimes.pop(name, None)
+        else:
+            self.runtimes[name] = _plain(body)
+        backend = (body.get("spec") or {}).get("backend")
+        for key, model in self.models.items():
+            spec = model.get("spec") or {}
+            if spec.get("backend") == backend or (spec.get("runtimeRef") or {}).get("name") == name:
+                self.poke(key)
+
+    def on_deployment(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
+        if not model:
+            return
+        key = _key(meta["namespace"], model)
+        if event_type == "DELETED":
+            self.deployments.pop(key, None)
+        else:
+            self.deployments[key] = _plain(body)
+        self._poke_with_group(key)
+
+    def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
+        if not model:
+            return
+        key = _key(meta["namespace"], model)
+        pods = self.pods.setdefault(key, {})
+        if event_type == "DELETED":
+            pods.pop(meta["name"], None)
+        else:
+            pods[meta["name"]] = _plain(body)
+        self.poke(key)
+
+    def on_keda_crd(self, present: bool) -> None:
+        if present == self.settings.keda_available:
+            return
+        log.info("ScaledObject CRD %s", "installed" if present else "removed")
+        self.settings = replace(self.settings, keda_available=present)
+        for key, model in self.models.items():
+            if ((model.get("spec") or {}).get("scaling") or {}).get("engine", "keda") == "keda":
+                self.applied.pop(key, None)
+                self.poke(key)
+
+    def _poke_with_group(self, key: str) -> None:
+        self.poke(key)
+        group = self._group_of(self.models.get(key))
+        if group is not None:
+            for other, model in self.models.items():
+                if self._group_of(model) == group:
+                    self.poke(other)
+
+    # -- reconcile ------------------------------------------------------------------------------
+
+    async def reconcile(self, key: str) -> None:
+        self.reconciles += 1
+        body = self.models.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            # Owner references cascade the deletion; only our memory needs forgetting.
+            for memory in (self.applied, self.pods, self._was_running, self._started_at, self._stopped_at):
+                memory.pop(key, None)
+            return
+        generation = int(body["metadata"].get("generation", 0))
+        autoscaling = rnd.Condition("AutoscalingReady", "Unknown", "NotRendered")
+        render_error: rnd.Condition | None = None
+        try:
+            model = rnd.parse_model(body)
+            runtime = rnd.select_runtime(model, self.runtimes.values())
+            autoscaling = (await self._apply(key, body, runtime)).autoscaling
+        except ValidationError as exc:
+            render_error = rnd.Condition("Ready", "False", "InvalidSpec", str(exc).splitlines()[0])
+        except rnd.RenderError as exc:
+            render_error = rnd.Condition("Ready", "False", exc.reason, str(exc))
+        observed = Observed(
+            generation=generation,
+            deployment=self.deployments.get(key),
+            pods=list(self.pods.get(key, {}).values()),
+            autoscaling=autoscaling,
+            render_error=render_error,
+            preempted_by=self._preempted_by(key),
+        )
+        previous = body.get("status") or {}
+        status = compute(observed, previous, _rfc3339())
+        if any(previous.get(k) != v for k, v in status.items()):
+            meta = body["metadata"]
+            model_path = path(names.API_VERSION, "Model", meta["namespace"], meta["name"])
+            try:
+                updated = await asyncio.to_thread(self.kube.patch_status, model_path, status)
+            except KubeError as exc:
+                if exc.status == 404:
+                    return
+                raise
+            current = self.models.get(key)
+            if current is not None and current["metadata"].get("uid") == meta.get("uid"):
+                current["status"] = updated.get("status", status)
+
+    async def _apply(self, key: str, body: dict[str, Any], runtime: InferenceRuntime) -> rnd.Rendered:
+        """Apply what the Model renders to, when that changed; seed replicas once for a new Deployment."""
+        deployment = self.deployments.get(key)
+        if deployment is None and key not in self.applied:
+            meta = body["metadata"]
+            deployment = await asyncio.to_thread(
+                self.kube.get_or_none,
+                path("apps/v1", "Deployment", meta["namespace"], names.backend_name(meta["name"])),
+            )
+        rendered = rnd.render(body, runtime, self.settings)
+        if self.applied.get(key) == rendered.digest():
+            return rendered
+        seed: int | None = None
+        if deployment is None or not _replicas_owned_elsewhere(deployment):
+            current = ((deployment or {}).get("spec") or {}).get("replicas")
+            seed = int(current) if current is not None else rnd.parse_model(body).spec.scaling.min
+            rendered_with_seed = rnd.render(body, runtime, self.settings, initial_replicas=seed)
+        else:
+            rendered_with_seed = rendered
+        kinds = {(obj["apiVersion"], obj["kind"]) for obj in rendered.objects}
+        for obj in rendered_with_seed.objects:
+            result = await asyncio.to_thread(self.kube.apply, obj)
+            self.applies += 1
+            if obj["kind"] == "Deployment" and seed is not None:
+                # Hand spec.replicas to the scaler's field manager, then drop it from ours: the
+                # scaler (builtin or KEDA) owns replicas from here on, and our applies never
+                # reset it.
+                handoff = {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]},
+                    "spec": {"replicas": seed},
+                }
+                await asyncio.to_thread(self.kube.apply, handoff, names.SCALER_FIELD_MANAGER)
+                without = next(o for o in rendered.objects if o["kind"] == "Deployment")
+                result = await asyncio.to_thread(self.kube.apply, without)
+            if obj["kind"] == "Deployment":
+                self.deployments[key] = result
+        meta = body["metadata"]
+        for api_version, kind in rnd.OWNED_KINDS:
+            if (api_version, kind) in kinds:
+                continue
+            if kind in ("ScaledObject", "Deployment") and not self.settings.keda_available:
+                # KEDA went away: its objects are gone with its CRD, and a running backend is
+                # kept (only never created) rather than cut off while it serves.
+                continue
+            target = path(api_version, kind, meta["namespace"], names.backend_name(meta["name"]))
+            if await asyncio.to_thread(self.kube.delete, target):
+                log.info("deleted %s %s (no longer rendered)", kind, target)
+                if kind == "Deployment":
+                    self.deployments.pop(key, None)
+        self.applied[key] = rendered.digest()
+        return rendered
+
+    # -- GPU groups -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _group_of(body: Mapping[str, Any] | None) -> str | None:
+        if body is None:
+            return None
+        shared = ((body.get("spec") or {}).get("gpu") or {}).get("shared")
+        return f"{body['metadata']['namespace']}/{shared}" if shared else None
+
+    def _running(self, key: str) -> bool:
+        deployment = self.deployments.get(key) or {}
+        return int((deployment.get("spec") or {}).get("replicas", 0) or 0) > 0
+
+    def _preempted_by(self, key: str) -> str | None:
+        """The group peer that swapped this Model out, while it holds the accelerator."""
+        group = self._group_of(self.models.get(key))
+        if group is None:
+            return None
+        now = time.monotonic()
+        running: dict[str, bool] = {}
+        for member, body in self.models.items():
+            if self._group_of(body) != group:
+                continue
+            up = self._running(member)
+            previous = self._was_running.get(member)
+            if previous is not None and previous != up:
+                (self._started_at if up else self._stopped_at)[member] = now
+            self._was_running[member] = up
+            running[member] = up
+        return swap_holder(key, running, self._started_at, self._stopped_at)
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A detached copy of a Kopf body (Kopf reuses and mutates its views)."""
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in body.items()}
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+    """Kopf handlers: record the object, enqueue the Model it belongs to. Nothing is written here."""
+
+    async def model_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_model(event.get("type"), body)
+
+    async def runtime_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_runtime(event.get("type"), body)
+
+    async def deployment_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_deployment(event.get("type"), body)
+
+    async def pod_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_pod(event.get("type"), body)
+
+    async def crd_event(event: Mapping[str, Any], **_: Any) -> None:
+        reconciler.on_keda_crd(event.get("type") != "DELETED")
+
+    on_event = kopf.on.event
+    on_event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
+    on_event(names.GROUP, names.VERSION, names.RUNTIME_PLURAL, registry=registry)(runtime_event)
+    on_event("apps", "v1", "deployments", labels=BACKEND_LABELS, registry=registry)(deployment_event)
+    on_event("", "v1", "pods", labels=BACKEND_LABELS, registry=registry)(pod_event)
+    on_event(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        when=lambda name, **_: name == SCALEDOBJECT_CRD,
+        registry=registry,
+    )(crd_event)
+
+
+def keda_installed(kube: Kube) -> bool:
+    crd = kube.get_or_none(path("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, SCALEDOBJECT_CRD))
+    return crd is not None

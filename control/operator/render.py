@@ -1,0 +1,371 @@
+"""Pure rendering: (Model, InferenceRuntime, settings) -> the Kubernetes objects that serve the model.
+
+Plain dicts in, plain dicts out, no I/O. The operator applies the result with
+server-side apply under one field manager; what is not rendered any more is
+pruned by the API server (field ownership) or by the operator (whole objects,
+see `owned_kinds`). Runtime selection lives here too: explicit `runtimeRef`,
+else the best runtime for the Model's backend and GPU vendor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from control.k8s import names
+from control.runtimes import LABEL_SHIPPED, shipped_runtimes
+from control.schema import InferenceRuntime, Model, ScalingEngine
+
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+#: (apiVersion, kind) of everything a Model may own, in apply order.
+OWNED_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+    (KEDA_API_VERSION, "ScaledObject"),
+)
+WEIGHTS_VOLUME = "weights"
+WEIGHTS_ROOT = "/models"
+
+
+class RenderError(ValueError):
+    """The Model cannot be rendered; `reason` is a condition reason, the message says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Cluster-wide knobs of the operator (flags of `wakegate operator`)."""
+
+    #: host:port of the KEDA external-push scaler (`wakegate scaler`).
+    scaler_address: str = "wakegate-scaler.wakegate-system.svc:9091"
+    #: Whether the ScaledObject CRD is installed (observed, not configured).
+    keda_available: bool = True
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What to apply for one Model, and what the rendering itself says about autoscaling."""
+
+    objects: list[dict[str, Any]]
+    autoscaling: Condition
+    runtime: str
+    conditions: list[Condition] = field(default_factory=list)
+
+    def digest(self) -> str:
+        """Content hash of the objects: equal renders need no new apply."""
+        return hashlib.blake2b(json.dumps(self.objects, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def parse_model(body: Mapping[str, Any]) -> Model:
+    """The typed Model from a Kubernetes object (status and server metadata dropped)."""
+    return Model.model_validate(
+        {
+            "apiVersion": body.get("apiVersion"),
+            "kind": body.get("kind"),
+            "metadata": body.get("metadata", {}),
+            "spec": body.get("spec", {}),
+        }
+    )
+
+
+def parse_runtime(body: Mapping[str, Any]) -> InferenceRuntime:
+    return InferenceRuntime.model_validate(
+        {
+            "apiVersion": body.get("apiVersion"),
+            "kind": body.get("kind"),
+            "metadata": body.get("metadata", {}),
+            "spec": body.get("spec", {}),
+        }
+    )
+
+
+def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> InferenceRuntime:
+    """Explicit `runtimeRef`, else the best runtime for backend + GPU vendor (shipped before user's).
+
+    `runtimes` are the cluster's InferenceRuntime objects; the shipped ones are
+    the fallback when the cluster has none for the backend.
+    """
+    parsed: dict[str, InferenceRuntime] = {}
+    for body in runtimes:
+        try:
+            runtime = parse_runtime(body)
+        except ValidationError:
+            continue
+        parsed[runtime.metadata.name] = runtime
+    spec = model.spec
+    if spec.runtimeRef is not None:
+        chosen = parsed.get(spec.runtimeRef.name)
+        if chosen is None:
+            raise RenderError("RuntimeNotFound", f"InferenceRuntime {spec.runtimeRef.name!r} does not exist")
+        if chosen.spec.backend != spec.backend:
+            raise RenderError(
+                "RuntimeMismatch",
+                f"InferenceRuntime {chosen.metadata.name!r} serves backend {chosen.spec.backend!r}, "
+                f"not {spec.backend!r}",
+            )
+        return chosen
+    for body in shipped_runtimes():
+        shipped = parse_runtime(body)
+        parsed.setdefault(shipped.metadata.name, shipped)
+    vendor = spec.resources.gpu.vendor
+    candidates = [r for r in parsed.values() if r.spec.backend == spec.backend]
+    if vendor is not None and spec.resources.gpu.count > 0:
+        candidates = [r for r in candidates if vendor in r.spec.gpuVendors]
+    if not candidates:
+        raise RenderError("RuntimeNotFound", f"no InferenceRuntime serves backend {spec.backend!r} on {vendor}")
+
+    def rank(runtime: InferenceRuntime) -> tuple[bool, bool, str]:
+        # A runtime naming the vendor beats a generic one; the shipped runtime is the default
+        # (a user's own runtime is chosen with runtimeRef); then by name, to be deterministic.
+        names_vendor = vendor is not None and vendor in runtime.spec.gpuVendors
+        return (not names_vendor, runtime.metadata.labels.get(LABEL_SHIPPED) != "true", runtime.metadata.name)
+
+    return min(candidates, key=rank)
+
+
+def _substitute(template: str, values: Mapping[str, str]) -> str:
+    out = template
+    for key, value in values.items():
+        out = out.replace("{" + key + "}", value)
+    return out
+
+
+def _weights(model: Model) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(model argument, volumes, volume mounts) from `spec.source`."""
+    source = model.spec.source
+    if source is None:
+        return model.served_name, [], []
+    scheme, _, rest = source.partition("://")
+    if scheme == "hf":
+        return rest, [], []
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        mount = f"{WEIGHTS_ROOT}/{claim}"
+        volume = {"name": WEIGHTS_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return (
+            (f"{mount}/{path}" if path else mount),
+            [volume],
+            [{"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}],
+        )
+    volume = {"name": WEIGHTS_VOLUME, "image": {"reference": rest, "pullPolicy": "IfNotPresent"}}
+    return WEIGHTS_ROOT, [volume], [{"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_ROOT, "readOnly": True}]
+
+
+def _owner(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": "Model",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
+    return {
+        "name": names.backend_name(model.name),
+        "namespace": body["metadata"]["namespace"],
+        "labels": names.backend_labels(model.name),
+        "ownerReferences": [_owner(body)],
+    }
+
+
+def _gpu_resources(model: Model, runtime: InferenceRuntime) -> dict[str, str]:
+    gpu = model.spec.resources.gpu
+    if gpu.count == 0:
+        return {}
+    vendor = gpu.vendor or (runtime.spec.gpuVendors[0] if runtime.spec.gpuVendors else None)
+    resource = runtime.spec.acceleratorResources.get(vendor) if vendor else None
+    if resource is None:
+        raise RenderError(
+            "NoAcceleratorResource",
+            f"InferenceRuntime {runtime.metadata.name!r} names no accelerator resource for vendor {vendor!r}",
+        )
+    return {resource: str(gpu.count)}
+
+
+def _tolerations(model: Model, runtime: InferenceRuntime) -> list[dict[str, Any]]:
+    items = [*runtime.spec.scheduling.tolerations, *model.spec.tolerations]
+    return [t.model_dump(exclude_none=True) for t in items]
+
+
+def _affinity(model: Model) -> dict[str, Any] | None:
+    arch = model.spec.resources.gpu.arch
+    if not arch or model.spec.resources.gpu.count == 0:
+        return None
+    term = {"matchExpressions": [{"key": names.NODE_GPU_ARCH, "operator": "In", "values": list(arch)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntime) -> dict[str, Any]:
+    rt = runtime.spec
+    weights, volumes, mounts = _weights(model)
+    values = {"model": weights, "served_name": model.served_name, "port": str(rt.port), "host": "0.0.0.0"}
+    env = {k: _substitute(v, values) for k, v in rt.env.items()} | dict(model.spec.env)
+    resources: dict[str, dict[str, str]] = {}
+    gpu = _gpu_resources(model, runtime)
+    requests = {k: v for k, v in (("cpu", model.spec.resources.cpu), ("memory", model.spec.resources.memory)) if v}
+    if requests or gpu:
+        resources["requests"] = {**requests, **gpu}
+    if gpu:
+        resources["limits"] = dict(gpu)
+    container: dict[str, Any] = {
+        "name": "backend",
+        "image": rt.image,
+        **({"command": [_substitute(c, values) for c in rt.command]} if rt.command else {}),
+        "args": [*(_substitute(a, values) for a in rt.args), *model.spec.args],
+        "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "readinessProbe": {
+            "httpGet": {"path": rt.readinessProbe.path, "port": "http"},
+            "initialDelaySeconds": rt.readinessProbe.initialDelaySeconds,
+            "periodSeconds": rt.readinessProbe.periodSeconds,
+            "timeoutSeconds": rt.readinessProbe.timeoutSeconds,
+            "failureThreshold": rt.readinessProbe.failureThreshold,
+        },
+    }
+    if resources:
+        container["resources"] = resources
+    if mounts:
+        container["volumeMounts"] = mounts
+    if rt.lifecycle.preStopDrainSeconds > 0:
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": rt.lifecycle.preStopDrainSeconds}}}
+    annotations = {names.ANNOTATION_BACKEND: model.spec.backend}
+    if model.spec.resources.gpu.minVramMb:
+        annotations[names.ANNOTATION_VRAM_ESTIMATE] = str(model.spec.resources.gpu.minVramMb)
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "terminationGracePeriodSeconds": max(
+            rt.lifecycle.terminationGracePeriodSeconds, rt.lifecycle.preStopDrainSeconds + 1
+        ),
+    }
+    node_selector = dict(rt.scheduling.nodeSelector) | dict(model.spec.nodeSelector)
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    tolerations = _tolerations(model, runtime)
+    if tolerations:
+        spec["tolerations"] = tolerations
+    affinity = _affinity(model)
+    if affinity:
+        spec["affinity"] = affinity
+    if volumes:
+        spec["volumes"] = volumes
+    if rt.scheduling.priorityClassName:
+        spec["priorityClassName"] = rt.scheduling.priorityClassName
+    if rt.scheduling.schedulerName:
+        spec["schedulerName"] = rt.scheduling.schedulerName
+    return {"metadata": {"labels": names.backend_labels(model.name), "annotations": annotations}, "spec": spec}
+
+
+def deployment(
+    body: Mapping[str, Any], model: Model, runtime: InferenceRuntime, initial_replicas: int | None
+) -> dict[str, Any]:
+    """The backend Deployment. `replicas` only when given: the scaler (KEDA or builtin) owns it."""
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": names.selector_labels(model.name)},
+        "progressDeadlineSeconds": runtime.spec.lifecycle.progressDeadlineSeconds,
+        "revisionHistoryLimit": 2,
+        "template": pod_template(body, model, runtime),
+    }
+    if model.spec.resources.gpu.count > 0:
+        # An accelerator cannot host old and new replica at once: replace, never surge.
+        spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    if initial_replicas is not None:
+        spec["replicas"] = initial_replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(body, model), "spec": spec}
+
+
+def service(body: Mapping[str, Any], model: Model, runtime: InferenceRuntime) -> dict[str, Any]:
+    """Its EndpointSlices (labelled like the Service) are what the xDS feeder routes to."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(body, model),
+        "spec": {
+            "selector": names.selector_labels(model.name),
+            "ports": [{"name": "http", "port": runtime.spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(body, model),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(model.name)}},
+    }
+
+
+def scaled_object(body: Mapping[str, Any], model: Model, settings: Settings) -> dict[str, Any]:
+    scaling = model.spec.scaling
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": _meta(body, model),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend_name(model.name)},
+            "minReplicaCount": scaling.min,
+            "maxReplicaCount": scaling.max,
+            "cooldownPeriod": scaling.idleTimeout,
+            "triggers": [
+                {
+                    "type": "external-push",
+                    "metadata": {
+                        "scalerAddress": settings.scaler_address,
+                        "model": model.key,
+                        "targetInFlight": str(scaling.targetInFlight),
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render(
+    body: Mapping[str, Any],
+    runtime: InferenceRuntime,
+    settings: Settings,
+    initial_replicas: int | None = None,
+) -> Rendered:
+    """Everything a Model owns. `body` is the Model object (metadata with namespace and uid)."""
+    model = parse_model(body)
+    engine = model.spec.scaling.engine
+    objects: list[dict[str, Any]] = [service(body, model, runtime)]
+    if engine is ScalingEngine.KEDA and not settings.keda_available:
+        autoscaling = Condition(
+            "AutoscalingReady",
+            "False",
+            "ScaledObjectCRDMissing",
+            "scaling.engine is keda but the ScaledObject CRD (keda.sh) is not installed; "
+            "install KEDA or set spec.scaling.engine: builtin",
+        )
+        return Rendered(objects, autoscaling, runtime.metadata.name)
+    objects.append(deployment(body, model, runtime, initial_replicas))
+    if model.spec.scaling.max > 1:
+        objects.append(pod_disruption_budget(body, model))
+    if engine is ScalingEngine.KEDA:
+        objects.append(scaled_object(body, model, settings))
+        autoscaling = Condition("AutoscalingReady", "True", "ScaledObjectApplied", "KEDA external-push")
+    else:
+        autoscaling = Condition("AutoscalingReady", "True", "BuiltinScaler", "replicas owned by wakegate scaler")
+    return Rendered(objects, autoscaling, runtime.metadata.name)
