@@ -103,8 +103,9 @@ class GatewaySettings:
     max_request_bytes: int = 8 * 1024 * 1024
     #: Upper bound extproc may hold a cold request (override_message_timeout).
     max_hold_seconds: int = 3600
-    #: Per-exchange timeout for extproc when it does not ask for more.
-    extproc_message_timeout_ms: int = 1000
+    #: Per-exchange timeout for extproc when it does not ask for more. Generous: under a burst of
+    #: thousands of new requests extproc may answer late, and late beats a 504.
+    extproc_message_timeout_ms: int = 10000
     #: Idle timeout of a stream (0 disables); long generations send tokens often.
     stream_idle_timeout_s: int = 300
     upstream_connect_timeout_ms: int = 2000
@@ -223,6 +224,10 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                         "content_type": "application/json",
                     },
                 },
+                # extproc itself never answers 500 or 504: these are the gateway failing to
+                # reach it (stream reset, message timeout). Upstream failures matched above.
+                _json_error(500, "gateway_error", "the gateway could not process the request", "server_error"),
+                _json_error(504, "gateway_timeout", "the gateway did not decide in time", "server_error"),
             ]
         },
     }
