@@ -67,8 +67,6 @@ class Reconciler:
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
-        self.reconciles = 0
-        self.applies = 0
 
     # -- queue ----------------------------------------------------------------------------------
 
@@ -162,7 +160,6 @@ class Reconciler:
     # -- reconcile ------------------------------------------------------------------------------
 
     async def reconcile(self, key: str) -> None:
-        self.reconciles += 1
         body = self.models.get(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Owner references cascade the deletion; only our memory needs forgetting.
@@ -177,7 +174,8 @@ class Reconciler:
             runtime = rnd.select_runtime(model, self.runtimes.values())
             autoscaling = (await self._apply(key, body, runtime)).autoscaling
         except ValidationError as exc:
-            render_error = rnd.Condition("Ready", "False", "InvalidSpec", str(exc).splitlines()[0])
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
         except rnd.RenderError as exc:
             render_error = rnd.Condition("Ready", "False", exc.reason, str(exc))
         observed = Observed(
@@ -225,7 +223,6 @@ class Reconciler:
         kinds = {(obj["apiVersion"], obj["kind"]) for obj in rendered.objects}
         for obj in rendered_with_seed.objects:
             result = await asyncio.to_thread(self.kube.apply, obj)
-            self.applies += 1
             if obj["kind"] == "Deployment" and seed is not None:
                 # Hand spec.replicas to the scaler's field manager, then drop it from ours: the
                 # scaler (builtin or KEDA) owns replicas from here on, and our applies never
@@ -242,18 +239,12 @@ class Reconciler:
             if obj["kind"] == "Deployment":
                 self.deployments[key] = result
         meta = body["metadata"]
-        for api_version, kind in rnd.OWNED_KINDS:
-            if (api_version, kind) in kinds:
-                continue
-            if kind in ("ScaledObject", "Deployment") and not self.settings.keda_available:
-                # KEDA went away: its objects are gone with its CRD, and a running backend is
-                # kept (only never created) rather than cut off while it serves.
+        for api_version, kind in rnd.PRUNABLE_KINDS:
+            if (api_version, kind) in kinds or (kind == "ScaledObject" and not self.settings.keda_available):
                 continue
             target = path(api_version, kind, meta["namespace"], names.backend_name(meta["name"]))
             if await asyncio.to_thread(self.kube.delete, target):
                 log.info("deleted %s %s (no longer rendered)", kind, target)
-                if kind == "Deployment":
-                    self.deployments.pop(key, None)
         self.applied[key] = rendered.digest()
         return rendered
 

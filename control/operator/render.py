@@ -3,7 +3,7 @@
 Plain dicts in, plain dicts out, no I/O. The operator applies the result with
 server-side apply under one field manager; what is not rendered any more is
 pruned by the API server (field ownership) or by the operator (whole objects,
-see `owned_kinds`). Runtime selection lives here too: explicit `runtimeRef`,
+see `PRUNABLE_KINDS`). Runtime selection lives here too: explicit `runtimeRef`,
 else the best runtime for the Model's backend and GPU vendor.
 """
 
@@ -22,10 +22,10 @@ from control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from control.schema import InferenceRuntime, Model, ScalingEngine
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
-#: (apiVersion, kind) of everything a Model may own, in apply order.
-OWNED_KINDS: tuple[tuple[str, str], ...] = (
-    ("v1", "Service"),
-    ("apps/v1", "Deployment"),
+#: Owned kinds that come and go with the spec (`max`, `engine`); the operator deletes them when
+#: they are no longer rendered. Service and Deployment are never pruned: without KEDA a running
+#: keda-engine backend is kept rather than cut off while it serves.
+PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     (KEDA_API_VERSION, "ScaledObject"),
 )

@@ -116,7 +116,9 @@ async def _run(args: argparse.Namespace) -> int:
         stopped.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(operator, 10)
-        await server.stop(1)
+        # Kopf cancels the tasks started while it ran, the ADS streams' among them.
+        with contextlib.suppress(asyncio.CancelledError):
+            await server.stop(1)
     if operator.done() and not operator.cancelled() and operator.exception() is not None:
         log.error("watch failed: %r", operator.exception())
         return 1

@@ -1,0 +1,320 @@
+"""The cluster form of wakegate on this machine, for e2e tests: operator, `wakegate xds`, Envoy and extproc.
+
+The operator and the feeder run as host processes with the cluster's admin
+kubeconfig; the gateway (Envoy + extproc) gets no Kubernetes credentials at all
+and learns everything over ADS from the feeder, reaching pods at their pod IPs.
+Envoy's bootstrap is the project's template, rendered by control.bootstrap as
+`wakegate up` renders it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from control import bootstrap
+from e2e.procs import Proc, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+CRD_DIR = REPO / "charts" / "wakegate" / "crds"
+
+
+def install_crds(api: ApiClient) -> None:
+    """Apply the committed wakegate CRDs (idempotent) and wait until they are established."""
+    ext = client.ApiextensionsV1Api(api)
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        body = yaml.safe_load(path.read_text())
+        api.call_api(
+            "PATCH",
+            api.configuration.host
+            + f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{body['metadata']['name']}"
+            + "?fieldManager=e2e&force=true",
+            header_params=_auth(api, {"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"}),
+            body=body,
+        ).read()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            crd = ext.read_custom_resource_definition(body["metadata"]["name"])
+            if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
+                break
+            time.sleep(0.2)
+
+
+#: The read-only ClusterRole of `wakegate xds` (docs/operator.md).
+XDS_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["wakegate.io"], "resources": ["models"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+    # Kopf's resource discovery watches CRDs to notice when Models become available.
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+]
+#: The operator's ClusterRole (docs/operator.md), and its Role for the Lease.
+OPERATOR_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["wakegate.io"], "resources": ["models"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["models/status"], "verbs": ["patch"]},
+    {
+        "apiGroups": ["wakegate.io"],
+        "resources": ["inferenceruntimes"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["create", "patch", "delete"]},
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
+LEASE_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
+]
+
+
+@contextmanager
+def scoped_kubeconfig(
+    kube: Any, tmp: Path, account: str, cluster_rules: list[dict[str, Any]], ns_rules: Sequence[dict[str, Any]] = ()
+) -> Iterator[Path]:
+    """A kubeconfig with a bound token of a new service account holding exactly these rules."""
+    rbac = client.RbacAuthorizationV1Api(kube.api)
+    name = f"wakegate-{account}-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespaced_service_account(kube.ns, {"metadata": {"name": account}})
+    subjects = [{"kind": "ServiceAccount", "name": account, "namespace": kube.ns}]
+    rbac.create_cluster_role({"metadata": {"name": name}, "rules": cluster_rules})
+    rbac.create_cluster_role_binding(
+        {
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": subjects,
+        }
+    )
+    if ns_rules:
+        rbac.create_namespaced_role(kube.ns, {"metadata": {"name": name}, "rules": list(ns_rules)})
+        rbac.create_namespaced_role_binding(
+            kube.ns,
+            {
+                "metadata": {"name": name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": subjects,
+            },
+        )
+    token = kube.core.create_namespaced_service_account_token(
+        account, kube.ns, {"spec": {"expirationSeconds": 3600}}
+    ).status.token
+    admin = yaml.safe_load(kube.cluster.kubeconfig.read_text())
+    cluster = admin["clusters"][0]["cluster"]
+    if "certificate-authority" in cluster:
+        ca = base64.b64encode(Path(cluster["certificate-authority"]).read_bytes()).decode()
+        cluster = {"server": cluster["server"], "certificate-authority-data": ca}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": cluster}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": "e2e", "user": account}}],
+        "current-context": account,
+    }
+    path = tmp / f"{account}-kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    try:
+        yield path
+    finally:
+        rbac.delete_cluster_role_binding(name)
+        rbac.delete_cluster_role(name)
+
+
+def _auth(api: ApiClient, headers: dict[str, str]) -> dict[str, str]:
+    api.update_params_for_auth(headers, [], ["BearerToken"], "", "PATCH", None)
+    return headers
+
+
+def python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Operator:
+    """`wakegate operator` as a host process (one replica of the leader-elected pair)."""
+
+    def __init__(
+        self, dir: Path, kubeconfig: Path, lease_namespace: str, name: str = "operator", extra: Sequence[str] = ()
+    ) -> None:
+        self.name = name
+        self.proc = Proc(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "control",
+                "operator",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--lease-namespace",
+                lease_namespace,
+                "--identity",
+                name,
+                *extra,
+            ],
+            dir / f"{name}.log",
+            env=python_env(),
+        )
+
+    def start(self) -> Operator:
+        self.proc.start()
+        return self
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class Gateway:
+    """`wakegate xds` (with the kubeconfig) + extproc + Envoy (without), on free loopback ports."""
+
+    def __init__(self, dir: Path, kubeconfig: Path, demand: str | None = None) -> None:
+        self.dir = dir
+        self.port = free_port()
+        self.xds_port = free_port()
+        self.extproc_port = free_port()
+        self.extproc_admin = free_port()
+        self.activator_port = free_port()
+        self.envoy_admin = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = python_env()
+        gateway_env = {k: v for k, v in env.items() if k != "KUBECONFIG"}
+        self.xds = Proc(
+            "xds",
+            [
+                sys.executable,
+                "-m",
+                "control",
+                "xds",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--listen",
+                f"127.0.0.1:{self.xds_port}",
+                "--gateway-listen",
+                f"127.0.0.1:{self.port}",
+                "--upstream-header",
+            ],
+            dir / "xds.log",
+            env=env,
+        )
+        extproc_argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "--listen",
+            f"127.0.0.1:{self.extproc_port}",
+            "--admin-listen",
+            f"127.0.0.1:{self.extproc_admin}",
+            "--activator-listen",
+            f"127.0.0.1:{self.activator_port}",
+            "--xds",
+            f"127.0.0.1:{self.xds_port}",
+        ]
+        if demand is not None:
+            extproc_argv += ["--demand", demand]
+        self.extproc = Proc("extproc", extproc_argv, dir / "extproc.log", env=gateway_env)
+        config = dir / "envoy.yaml"
+        config.write_text(
+            bootstrap.render(
+                f"e2e-gateway-{os.getpid()}",
+                bootstrap.GatewayPorts(
+                    envoy_admin=self.envoy_admin,
+                    xds=self.xds_port,
+                    extproc=self.extproc_port,
+                    activator=self.activator_port,
+                ),
+            )
+        )
+        self.envoy = Proc(
+            "envoy",
+            [
+                bootstrap.envoy_binary(),
+                *("-c", str(config), "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "warn"),
+            ],
+            dir / "envoy.log",
+            env=gateway_env,
+        )
+
+    @property
+    def procs(self) -> Sequence[Proc]:
+        return (self.xds, self.extproc, self.envoy)
+
+    def start(self, timeout: float = 30.0) -> None:
+        for proc in self.procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.exited() is not None:
+                    raise RuntimeError(f"{proc.name} exited {proc.exited()}:\n{proc.tail()}")
+            if _get(f"http://127.0.0.1:{self.envoy_admin}/ready") == 200 and _listening(self.port):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"gateway not ready in {timeout}s:\n" + "\n".join(p.tail(10) for p in self.procs))
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def chat(self, model: str, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        ).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            err.close()
+            try:
+                return err.code, json.loads(raw)
+            except ValueError:
+                return err.code, {"raw": raw.decode(errors="replace")}
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return int(resp.status)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextmanager
+def running(*things: Operator | Gateway) -> Iterator[None]:
+    try:
+        for thing in things:
+            thing.start()
+        yield
+    finally:
+        for thing in reversed(things):
+            thing.stop()
