@@ -27,7 +27,6 @@ from wakegate.v1 import demand_pb2_grpc
 
 from control import bootstrap
 from control.backends import BACKENDS
-from control.bootstrap import envoy_binary as envoy_binary
 from control.demand import DemandBook, DemandService
 from control.local.gpus import discover
 from control.local.metrics import UpMetrics
@@ -42,8 +41,6 @@ from control.xds.resources import GatewaySettings, build
 from control.xds.server import AdsServer, start_server
 
 log = logging.getLogger("wakegate.up")
-
-BOOTSTRAP_TEMPLATE = bootstrap.template_path()
 
 
 
@@ -417,7 +414,7 @@ class Up:
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(rendered, encoding="utf-8")
         argv = [
-            envoy_binary(),
+            bootstrap.envoy_binary(),
             "-c",
             str(config),
             "--concurrency",

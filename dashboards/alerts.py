@@ -23,8 +23,8 @@ class Alert:
 ALERTS = (
     Alert(
         "WakegateActivationTimeouts",
-        'sum by (model) (increase(wakegate_gateway_requests_total{reason=~"activation_timeout|activation_failed"}[10m])) '
-        "> 0",
+        'sum by (model) (increase(wakegate_gateway_requests_total'
+        '{reason=~"activation_timeout|activation_failed"}[10m])) > 0',
         "5m",
         "warning",
         "Cold requests to {{ $labels.model }} are answered 503",
