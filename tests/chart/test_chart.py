@@ -23,13 +23,14 @@ EVERY_OPTION: dict[str, Any] = {
     "imagePullSecrets": [{"name": "regcred"}],
     "commonLabels": {"team": "ml"},
     "demandToken": {"existingSecret": "demand-token", "key": "tok"},
-    "operator": {"replicas": 3, "workers": 8, "installRuntimes": False, "leaseSeconds": 20, "logLevel": "debug",
+    "operator": {"replicas": 3, "workers": 8, "scalerHost": "10.0.0.9",
+                 "installRuntimes": False, "leaseSeconds": 20, "logLevel": "debug",
                  "pdb": {"minAvailable": 2}, "resources": {"requests": {"cpu": "100m"}},
                  "nodeSelector": {"pool": "system"}, "tolerations": [{"key": "x", "operator": "Exists"}],
                  "affinity": {"nodeAffinity": {}}},
-    "xds": {"replicas": 2, "port": 18001, "adminPort": 8081, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
+    "xds": {"replicas": 2, "port": 18001, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
     "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls"},
-    "gateway": {"replicas": 3, "port": 8000,
+    "gateway": {"replicas": 3, "port": 8000, "xdsHost": "10.0.0.7", "scalerHost": "10.0.0.8",
                 "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
                 "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "maxBodyBytes": 1048576, "globalRps": 100,
                 "globalBurst": 200, "keepaliveSeconds": 1, "drainSeconds": 10, "pdb": {"minAvailable": "50%"},
@@ -123,7 +124,8 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert rules("wg-wakegate-agent") == {("", "nodes", "get"), ("", "nodes", "patch")}
     assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
                                                              ("discovery.k8s.io", "endpointslices"))
-                                        for v in ("get", "list", "watch")}
+                                        for v in ("get", "list", "watch")} | {
+        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
     writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
     assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
@@ -144,7 +146,8 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert "--tls-client-ca=/var/run/wakegate/tls/ca.crt" in scaler["args"]
     assert "--no-install-runtimes" in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
-    assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-xds", "wg-wakegate-scaler"}
+    assert "--xds=10.0.0.7:18001" in extproc["args"] and "--demand=10.0.0.8:9190" in extproc["args"]
+    assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler"}, "xds has no /metrics"
     assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
     rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
     assert rule["metadata"]["labels"]["release"] == "prom"

@@ -63,11 +63,13 @@ runAsNonRoot: true
 capabilities: {drop: [ALL]}
 {{- end -}}
 
-{{- define "wakegate.xdsAddress" -}}
-{{- printf "%s.%s.svc:%d" (include "wakegate.component" (dict "root" . "component" "xds")) .Release.Namespace (int .Values.xds.port) -}}
+{{/* The feeder's host as the gateway dials it: gateway.xdsHost, else its Service's DNS name. */}}
+{{- define "wakegate.xdsHost" -}}
+{{- .Values.gateway.xdsHost | default (printf "%s.%s.svc" (include "wakegate.component" (dict "root" . "component" "xds")) .Release.Namespace) -}}
 {{- end -}}
 
-{{- define "wakegate.scalerHost" -}}
+{{/* The scaler Service's DNS name. */}}
+{{- define "wakegate.scalerService" -}}
 {{- printf "%s.%s.svc" (include "wakegate.component" (dict "root" . "component" "scaler")) .Release.Namespace -}}
 {{- end -}}
 
