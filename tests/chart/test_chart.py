@@ -131,6 +131,11 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
                                                                                       "patch")}
     assert not any(r == "secrets" for name in roles for _, r, _ in rules(name))
+    # The operator gets exactly the rules its e2e test proves enough (docs/operator.md).
+    from e2e.gateway import OPERATOR_RULES
+
+    assert rules("wg-wakegate-operator") == {(g, r, v) for rule in OPERATOR_RULES for g in rule["apiGroups"]
+                                             for r in rule["resources"] for v in rule["verbs"]}
 
 
 def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
