@@ -88,6 +88,11 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         options=[
             ("grpc.max_receive_message_length", args.max_body_bytes + 1024 * 1024),
             ("grpc.so_reuseport", 0),
+            # gRPC core drops calls the application has not picked up yet once they pass a
+            # pending-request cap (randomly between the soft and the hard limit); a burst of
+            # thousands of new requests (a cold model's queue filling) must wait, not be cancelled.
+            ("grpc.server.max_pending_requests", 1_000_000),
+            ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
         ]
     )
     ep_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), server)
