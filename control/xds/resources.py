@@ -109,6 +109,8 @@ class GatewaySettings:
     #: Idle timeout of a stream (0 disables); long generations send tokens often.
     stream_idle_timeout_s: int = 300
     upstream_connect_timeout_ms: int = 2000
+    #: Connections Envoy opens to one model's backends at most; more requests queue in Envoy.
+    upstream_max_connections: int = 1024
     #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
     upstream_header: bool = False
     extra_listener_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
@@ -314,7 +316,10 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
             "circuit_breakers": {
                 "thresholds": [
                     {
-                        "max_connections": 100000,
+                        # HTTP/1.1 upstreams take one connection per request in flight: past this
+                        # many, requests wait in Envoy's queue instead of opening more sockets
+                        # (thousands of held requests released at once would exhaust fds).
+                        "max_connections": settings.upstream_max_connections,
                         "max_pending_requests": 100000,
                         "max_requests": 100000,
                         "max_retries": 3,
