@@ -27,7 +27,7 @@ from control.backends import BACKENDS
 from control.local.gpus import GpuPool, Slot, visible_devices_env
 from control.local.process import Child
 from control.schema import Model
-from control.xds.resources import RoutedModel
+from control.xds.resources import RoutedModel, routed_model
 
 log = logging.getLogger("wakegate.up")
 
@@ -113,19 +113,9 @@ class ModelRuntime:
         return tuple((self.settings.host, r.port) for r in self.replicas if r.state is ReplicaState.READY)
 
     def routed(self) -> RoutedModel:
-        spec = self.model.spec
-        return RoutedModel(
-            key=self.model.key,
-            names=tuple(self.model.client_names),
-            served_name=self.model.served_name,
-            lora_adapters=tuple(spec.loraAdapters),
-            strategy=spec.routing.strategy.value,
-            requests_per_second=spec.limits.requestsPerSecond,
-            burst=spec.limits.burst,
-            cold_mode=spec.endpoint.coldMode.value,
-            max_queue=spec.endpoint.maxQueue,
-            activation_timeout_s=float(spec.scaling.activationTimeout),
-            endpoints=self.ready_endpoints,
+        return routed_model(
+            self.model,
+            self.ready_endpoints,
             generation=self.generation,
             failed_activations=self.failed_activations,
             last_failure=self.last_failure,

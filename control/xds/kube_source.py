@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from control.k8s import names
 from control.schema import Model
-from control.xds.resources import RoutedModel
+from control.xds.resources import RoutedModel, routed_model
 
 
 def _model(body: Mapping[str, Any]) -> Model:
@@ -84,25 +84,15 @@ class KubeSource:
             except ValidationError:
                 continue
             status = body.get("status") or {}
-            spec = model.spec
             endpoints = set().union(*self.slices.get(key, {}).values())
             failed = self.failed_now.get(key, False)
             ready_message = next(
                 (c.get("message", "") for c in status.get("conditions") or [] if c.get("type") == "Ready"), ""
             )
             out.append(
-                RoutedModel(
-                    key=key,
-                    names=tuple(model.client_names),
-                    served_name=model.served_name,
-                    lora_adapters=tuple(spec.loraAdapters),
-                    strategy=spec.routing.strategy.value,
-                    requests_per_second=spec.limits.requestsPerSecond,
-                    burst=spec.limits.burst,
-                    cold_mode=spec.endpoint.coldMode.value,
-                    max_queue=spec.endpoint.maxQueue,
-                    activation_timeout_s=float(spec.scaling.activationTimeout),
-                    endpoints=tuple(sorted(endpoints)),
+                routed_model(
+                    model,
+                    endpoints,
                     generation=int(body["metadata"].get("generation", 0)),
                     failed_activations=self.failures.get(key, 0),
                     last_failure=str(ready_message) if failed else "",

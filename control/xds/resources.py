@@ -29,6 +29,8 @@ from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 from wakegate.v1 import routing_pb2
 
+from control.schema import Model
+
 _M = TypeVar("_M", bound=Message)
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -87,6 +89,36 @@ class RoutedModel:
     @property
     def cluster(self) -> str:
         return cluster_name(self.key)
+
+
+def routed_model(
+    model: Model,
+    endpoints: Iterable[tuple[str, int]],
+    *,
+    generation: int = 0,
+    failed_activations: int = 0,
+    last_failure: str = "",
+    admitted: bool = True,
+) -> RoutedModel:
+    """What the gateway needs of a Model manifest plus its current ready endpoints."""
+    spec = model.spec
+    return RoutedModel(
+        key=model.key,
+        names=tuple(model.client_names),
+        served_name=model.served_name,
+        lora_adapters=tuple(spec.loraAdapters),
+        strategy=spec.routing.strategy.value,
+        requests_per_second=spec.limits.requestsPerSecond,
+        burst=spec.limits.burst,
+        cold_mode=spec.endpoint.coldMode.value,
+        max_queue=spec.endpoint.maxQueue,
+        activation_timeout_s=float(spec.scaling.activationTimeout),
+        endpoints=tuple(sorted(endpoints)),
+        generation=generation,
+        failed_activations=failed_activations,
+        last_failure=last_failure,
+        admitted=admitted,
+    )
 
 
 def cluster_name(model_key: str) -> str:

