@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from control.local.scaler import LocalScaler
 from control.scaler.service import Hub as ScalerHub
 from control.scaler.service import serve_local
 from control.schema import ManifestError, Model, parse_models
+from control.shutdown import graceful_exit
 from control.xds.cache import SnapshotCache
 from control.xds.resources import GatewaySettings, build
 from control.xds.server import AdsServer, start_server
@@ -239,19 +239,7 @@ class Up:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        signals = 0
-
-        def on_signal() -> None:
-            nonlocal signals
-            signals += 1
-            if signals > 1:
-                log.warning("second signal: exiting now")
-                os._exit(130)
-            self._stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+        graceful_exit(self._stop, "wakegate up")
         server = None
         keda_server = None
         admin = None

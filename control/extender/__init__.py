@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import threading
 
 from aiohttp import web
@@ -20,6 +19,7 @@ from aiohttp import web
 from control.extender.server import DEFAULT_MAX_BODY, make_app
 from control.placement.benchdata import DEFAULT_CONFIGMAP
 from control.placement.rules import Weights
+from control.shutdown import graceful_exit
 
 log = logging.getLogger("wakegate.extender")
 
@@ -50,9 +50,7 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
     await site.start()
     log.info("scheduler extender listening on http://%s:%d", host, port)
     stopped = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
+    graceful_exit(stopped, "scheduler-extender")
     await stopped.wait()
     log.info("scheduler extender stopping")
     await runner.cleanup()

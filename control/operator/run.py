@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 from typing import Any
 
 import kopf
@@ -21,6 +20,7 @@ from control.k8s.lease import LeaderLease, LeaseConfig
 from control.operator import render as rnd
 from control.operator.controller import Reconciler, keda_installed, register
 from control.runtimes import shipped_runtimes
+from control.shutdown import graceful_exit
 
 log = logging.getLogger("wakegate.operator")
 
@@ -83,9 +83,7 @@ async def _main(args: argparse.Namespace) -> int:
         ),
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    graceful_exit(stop, "operator")
     log.info("operator %s waiting for lease %s/%s", args.identity, args.lease_namespace, args.lease_name)
     acquire = asyncio.create_task(lease.acquire())
     stopped = asyncio.create_task(stop.wait())

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -34,6 +33,7 @@ from control.scaler.core import Core
 from control.scaler.metrics import ScalerMetrics
 from control.scaler.service import Hub, TlsFiles, serve_external_scaler
 from control.schema import ManifestError, Model, parse_models
+from control.shutdown import graceful_exit
 
 log = logging.getLogger("wakegate.scaler")
 
@@ -132,8 +132,7 @@ class Scaler:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
+        graceful_exit(self.stop, "scaler")
         threads_stop = threading.Event()
         threads: list[threading.Thread] = []
         servers: list[grpc.aio.Server] = []

@@ -13,9 +13,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import Mapping
 from typing import Any
+
+from control.shutdown import graceful_exit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,9 +103,7 @@ async def _run(args: argparse.Namespace) -> int:
     log.info("wakegate xds: ADS on port %d, gateway listener %s", bound, args.gateway_listen)
     print(f"wakegate xds: listening on port {bound}", flush=True)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    graceful_exit(stop, "xds")
     operator = asyncio.create_task(
         kopf.operator(registry=registry, settings=settings, standalone=True, clusterwide=True, stop_flag=stop)
     )
