@@ -26,12 +26,12 @@ def test_first_signal_drains_second_exits_at_once(tmp_path) -> None:  # type: ig
 
         asyncio.run(main())
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.stdout.readline().strip() == "draining"
-    started = time.monotonic()
-    os.kill(proc.pid, signal.SIGINT)
-    assert proc.wait(10) == 130
-    assert time.monotonic() - started < 5
+    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "draining"
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(10) == 130
+        assert time.monotonic() - started < 5
