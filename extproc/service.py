@@ -368,11 +368,13 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         raw_body: bytes | None,
         cluster: str,
         extra: list[Any],
-    ) -> tuple[ep.CommonResponse, bool]:
+    ) -> ep.CommonResponse:
         mutations = [header(CLUSTER_HEADER, cluster), *extra]
         removals: list[str] = []
         if self.gw.keys.enabled:
             removals.append("authorization")  # the gateway's key is not the backend's business
+        if DESTINATION_HEADER in ex.headers and not any(m.header.key == DESTINATION_HEADER for m in extra):
+            removals.append(DESTINATION_HEADER)  # clients may not pick backends themselves
         if ex.new_path is not None:
             mutations.append(header(":path", ex.new_path))
         body_mutation = None
@@ -386,7 +388,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             body_mutation=body_mutation,
             clear_route_cache=True,
         )
-        return common, body_mutation is not None
+        return common
 
     def _forward(
         self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
@@ -401,9 +403,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             extra.append(header(DESTINATION_HEADER, endpoint))
             metadata = struct_pb2.Struct()
             metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = endpoint
-        common, _ = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
-        if endpoint is None and DESTINATION_HEADER in ex.headers:
-            common.header_mutation.remove_headers.append(DESTINATION_HEADER)  # clients may not pick backends
+        common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
         ex.model_key = route.key
         ex.endpoint = endpoint
         self.gw.routed(route.key, endpoint)
@@ -416,9 +416,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any], raw_body: bytes | None, *, in_body: bool
     ) -> ep.ProcessingResponse:
         extra = [header(ACTIVATOR_MODEL_HEADER, resolved.route.key)]
-        common, _ = self._mutations(ex, resolved, parsed, raw_body, ACTIVATOR_CLUSTER, extra)
-        if DESTINATION_HEADER in ex.headers:
-            common.header_mutation.remove_headers.append(DESTINATION_HEADER)
+        common = self._mutations(ex, resolved, parsed, raw_body, ACTIVATOR_CLUSTER, extra)
         self.gw.metrics.requests.labels(resolved.route.key, "200", "keepalive").inc()
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))

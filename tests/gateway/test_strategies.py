@@ -135,3 +135,11 @@ def test_stream_is_not_buffered_first_token_arrives_early(gateway: UpProcess) ->
     assert first_token is not None
     assert total >= 1.5
     assert first_token < 0.5, f"first token after {first_token:.2f}s of a {total:.2f}s stream"
+
+
+def test_clients_cannot_choose_the_backend(gateway: UpProcess) -> None:
+    """A client-sent endpoint-picker header is dropped (default strategy) or replaced (picked)."""
+    bogus = {"x-gateway-destination-endpoint": "127.0.0.1:1"}
+    for model in ("chat-a", "chat-b"):
+        upstream = served_by(gateway, chat(model, "pick for me"), bogus)
+        assert upstream in set(gateway.endpoints(model))
