@@ -58,28 +58,32 @@ def _log(msg: str) -> None:
     print(f"[e2e.build] {msg}", file=sys.stderr, flush=True)
 
 
-def pinned_version(module: str) -> str:
-    """The version of `module` that e2e/go/go.mod requires."""
-    text = (GO_DIR / "go.mod").read_text()
-    match = re.search(rf"^\s*{re.escape(module)} (v\S+)", text, re.MULTILINE)
+def required_version(go_mod: Path, module: str) -> str:
+    """The version of `module` that the go.mod file `go_mod` requires."""
+    match = re.search(rf"^\s*{re.escape(module)} (v\S+)", go_mod.read_text(), re.MULTILINE)
     if not match:
-        raise RuntimeError(f"{module} is not required in {GO_DIR / 'go.mod'}")
+        raise RuntimeError(f"{module} is not required in {go_mod}")
     return match.group(1)
 
 
-def _go_env() -> dict[str, str]:
+def pinned_version(module: str) -> str:
+    """The version of `module` that e2e/go/go.mod requires."""
+    return required_version(GO_DIR / "go.mod", module)
+
+
+def go_env() -> dict[str, str]:
     env = dict(os.environ)
     # Static binaries, like the release builds; also spares us a C toolchain.
     env["CGO_ENABLED"] = "0"
     return env
 
 
-def _go_version() -> str | None:
+def go_version() -> str | None:
     """The Go toolchain's version, None without one (built binaries stay usable)."""
     if shutil.which("go") is None:
         return None
     out = subprocess.run(
-        ["go", "env", "GOVERSION"], capture_output=True, text=True, check=True, env=_go_env()
+        ["go", "env", "GOVERSION"], capture_output=True, text=True, check=True, env=go_env()
     )
     return out.stdout.strip()
 
@@ -106,7 +110,7 @@ def wanted_stamp() -> dict[str, str | None]:
         digest.update((GO_DIR / name).read_bytes())
     return {
         "go_mod_sum": digest.hexdigest(),
-        "go": _go_version(),
+        "go": go_version(),
         "keda": KEDA_VERSION,
         "recipe": RECIPE,
     }
@@ -133,13 +137,13 @@ def _run_go_build(packages: list[str], out: Path, log: Log) -> None:
     """`go build -v` with a progress line every 15 s (the first build takes minutes)."""
     listing = subprocess.run(
         ["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", *packages],
-        cwd=GO_DIR, capture_output=True, text=True, env=_go_env(),
+        cwd=GO_DIR, capture_output=True, text=True, env=go_env(),
     )
     if listing.returncode != 0:
         raise BuildError(listing.stderr)
     total = len([line for line in listing.stdout.splitlines() if line])
     cmd = ["nice", "-n", "10", "go", "build", "-v", "-ldflags", _ldflags(), "-o", str(out), *packages]
-    proc = subprocess.Popen(cmd, cwd=GO_DIR, stderr=subprocess.PIPE, text=True, env=_go_env())
+    proc = subprocess.Popen(cmd, cwd=GO_DIR, stderr=subprocess.PIPE, text=True, env=go_env())
     assert proc.stderr is not None
     compiled = 0
     errors: list[str] = []
@@ -182,7 +186,7 @@ def _copy_keda_crds(log: Log) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             ["go", "mod", "download", "-json", f"{KEDA_MODULE}@{KEDA_VERSION}"],
-            cwd=tmp, capture_output=True, text=True, env={**_go_env(), "GOFLAGS": "-mod=mod"},
+            cwd=tmp, capture_output=True, text=True, env={**go_env(), "GOFLAGS": "-mod=mod"},
         )
     if out.returncode != 0:
         raise BuildError(out.stdout + out.stderr)
@@ -205,7 +209,7 @@ def ensure_built(force: bool = False, log: Log = _log) -> Path:
     started = time.monotonic()
     log(
         f"building kubernetes {pinned_version('k8s.io/kubernetes')}, "
-        f"etcd {pinned_version('go.etcd.io/etcd/server/v3')} with {_go_version()} (first build takes minutes)"
+        f"etcd {pinned_version('go.etcd.io/etcd/server/v3')} with {go_version()} (first build takes minutes)"
     )
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="bin-", dir=BUILD_DIR))

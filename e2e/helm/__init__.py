@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from e2e.build import go_env, go_version, required_version
 
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE.parent / ".bin"
@@ -43,28 +44,12 @@ def _log(msg: str) -> None:
     print(f"[e2e.helm] {msg}", file=sys.stderr, flush=True)
 
 
-def _go_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["CGO_ENABLED"] = "0"
-    return env
-
-
 def pinned_version(module: str) -> str:
     """The version of `module` that e2e/helm/go.mod requires."""
-    text = (HERE / "go.mod").read_text()
-    match = re.search(rf"^\s*{re.escape(module)} (v\S+)", text, re.MULTILINE)
-    if not match:
-        raise BuildError(f"{module} is not required in {HERE / 'go.mod'}")
-    return match.group(1)
-
-
-def _go_version() -> str | None:
-    if shutil.which("go") is None:
-        return None
-    out = subprocess.run(
-        ["go", "env", "GOVERSION"], capture_output=True, text=True, check=True, env=_go_env()
-    )
-    return out.stdout.strip()
+    try:
+        return required_version(HERE / "go.mod", module)
+    except RuntimeError as exc:
+        raise BuildError(str(exc)) from None
 
 
 def _ldflags() -> str:
@@ -85,7 +70,7 @@ def wanted_stamp() -> dict[str, str | None]:
     digest = hashlib.sha256()
     for name in ("go.mod", "go.sum"):
         digest.update((HERE / name).read_bytes())
-    return {"go_mod_sum": digest.hexdigest(), "go": _go_version(), "recipe": RECIPE}
+    return {"go_mod_sum": digest.hexdigest(), "go": go_version(), "recipe": RECIPE}
 
 
 def is_current() -> bool:
@@ -110,12 +95,12 @@ def ensure_helm(force: bool = False, log: Log = _log) -> Path:
     if shutil.which("go") is None:
         raise BuildError("`go` is not on PATH; the chart tests build Helm from its Go module")
     started = time.monotonic()
-    log(f"building helm {pinned_version(MODULE)} with {_go_version()} (first build takes minutes)")
+    log(f"building helm {pinned_version(MODULE)} with {go_version()} (first build takes minutes)")
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="helm-", dir=BUILD_DIR))
     try:
         cmd = ["nice", "-n", "10", "go", "build", "-ldflags", _ldflags(), "-o", str(staging / "helm"), PACKAGE]
-        proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=_go_env())
+        proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=go_env())
         if proc.returncode != 0:
             raise BuildError(proc.stderr or f"go build exited {proc.returncode}")
         BIN_DIR.mkdir(parents=True, exist_ok=True)
