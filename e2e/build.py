@@ -116,21 +116,51 @@ def wanted_stamp() -> dict[str, str | None]:
     }
 
 
-def is_current() -> bool:
-    if not STAMP.exists() or not all((BIN_DIR / name).exists() for name in BINARIES):
-        return False
-    if not all((CRD_DIR / name).exists() for name in KEDA_CRDS):
-        return False
+def stamp_matches(stamp: Path, want: dict[str, str | None]) -> bool:
+    """`stamp` records a build of exactly `want` (the e2e builds of Kubernetes and Helm share this)."""
     try:
-        have = json.loads(STAMP.read_text())
+        have = json.loads(stamp.read_text())
     except (ValueError, OSError):
         return False
-    want = wanted_stamp()
+    want = dict(want)
     if want["go"] is None:
         # No Go here: binaries built for these pins by any Go will do.
         have.pop("go", None)
         want.pop("go")
     return bool(have == want)
+
+
+def build_cli(
+    argv: list[str] | None,
+    prog: str,
+    description: str,
+    product: Path,
+    stamp: Path,
+    is_current: Callable[[], bool],
+    ensure: Callable[..., Path],
+    log: Log,
+) -> int:
+    """`python -m e2e.build` and `python -m e2e.helm`: build or reuse, `--force` rebuilds."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
+    args = parser.parse_args(argv)
+    if not args.force and is_current():
+        log(f"up to date: {product} (delete {stamp} or pass --force to rebuild)")
+        return 0
+    try:
+        ensure(force=True)
+    except BuildError as exc:
+        log(f"build failed:\n{exc}")
+        return 1
+    return 0
+
+
+def is_current() -> bool:
+    if not STAMP.exists() or not all((BIN_DIR / name).exists() for name in BINARIES):
+        return False
+    if not all((CRD_DIR / name).exists() for name in KEDA_CRDS):
+        return False
+    return stamp_matches(STAMP, wanted_stamp())
 
 
 def _run_go_build(packages: list[str], out: Path, log: Log) -> None:
@@ -232,18 +262,9 @@ def ensure_built(force: bool = False, log: Log = _log) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.build", description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
-    args = parser.parse_args(argv)
-    if not args.force and is_current():
-        _log(f"up to date: {BIN_DIR} (delete {STAMP} or pass --force to rebuild)")
-        return 0
-    try:
-        ensure_built(force=True)
-    except BuildError as exc:
-        _log(f"build failed:\n{exc}")
-        return 1
-    return 0
+    return build_cli(
+        argv, "python -m e2e.build", __doc__.splitlines()[0], BIN_DIR, STAMP, is_current, ensure_built, _log
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from e2e.build import go_env, go_version, required_version
+from e2e.build import BuildError as BuildError
+from e2e.build import go_env, go_version, required_version, stamp_matches
 
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE.parent / ".bin"
@@ -34,10 +35,6 @@ PACKAGE = f"{MODULE}/cmd/helm"
 RECIPE = "1"
 
 Log = Callable[[str], None]
-
-
-class BuildError(RuntimeError):
-    pass
 
 
 def _log(msg: str) -> None:
@@ -76,16 +73,7 @@ def wanted_stamp() -> dict[str, str | None]:
 def is_current() -> bool:
     if not STAMP.exists() or not HELM.exists():
         return False
-    try:
-        have = json.loads(STAMP.read_text())
-    except (ValueError, OSError):
-        return False
-    want = wanted_stamp()
-    if want["go"] is None:
-        # No Go here: a binary built for these pins by any Go will do.
-        have.pop("go", None)
-        want.pop("go")
-    return bool(have == want)
+    return stamp_matches(STAMP, wanted_stamp())
 
 
 def ensure_helm(force: bool = False, log: Log = _log) -> Path:

@@ -43,7 +43,6 @@ import asyncio
 import collections
 import contextlib
 import datetime as dt
-import hashlib
 import itertools
 import json
 import os
@@ -62,29 +61,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.bench.common import git_state, loadavg
 from tests.gateway.support import UpProcess, pids_alive, request
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def loadavg() -> tuple[float, float, float]:
-    return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
 
 
-def git_state() -> dict[str, str]:
-    """Which code was measured: HEAD and a digest of uncommitted changes to the gateway's code."""
-
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, check=False)
-        return done.stdout.decode(errors="replace").strip()
-
-    diff = git("diff", "HEAD", "--", "control", "extproc", "envoy", "proto")
-    untracked = git("ls-files", "--others", "--exclude-standard", "--", "control", "extproc", "envoy")
-    digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if diff or untracked else "clean"
-    return {"head": git("rev-parse", "--short", "HEAD"), "worktree_changes": digest}
 
 
 def log_time(line: str) -> float:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -48,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from control.bootstrap import envoy_binary
+from tests.bench.common import git_state, loadavg
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "bench-model"
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
@@ -472,21 +471,8 @@ class Stacks:
 # -- reporting ----------------------------------------------------------------------------------
 
 
-def git_state() -> dict[str, str]:
-    """Which code was measured: HEAD and a digest of uncommitted changes to the gateway's code."""
-
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, check=False)
-        return done.stdout.decode(errors="replace").strip()
-
-    diff = git("diff", "HEAD", "--", "control", "extproc", "envoy", "proto")
-    untracked = git("ls-files", "--others", "--exclude-standard", "--", "control", "extproc", "envoy")
-    digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if diff or untracked else "clean"
-    return {"head": git("rev-parse", "--short", "HEAD"), "worktree_changes": digest}
 
 
-def loadavg() -> tuple[float, float, float]:
-    return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
 
 
 def median_result(runs: list[WrkResult]) -> dict[str, Any]:

@@ -1,0 +1,27 @@
+"""What every benchmark records next to its numbers: the machine's load and the code measured."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def loadavg() -> tuple[float, float, float]:
+    return tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[return-value]
+
+
+def git_state() -> dict[str, str]:
+    """Which code was measured: HEAD and a digest of uncommitted changes to the gateway's code."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, check=False)
+        return done.stdout.decode(errors="replace").strip()
+
+    diff = git("diff", "HEAD", "--", "control", "extproc", "envoy", "proto")
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", "control", "extproc", "envoy")
+    digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if diff or untracked else "clean"
+    return {"head": git("rev-parse", "--short", "HEAD"), "worktree_changes": digest}
