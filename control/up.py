@@ -21,10 +21,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from wakegate.v1 import demand_pb2_grpc
 
-from control import bootstrap
+from control import admin, bootstrap
 from control.backends import BACKENDS
 from control.demand import DemandBook, DemandService
 from control.local.gpus import discover
@@ -108,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{args.file}: {len(models)} model(s) valid")
         return 0
     try:
-        host, port = _host_port(args.listen)
+        host, port = admin.host_port(args.listen)
     except ValueError:
         print(f"wakegate up: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
         return 2
@@ -120,12 +119,6 @@ def main(args: argparse.Namespace) -> int:
         uvloop.install()
     return asyncio.run(Up(args, models, host, port).run())
 
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(address)
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 @dataclass
@@ -346,19 +339,10 @@ class Up:
 
         async def metrics(_: web.Request) -> web.Response:
             self._refresh_gauges()
-            return web.Response(
-                body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-            )
+            return admin.metrics_response(self.metrics.registry)
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/status", status)
-        app.router.add_get("/healthz", healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        host, port = _host_port(self.args.admin_listen)
-        await web.TCPSite(runner, host, port).start()
-        return runner
+        host, port = admin.host_port(self.args.admin_listen)
+        return await admin.serve({"/metrics": metrics, "/status": status, "/healthz": healthz}, host, port)
 
     async def _start_extproc(self, ports: Ports) -> Child:
         argv = [

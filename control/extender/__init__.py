@@ -16,6 +16,7 @@ import threading
 
 from aiohttp import web
 
+from control.admin import host_port
 from control.extender.server import DEFAULT_MAX_BODY, make_app
 from control.placement.benchdata import DEFAULT_CONFIGMAP
 from control.placement.rules import Weights
@@ -25,10 +26,10 @@ log = logging.getLogger("wakegate.extender")
 
 
 def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    try:
+        return host_port(value, "0.0.0.0")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

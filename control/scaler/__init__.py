@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from wakegate.v1 import demand_pb2_grpc
 
+from control import admin
 from control.demand import DemandBook, DemandService
 from control.scaler.core import Core
 from control.scaler.metrics import ScalerMetrics
@@ -59,12 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -80,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
     try:
         for address in (args.demand_listen, args.keda_listen, args.admin_listen):
-            _host_port(address)
+            admin.host_port(address, "0.0.0.0")
     except ValueError as exc:
         print(f"wakegate scaler: {exc}", file=sys.stderr)
         return 2
@@ -104,18 +98,10 @@ class Scaler:
             return web.json_response({"status": "ok", "models": len(self.core.models), "members": self.book.members})
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(
-                body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-            )
+            return admin.metrics_response(self.metrics.registry)
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/healthz", healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        host, port = _host_port(self.args.admin_listen)
-        await web.TCPSite(runner, host, port).start()
-        return runner
+        host, port = admin.host_port(self.args.admin_listen, "0.0.0.0")
+        return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
     async def _start_demand(self) -> grpc.aio.Server:
         service = DemandService(self.book, self.hub.poke, token_file=self.args.demand_token_file)

@@ -39,6 +39,7 @@ def main(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     import kopf
 
+    from control.admin import host_port
     from control.k8s import names
     from control.k8s.client import api_client, connection_info
     from control.xds.cache import SnapshotCache
@@ -47,10 +48,10 @@ async def _run(args: argparse.Namespace) -> int:
     from control.xds.server import AdsServer, start_server
 
     log = logging.getLogger("wakegate.xds")
-    host, _, port = args.gateway_listen.rpartition(":")
+    host, port = host_port(args.gateway_listen, "0.0.0.0")
     gateway = GatewaySettings(
-        listen_host=host.strip("[]") or "0.0.0.0",
-        listen_port=int(port),
+        listen_host=host,
+        listen_port=port,
         max_request_bytes=args.max_request_bytes,
         upstream_header=args.upstream_header,
     )

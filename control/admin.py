@@ -1,0 +1,33 @@
+"""The HTTP admin surface of control processes: address parsing, a small aiohttp server, /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 in brackets; an empty host means `default_host`); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]") or default_host, int(port)
+
+
+def metrics_response(registry: CollectorRegistry) -> web.Response:
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def serve(routes: Mapping[str, Handler], host: str, port: int) -> web.AppRunner:
+    """Serve GET `routes` on host:port until the returned runner is cleaned up."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
