@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
-from tests.gateway.support import UpProcess, pids_alive, request
+from tests.gateway.support import UpProcess, model_doc, pids_alive, request
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -117,16 +117,7 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def model_yaml(name: str, args: list[str], scaling: str, endpoint: str = "") -> str:
-    return f"""---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata:
-  name: {name}
-spec:
-  backend: sim
-  args: {json.dumps(args)}
-  scaling: {scaling}
-{endpoint}"""
+    return model_doc(name, extra=f"  args: {json.dumps(args)}\n  scaling: {scaling}\n{endpoint}")
 
 
 def model_status(up: UpProcess, key: str) -> dict[str, Any]:
