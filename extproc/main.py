@@ -15,17 +15,20 @@ import signal
 import socket
 from pathlib import Path
 
-import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from extproc import activator, admin
 from extproc.auth import ApiKeys, AuthConfigError
 from extproc.demand import DemandReporter
 from extproc.feed import RouteFeed
-from extproc.service import Gateway, Processor, Settings
+from extproc.h2grpc import INVALID_ARGUMENT, NOT_FOUND, GrpcError, H2GrpcServer, unary
+from extproc.service import PROCESS_METHOD, Gateway, Processor, Settings
 
 log = logging.getLogger("wakegate.extproc")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,22 +87,27 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", args.max_body_bytes + 1024 * 1024),
-            ("grpc.so_reuseport", 0),
-            # gRPC core drops calls the application has not picked up yet once they pass a
-            # pending-request cap (randomly between the soft and the hard limit); a burst of
-            # thousands of new requests (a cold model's queue filling) must wait, not be cancelled.
-            ("grpc.server.max_pending_requests", 1_000_000),
-            ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
-        ]
+    serving = True
+
+    def check_health(data: bytes) -> bytes:
+        try:
+            request = health_pb2.HealthCheckRequest.FromString(data)
+        except DecodeError:
+            raise GrpcError(INVALID_ARGUMENT, "not a HealthCheckRequest") from None
+        if request.service not in ("", EXT_PROC_SERVICE):
+            raise GrpcError(NOT_FOUND, f"unknown service {request.service!r}")
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+
+    processor = Processor(gateway)
+    server = H2GrpcServer(
+        {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
+        max_message_bytes=args.max_body_bytes + 1024 * 1024,
     )
-    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(args.listen) == 0:
-        log.error("cannot listen on %s", args.listen)
+    try:
+        await server.listen(args.listen)
+    except (OSError, ValueError) as exc:
+        log.error("cannot listen on %s: %s", args.listen, exc)
         return 2
     feed = RouteFeed(args.xds, args.node_id, gateway.set_routes)
     reporter = DemandReporter(
@@ -117,7 +125,6 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     keepalive = activator.Activator(gateway, args.keepalive_seconds)
     host, port = _host_port(args.activator_listen)
     activator_runner = await activator.start(keepalive, host, port)
-    await server.start()
     tasks = [
         asyncio.create_task(feed.run()),
         asyncio.create_task(reporter.run()),
@@ -136,7 +143,6 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "extproc ready listen=%s admin=%s xds=%s auth=%s",
         args.listen,
@@ -146,7 +152,7 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     )
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", args.drain_seconds)
-    await health_servicer.enter_graceful_shutdown()
+    serving = False
     await server.stop(args.drain_seconds)
     await activator_runner.cleanup()
     await keepalive.close()

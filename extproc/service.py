@@ -10,23 +10,24 @@ then its cold mode (hold here, keepalive via the activator, or reject).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf.message import DecodeError
 from prometheus_client import generate_latest
 from wakegate.v1 import routing_pb2
 
 from extproc.auth import ApiKeys
 from extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
+from extproc.h2grpc import INTERNAL, INVALID_ARGUMENT, Call
 from extproc.metrics import Metrics
 from extproc.naming import (
     BadRequest,
@@ -180,40 +181,32 @@ class _Cold:
     in_body: bool
 
 
-class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class Processor:
+    """Decides each ext_proc message; `call()` serves one ext_proc stream (one HTTP request)."""
+
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ep.ProcessingResponse]:
-        exchange = _Exchange()
-        try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("request")
-                if kind == "request_headers":
-                    exchange.started = time.monotonic()
-                    decided = self._on_headers(exchange, message.request_headers)
-                elif kind == "request_body":
-                    decided = self._on_body(exchange, message.request_body)
-                elif kind == "response_headers":
-                    decided = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-                elif kind == "response_body":
-                    decided = ep.ProcessingResponse(response_body=ep.BodyResponse())
-                elif kind == "request_trailers":
-                    decided = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                else:
-                    decided = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-                if isinstance(decided, _Cold):
-                    timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
-                    # Tell Envoy we may take up to the activation timeout for this message.
-                    yield ep.ProcessingResponse(
-                        override_message_timeout=duration_pb2.Duration(seconds=int(timeout_s) + 1)
-                    )
-                    decided = await self._hold(exchange, decided, exchange.started + timeout_s)
-                yield decided
-        finally:
-            self._finish(exchange)
+    def call(self, call: Call) -> ProcessCall:
+        return ProcessCall(self, call)
+
+    def decide(self, exchange: _Exchange, message: ep.ProcessingRequest) -> ep.ProcessingResponse | _Cold:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            exchange.started = time.monotonic()
+            return self._on_headers(exchange, message.request_headers)
+        if kind == "request_body":
+            return self._on_body(exchange, message.request_body)
+        if kind == "response_headers":
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        if kind == "response_body":
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        if kind == "request_trailers":
+            return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     # -- phases ---------------------------------------------------------------------------------
 
@@ -317,7 +310,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
         return _Cold(resolved, parsed, raw_body, in_body)
 
-    async def _hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+    async def hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
         route = cold.resolved.route
         self.gw.metrics.queue_depth.labels(route.key).inc()
         try:
@@ -345,7 +338,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if resolved is None:
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
-            return await self._hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
+            return await self.hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
         waited = self.gw.cold.flushed(resolved.route.key)
         if waited is not None:
             self.gw.metrics.cold_start.labels(resolved.route.key, "first_byte").observe(waited)
@@ -422,7 +415,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
 
-    def _finish(self, ex: _Exchange) -> None:
+    def release(self, ex: _Exchange) -> None:
+        """The request is over: release its in-flight count (once)."""
         if ex.model_key is None:
             return
         self.gw.finished(ex.model_key, ex.endpoint)
@@ -445,3 +439,84 @@ class Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> ep.ProcessingResponse:
         self.gw.metrics.requests.labels(model_key or "", status, reason).inc()
         return response
+
+
+class ProcessCall:
+    """One ext_proc stream. Answers on the event loop thread; only a held request gets a task.
+
+    Envoy sends one message per phase and waits for its answer, so at most one message is
+    decided at a time; one arriving while a cold request is held waits behind it. The stream
+    ends with Envoy's half-close (answered with status OK) or a reset; if a request is still
+    held then, its client went away and it leaves the queue. Either way the request's
+    in-flight count is released once.
+    """
+
+    __slots__ = ("_backlog", "_call", "_exchange", "_held", "_proc")
+
+    def __init__(self, proc: Processor, call: Call) -> None:
+        self._proc = proc
+        self._call = call
+        self._exchange = _Exchange()
+        self._held: asyncio.Task[None] | None = None
+        self._backlog: list[bytes] = []
+
+    def on_message(self, data: bytes) -> None:
+        if self._held is not None:
+            self._backlog.append(data)
+            return
+        self._handle(data)
+
+    def on_half_close(self) -> None:
+        # Envoy half-closes when it is done with the request; if a message is still held,
+        # nobody waits for its answer any more (the client went away): leave the queue.
+        held, self._held = self._held, None
+        if held is not None:
+            held.cancel()
+        self._close()
+        self._call.finish()
+
+    def on_cancel(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.cancel()
+        self._close()
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            message = ep.ProcessingRequest.FromString(data)
+        except DecodeError:
+            self._close()
+            self._call.finish(INVALID_ARGUMENT, "not an ext_proc ProcessingRequest")
+            return
+        decided = self._proc.decide(self._exchange, message)
+        if isinstance(decided, _Cold):
+            timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
+            # Tell Envoy this message may take up to the activation timeout.
+            self._call.send(
+                ep.ProcessingResponse(
+                    override_message_timeout=duration_pb2.Duration(seconds=int(timeout_s) + 1)
+                ).SerializeToString()
+            )
+            self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))
+            return
+        self._call.send(decided.SerializeToString())
+
+    async def _hold(self, cold: _Cold, deadline: float) -> None:
+        try:
+            decided = await self._proc.hold(self._exchange, cold, deadline)
+        except asyncio.CancelledError:
+            return  # on_cancel already released the request
+        except Exception:
+            log.exception("holding a cold request failed")
+            self._held = None
+            self._close()
+            self._call.finish(INTERNAL, "internal error")
+            return
+        self._held = None
+        self._call.send(decided.SerializeToString())
+        while self._backlog and self._held is None and not self._call.finished:
+            self._handle(self._backlog.pop(0))
+
+    def _close(self) -> None:
+        self._backlog.clear()
+        self._proc.release(self._exchange)
