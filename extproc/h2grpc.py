@@ -374,7 +374,7 @@ class Call:
 
     # -- from the connection -----------------------------------------------------------------
 
-    def _data(self, payload: bytes, end_stream: bool) -> None:
+    def _data(self, payload: bytes, end_stream: bool, flow: int = 0) -> None:
         conn = self._conn
         if self.finished:
             if end_stream:
@@ -384,7 +384,7 @@ class Call:
             return
         buf = self._recv
         buf += payload
-        self._recv_used += len(payload)
+        self._recv_used += flow
         if self._recv_used >= _WINDOW_REFILL:  # a very long call: keep its window open
             conn.write(_frame(WINDOW_UPDATE, 0, self.stream_id, _FRAME_HEADER.pack(self._recv_used)))
             self._recv_used = 0
@@ -518,6 +518,11 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as exc:
             self._out = None
             self._abort(exc.code, str(exc), out)
+            return
+        except Exception:  # a bug here must not leave the connection half-parsed
+            log.exception("HTTP/2 connection failed")
+            self._out = None
+            self._abort(INTERNAL_ERROR, "internal error", out)
             return
         self._out = None
         if out and self.transport is not None:
@@ -668,7 +673,8 @@ class _Connection(asyncio.Protocol):
     def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
             raise ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
-        self._recv_used += len(payload)
+        flow = len(payload)  # padding counts against flow control too
+        self._recv_used += flow
         if self._recv_used >= _WINDOW_REFILL:
             self.write(_frame(WINDOW_UPDATE, 0, 0, _FRAME_HEADER.pack(self._recv_used)))
             self._recv_used = 0
@@ -684,7 +690,7 @@ class _Connection(asyncio.Protocol):
             self.calls.pop(stream_id, None)
             call._reset()
             return
-        call._data(payload, bool(flags & END_STREAM))
+        call._data(payload, bool(flags & END_STREAM), flow)
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:

@@ -259,7 +259,10 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
 
 
-def _read_frames(sock: socket.socket, until_kind: int, timeout: float = 3.0) -> list[tuple[int, int, int, bytes]]:
+def _read_frames(
+    sock: socket.socket, until_kind: int, timeout: float = 3.0, until_flags: int = 0
+) -> list[tuple[int, int, int, bytes]]:
+    """Frames until one of `until_kind` (with all of `until_flags`), EOF or the timeout."""
     sock.settimeout(timeout)
     data = b""
     frames: list[tuple[int, int, int, bytes]] = []
@@ -278,7 +281,7 @@ def _read_frames(sock: socket.socket, until_kind: int, timeout: float = 3.0) -> 
             frame = (data[3], data[4], int.from_bytes(data[5:9], "big"), data[9 : 9 + length])
             frames.append(frame)
             data = data[9 + length :]
-            if frame[0] == until_kind:
+            if frame[0] == until_kind and frame[1] & until_flags == until_flags:
                 return frames
 
 
@@ -327,3 +330,37 @@ async def test_ping_is_answered(served) -> None:
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
     assert frames[-1] == (h2grpc.PING, h2grpc.ACK, 0, b"12345678")
+
+
+async def test_continuation_and_padding_are_understood(served) -> None:
+    """What grpcio never sends: a header block split over CONTINUATION, padded DATA."""
+    import hpack
+
+    _, _, address, _ = served
+    block = hpack.Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", UPPER), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+    message = b"padded"
+    grpc_message = b"\x00" + struct.pack(">I", len(message)) + message
+    padding = 7
+    data = bytes((padding,)) + grpc_message + b"\x00" * padding
+    frames = (
+        h2grpc.PREFACE
+        + _frame(h2grpc.SETTINGS, 0, 0)
+        + _frame(h2grpc.HEADERS, 0, 1, block[:5])
+        + _frame(h2grpc.CONTINUATION, h2grpc.END_HEADERS, 1, block[5:])
+        + _frame(h2grpc.DATA, h2grpc.PADDED | h2grpc.END_STREAM, 1, data)
+    )
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(frames)
+            return _read_frames(sock, h2grpc.HEADERS, until_flags=h2grpc.END_STREAM)
+
+    got = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    on_stream = [f for f in got if f[2] == 1]
+    body = b"".join(f[3] for f in on_stream if f[0] == h2grpc.DATA)
+    assert body == b"\x00" + struct.pack(">I", len(message)) + message.upper()
+    trailers = hpack.Decoder().decode(on_stream[-1][3])  # our blocks never use the dynamic table
+    assert on_stream[-1][1] & h2grpc.END_STREAM and ("grpc-status", "0") in trailers
