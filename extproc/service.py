@@ -62,6 +62,9 @@ _BUFFER_BODY = ep.ProcessingResponse(
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
 )
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
+#: A request routed from its headers does not need its body buffered. The gateway's routes
+#: already say so for X-Model-ID and /model/<name>/ requests; this covers any other Envoy setup.
+_NO_BODY = processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE)
 
 
 @dataclass
@@ -403,7 +406,9 @@ class Processor:
         self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata)
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata, mode_override=_NO_BODY
+        )
 
     def _to_activator(
         self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any], raw_body: bytes | None, *, in_body: bool
@@ -413,7 +418,7 @@ class Processor:
         self.gw.metrics.requests.labels(resolved.route.key, "200", "keepalive").inc()
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), mode_override=_NO_BODY)
 
     def release(self, ex: _Exchange) -> None:
         """The request is over: release its in-flight count (once)."""

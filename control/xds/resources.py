@@ -196,6 +196,17 @@ def _json_error(status: int, code: str, message: str, error_type: str) -> dict[s
     }
 
 
+def _processing_mode(request_body: str) -> dict[str, str]:
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": request_body,
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+
+
 def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     http_filters: list[dict[str, Any]] = [
         {
@@ -204,14 +215,12 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
                 "failure_mode_allow": False,
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "response_header_mode": "SKIP",
-                    "request_body_mode": "NONE",
-                    "response_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SKIP",
-                },
+                # Bodies are buffered unless the route says the model is named in the request's
+                # headers (route_configuration): a body that arrives while extproc decides on the
+                # headers is then held under the size limit (413 past it). Buffering only once
+                # extproc asked for it left an oversized body that had already arrived paused by
+                # flow control, with no answer (docs/decisions.md).
+                "processing_mode": _processing_mode("BUFFERED"),
                 "allow_mode_override": True,
                 "message_timeout": f"{settings.extproc_message_timeout_ms / 1000:.3f}s",
                 "max_message_timeout": f"{settings.max_hold_seconds}s",
@@ -279,6 +288,24 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
 
 
 UPSTREAM_HEADER = "x-wakegate-upstream"
+#: How a request can name its model without a body (extproc/naming.py reads the same two).
+MODEL_HEADER = "x-model-id"
+MODEL_PATH_PREFIX = "/model/"
+_MODEL_HEADER_SET = {"name": MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
+_NO_ROUTE: dict[str, Any] = {
+    "direct_response": {
+        "status": 404,
+        "body": {"inline_string": '{"error":{"message":"no route","type":"invalid_request_error","code":"no_route"}}'},
+    }
+}
+_STREAM_BODY: dict[str, Any] = {
+    "typed_per_filter_config": {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"processing_mode": _processing_mode("NONE")},
+        }
+    }
+}
 
 
 def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfiguration:
@@ -307,16 +334,12 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                             },
                             "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
                         },
-                        {
-                            "match": {"prefix": "/"},
-                            "direct_response": {
-                                "status": 404,
-                                "body": {
-                                    "inline_string": '{"error":{"message":"no route","type":'
-                                    '"invalid_request_error","code":"no_route"}}'
-                                },
-                            },
-                        },
+                        # Before extproc has named a cluster: these pick how its filter treats the
+                        # body. A model named by the X-Model-ID header or a /model/<name>/ path
+                        # needs no body, so it streams through; everything else is buffered.
+                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": MODEL_PATH_PREFIX}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": "/"}},
                     ],
                 }
             ],
