@@ -342,7 +342,7 @@ class Call:
         if not self._sent_headers:
             # Trailers-only response: one HEADERS frame with the status.
             self._sent_headers = True
-            self._queued_trailers = b"\x88" + _literal(b"content-type", b"application/grpc") + block
+            self._queued_trailers = _RESPONSE_HEADERS + block
         else:
             self._queued_trailers = block
         self._flush()
@@ -536,7 +536,7 @@ class _Connection(asyncio.Protocol):
         self.blocked.clear()
         for call in calls:
             call._reset()
-        self.server._connection_gone()
+        self.server._calls_ended()
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -551,9 +551,14 @@ class _Connection(asyncio.Protocol):
         self.blocked.discard(call)
         self.calls.pop(call.stream_id, None)
         if not self.calls:
-            self.server._connection_idle()
+            self.server._calls_ended()
             if self.goaway == "final":
                 self.close()
+
+    def _drop(self, call: Call) -> None:
+        """The call's stream was reset (by either side): forget it and stop it."""
+        self.forget(call)
+        call._reset()
 
     def close(self) -> None:
         if self.transport is not None and not self._closing:
@@ -641,14 +646,9 @@ class _Connection(asyncio.Protocol):
         elif kind == RST_STREAM:
             if stream_id == 0 or len(payload) != 4:
                 raise ProtocolError(PROTOCOL_ERROR, "malformed RST_STREAM")
-            call = self.calls.pop(stream_id, None)
+            call = self.calls.get(stream_id)
             if call is not None:
-                self.blocked.discard(call)
-                call._reset()
-                if not self.calls:
-                    self.server._connection_idle()
-                    if self.goaway == "final":
-                        self.close()
+                self._drop(call)
         elif kind == SETTINGS:
             self._on_settings(flags, stream_id, payload)
         elif kind == PING:
@@ -687,8 +687,7 @@ class _Connection(asyncio.Protocol):
             return  # a stream we already closed or reset: late frames are dropped
         if call.half_closed:
             self.write(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", STREAM_CLOSED)))
-            self.calls.pop(stream_id, None)
-            call._reset()
+            self._drop(call)
             return
         call._data(payload, bool(flags & END_STREAM), flow)
 
@@ -794,8 +793,7 @@ class _Connection(asyncio.Protocol):
             return
         if increment == 0 or call.send_window + increment > MAX_WINDOW:
             self.write(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", FLOW_CONTROL_ERROR)))
-            self.calls.pop(stream_id, None)
-            call._reset()
+            self._drop(call)
             return
         call.send_window += increment
         if call in self.blocked:
@@ -815,6 +813,12 @@ def _unpad(payload: bytes) -> bytes:
     if pad >= len(payload):
         raise ProtocolError(PROTOCOL_ERROR, "padding longer than the frame")
     return payload[1 : len(payload) - pad]
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT (HOST may be [v6] or empty for 127.0.0.1), as extproc's listeners take it."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 class H2GrpcServer:
@@ -838,11 +842,11 @@ class H2GrpcServer:
             server = await loop.create_unix_server(lambda: _Connection(self), path)
             self._servers.append(server)
             return address
-        host, _, port = address.rpartition(":")
-        server = await loop.create_server(lambda: _Connection(self), host.strip("[]") or "127.0.0.1", int(port))
+        host, port = host_port(address)
+        server = await loop.create_server(lambda: _Connection(self), host, port)
         self._servers.append(server)
-        sock = server.sockets[0].getsockname()
-        return f"{host or '127.0.0.1'}:{sock[1]}"
+        bound = server.sockets[0].getsockname()[1]
+        return f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
 
     @property
     def active_calls(self) -> int:
@@ -870,11 +874,8 @@ class H2GrpcServer:
         for server in self._servers:
             await server.wait_closed()
 
-    def _connection_idle(self) -> None:
-        if self.draining:
-            self._idle.set()
-
-    def _connection_gone(self) -> None:
+    def _calls_ended(self) -> None:
+        """A connection has no calls left (or is gone): wake a stop() that waits for that."""
         if self.draining:
             self._idle.set()
 

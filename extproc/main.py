@@ -22,12 +22,11 @@ from extproc import activator, admin
 from extproc.auth import ApiKeys, AuthConfigError
 from extproc.demand import DemandReporter
 from extproc.feed import RouteFeed
-from extproc.h2grpc import INVALID_ARGUMENT, NOT_FOUND, GrpcError, H2GrpcServer, unary
-from extproc.service import PROCESS_METHOD, Gateway, Processor, Settings
+from extproc.h2grpc import INVALID_ARGUMENT, NOT_FOUND, GrpcError, H2GrpcServer, host_port, unary
+from extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor, Settings
 
 log = logging.getLogger("wakegate.extproc")
 
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 
@@ -81,11 +80,6 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args, Gateway(settings, keys)))
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     serving = True
 
@@ -120,10 +114,10 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     )
     gateway.on_demand_change = reporter.changed
     gateway.on_load_change = reporter.changed_lazily
-    host, port = _host_port(args.admin_listen)
+    host, port = host_port(args.admin_listen)
     runner = await admin.start(gateway, feed.synced.is_set, host, port)
     keepalive = activator.Activator(gateway, args.keepalive_seconds)
-    host, port = _host_port(args.activator_listen)
+    host, port = host_port(args.activator_listen)
     activator_runner = await activator.start(keepalive, host, port)
     tasks = [
         asyncio.create_task(feed.run()),

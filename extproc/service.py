@@ -184,7 +184,8 @@ class _Cold:
     in_body: bool
 
 
-PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 
 
 class Processor:
@@ -473,11 +474,8 @@ class ProcessCall:
 
     def on_half_close(self) -> None:
         # Envoy half-closes when it is done with the request; if a message is still held,
-        # nobody waits for its answer any more (the client went away): leave the queue.
-        held, self._held = self._held, None
-        if held is not None:
-            held.cancel()
-        self._close()
+        # nobody waits for its answer any more (the client went away): as for a reset.
+        self.on_cancel()
         self._call.finish()
 
     def on_cancel(self) -> None:
