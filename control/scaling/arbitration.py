@@ -70,6 +70,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
+from control.scaling import require_non_negative
+
 __all__ = [
     "Decision",
     "DemandTimeline",
@@ -94,11 +96,9 @@ class Member:
     demand_window_seconds: float = 5
 
     def __post_init__(self) -> None:
-        for name in ("min_run_seconds", "swap_cooldown_seconds", "demand_window_seconds"):
-            value = getattr(self, name)
-            # `not >=` also rejects NaN, which would make every comparison false.
-            if not value >= 0:
-                raise ValueError(f"member {self.key!r}: {name} must be >= 0, got {value!r}")
+        require_non_negative(
+            self, ("min_run_seconds", "swap_cooldown_seconds", "demand_window_seconds"), f"member {self.key!r}: "
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from control.scaling import require_non_negative
+
 __all__ = ["Load", "Policy", "ScaleState", "decide"]
 
 
@@ -76,11 +78,7 @@ class Policy:
             raise ValueError(f"need 0 <= min <= max and max >= 1, got min={self.min} max={self.max}")
         if self.target_in_flight < 1:
             raise ValueError(f"target_in_flight must be >= 1, got {self.target_in_flight}")
-        for name in ("idle_timeout", "scale_out_window", "scale_in_window"):
-            value = getattr(self, name)
-            # `not >=` also rejects NaN, which would make every comparison false.
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        require_non_negative(self, ("idle_timeout", "scale_out_window", "scale_in_window"))
 
 
 @dataclass(frozen=True, slots=True)
