@@ -60,7 +60,8 @@ def _log(msg: str) -> None:
 
 def required_version(go_mod: Path, module: str) -> str:
     """The version of `module` that the go.mod file `go_mod` requires."""
-    match = re.search(rf"^\s*{re.escape(module)} (v\S+)", go_mod.read_text(), re.MULTILINE)
+    # In a require block, or on a line of its own (`go mod tidy` writes that for a single requirement).
+    match = re.search(rf"^\s*(?:require\s+)?{re.escape(module)} (v\S+)", go_mod.read_text(), re.MULTILINE)
     if not match:
         raise RuntimeError(f"{module} is not required in {go_mod}")
     return match.group(1)
@@ -104,12 +105,17 @@ def _ldflags() -> str:
     return " ".join(flags)
 
 
-def wanted_stamp() -> dict[str, str | None]:
+def go_mod_digest(mod_dir: Path) -> str:
+    """A hash of the pins in `mod_dir` (go.mod and go.sum), for a build stamp."""
     digest = hashlib.sha256()
     for name in ("go.mod", "go.sum"):
-        digest.update((GO_DIR / name).read_bytes())
+        digest.update((mod_dir / name).read_bytes())
+    return digest.hexdigest()
+
+
+def wanted_stamp() -> dict[str, str | None]:
     return {
-        "go_mod_sum": digest.hexdigest(),
+        "go_mod_sum": go_mod_digest(GO_DIR),
         "go": go_version(),
         "keda": KEDA_VERSION,
         "recipe": RECIPE,
@@ -117,7 +123,7 @@ def wanted_stamp() -> dict[str, str | None]:
 
 
 def stamp_matches(stamp: Path, want: dict[str, str | None]) -> bool:
-    """`stamp` records a build of exactly `want` (the e2e builds of Kubernetes and Helm share this)."""
+    """`stamp` records a build of exactly `want` (the Kubernetes build and e2e.tools share this)."""
     try:
         have = json.loads(stamp.read_text())
     except (ValueError, OSError):
@@ -163,17 +169,17 @@ def is_current() -> bool:
     return stamp_matches(STAMP, wanted_stamp())
 
 
-def _run_go_build(packages: list[str], out: Path, log: Log) -> None:
-    """`go build -v` with a progress line every 15 s (the first build takes minutes)."""
+def go_build(packages: list[str], out: Path, mod_dir: Path, ldflags: str, log: Log) -> None:
+    """`go build -v` in the module `mod_dir`, with a progress line every 15 s (a first build takes minutes)."""
     listing = subprocess.run(
         ["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", *packages],
-        cwd=GO_DIR, capture_output=True, text=True, env=go_env(),
+        cwd=mod_dir, capture_output=True, text=True, env=go_env(),
     )
     if listing.returncode != 0:
         raise BuildError(listing.stderr)
     total = len([line for line in listing.stdout.splitlines() if line])
-    cmd = ["nice", "-n", "10", "go", "build", "-v", "-ldflags", _ldflags(), "-o", str(out), *packages]
-    proc = subprocess.Popen(cmd, cwd=GO_DIR, stderr=subprocess.PIPE, text=True, env=go_env())
+    cmd = ["nice", "-n", "10", "go", "build", "-v", "-ldflags", ldflags, "-o", str(out), *packages]
+    proc = subprocess.Popen(cmd, cwd=mod_dir, stderr=subprocess.PIPE, text=True, env=go_env())
     assert proc.stderr is not None
     compiled = 0
     errors: list[str] = []
@@ -206,6 +212,7 @@ def _run_go_build(packages: list[str], out: Path, log: Log) -> None:
         code = proc.wait()
     finally:
         done.set()
+        proc.stderr.close()
     if code != 0:
         raise BuildError("\n".join(errors) or f"go build exited {code}")
 
@@ -246,10 +253,10 @@ def ensure_built(force: bool = False, log: Log = _log) -> Path:
     try:
         # etcd's package path ends in /v3, which `go build -o DIR` would name "v3".
         log("go build etcd")
-        _run_go_build([BINARIES["etcd"]], staging / "etcd", log)
+        go_build([BINARIES["etcd"]], staging / "etcd", GO_DIR, _ldflags(), log)
         kube = [name for name in BINARIES if name != "etcd"]
         log(f"go build {' '.join(kube)}")
-        _run_go_build([BINARIES[name] for name in kube], staging, log)
+        go_build([BINARIES[name] for name in kube], staging, GO_DIR, _ldflags(), log)
         BIN_DIR.mkdir(parents=True, exist_ok=True)
         for name in BINARIES:
             os.replace(staging / name, BIN_DIR / name)

@@ -1,12 +1,10 @@
-"""`python -m e2e.helm [--force]`: build (or reuse) e2e/.bin/helm."""
+"""`python -m e2e.helm [--force]`: build (or reuse) e2e/.bin/helm; the same as `python -m e2e.tools helm`."""
 
 from __future__ import annotations
 
 import sys
 
-from e2e.build import build_cli
-from e2e.helm import HELM, STAMP, _log, ensure_helm, is_current
+from e2e.tools.__main__ import main
 
 if __name__ == "__main__":
-    sys.exit(build_cli(sys.argv[1:], "python -m e2e.helm", __doc__.splitlines()[0], HELM, STAMP, is_current,
-                       ensure_helm, _log))
+    sys.exit(main(["helm", *sys.argv[1:]]))
