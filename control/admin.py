@@ -1,7 +1,8 @@
-"""The HTTP admin surface of control processes: address parsing, a small aiohttp server, /metrics."""
+"""Addresses and the HTTP admin surface of control processes: HOST:PORT parsing, free ports, /metrics."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -16,6 +17,14 @@ def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {address!r}")
     return host.strip("[]") or default_host, int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on right now (`wakegate up`'s children, tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

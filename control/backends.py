@@ -44,7 +44,7 @@ BACKENDS: dict[str, Backend] = {
             command=(
                 sys.executable,
                 "-m",
-                "control",
+                "wakegate",
                 "sim",
                 "--host",
                 "{host}",

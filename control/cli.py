@@ -15,16 +15,15 @@ from collections.abc import Sequence
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("control.up", "run gateway, feeder and model backends on this machine"),
-    "sim": ("control.sim", "an OpenAI-compatible backend simulator that behaves like vLLM"),
-    "extproc": ("extproc.main", "the Envoy ext_proc server (request path)"),
-    "xds": ("control.xds.main", "the xDS feeder (ADS server for Envoy and extproc)"),
-    "operator": ("control.operator", "the Kubernetes operator for Model and InferenceRuntime"),
-    "scaler": ("control.scaler", "KEDA external-push scaler and demand aggregation"),
-    "agent": ("control.agent", "GPU node agent: labels nodes with accelerator facts"),
-    "scheduler-extender": ("control.extender", "kube-scheduler HTTP extender for GPU placement"),
-    "bench": ("control.bench", "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
-    "flash-load": ("control.flashload", "pre-stage model weights for a fast cold start"),
+    "up": ("wakegate.control.up.main", "run gateway, feeder and model backends on this machine"),
+    "sim": ("wakegate.control.sim.main", "an OpenAI-compatible backend simulator that behaves like vLLM"),
+    "extproc": ("wakegate.extproc.main", "the Envoy ext_proc server (request path)"),
+    "xds": ("wakegate.control.xds.main", "the xDS feeder (ADS server for Envoy and extproc)"),
+    "operator": ("wakegate.control.operator.main", "the Kubernetes operator for Model and InferenceRuntime"),
+    "scaler": ("wakegate.control.scaler.main", "KEDA external-push scaler and demand aggregation"),
+    "agent": ("wakegate.control.agent.main", "GPU node agent: labels nodes with accelerator facts"),
+    "scheduler-extender": ("wakegate.control.extender.main", "kube-scheduler HTTP extender for GPU placement"),
+    "bench": ("wakegate.control.bench.main", "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
 }
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.backends import BACKENDS, Backend
-from control.schema import API_VERSION
+from wakegate.control.backends import BACKENDS, Backend
+from wakegate.control.schema import API_VERSION
 
 #: Label marking the runtimes wakegate ships (users' own runtimes lack it).
 LABEL_SHIPPED = "wakegate.io/shipped"

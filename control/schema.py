@@ -152,7 +152,7 @@ SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]
 
 
 def _backend_enum(schema: dict[str, Any]) -> None:
-    from control.backends import BACKENDS
+    from wakegate.control.backends import BACKENDS
 
     schema["enum"] = sorted(BACKENDS)
 
@@ -191,7 +191,7 @@ class ModelSpec(_Spec):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        from control.backends import BACKENDS
+        from wakegate.control.backends import BACKENDS
 
         if value not in BACKENDS:
             raise ValueError(f"unknown backend {value!r}; known: {', '.join(sorted(BACKENDS))}")

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from e2e import build, net
 from e2e.pki import PKI, Pair
-from e2e.procs import Proc, free_port, group_alive, stop_all, stop_group
+from e2e.procs import Proc, group_alive, stop_all, stop_group
+from wakegate.control.admin import free_port
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient

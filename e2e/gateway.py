@@ -3,7 +3,7 @@
 The operator and the feeder run as host processes with the cluster's admin
 kubeconfig; the gateway (Envoy + extproc) gets no Kubernetes credentials at all
 and learns everything over ADS from the feeder, reaching pods at their pod IPs.
-Envoy's bootstrap is the project's template, rendered by control.bootstrap as
+Envoy's bootstrap is the project's template, rendered by wakegate.control.bootstrap as
 `wakegate up` renders it.
 """
 
@@ -26,8 +26,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from control import bootstrap
-from e2e.procs import Proc, free_port
+from e2e.procs import Proc
+from wakegate.control import bootstrap
+from wakegate.control.admin import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CRD_DIR = REPO / "charts" / "wakegate" / "crds"
@@ -161,7 +162,7 @@ class Operator:
             [
                 sys.executable,
                 "-m",
-                "control",
+                "wakegate",
                 "operator",
                 "--kubeconfig",
                 str(kubeconfig),
@@ -202,7 +203,7 @@ class Gateway:
             [
                 sys.executable,
                 "-m",
-                "control",
+                "wakegate",
                 "xds",
                 "--kubeconfig",
                 str(kubeconfig),
@@ -218,7 +219,7 @@ class Gateway:
         extproc_argv = [
             sys.executable,
             "-m",
-            "extproc",
+            "wakegate.extproc",
             "--listen",
             f"127.0.0.1:{self.extproc_port}",
             "--admin-listen",

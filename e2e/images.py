@@ -43,7 +43,7 @@ def _python() -> list[str]:
 def sim(ctx: ContainerContext) -> list[str]:
     """wakegate's simulator image: the entrypoint is `wakegate sim`, the args come from the pod."""
     port = ctx.first_port or 8000
-    return [*_python(), "-m", "control", "sim", "--host", ctx.pod_ip, "--port", str(port), *ctx.args]
+    return [*_python(), "-m", "wakegate", "sim", "--host", ctx.pod_ip, "--port", str(port), *ctx.args]
 
 
 def wakegate(ctx: ContainerContext) -> list[str]:
@@ -51,7 +51,7 @@ def wakegate(ctx: ContainerContext) -> list[str]:
     argv = [*ctx.command, *ctx.args]
     if argv and (argv[0] == "wakegate" or argv[0].endswith("/wakegate")):
         argv = argv[1:]
-    return [*_python(), "-m", "control", *argv]
+    return [*_python(), "-m", "wakegate", *argv]
 
 
 def exec_image(ctx: ContainerContext) -> list[str]:
@@ -74,7 +74,7 @@ def envoy(ctx: ContainerContext) -> list[str]:
     stands in for the container's own IPC namespace: the pods of this machine share /dev/shm, so two
     Envoys (a pod's and a host-side test gateway's) would otherwise both claim hot-restart base id 0.
     """
-    from control.bootstrap import envoy_binary
+    from wakegate.control.bootstrap import envoy_binary
 
     argv = [*ctx.command, *ctx.args]
     if argv and not argv[0].startswith("-"):

@@ -7,7 +7,6 @@ the node agent runs as a real process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -33,7 +32,8 @@ from e2e.gateway import (
     scoped_kubeconfig,
 )
 from e2e.helpers import Kube, wait_for
-from e2e.procs import Proc, free_port
+from e2e.procs import Proc
+from wakegate.control.admin import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -106,15 +106,13 @@ def operator(kube: Kube, tmp: Path, name: str = "operator", *extra: str) -> Oper
 
 
 def test_model_applied_with_kubectl_becomes_ready_routes_and_wakes_from_zero(wg: Kube, tmp_path: Path) -> None:
-    if importlib.util.find_spec("control.scaler") is None:
-        pytest.skip("wakegate scaler (control.scaler, issue 6) is not in this build: no builtin engine to wake")
     demand, keda, admin = free_port(), free_port(), free_port()
     scaler = Proc(
         "scaler",
         [
             "python",
             "-m",
-            "control",
+            "wakegate",
             "scaler",
             "--kubeconfig",
             str(wg.cluster.kubeconfig),

@@ -25,11 +25,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from control.k8s import names
-from control.placement.benchdata import DEFAULT_CONFIGMAP, result_key
 from e2e.cluster import REPO_ROOT, Cluster
 from e2e.helpers import Kube, wait_for
-from e2e.procs import Proc, free_port
+from e2e.procs import Proc
+from wakegate.control.admin import free_port
+from wakegate.control.k8s import names
+from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP, result_key
 
 pytestmark = pytest.mark.e2e
 
@@ -77,14 +78,14 @@ def _bench(kubeconfig: Path, model: str, tps: int, device_class: str) -> None:
     """A sim decoding at `tps` tokens/s per stream, measured by the real `wakegate bench`."""
     port = free_port()
     sim = subprocess.Popen(
-        [sys.executable, "-m", "control", "sim", "--port", str(port), "--served-model-name", model,
+        [sys.executable, "-m", "wakegate", "sim", "--port", str(port), "--served-model-name", model,
          "--tokens-per-second", str(tps), "--drain-seconds", "0"],
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         wait_for(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), 20, f"sim for {device_class}")
         proc = subprocess.run(
-            [sys.executable, "-m", "control", "bench", "--url", f"http://127.0.0.1:{port}/v1", "--model", model,
+            [sys.executable, "-m", "wakegate", "bench", "--url", f"http://127.0.0.1:{port}/v1", "--model", model,
              "--requests", "4", "--concurrency", "2", "--max-tokens", "16", "--backend", "vllm",
              "--device-class", device_class, "--namespace", BENCH_NS, "--kubeconfig", str(kubeconfig)],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
@@ -114,14 +115,14 @@ def placement(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Placement]:
         with cluster.api_client() as api:
             client.CoreV1Api(api).create_namespace({"metadata": {"name": BENCH_NS}})
         extender = Proc("extender", [
-            sys.executable, "-m", "control", "scheduler-extender", "--listen", f"127.0.0.1:{port}",
+            sys.executable, "-m", "wakegate", "scheduler-extender", "--listen", f"127.0.0.1:{port}",
             "--kubeconfig", str(cluster.kubeconfig), "--bench-namespace", BENCH_NS,
         ], work / "extender.log")
         extender.start()
         procs.append(extender)
         for node in NODES:
             agent = Proc(f"agent-{node['name']}", [
-                sys.executable, "-m", "control", "agent", "--node-name", node["name"], "--kubeconfig",
+                sys.executable, "-m", "wakegate", "agent", "--node-name", node["name"], "--kubeconfig",
                 str(cluster.kubeconfig), "--fake-gpus", str(gpus), "--interval", "1",
             ], work / f"agent-{node['name']}.log")
             agent.start()
@@ -255,8 +256,8 @@ def test_schedulable_condition_carries_the_extenders_reasons(placement: Placemen
     Running the whole operator here would need its own harness; its pure status function
     is what turns the pod's PodScheduled=False condition into the Model's Schedulable one.
     """
-    status_module = pytest.importorskip("control.operator.status")
-    render_module = pytest.importorskip("control.operator.render")
+    status_module = pytest.importorskip("wakegate.control.operator.status")
+    render_module = pytest.importorskip("wakegate.control.operator.render")
     wait_for(lambda: labelled(gkube), 30, "agent labels on the GPU nodes")
     gkube.core.create_namespaced_pod(gkube.ns, gpu_pod("big", "m4", vram=500000))
 

@@ -30,15 +30,16 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
-from control import bootstrap
-from control.bootstrap import envoy_binary
-from control.k8s import names
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, wait_for
 from e2e.pki import PKI
-from e2e.procs import Proc, free_port, stop_all
+from e2e.procs import Proc, stop_all
+from wakegate.control import bootstrap
+from wakegate.control.admin import free_port
+from wakegate.control.bootstrap import envoy_binary
+from wakegate.control.k8s import names
+from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -134,7 +135,7 @@ class Gateway:
             "scaler",
             [
                 *py,
-                "control",
+                "wakegate",
                 "scaler",
                 "--kubeconfig",
                 kubeconfig,
@@ -159,7 +160,7 @@ class Gateway:
                 "xds",
                 [
                     *py,
-                    "control",
+                    "wakegate",
                     "xds",
                     "--kubeconfig",
                     kubeconfig,
@@ -174,7 +175,7 @@ class Gateway:
                 "extproc",
                 [
                     *py,
-                    "extproc",
+                    "wakegate.extproc",
                     "--listen",
                     f"127.0.0.1:{extproc}",
                     "--admin-listen",
@@ -447,7 +448,7 @@ def _ok(url: str) -> bool:
 
 def test_lease_elects_one_scaler_and_hands_over(kube: Kube) -> None:
     """Only one builtin engine acts: two candidates, one holder; the other takes over on release."""
-    from control.scaler.lease import LeaseElector
+    from wakegate.control.scaler.lease import LeaseElector
 
     changes: list[tuple[str, bool]] = []
     a = LeaseElector(kube.api, kube.ns, "wakegate-scaler", "a", lambda v: changes.append(("a", v)), lease_seconds=3)

@@ -1,6 +1,6 @@
 import argparse
 
-from extproc.main import add_arguments, main
+from wakegate.extproc.main import add_arguments, main
 
 _parser = argparse.ArgumentParser(prog="wakegate extproc")
 add_arguments(_parser)

@@ -21,8 +21,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
-from extproc.service import ACTIVATOR_MODEL_HEADER, Gateway
+from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
+from wakegate.extproc.service import ACTIVATOR_MODEL_HEADER, Gateway
 
 log = logging.getLogger("wakegate.extproc.activator")
 

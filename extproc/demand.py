@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+
 from wakegate.v1 import demand_pb2, demand_pb2_grpc
 
 log = logging.getLogger("wakegate.extproc.demand")

@@ -15,6 +15,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
+
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc.feed")

@@ -18,14 +18,15 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from extproc import activator, admin
-from extproc.auth import ApiKeys, AuthConfigError
-from extproc.demand import DemandReporter
-from extproc.feed import RouteFeed
-from extproc.h2grpc import INVALID_ARGUMENT, NOT_FOUND, GrpcError, H2GrpcServer, host_port, unary
-from extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor, Settings
+from wakegate.extproc import activator, admin
+from wakegate.extproc.auth import ApiKeys, AuthConfigError
+from wakegate.extproc.demand import DemandReporter
+from wakegate.extproc.feed import RouteFeed
+from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
+from wakegate.extproc.h2grpc.connection import host_port
+from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor, Settings
 
-log = logging.getLogger("wakegate.extproc")
+log = logging.getLogger("extproc")
 
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
@@ -94,7 +95,7 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
 
     processor = Processor(gateway)
-    server = H2GrpcServer(
+    server = GrpcServer(
         {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
         max_message_bytes=args.max_body_bytes + 1024 * 1024,
     )

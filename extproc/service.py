@@ -23,13 +23,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import duration_pb2, struct_pb2
 from google.protobuf.message import DecodeError
 from prometheus_client import generate_latest
-from wakegate.v1 import routing_pb2
 
-from extproc.auth import ApiKeys
-from extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
-from extproc.h2grpc import INTERNAL, INVALID_ARGUMENT, Call
-from extproc.metrics import Metrics
-from extproc.naming import (
+from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
+from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
+from wakegate.extproc.metrics import Metrics
+from wakegate.extproc.naming import (
     BadRequest,
     Resolved,
     RouteTable,
@@ -38,11 +37,12 @@ from extproc.naming import (
     model_from_multipart,
     parse_json_body,
 )
-from extproc.picking import Picker
-from extproc.ratelimit import RateLimiter, retry_after_header
-from extproc.responses import error, header, immediate
+from wakegate.extproc.picking import Picker
+from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
+from wakegate.extproc.responses import error, header, immediate
+from wakegate.v1 import routing_pb2
 
-log = logging.getLogger("wakegate.extproc")
+log = logging.getLogger("extproc")
 
 CLUSTER_HEADER = "x-wakegate-cluster"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

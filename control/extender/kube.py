@@ -20,7 +20,7 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from control.placement.benchdata import throughput_table
+from wakegate.control.placement.benchdata import throughput_table
 
 log = logging.getLogger("wakegate.extender")
 

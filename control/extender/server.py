@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from control.backends import BACKENDS, Backend
-from control.placement.benchdata import result_key
-from control.placement.facts import NodeFacts, PodFacts, node_facts, pod_facts
-from control.placement.rules import Weights, extender_priority, filter_node, normalise, raw_score
+from wakegate.control.backends import BACKENDS, Backend
+from wakegate.control.placement.benchdata import result_key
+from wakegate.control.placement.facts import NodeFacts, PodFacts, node_facts, pod_facts
+from wakegate.control.placement.rules import Weights, extender_priority, filter_node, normalise, raw_score
 
 log = logging.getLogger("wakegate.extender")
 

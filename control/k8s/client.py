@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 from kubernetes import client, config
 
-from control.k8s import names
+from wakegate.control.k8s import names
 
 #: (apiVersion, kind) -> plural resource name, for every kind wakegate writes or reads.
 PLURALS: dict[tuple[str, str], str] = {

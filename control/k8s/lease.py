@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from control.k8s.client import Kube, KubeError, path
+from wakegate.control.k8s.client import Kube, KubeError, path
 
 log = logging.getLogger("wakegate.lease")
 

@@ -22,11 +22,11 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from control.k8s import names
-from control.k8s.client import Kube, KubeError, path
-from control.operator import render as rnd
-from control.operator.status import Observed, compute, swap_holder
-from control.schema import InferenceRuntime
+from wakegate.control.k8s import names
+from wakegate.control.k8s.client import Kube, KubeError, path
+from wakegate.control.operator import render as rnd
+from wakegate.control.operator.status import Observed, compute, swap_holder
+from wakegate.control.schema import InferenceRuntime
 
 log = logging.getLogger("wakegate.operator")
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from control.k8s import names
-from control.runtimes import LABEL_SHIPPED, shipped_runtimes
-from control.schema import InferenceRuntime, Model, ScalingEngine
+from wakegate.control.k8s import names
+from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
+from wakegate.control.schema import InferenceRuntime, Model, ScalingEngine
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 #: Owned kinds that come and go with the spec (`max`, `engine`); the operator deletes them when

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from control.operator.render import Condition
+from wakegate.control.operator.render import Condition
 
 PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
 

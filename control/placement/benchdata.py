@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from control.placement.facts import number
+from wakegate.control.placement.facts import number
 
 DEFAULT_CONFIGMAP = "wakegate-bench-results"
 

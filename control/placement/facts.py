@@ -3,7 +3,7 @@
 Every number read from a label or annotation goes through :func:`number`: anything that is
 not a finite number in range (missing, empty, ``NaN``, ``inf``, ``-3``, ``abc``) counts as
 unknown, never as zero and never as an exception, so one bad annotation cannot stall
-scheduling. Names wakegate writes for the agent live in :mod:`control.k8s.names`; the extra
+scheduling. Names wakegate writes for the agent live in :mod:`wakegate.control.k8s.names`; the extra
 inputs of the score formula, which other tools (or people) set, are defined here.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from control.k8s import names
+from wakegate.control.k8s import names
 
 #: Node annotation: price of one GPU-hour on this node (any currency, same for every node).
 NODE_COST_PER_HOUR = "wakegate.io/cost-per-hour"

@@ -21,9 +21,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from control.backends import BACKENDS, Backend
-from control.k8s import names
-from control.placement.facts import NodeFacts, PodFacts, number
+from wakegate.control.backends import BACKENDS, Backend
+from wakegate.control.k8s import names
+from wakegate.control.placement.facts import NodeFacts, PodFacts, number
 
 #: kube-scheduler's node score range (framework.MaxNodeScore)
 MAX_NODE_SCORE = 100

@@ -20,10 +20,10 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from control.k8s.names import GROUP, MODEL_PLURAL, SCALER_FIELD_MANAGER, VERSION, backend_name
-from control.scaler.core import Verdict
-from control.scaler.metrics import ScalerMetrics
-from control.schema import Model, ScalingEngine
+from wakegate.control.k8s.names import GROUP, MODEL_PLURAL, SCALER_FIELD_MANAGER, VERSION, backend_name
+from wakegate.control.scaler.metrics import ScalerMetrics
+from wakegate.control.scaling.core import Verdict
+from wakegate.control.schema import Model, ScalingEngine
 
 log = logging.getLogger("wakegate.scaler.kube")
 

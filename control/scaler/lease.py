@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from kubernetes import client
 
-from control.k8s.client import Kube, KubeError
-from control.k8s.lease import LeaderLease, LeaseConfig
+from wakegate.control.k8s.client import Kube, KubeError
+from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
 
 log = logging.getLogger("wakegate.scaler.lease")
 

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from control.demand import DemandBook
-from control.scaler.core import Core
+from wakegate.control.demand.book import DemandBook
+from wakegate.control.scaling.core import Core
 
 
 class _StateCollector(Collector):

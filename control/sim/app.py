@@ -38,8 +38,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 
-from control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from control.sim.metrics import SimMetrics
+from wakegate.control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from wakegate.control.sim.metrics import SimMetrics
 
 log = logging.getLogger("wakegate.sim")
 

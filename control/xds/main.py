@@ -16,7 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from control.shutdown import graceful_exit
+from wakegate.process import graceful_exit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +39,13 @@ def main(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from control.admin import host_port
-    from control.k8s import names
-    from control.k8s.client import api_client, connection_info
-    from control.xds.cache import SnapshotCache
-    from control.xds.kube_source import KubeSource
-    from control.xds.resources import GatewaySettings, build
-    from control.xds.server import AdsServer, start_server
+    from wakegate.control.admin import host_port
+    from wakegate.control.feeder.ads import AdsServer, start_server
+    from wakegate.control.feeder.cache import SnapshotCache
+    from wakegate.control.feeder.kube_source import KubeSource
+    from wakegate.control.feeder.resources import GatewaySettings, build
+    from wakegate.control.k8s import names
+    from wakegate.control.k8s.client import api_client, connection_info
 
     log = logging.getLogger("wakegate.xds")
     host, port = host_port(args.gateway_listen, "0.0.0.0")

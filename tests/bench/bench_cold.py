@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
-from tests.gateway.support import UpProcess, model_doc, pids_alive, request
+from tests.support.http import request
+from tests.support.up import UpProcess, model_doc, pids_alive
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -36,7 +36,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,8 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from control.bootstrap import envoy_binary
 from tests.bench.common import git_state, loadavg
+from wakegate.control.admin import free_port
+from wakegate.control.bootstrap import envoy_binary
 
 MODEL = "bench-model"
 BODY = json.dumps(
@@ -61,10 +61,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # -- processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:
@@ -382,7 +378,7 @@ class Stacks:
         self.sim_port = free_port()
         sim = self._spawn(
             "sim",
-            [py, "-m", "control", "sim", "--host", "127.0.0.1", "--port", str(self.sim_port),
+            [py, "-m", "wakegate", "sim", "--host", "127.0.0.1", "--port", str(self.sim_port),
              "--served-model-name", MODEL],
         )  # fmt: skip
         self.direct_url = f"http://127.0.0.1:{self.sim_port}"
@@ -406,7 +402,7 @@ class Stacks:
         self.wg_port, self.wg_admin = free_port(), free_port()
         up = self._spawn(
             "wakegate-up",
-            [py, "-m", "control", "up", "-f", str(models), "--listen", f"127.0.0.1:{self.wg_port}",
+            [py, "-m", "wakegate", "up", "-f", str(models), "--listen", f"127.0.0.1:{self.wg_port}",
              "--admin-listen", f"127.0.0.1:{self.wg_admin}", "--state-dir", str(self.tmp / "state"),
              "--envoy-concurrency", str(self.concurrency), "--log-level", "WARNING"],
         )  # fmt: skip

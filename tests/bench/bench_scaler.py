@@ -29,12 +29,13 @@ import time
 from pathlib import Path
 
 import grpc
+
+from tests.support.http import request
+from tests.support.scaler import ScalerProcess, Stream, wait_until
+from tests.support.up import UpProcess, model_doc
+from wakegate.control.admin import free_port
 from wakegate.externalscaler import externalscaler_pb2_grpc
 from wakegate.v1 import demand_pb2, demand_pb2_grpc
-
-from tests.gateway.support import UpProcess, free_port, model_doc, request
-from tests.scaler.support import ScalerProcess, wait_until
-from tests.scaler.test_protocol import Stream
 
 COLD_MODEL = model_doc("bench-cold", extra="  scaling: {min: 0, max: 1, idleTimeout: 1}\n")
 

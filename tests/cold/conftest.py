@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.support import UpProcess, model_doc
+from tests.support.up import UpProcess, model_doc
 
 
 def fleet(faults: Path) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from control.scaling.arbitration import Member, simulate
-from tests.gateway.support import UpProcess, model_doc
+from tests.support.up import UpProcess, model_doc
+from wakegate.control.scaling.arbitration import Member, simulate
 
 MIN_RUN, COOLDOWN, WINDOW = 3.0, 3.0, 1.0
 

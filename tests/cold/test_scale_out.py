@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.gateway.support import UpProcess, model_doc
+from tests.support.up import UpProcess, model_doc
 
 
 async def test_sustained_demand_adds_replicas_up_to_max(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from tests.gateway.support import UpProcess, pids_alive, request
+from tests.support.http import request
+from tests.support.up import UpProcess, pids_alive
 
 
 def replicas(up: UpProcess, key: str) -> list[dict[str, object]]:

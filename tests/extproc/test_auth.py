@@ -1,4 +1,4 @@
-"""Tests for extproc.auth: bearer API keys, rotation, constant-time compare, log hygiene."""
+"""Tests for wakegate.extproc.auth: bearer API keys, rotation, constant-time compare, log hygiene."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc import auth
-from extproc.auth import ApiKeys, AuthConfigError
+from wakegate.extproc import auth
+from wakegate.extproc.auth import ApiKeys, AuthConfigError
 
 KEY_A = "sk-alpha-0123456789"
 KEY_B = "sk-bravo-abcdefghij"
@@ -139,7 +139,7 @@ def test_empty_file_refuses_everyone_and_warns(
 ) -> None:
     path = tmp_path / "keys"
     write_keys(path, "# nobody yet\n\n")
-    with caplog.at_level(logging.INFO, logger="extproc.auth"):
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc.auth"):
         keys = ApiKeys(path, clock=clock)
         for _ in range(5):
             clock.advance(2)
@@ -262,7 +262,7 @@ def test_unchanged_file_is_not_reread(key_file: Path, clock: FakeClock, monkeypa
 def test_vanished_file_keeps_old_keys(key_file: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     keys = ApiKeys(key_file, clock=clock)
     key_file.unlink()
-    with caplog.at_level(logging.INFO, logger="extproc.auth"):
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc.auth"):
         for _ in range(5):
             clock.advance(1.5)
             assert keys.check(f"Bearer {KEY_A}")
@@ -276,7 +276,7 @@ def test_vanished_file_keeps_old_keys(key_file: Path, clock: FakeClock, caplog: 
     assert keys.check(f"Bearer {KEY_C}")
     assert not keys.check(f"Bearer {KEY_A}")
     key_file.unlink()
-    with caplog.at_level(logging.INFO, logger="extproc.auth"):
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc.auth"):
         clock.advance(1.0)
         assert keys.check(f"Bearer {KEY_C}")
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2

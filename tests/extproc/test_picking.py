@@ -1,4 +1,4 @@
-"""Tests for extproc.picking: consistent-hash ring, session/prefix keys, least-loaded, Picker."""
+"""Tests for wakegate.extproc.picking: consistent-hash ring, session/prefix keys, least-loaded, Picker."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc import picking
-from extproc.picking import HashRing, InFlight, Picker, prefix_key, session_key
+from wakegate.extproc import picking
+from wakegate.extproc.picking import HashRing, InFlight, Picker, prefix_key, session_key
 
 EPS4 = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"]
 EP5 = "10.0.0.5:8000"
@@ -49,7 +49,7 @@ def test_ring_is_deterministic_and_order_independent() -> None:
 def test_ring_is_stable_across_processes() -> None:
     # Python's hash() is salted per process; the ring must not be.
     code = (
-        "import json;from extproc.picking import HashRing;"
+        "import json;from wakegate.extproc.picking import HashRing;"
         f"r=HashRing({EPS4!r});print(json.dumps([r.lookup(f'session-{{i}}') for i in range(200)]))"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""Tests for extproc.ratelimit: token buckets, global + per-model admission, Retry-After."""
+"""Tests for wakegate.extproc.ratelimit: token buckets, global + per-model admission, Retry-After."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc import ratelimit
-from extproc.ratelimit import RateLimiter, TokenBucket, retry_after_header
+from wakegate.extproc import ratelimit
+from wakegate.extproc.ratelimit import RateLimiter, TokenBucket, retry_after_header
 
 
 class FakeClock:

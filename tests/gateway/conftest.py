@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.support import UpProcess, model_doc
+from tests.support.up import UpProcess, model_doc
 
 API_KEY = "sk-test-gateway-0123456789"
 MAX_BODY = 64 * 1024

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.gateway.conftest import API_KEY, MAX_BODY
-from tests.gateway.support import UpProcess, request
+from tests.support.http import request
+from tests.support.up import UpProcess
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 GOOD = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

@@ -6,7 +6,8 @@ import openai
 import pytest
 
 from tests.gateway.conftest import API_KEY
-from tests.gateway.support import UpProcess, request
+from tests.support.http import request
+from tests.support.up import UpProcess
 
 
 @pytest.fixture

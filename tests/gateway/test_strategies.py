@@ -11,7 +11,8 @@ import threading
 import time
 
 from tests.gateway.conftest import API_KEY
-from tests.gateway.support import UpProcess, request
+from tests.support.http import request
+from tests.support.up import UpProcess
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 

@@ -1,3 +1,0 @@
-from control.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""ADS stream server (state of the world) answering watches from the SnapshotCache.
+
+ACK/NACK bookkeeping lives here and only here: per stream and type URL we keep
+the names watched, the nonce and version last sent, and whether the client is
+waiting for a response. A NACK is logged with the client's reason and leaves
+the stream waiting for the next change, so a bad config never wedges it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.resources import ENDPOINT, MODEL_ROUTE, WILDCARD_TYPES, pack, version_of
+from wakegate.v1 import routing_pb2
+
+log = logging.getLogger("wakegate.xds")
+
+_nonces = itertools.count(1)
+
+
+@dataclass
+class _Watch:
+    names: frozenset[str] = frozenset()
+    sent: dict[str, Message] = field(default_factory=dict)
+    sent_version: str | None = None
+    sent_names: frozenset[str] | None = None
+    nonce: str = ""
+    waiting: bool = False
+    acked_version: str = ""
+
+
+@dataclass
+class StreamStats:
+    """Counters a test or the admin endpoint can read."""
+
+    acks: int = 0
+    nacks: int = 0
+    responses: int = 0
+    last_nack: str = ""
+    nodes: dict[str, int] = field(default_factory=dict)
+
+
+class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
+    def __init__(self, cache: SnapshotCache, on_endpoints_acked: Callable[[], None] = lambda: None) -> None:
+        self._cache = cache
+        self.stats = StreamStats()
+        self._on_endpoints_acked = on_endpoints_acked
+        #: type URL -> node -> cluster -> endpoints that node acknowledged. Envoys
+        #: acknowledge EDS (ENDPOINT), extprocs acknowledge ModelRoutes.
+        self._acked: dict[str, dict[str, dict[str, frozenset[tuple[str, int]]]]] = {ENDPOINT: {}, MODEL_ROUTE: {}}
+
+    def confirmed(self) -> dict[str, frozenset[tuple[str, int]]] | None:
+        """cluster -> endpoints every connected Envoy has acknowledged; None when no Envoy is connected."""
+        nodes = list(self._acked[ENDPOINT].values())
+        if not nodes:
+            return None
+        clusters = set().union(*(set(n) for n in nodes))
+        return {c: frozenset.intersection(*(n.get(c, frozenset()) for n in nodes)) for c in clusters}
+
+    def retained(self) -> dict[str, frozenset[tuple[str, int]]]:
+        """cluster -> endpoints some connected extproc may still pick (it has not acknowledged their removal)."""
+        out: dict[str, frozenset[tuple[str, int]]] = {}
+        for clusters in self._acked[MODEL_ROUTE].values():
+            for cluster, endpoints in clusters.items():
+                out[cluster] = out.get(cluster, frozenset()) | endpoints
+        return out
+
+    async def StreamAggregatedResources(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        watches: dict[str, _Watch] = {}
+        requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+        node_id = ""
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await requests.put(request)
+            finally:
+                await requests.put(None)
+
+        reader = asyncio.create_task(read())
+        serial = -1
+        try:
+            while True:
+                # Answer whatever is due, then wait for a request or a cache change.
+                if serial != self._cache.serial:
+                    serial = self._cache.serial
+                for type_url, watch in watches.items():
+                    response = self._respond(type_url, watch)
+                    if response is not None:
+                        yield response
+                get = asyncio.ensure_future(requests.get())
+                change = asyncio.ensure_future(self._cache.wait_newer(serial))
+                done, _ = await asyncio.wait({get, change}, return_when=asyncio.FIRST_COMPLETED)
+                if change not in done:
+                    change.cancel()
+                if get not in done:
+                    get.cancel()
+                    continue
+                request = get.result()
+                if request is None:
+                    return
+                if request.node.id and request.node.id != node_id:
+                    node_id = request.node.id
+                    self.stats.nodes[node_id] = self.stats.nodes.get(node_id, 0) + 1
+                    log.info("xds stream opened node=%s", node_id)
+                self._on_request(node_id, request, watches.setdefault(request.type_url, _Watch()))
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            if node_id:
+                log.info("xds stream closed node=%s", node_id)
+                if any(acks.pop(node_id, None) is not None for acks in self._acked.values()):
+                    self._on_endpoints_acked()
+
+    def _on_request(self, node_id: str, request: discovery_pb2.DiscoveryRequest, watch: _Watch) -> None:
+        if request.response_nonce and request.response_nonce != watch.nonce:
+            return  # answer to an older response; the newer one is still pending
+        watch.names = frozenset(request.resource_names)
+        if request.HasField("error_detail"):
+            self.stats.nacks += 1
+            self.stats.last_nack = request.error_detail.message
+            log.warning(
+                "xds NACK node=%s type=%s version=%s reason=%s",
+                node_id,
+                request.type_url.rsplit(".", 1)[-1],
+                watch.sent_version,
+                request.error_detail.message,
+            )
+        elif request.response_nonce:
+            self.stats.acks += 1
+            watch.acked_version = request.version_info
+            if request.type_url in self._acked:
+                self._record_endpoints(node_id, request.type_url, watch)
+        watch.waiting = True
+
+    def _record_endpoints(self, node_id: str, type_url: str, watch: _Watch) -> None:
+        acked: dict[str, frozenset[tuple[str, int]]] = {}
+        for message in watch.sent.values():
+            if isinstance(message, routing_pb2.ModelRoute):
+                acked[message.cluster] = frozenset((e.address, e.port) for e in message.endpoints)
+            elif isinstance(message, endpoint_pb2.ClusterLoadAssignment):
+                acked[message.cluster_name] = frozenset(
+                    (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value)
+                    for locality in message.endpoints
+                    for lb in locality.lb_endpoints
+                )
+        if type_url == ENDPOINT:
+            # EDS is per name: names not in this response keep their earlier acknowledgement.
+            acked = {**self._acked[type_url].get(node_id, {}), **acked}
+        if self._acked[type_url].get(node_id) != acked:
+            self._acked[type_url][node_id] = acked
+            self._on_endpoints_acked()
+
+    def _respond(self, type_url: str, watch: _Watch) -> discovery_pb2.DiscoveryResponse | None:
+        if not watch.waiting:
+            return None
+        selected = self._cache.snapshot.select(type_url, watch.names)
+        if type_url not in WILDCARD_TYPES and not watch.names:
+            return None  # a named type with nothing named yet: nothing to say
+        version = version_of(selected)
+        if version == watch.sent_version and watch.names == watch.sent_names:
+            return None
+        watch.nonce = str(next(_nonces))
+        watch.sent = selected
+        watch.sent_version = version
+        watch.sent_names = watch.names
+        watch.waiting = False
+        self.stats.responses += 1
+        return discovery_pb2.DiscoveryResponse(
+            version_info=version,
+            type_url=type_url,
+            nonce=watch.nonce,
+            resources=[pack(selected[name]) for name in sorted(selected)],
+        )
+
+
+async def start_server(
+    cache: SnapshotCache,
+    listen: str,
+    extra: Callable[[grpc.aio.Server], None] | None = None,
+    on_endpoints_acked: Callable[[], None] = lambda: None,
+) -> tuple[grpc.aio.Server, AdsServer, int]:
+    """Start the ADS gRPC server with the standard health service; returns the bound port.
+
+    `extra` registers more services on the same server (the demand service in `wakegate up`).
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
+    if extra is not None:
+        extra(server)
+    ads = AdsServer(cache, on_endpoints_acked)
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, ads, port

@@ -1,0 +1,509 @@
+"""Pure snapshot builder: routable models in, Envoy and extproc xDS resources out.
+
+No I/O. The same builder serves the local runtime (`wakegate up`) and the
+Kubernetes watch (`wakegate xds`): both describe what is routable as
+`RoutedModel` values and get back typed resources keyed by type URL and name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+# Importing the generated modules registers their types in the default pool, which
+# json_format needs to resolve "@type" inside Any fields.
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from google.protobuf import any_pb2, json_format
+from google.protobuf.message import Message
+
+from wakegate.control.schema import Model
+from wakegate.v1 import routing_pb2
+
+_M = TypeVar("_M", bound=Message)
+
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+MODEL_ROUTE = "type.googleapis.com/wakegate.v1.ModelRoute"
+
+#: Types a client gets in full on every response (no resource names asked).
+WILDCARD_TYPES = frozenset({LISTENER, CLUSTER, MODEL_ROUTE})
+
+LISTENER_NAME = "wakegate_http"
+ROUTE_NAME = "wakegate_routes"
+EXTPROC_CLUSTER = "wakegate_extproc"
+ACTIVATOR_CLUSTER = "wakegate_activator"
+#: Header extproc sets to name the model's cluster; the route reads it.
+CLUSTER_HEADER = "x-wakegate-cluster"
+#: Gateway API Inference Extension endpoint-picker header and metadata key.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
+
+_STRATEGIES = {
+    "default": routing_pb2.STRATEGY_DEFAULT,
+    "session-affinity": routing_pb2.STRATEGY_SESSION_AFFINITY,
+    "prefix": routing_pb2.STRATEGY_PREFIX,
+    "least-loaded": routing_pb2.STRATEGY_LEAST_LOADED,
+}
+_COLD_MODES = {
+    "hold": routing_pb2.COLD_MODE_HOLD,
+    "keepalive": routing_pb2.COLD_MODE_KEEPALIVE,
+    "reject": routing_pb2.COLD_MODE_REJECT,
+}
+
+
+@dataclass(frozen=True)
+class RoutedModel:
+    """What the gateway needs to know about one model; plain data."""
+
+    key: str
+    names: tuple[str, ...]
+    served_name: str
+    lora_adapters: tuple[str, ...] = ()
+    strategy: str = "default"
+    requests_per_second: float = 0.0
+    burst: float = 0.0
+    cold_mode: str = "hold"
+    max_queue: int = 100
+    activation_timeout_s: float = 180.0
+    #: Ready endpoints as (ip, port).
+    endpoints: tuple[tuple[str, int], ...] = ()
+    generation: int = 0
+    failed_activations: int = 0
+    last_failure: str = ""
+    admitted: bool = True
+
+    @property
+    def cluster(self) -> str:
+        return cluster_name(self.key)
+
+
+def routed_model(
+    model: Model,
+    endpoints: Iterable[tuple[str, int]],
+    *,
+    generation: int = 0,
+    failed_activations: int = 0,
+    last_failure: str = "",
+    admitted: bool = True,
+) -> RoutedModel:
+    """What the gateway needs of a Model manifest plus its current ready endpoints."""
+    spec = model.spec
+    return RoutedModel(
+        key=model.key,
+        names=tuple(model.client_names),
+        served_name=model.served_name,
+        lora_adapters=tuple(spec.loraAdapters),
+        strategy=spec.routing.strategy.value,
+        requests_per_second=spec.limits.requestsPerSecond,
+        burst=spec.limits.burst,
+        cold_mode=spec.endpoint.coldMode.value,
+        max_queue=spec.endpoint.maxQueue,
+        activation_timeout_s=float(spec.scaling.activationTimeout),
+        endpoints=tuple(sorted(endpoints)),
+        generation=generation,
+        failed_activations=failed_activations,
+        last_failure=last_failure,
+        admitted=admitted,
+    )
+
+
+def cluster_name(model_key: str) -> str:
+    return "model." + model_key.replace("/", ".")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Shape of the Envoy listener; the same for every model."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    #: Largest request body the gateway buffers to read `model`, bytes.
+    max_request_bytes: int = 8 * 1024 * 1024
+    #: Upper bound extproc may hold a cold request (override_message_timeout).
+    max_hold_seconds: int = 3600
+    #: Per-exchange timeout for extproc when it does not ask for more. Generous: under a burst of
+    #: thousands of new requests extproc may answer late, and late beats a 504.
+    extproc_message_timeout_ms: int = 10000
+    #: Idle timeout of a stream (0 disables); long generations send tokens often.
+    stream_idle_timeout_s: int = 300
+    upstream_connect_timeout_ms: int = 2000
+    #: Connections Envoy opens to one model's backends at most; more requests queue in Envoy.
+    upstream_max_connections: int = 1024
+    #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
+    upstream_header: bool = False
+    extra_listener_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """One consistent set of resources: type URL -> name -> message."""
+
+    by_type: Mapping[str, Mapping[str, Message]]
+
+    def select(self, type_url: str, names: Iterable[str]) -> dict[str, Message]:
+        available = self.by_type.get(type_url, {})
+        wanted = set(names)
+        if type_url in WILDCARD_TYPES or not wanted:
+            return dict(available)
+        return {n: m for n, m in available.items() if n in wanted}
+
+
+def version_of(resources: Mapping[str, Message]) -> str:
+    """Content hash: equal resource sets have equal versions, so nothing is re-sent needlessly."""
+    digest = hashlib.blake2b(digest_size=12)
+    for name in sorted(resources):
+        digest.update(name.encode())
+        digest.update(b"\0")
+        digest.update(resources[name].SerializeToString(deterministic=True))
+        digest.update(b"\1")
+    return digest.hexdigest()
+
+
+def pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _parse(message: _M, data: dict[str, Any]) -> _M:
+    json_format.ParseDict(data, message)
+    return message
+
+
+def _json_error(status: int, code: str, message: str, error_type: str) -> dict[str, Any]:
+    return {
+        "filter": {
+            "status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": "_"}}}
+        },
+        "body_format_override": {
+            "json_format": {"error": {"message": message, "type": error_type, "code": code}},
+            "content_type": "application/json",
+        },
+    }
+
+
+def _processing_mode(request_body: str) -> dict[str, str]:
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": request_body,
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+
+
+def listener(settings: GatewaySettings) -> listener_pb2.Listener:
+    http_filters: list[dict[str, Any]] = [
+        {
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
+                "failure_mode_allow": False,
+                # Bodies are buffered unless the route says the model is named in the request's
+                # headers (route_configuration): a body that arrives while extproc decides on the
+                # headers is then held under the size limit (413 past it). Buffering only once
+                # extproc asked for it left an oversized body that had already arrived paused by
+                # flow control, with no answer (docs/decisions.md).
+                "processing_mode": _processing_mode("BUFFERED"),
+                "allow_mode_override": True,
+                "message_timeout": f"{settings.extproc_message_timeout_ms / 1000:.3f}s",
+                "max_message_timeout": f"{settings.max_hold_seconds}s",
+                "route_cache_action": "CLEAR",
+            },
+        },
+        *settings.extra_listener_filters,
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        },
+    ]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "wakegate",
+        "codec_type": "AUTO",
+        "rds": {"route_config_name": ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
+        "http_filters": http_filters,
+        "stream_idle_timeout": f"{settings.stream_idle_timeout_s}s",
+        "request_timeout": "0s",
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
+        "use_remote_address": True,
+        "local_reply_config": {
+            "mappers": [
+                _json_error(
+                    413,
+                    "body_too_large",
+                    "request body is larger than the gateway accepts",
+                    "invalid_request_error",
+                ),
+                {
+                    "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}},
+                    "body_format_override": {
+                        "json_format": {
+                            "error": {
+                                "message": "%LOCAL_REPLY_BODY%",
+                                "type": "server_error",
+                                "code": "upstream_unavailable",
+                            }
+                        },
+                        "content_type": "application/json",
+                    },
+                },
+                # extproc itself never answers 500 or 504: these are the gateway failing to
+                # reach it (stream reset, message timeout). Upstream failures matched above.
+                _json_error(500, "gateway_error", "the gateway could not process the request", "server_error"),
+                _json_error(504, "gateway_timeout", "the gateway did not decide in time", "server_error"),
+            ]
+        },
+    }
+    return _parse(
+        listener_pb2.Listener(),
+        {
+            "name": LISTENER_NAME,
+            "address": {"socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}},
+            "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
+            "filter_chains": [
+                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+            ],
+        },
+    )
+
+
+UPSTREAM_HEADER = "x-wakegate-upstream"
+#: How a request can name its model without a body (extproc/naming.py reads the same two).
+MODEL_HEADER = "x-model-id"
+MODEL_PATH_PREFIX = "/model/"
+_MODEL_HEADER_SET = {"name": MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
+_NO_ROUTE: dict[str, Any] = {
+    "direct_response": {
+        "status": 404,
+        "body": {"inline_string": '{"error":{"message":"no route","type":"invalid_request_error","code":"no_route"}}'},
+    }
+}
+_STREAM_BODY: dict[str, Any] = {
+    "typed_per_filter_config": {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"processing_mode": _processing_mode("NONE")},
+        }
+    }
+}
+
+
+def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfiguration:
+    extra: dict[str, Any] = {}
+    if settings.upstream_header:
+        extra["response_headers_to_add"] = [
+            {
+                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+    return _parse(
+        route_pb2.RouteConfiguration(),
+        {
+            **extra,
+            "name": ROUTE_NAME,
+            "virtual_hosts": [
+                {
+                    "name": "models",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {
+                                "prefix": "/",
+                                "headers": [{"name": CLUSTER_HEADER, "present_match": True}],
+                            },
+                            "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
+                        },
+                        # Before extproc has named a cluster: these pick how its filter treats the
+                        # body. A model named by the X-Model-ID header or a /model/<name>/ path
+                        # needs no body, so it streams through; everything else is buffered.
+                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": MODEL_PATH_PREFIX}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": "/"}},
+                    ],
+                }
+            ],
+        },
+    )
+
+
+def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:
+    fallback = (
+        "envoy.load_balancing_policies.least_request"
+        if model.strategy == "least-loaded"
+        else "envoy.load_balancing_policies.round_robin"
+    )
+    fallback_type = (
+        "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+        if model.strategy == "least-loaded"
+        else "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+    )
+    return _parse(
+        cluster_pb2.Cluster(),
+        {
+            "name": model.cluster,
+            # Envoy splits stat names at dots; a dot-free name keeps per-model stats one label value.
+            "alt_stat_name": "model_" + model.key.replace("/", "_").replace(".", "_").replace("-", "_"),
+            "type": "EDS",
+            "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+            "connect_timeout": f"{settings.upstream_connect_timeout_ms / 1000:.3f}s",
+            "per_connection_buffer_limit_bytes": 1024 * 1024,
+            "circuit_breakers": {
+                "thresholds": [
+                    {
+                        # HTTP/1.1 upstreams take one connection per request in flight: past this
+                        # many, requests wait in Envoy's queue instead of opening more sockets
+                        # (thousands of held requests released at once would exhaust fds).
+                        "max_connections": settings.upstream_max_connections,
+                        "max_pending_requests": 100000,
+                        "max_requests": 100000,
+                        "max_retries": 3,
+                    }
+                ]
+            },
+            "load_balancing_policy": {
+                "policies": [
+                    {
+                        "typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.override_host",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
+                                ".override_host.v3.OverrideHost",
+                                "override_host_sources": [
+                                    {"header": DESTINATION_HEADER},
+                                    {
+                                        "metadata": {
+                                            "key": LB_METADATA_NAMESPACE,
+                                            "path": [{"key": DESTINATION_HEADER}],
+                                        }
+                                    },
+                                ],
+                                "fallback_policy": {
+                                    "policies": [
+                                        {
+                                            "typed_extension_config": {
+                                                "name": fallback,
+                                                "typed_config": {"@type": fallback_type},
+                                            }
+                                        }
+                                    ]
+                                },
+                            },
+                        }
+                    }
+                ]
+            },
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "common_http_protocol_options": {"idle_timeout": "60s"},
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
+            },
+        },
+    )
+
+
+def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
+    return _parse(
+        endpoint_pb2.ClusterLoadAssignment(),
+        {
+            "cluster_name": model.cluster,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}},
+                            "health_status": "HEALTHY",
+                        }
+                        for ip, port in sorted(model.endpoints)
+                    ]
+                }
+            ],
+        },
+    )
+
+
+def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
+    return routing_pb2.ModelRoute(
+        key=model.key,
+        names=list(model.names),
+        served_name=model.served_name,
+        lora_adapters=list(model.lora_adapters),
+        cluster=model.cluster,
+        strategy=_STRATEGIES[model.strategy],
+        rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
+        endpoints=[routing_pb2.Endpoint(address=ip, port=port) for ip, port in sorted(model.endpoints)],
+        cold=routing_pb2.ColdPolicy(
+            mode=_COLD_MODES[model.cold_mode],
+            max_queue=model.max_queue,
+            activation_timeout_ms=int(model.activation_timeout_s * 1000),
+        ),
+        generation=model.generation,
+        failed_activations=model.failed_activations,
+        last_failure=model.last_failure,
+        admitted=model.admitted,
+    )
+
+
+def build(
+    models: Sequence[RoutedModel],
+    settings: GatewaySettings,
+    confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+    retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+) -> Resources:
+    """Every resource for one consistent view of the fleet.
+
+    `confirmed` (cluster -> endpoints every gateway Envoy has acknowledged) gates what
+    extproc sees: a new endpoint reaches extproc's route only once Envoy can route to
+    it, so a held request is never flushed to a cluster that does not know the host
+    yet. Clusters missing from `confirmed` are not gated (no Envoy to wait for).
+
+    `retained` (cluster -> endpoints some extproc may still pick) keeps a removed
+    endpoint in Envoy's cluster until every extproc has dropped it, so the other
+    direction has no gap either. The backend is still draining meanwhile.
+    """
+    envoy_models = [
+        replace(m, endpoints=tuple(sorted(set(m.endpoints) | retained[m.cluster])))
+        if retained is not None and m.cluster in retained
+        else m
+        for m in models
+    ]
+    if confirmed is not None:
+        models_for_extproc = [
+            replace(m, endpoints=tuple(e for e in m.endpoints if e in confirmed[m.cluster]))
+            if m.cluster in confirmed
+            else m
+            for m in models
+        ]
+    else:
+        models_for_extproc = list(models)
+    return Resources(
+        by_type={
+            LISTENER: {LISTENER_NAME: listener(settings)},
+            ROUTE: {ROUTE_NAME: route_configuration(settings)},
+            CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
+            ENDPOINT: {m.cluster: load_assignment(m) for m in envoy_models},
+            MODEL_ROUTE: {m.key: model_route(m) for m in models_for_extproc},
+        }
+    )

@@ -1,0 +1,134 @@
+"""`wakegate operator`: wait for the leader Lease, then run Kopf and the reconcile workers while leading.
+
+A replica that loses the Lease stops reconciling and exits non-zero (its
+Deployment restarts it as a standby); a clean exit releases the Lease so a
+standby takes over at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import kopf
+
+from wakegate.control.k8s.client import Kube, api_client, connection_info
+from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
+from wakegate.control.operator import render as rnd
+from wakegate.control.operator.controller import Reconciler, keda_installed, register
+from wakegate.control.runtimes import shipped_runtimes
+from wakegate.process import graceful_exit
+
+log = logging.getLogger("wakegate.operator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)")
+    parser.add_argument(
+        "--scaler-address",
+        default="wakegate-scaler.wakegate-system.svc:9091",
+        help="host:port of `wakegate scaler`, written into KEDA ScaledObjects",
+    )
+    parser.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE", "wakegate-system"),
+        help="namespace of the leader-election Lease (default: $POD_NAMESPACE or wakegate-system)",
+    )
+    parser.add_argument("--lease-name", default="wakegate-operator")
+    parser.add_argument("--lease-seconds", type=float, default=15.0, help="a dead leader is replaced after this")
+    parser.add_argument("--renew-seconds", type=float, default=5.0, help="how often the leader renews its Lease")
+    parser.add_argument(
+        "--identity",
+        default=f"{os.environ.get('HOSTNAME', socket.gethostname())}-{os.getpid()}",
+        help="this replica's name in the Lease",
+    )
+    parser.add_argument("--workers", type=int, default=4, help="Models reconciled concurrently")
+    parser.add_argument(
+        "--install-runtimes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply the InferenceRuntimes shipped for each backend plugin when leading",
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+async def _lead(args: argparse.Namespace, kube: Kube, lease: LeaderLease, stop: asyncio.Event) -> int:
+    if args.install_runtimes:
+        for runtime in shipped_runtimes():
+            await asyncio.to_thread(kube.apply, runtime)
+    keda = await asyncio.to_thread(keda_installed, kube)
+    settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda)
+    reconciler = Reconciler(kube, settings, workers=args.workers)
+    registry = kopf.OperatorRegistry()
+    register(registry, reconciler)
+
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(**connection_info(api_client(args.kubeconfig).configuration))
+
+    kopf.on.login(registry=registry)(login)
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.posting.enabled = False
+    kopf_stop = asyncio.Event()
+    tasks = {
+        "kopf": asyncio.create_task(
+            kopf.operator(
+                registry=registry, settings=kopf_settings, standalone=True, clusterwide=True, stop_flag=kopf_stop
+            )
+        ),
+        "workers": asyncio.create_task(reconciler.run()),
+        "lease": asyncio.create_task(lease.keep()),
+        "stop": asyncio.create_task(stop.wait()),
+    }
+    done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+    kopf_stop.set()
+    for name in ("workers", "lease", "stop"):
+        tasks[name].cancel()
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        await asyncio.wait_for(tasks["kopf"], 10)
+    if tasks["lease"] in done:
+        log.error("leadership lost; exiting so a standby can lead")
+        return 1
+    for task in done:
+        if task is not tasks["stop"] and not task.cancelled() and task.exception() is not None:
+            log.error("operator task failed: %r", task.exception())
+            await asyncio.to_thread(lease.release)
+            return 1
+    await asyncio.to_thread(lease.release)
+    return 0
+
+
+async def _main(args: argparse.Namespace) -> int:
+    kube = Kube(api_client(args.kubeconfig))
+    lease = LeaderLease(
+        kube,
+        LeaseConfig(
+            namespace=args.lease_namespace,
+            name=args.lease_name,
+            identity=args.identity,
+            lease_seconds=args.lease_seconds,
+            renew_seconds=args.renew_seconds,
+        ),
+    )
+    stop = asyncio.Event()
+    graceful_exit(stop, "operator")
+    log.info("operator %s waiting for lease %s/%s", args.identity, args.lease_namespace, args.lease_name)
+    acquire = asyncio.create_task(lease.acquire())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        acquire.cancel()
+        return 0
+    stopped.cancel()
+    log.info("operator %s is the leader", args.identity)
+    return await _lead(args, kube, lease, stop)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    return asyncio.run(_main(args))

@@ -1,0 +1,102 @@
+"""`wakegate up -f FILE`: the whole gateway and its models on one machine.
+
+Starts, in order: the xDS feeder (in this process), extproc, Envoy, then one
+backend process per replica of every model with `spec.scaling.min >= 1`.
+Invalid files fail before anything starts. The first SIGINT/SIGTERM drains and
+stops every child (Envoy first, so no new request is admitted); a second one
+exits at once. Children die with this process even if it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+from wakegate.control import admin
+from wakegate.control.backends import BACKENDS
+from wakegate.control.schema import ManifestError, parse_models
+from wakegate.control.up.supervisor import Up
+
+log = logging.getLogger("wakegate.up")
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", type=Path, help="YAML file of Model documents")
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="gateway address HOST:PORT")
+    parser.add_argument(
+        "--admin-listen",
+        default="127.0.0.1:8081",
+        help="HTTP address for /status (models, replicas, ports) and /healthz",
+    )
+    parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--global-rps", type=float, default=0.0)
+    parser.add_argument("--global-burst", type=float, default=0.0)
+    parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
+    parser.add_argument(
+        "--upstream-header",
+        action="store_true",
+        help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging",
+    )
+    parser.add_argument(
+        "--status-display",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live status table on the terminal (default: when stderr is a terminal)",
+    )
+    parser.add_argument(
+        "--keepalive-seconds",
+        type=float,
+        default=2.0,
+        help="SSE heartbeat interval for cold requests of keepalive models",
+    )
+    parser.add_argument(
+        "--scaler-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve KEDA's ExternalScaler gRPC service for these models (the protocol without a cluster)",
+    )
+    parser.add_argument(
+        "--fake-gpus", type=Path, default=None, help="JSON file of GPUs to pretend this machine has (tests and demos)"
+    )
+    parser.add_argument("--check", action="store_true", help="validate the file and exit")
+    parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.list_backends:
+        for backend in BACKENDS.values():
+            vendors = ",".join(backend.gpu_vendors) or "none"
+            print(f"{backend.name:10} port={backend.default_port:<6} gpu={vendors:12} {backend.description}")
+        return 0
+    if args.file is None:
+        print("wakegate up: -f FILE is required", file=sys.stderr)
+        return 2
+    try:
+        models = parse_models(args.file.read_text(encoding="utf-8"), str(args.file))
+    except (OSError, ManifestError) as exc:
+        print(f"wakegate up: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.file}: {len(models)} model(s) valid")
+        return 0
+    try:
+        host, port = admin.host_port(args.listen)
+    except ValueError:
+        print(f"wakegate up: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
+        return 2
+    if args.status_display is None:
+        args.status_display = sys.stderr.isatty()
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(Up(args, models, host, port).run())

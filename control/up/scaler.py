@@ -1,0 +1,146 @@
+"""The local scaler: applies the scaling core's verdicts to the processes of `wakegate up`.
+
+Decisions come from `wakegate.control.scaling.core.Core`, the same pure core the cluster scaler uses
+(autoscale per model, arbitration per GPU group, fed by the DemandBook); this module only
+turns verdicts into replica counts of the runtimes, capped by free GPUs, and times cold-start
+stages. It re-evaluates when demand changes, when a replica starts, exits or becomes ready,
+and at the earliest time any decision said it could change: no polling loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from wakegate.control.demand.book import DemandBook, ModelLoad
+from wakegate.control.scaling.core import Core
+from wakegate.control.up.runtime import ModelRuntime, Replica
+
+log = logging.getLogger("wakegate.up")
+
+
+@dataclass
+class _Applying:
+    #: When the current scale-from-zero began (the activation signal), for cold-start timing.
+    waking_since: float | None = None
+    spawned: bool = False
+    task: asyncio.Task[None] | None = None
+    wanted: int = 0
+
+
+class LocalScaler:
+    def __init__(
+        self,
+        runtimes: dict[str, ModelRuntime],
+        book: DemandBook,
+        *,
+        on_cold_start: Callable[[str, str, float], None] = lambda model, stage, seconds: None,
+        on_swap: Callable[[str, str | None, str], None] = lambda group, old, new: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runtimes = runtimes
+        self.core = Core(book)
+        self._clock = clock
+        self._on_cold_start = on_cold_start
+        self._on_swap = on_swap
+        self._applying = {key: _Applying() for key in runtimes}
+        self._holders: dict[str, str | None] = {}
+        for runtime in runtimes.values():
+            runtime.on_spawned = self._spawned
+            runtime.on_ready = self._ready
+            runtime.on_exit = self._exited
+        self.core.set_models([rt.model for rt in runtimes.values()], clock(), {key: 0 for key in runtimes})
+        self._wake = asyncio.Event()
+        self._timer_at: float | None = None
+
+    @property
+    def loads(self) -> dict[str, ModelLoad]:
+        return self.core.loads
+
+    @property
+    def swaps(self) -> dict[str, int]:
+        return self.core.swaps
+
+    def group_active(self, name: str) -> str | None:
+        return self.core.group_active(name)
+
+    def poke(self) -> None:
+        """Something changed: evaluate on the next loop turn."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            timeout = None if self._timer_at is None else max(0.0, self._timer_at - self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        now = self._clock()
+        live = {key: rt.live_count for key, rt in self.runtimes.items()}
+        failures = {key: rt.failed_activations for key, rt in self.runtimes.items()}
+        verdicts, self._timer_at = self.core.evaluate(now, live, failures)
+        self._log_group_turns()
+        for key, verdict in verdicts.items():
+            runtime = self.runtimes[key]
+            if runtime.admitted != verdict.admitted:
+                runtime.admitted = verdict.admitted
+                runtime.publish()
+            self._apply(key, min(verdict.replicas, runtime.capacity), now)
+
+    def _log_group_turns(self) -> None:
+        for name in self.core.swaps:
+            holder = self.core.group_active(name)
+            previous = self._holders.get(name)
+            if holder != previous:
+                log.info("gpu group turn group=%s from=%s to=%s", name, previous, holder)
+                self._on_swap(name, previous, holder or "")
+                self._holders[name] = holder
+
+    def _apply(self, key: str, count: int, now: float) -> None:
+        state = self._applying[key]
+        runtime = self.runtimes[key]
+        state.wanted = count
+        if count == runtime.replica_count or (state.task is not None and not state.task.done()):
+            return
+        if runtime.replica_count == 0 and count > 0:
+            state.waking_since = now
+            state.spawned = False
+        state.task = asyncio.create_task(self._scale(runtime, state))
+
+    async def _scale(self, runtime: ModelRuntime, state: _Applying) -> None:
+        try:
+            while runtime.replica_count != state.wanted:
+                before = runtime.replica_count
+                await runtime.scale_to(state.wanted)
+                if runtime.replica_count == before:
+                    break  # capped (no free GPUs): the next evaluation tries again
+        finally:
+            self.poke()  # a group peer may be waiting for this one to stop
+
+    # -- replica events ---------------------------------------------------------------------------
+
+    def _exited(self, runtime: ModelRuntime) -> None:
+        """A replica went away on its own (failed load of a scale-from-zero model)."""
+        self.core.resync(runtime.model.key, runtime.replica_count)
+        self.poke()
+
+    def _spawned(self, runtime: ModelRuntime, replica: Replica) -> None:
+        state = self._applying[runtime.model.key]
+        if state.waking_since is not None and not state.spawned:
+            state.spawned = True
+            self._on_cold_start(runtime.model.key, "process_start", replica.started_at - state.waking_since)
+
+    def _ready(self, runtime: ModelRuntime, replica: Replica) -> None:
+        state = self._applying[runtime.model.key]
+        if state.waking_since is not None and replica.ready_at is not None:
+            self._on_cold_start(runtime.model.key, "health_pass", replica.ready_at - replica.started_at)
+            runtime.last_cold_start = replica.ready_at - state.waking_since
+            self._on_cold_start(runtime.model.key, "total", runtime.last_cold_start)
+            state.waking_since = None
+        self.poke()

@@ -1,0 +1,383 @@
+"""The `wakegate up` supervisor: feeder, extproc, Envoy and the model replicas of one machine.
+
+Starts, in order: the xDS feeder (in this process), extproc, Envoy, then the backend
+replicas the scaler asks for. The first SIGINT/SIGTERM drains and stops every child (Envoy
+first, so no new request is admitted); a second one exits at once. Children die with this
+process even if it is SIGKILLed. `status()` is what the admin port's /status serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from wakegate.control import admin, bootstrap
+from wakegate.control.admin import free_port
+from wakegate.control.demand.book import DemandBook
+from wakegate.control.demand.service import DemandService
+from wakegate.control.feeder.ads import AdsServer, start_server
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.resources import GatewaySettings, build
+from wakegate.control.keda.hub import Hub as ScalerHub
+from wakegate.control.keda.service import serve_local
+from wakegate.control.schema import Model
+from wakegate.control.up.children import Child
+from wakegate.control.up.gpus import discover
+from wakegate.control.up.metrics import UpMetrics
+from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
+from wakegate.control.up.scaler import LocalScaler
+from wakegate.process import graceful_exit
+from wakegate.v1 import demand_pb2_grpc
+
+log = logging.getLogger("wakegate.up")
+
+
+@dataclass
+class Ports:
+    xds: int
+    extproc: int
+    extproc_admin: int
+    activator: int
+    envoy_admin: int
+
+
+class Up:
+    def __init__(self, args: argparse.Namespace, models: list[Model], host: str, port: int) -> None:
+        self.args = args
+        self.models = models
+        self.state_dir: Path = args.state_dir
+        self.gateway = GatewaySettings(
+            listen_host=host,
+            listen_port=port,
+            max_request_bytes=args.max_body_bytes,
+            upstream_header=args.upstream_header,
+        )
+        self.cache = SnapshotCache()
+        self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
+        self.gpus = discover(args.fake_gpus)
+        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon, self.gpus) for m in models}
+        self.metrics = UpMetrics()
+        self.book = DemandBook()
+        self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
+        self.demand_service = DemandService(self.book, self._demand_changed)
+        self.scaler_hub: ScalerHub | None = None
+        for runtime in self.runtimes.values():
+            runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
+                rt.model.key
+            ).inc()
+        self.children: list[Child] = []
+        self.ads: AdsServer | None = None
+        self._publish_pending = False
+        self._stop = asyncio.Event()
+        self._failure: str | None = None
+
+    def _demand_changed(self) -> None:
+        self.scaler.poke()
+        if self.scaler_hub is not None:
+            self.scaler_hub.poke()
+
+    # -- observability --------------------------------------------------------------------------
+
+    def _cold_start(self, model: str, stage: str, seconds: float) -> None:
+        self.metrics.cold_start.labels(model, stage).observe(seconds)
+        if stage == "process_start":
+            self.metrics.cold_starts.labels(model).inc()
+        log.info("cold start model=%s stage=%s seconds=%.3f", model, stage, seconds)
+
+    def _swap(self, group: str, old: str | None, new: str) -> None:
+        if old is not None and new:
+            self.metrics.swaps.labels(group).inc()
+
+    def _refresh_gauges(self) -> None:
+        for key, runtime in self.runtimes.items():
+            load = self.scaler.loads.get(key)
+            self.metrics.replicas.labels(key).set(runtime.replica_count)
+            self.metrics.ready.labels(key).set(len(runtime.ready_endpoints))
+            self.metrics.queued.labels(key).set(load.queued if load else 0)
+            self.metrics.in_flight.labels(key).set(load.in_flight if load else 0)
+            self.metrics.leases.labels(key).set(load.leases if load else 0)
+
+    async def _status_display(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.table import Table
+
+        def table() -> Table:
+            view = Table(title=f"wakegate up — http://{self.gateway.listen_host}:{self.gateway.listen_port}")
+            for column in ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start"):
+                view.add_column(column)
+            for model in self.status()["models"]:
+                cold = model["last_cold_start_seconds"]
+                view.add_row(
+                    model["key"],
+                    model["state"],
+                    str(len(model["replicas"])),
+                    str(model["ready"]),
+                    str(model["queued"]),
+                    str(model["in_flight"]),
+                    f"{cold:.2f}s" if cold else "-",
+                )
+            return view
+
+        with Live(table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
+            while True:
+                await asyncio.sleep(0.5)
+                live.update(table())
+
+    # -- feeder -------------------------------------------------------------------------------
+
+    def _publish_soon(self) -> None:
+        """Coalesce bursts of replica changes into one snapshot, pushed on the next loop turn."""
+        if not self._publish_pending:
+            self._publish_pending = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._publish()))
+
+    async def _publish(self) -> None:
+        self._publish_pending = False
+        routed = [runtime.routed() for runtime in self.runtimes.values()]
+        if self.ads is None:
+            await self.cache.set(build(routed, self.gateway))
+        else:
+            await self.cache.set(build(routed, self.gateway, self.ads.confirmed(), self.ads.retained()))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        graceful_exit(self._stop, "wakegate up")
+        server = None
+        keda_server = None
+        admin = None
+        try:
+            admin = await self._start_admin()
+            if self.args.scaler_listen:
+                keda_server, self.scaler_hub, _ = await serve_local(self.book, self.models, self.args.scaler_listen)
+            await self._publish()
+            server, self.ads, xds_port = await start_server(
+                self.cache,
+                "127.0.0.1:0",
+                lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
+                on_endpoints_acked=self._publish_soon,
+            )
+            ports = Ports(
+                xds=xds_port,
+                extproc=free_port(),
+                extproc_admin=free_port(),
+                activator=free_port(),
+                envoy_admin=free_port(),
+            )
+            extproc = await self._start_extproc(ports)
+            envoy = await self._start_envoy(ports)
+            watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
+            watchers.append(asyncio.create_task(self.scaler.run()))
+            self.scaler.poke()
+            if self.args.status_display:
+                watchers.append(asyncio.create_task(self._status_display()))
+            if await self._wait_gateway_ready(ports):
+                names = ", ".join(m.key for m in self.models)
+                log.info(
+                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=127.0.0.1:%d",
+                    self.gateway.listen_host,
+                    self.gateway.listen_port,
+                    names,
+                    ports.envoy_admin,
+                )
+                print(
+                    f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+                    flush=True,
+                )
+            await self._stop.wait()
+            for watcher in watchers:
+                watcher.cancel()
+        finally:
+            await self._shutdown()
+            if server is not None:
+                await server.stop(1)
+            if keda_server is not None:
+                await keda_server.stop(1)
+            if admin is not None:
+                await admin.cleanup()
+        if self._failure:
+            log.error("%s", self._failure)
+            return 1
+        return 0
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+            "models": [
+                {
+                    "key": rt.model.key,
+                    "names": rt.model.client_names,
+                    "backend": rt.model.spec.backend,
+                    "replicas": [
+                        {
+                            "index": r.index,
+                            "port": r.port,
+                            "state": r.state.value,
+                            "pid": r.child.pid,
+                            "restarts": r.restarts,
+                            "gpus": self.gpus.owned(r.gpu_owner),
+                            "log": str(r.child.log_path),
+                        }
+                        for r in rt.replicas
+                    ],
+                    "ready": len(rt.ready_endpoints),
+                    "state": _model_state(rt),
+                    "admitted": rt.admitted,
+                    "failed_activations": rt.failed_activations,
+                    "last_failure": rt.last_failure,
+                    "last_cold_start_seconds": rt.last_cold_start,
+                    "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,
+                    "in_flight": (
+                        self.scaler.loads[rt.model.key].in_flight if rt.model.key in self.scaler.loads else 0
+                    ),
+                    "leases": self.scaler.loads[rt.model.key].leases if rt.model.key in self.scaler.loads else 0,
+                }
+                for rt in self.runtimes.values()
+            ],
+            "gpu_groups": {
+                name: {"active": self.scaler.group_active(name), "swaps": swaps}
+                for name, swaps in self.scaler.swaps.items()
+            },
+        }
+
+    async def _start_admin(self) -> web.AppRunner:
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        async def metrics(_: web.Request) -> web.Response:
+            self._refresh_gauges()
+            return admin.metrics_response(self.metrics.registry)
+
+        host, port = admin.host_port(self.args.admin_listen)
+        return await admin.serve({"/metrics": metrics, "/status": status, "/healthz": healthz}, host, port)
+
+    async def _start_extproc(self, ports: Ports) -> Child:
+        argv = [
+            sys.executable,
+            "-m",
+            "wakegate.extproc",
+            "--listen",
+            f"127.0.0.1:{ports.extproc}",
+            "--admin-listen",
+            f"127.0.0.1:{ports.extproc_admin}",
+            "--activator-listen",
+            f"127.0.0.1:{ports.activator}",
+            "--keepalive-seconds",
+            str(self.args.keepalive_seconds),
+            "--xds",
+            f"127.0.0.1:{ports.xds}",
+            "--max-body-bytes",
+            str(self.args.max_body_bytes),
+            "--global-rps",
+            str(self.args.global_rps),
+            "--global-burst",
+            str(self.args.global_burst),
+            "--log-level",
+            self.args.log_level,
+        ]
+        if self.args.api_keys_file is not None:
+            argv += ["--api-keys-file", str(self.args.api_keys_file.resolve())]
+        child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
+        self.children.append(child)
+        await child.start()
+        return child
+
+    async def _start_envoy(self, ports: Ports) -> Child:
+        rendered = bootstrap.render(
+            f"wakegate-up-{os.getpid()}",
+            bootstrap.GatewayPorts(
+                envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
+            ),
+        )
+        config = self.state_dir / "envoy.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(rendered, encoding="utf-8")
+        argv = [
+            bootstrap.envoy_binary(),
+            "-c",
+            str(config),
+            "--concurrency",
+            str(self.args.envoy_concurrency),
+            "--use-dynamic-base-id",
+            "--log-level",
+            "warn",
+            "--drain-time-s",
+            "5",
+            "--drain-strategy",
+            "immediate",
+        ]
+        child = Child("envoy", argv, self.state_dir / "logs" / "envoy.log")
+        self.children.append(child)
+        await child.start()
+        return child
+
+    async def _watch_critical(self, child: Child) -> None:
+        code = await child.wait()
+        self._failure = f"{child.name} exited with code {code}; last log lines:\n{child.tail()}"
+        self._stop.set()
+
+    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 30.0) -> bool:
+        """Envoy's listener is up and extproc has its routes."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        urls = [
+            f"http://127.0.0.1:{ports.envoy_admin}/ready",
+            f"http://127.0.0.1:{ports.extproc_admin}/healthz",
+        ]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
+                ok = 0
+                for url in urls:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        async with session.get(url) as response:
+                            ok += response.status == 200
+                if ok == len(urls) and await self._listener_bound():
+                    return True
+                await asyncio.sleep(0.05)
+        if not self._stop.is_set():
+            log.error("gateway did not become ready in %.0fs; see %s", timeout, self.state_dir / "logs")
+        return False
+
+    async def _listener_bound(self) -> bool:
+        try:
+            _, writer = await asyncio.open_connection(self.gateway.listen_host, self.gateway.listen_port)
+        except OSError:
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+    async def _shutdown(self) -> None:
+        log.info("wakegate up: draining")
+        for child in reversed(self.children):  # Envoy first: stop admitting, then extproc
+            await child.stop(10.0)
+        await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
+        log.info("wakegate up: stopped")
+
+
+def _model_state(runtime: ModelRuntime) -> str:
+    """One word for the status table: idle, waiting (GPU group), loading, ready, restarting."""
+    states = {r.state for r in runtime.replicas}
+    if ReplicaState.READY in states:
+        return "ready"
+    if ReplicaState.STARTING in states:
+        return "loading"
+    if ReplicaState.RESTARTING in states:
+        return "restarting"
+    if not runtime.admitted:
+        return "waiting"
+    return "idle"

@@ -1,0 +1,95 @@
+"""The feeder's Kubernetes source: Models + EndpointSlices -> RoutedModels; and replica ownership."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wakegate.control.feeder.kube_source import KubeSource, slice_endpoints
+from wakegate.control.k8s import names
+from wakegate.control.operator.controller import _replicas_owned_elsewhere
+
+
+def model(name: str = "m", phase: str = "Ready", admitted: bool = True, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "wakegate.io/v1alpha1",
+        "kind": "Model",
+        "metadata": {"name": name, "namespace": "ns", "generation": 4},
+        "spec": {"backend": "sim", **spec},
+        "status": {
+            "phase": phase,
+            "admitted": admitted,
+            "conditions": [{"type": "Ready", "status": "False", "message": "boom"}],
+        },
+    }
+
+
+def endpoint_slice(name: str, model_name: str, *endpoints: tuple[str, bool | None, bool]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "ns", "labels": names.backend_labels(model_name)},
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": [ip], "conditions": {k: v for k, v in (("ready", r), ("terminating", t)) if v is not None}}
+            for ip, r, t in endpoints
+        ],
+    }
+
+
+def test_ready_addresses_only() -> None:
+    body = endpoint_slice("s", "m", ("10.0.0.1", True, False), ("10.0.0.2", False, False), ("10.0.0.3", None, False))
+    body["endpoints"].append({"addresses": ["10.0.0.4"], "conditions": {"ready": True, "terminating": True}})
+    assert slice_endpoints(body) == {("10.0.0.1", 8000), ("10.0.0.3", 8000)}
+    assert slice_endpoints({"endpoints": body["endpoints"]}) == set()
+
+
+def test_routed_models_from_models_and_slices() -> None:
+    source = KubeSource()
+    source.on_model(None, model(aliases=["alias"], endpoint={"coldMode": "reject", "maxQueue": 7}))
+    source.on_slice(None, endpoint_slice("a", "m", ("10.0.0.1", True, False)))
+    source.on_slice(None, endpoint_slice("b", "m", ("10.0.0.2", True, False)))
+    (routed,) = source.routed()
+    assert routed.key == "ns/m"
+    assert routed.names == ("m", "alias")
+    assert routed.endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    assert (routed.cold_mode, routed.max_queue, routed.generation) == ("reject", 7, 4)
+    assert (routed.admitted, routed.failed_activations, routed.last_failure) == (True, 0, "")
+    source.on_slice("DELETED", endpoint_slice("b", "m"))
+    assert source.routed()[0].endpoints == (("10.0.0.1", 8000),)
+    source.on_model("DELETED", model())
+    assert source.routed() == []
+
+
+def test_failures_count_entries_into_failed_and_admission_comes_from_status() -> None:
+    source = KubeSource()
+    source.on_model(None, model(phase="Failed"))
+    source.on_model(None, model(phase="Failed"))
+    (routed,) = source.routed()
+    assert (routed.failed_activations, routed.last_failure) == (1, "boom")
+    source.on_model(None, model(phase="Loading"))
+    source.on_model(None, model(phase="Failed"))
+    assert source.routed()[0].failed_activations == 2
+    source.on_model(None, model(phase="Preempted", admitted=False))
+    assert source.routed()[0].admitted is False
+
+
+def test_slices_without_model_label_and_invalid_models_are_ignored() -> None:
+    source = KubeSource()
+    source.on_slice(None, {"metadata": {"name": "x", "namespace": "ns", "labels": {}}})
+    source.on_model(None, {**model(), "spec": {"backend": "nope"}})
+    assert source.routed() == []
+
+
+def test_replica_ownership() -> None:
+    def dep(*entries: tuple[str, str, bool]) -> dict[str, Any]:
+        return {
+            "metadata": {
+                "managedFields": [
+                    {"manager": m, "operation": op, "fieldsV1": {"f:spec": {"f:replicas": {}} if owns else {}}}
+                    for m, op, owns in entries
+                ]
+            }
+        }
+
+    assert not _replicas_owned_elsewhere(dep((names.FIELD_MANAGER, "Apply", True)))
+    scaled = dep((names.FIELD_MANAGER, "Apply", False), (names.SCALER_FIELD_MANAGER, "Update", True))
+    assert _replicas_owned_elsewhere(scaled)
+    assert not _replicas_owned_elsewhere(dep(("kube-controller-manager", "Update", False)))

@@ -1,0 +1,213 @@
+"""Rendering a Model + InferenceRuntime into Kubernetes objects, and choosing the runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wakegate.control.backends import BACKENDS
+from wakegate.control.k8s import names
+from wakegate.control.operator import render as rnd
+from wakegate.control.runtimes import shipped_runtimes
+
+
+def model(name: str = "m", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "wakegate.io/v1alpha1",
+        "kind": "Model",
+        "metadata": {"name": name, "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": {"backend": "sim", **spec},
+        "status": {"phase": "Ready"},
+    }
+
+
+def runtime(name: str = "sim", **spec: Any) -> dict[str, Any]:
+    base = next(r for r in shipped_runtimes() if r["metadata"]["name"] == "sim")
+    return {**base, "metadata": {"name": name}, "spec": {**base["spec"], **spec}}
+
+
+def shipped(name: str) -> dict[str, Any]:
+    return next(r for r in shipped_runtimes() if r["metadata"]["name"] == name)
+
+
+def render(
+    body: dict[str, Any], rt: dict[str, Any] | None = None, initial: int | None = None, **settings: Any
+) -> rnd.Rendered:
+    return rnd.render(body, rnd.parse_runtime(rt or runtime()), rnd.Settings(**settings), initial)
+
+
+def kinds(rendered: rnd.Rendered) -> list[str]:
+    return [o["kind"] for o in rendered.objects]
+
+
+def obj(rendered: rnd.Rendered, kind: str) -> dict[str, Any]:
+    return next(o for o in rendered.objects if o["kind"] == kind)
+
+
+def test_keda_model_renders_service_deployment_and_scaled_object_without_replicas() -> None:
+    out = render(model(scaling={"min": 0, "max": 1}), scaler_address="s:1")
+    assert kinds(out) == ["Service", "Deployment", "ScaledObject"]
+    dep = obj(out, "Deployment")
+    assert "replicas" not in dep["spec"]
+    assert dep["metadata"]["name"] == "wg-m" and dep["metadata"]["namespace"] == "ns"
+    assert dep["metadata"]["labels"] == names.backend_labels("m")
+    assert dep["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "wakegate.io/v1alpha1",
+            "kind": "Model",
+            "name": "m",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    so = obj(out, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"]["name"] == "wg-m"
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (0, 1)
+    assert so["spec"]["triggers"] == [
+        {"type": "external-push", "metadata": {"scalerAddress": "s:1", "model": "ns/m", "targetInFlight": "8"}}
+    ]
+    assert out.autoscaling.status == "True"
+
+
+def test_initial_replicas_only_when_asked() -> None:
+    assert obj(render(model(), initial=3), "Deployment")["spec"]["replicas"] == 3
+
+
+def test_pdb_only_when_more_than_one_replica_may_run() -> None:
+    assert "PodDisruptionBudget" not in kinds(render(model(scaling={"max": 1, "engine": "builtin"})))
+    pdb = obj(render(model(scaling={"max": 3, "engine": "builtin"})), "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels("m")}}
+
+
+def test_keda_engine_without_scaledobject_crd_renders_no_deployment() -> None:
+    out = render(model(), keda_available=False)
+    assert kinds(out) == ["Service"]
+    assert (out.autoscaling.status, out.autoscaling.reason) == ("False", "ScaledObjectCRDMissing")
+    assert "builtin" in out.autoscaling.message
+    builtin = render(model(scaling={"engine": "builtin"}), keda_available=False)
+    assert kinds(builtin) == ["Service", "Deployment"]
+    assert builtin.autoscaling.status == "True"
+
+
+def test_pod_template_from_runtime_and_model() -> None:
+    body = model(
+        servedName="org/m",
+        args=["--ttft-ms", "5"],
+        env={"A": "1"},
+        nodeSelector={"zone": "a"},
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        resources={"gpu": {"count": 2, "vendor": "amd", "minVramMb": 24000, "arch": ["gfx942"]}, "memory": "8Gi"},
+    )
+    rt = runtime(
+        gpuVendors=["nvidia", "amd"],
+        env={"PORT_IS": "{port}"},
+        scheduling={"nodeSelector": {"zone": "b", "pool": "gpu"}},
+    )
+    dep = obj(render(body, rt), "Deployment")
+    template = dep["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/wakegate/sim:latest"
+    assert "command" not in container
+    assert container["args"] == ["--served-model-name", "org/m", "--ttft-ms", "5"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 1}}}
+    assert container["env"] == [{"name": "A", "value": "1"}, {"name": "PORT_IS", "value": "8000"}]
+    assert container["resources"] == {"requests": {"memory": "8Gi", "amd.com/gpu": "2"}, "limits": {"amd.com/gpu": "2"}}
+    assert template["metadata"]["annotations"] == {
+        names.ANNOTATION_BACKEND: "sim",
+        names.ANNOTATION_VRAM_ESTIMATE: "24000",
+    }
+    assert template["metadata"]["labels"] == names.backend_labels("m")
+    assert template["spec"]["nodeSelector"] == {"zone": "a", "pool": "gpu"}
+    assert template["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    terms = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"][0] == {
+        "key": names.NODE_GPU_ARCH,
+        "operator": "In",
+        "values": ["gfx942"],
+    }
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_cpu_model_has_no_resources_and_default_strategy() -> None:
+    dep = obj(render(model()), "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "resources" not in container and "strategy" not in dep["spec"]
+
+
+def test_gpu_vendor_without_accelerator_resource_is_a_render_error() -> None:
+    with pytest.raises(rnd.RenderError) as err:
+        render(model(resources={"gpu": {"count": 1}}))
+    assert err.value.reason == "NoAcceleratorResource"
+
+
+@pytest.mark.parametrize(
+    ("source", "arg", "volume_key"),
+    [
+        ("hf://org/llama", "org/llama", None),
+        ("pvc://weights/llama/7b", "/models/weights/llama/7b", "persistentVolumeClaim"),
+        ("oci://reg.io/w/llama@sha256:" + "a" * 64, "/models", "image"),
+    ],
+)
+def test_sources(source: str, arg: str, volume_key: str | None) -> None:
+    rt = runtime(args=["--model", "{model}"])
+    spec = obj(render(model(source=source), rt), "Deployment")["spec"]["template"]["spec"]
+    assert spec["containers"][0]["args"] == ["--model", arg]
+    if volume_key is None:
+        assert "volumes" not in spec
+    else:
+        assert volume_key in spec["volumes"][0]
+        assert spec["containers"][0]["volumeMounts"][0]["readOnly"] is True
+
+
+def test_vllm_runtime_renders_its_command() -> None:
+    body = model(backend="vllm", source="hf://org/x", resources={"gpu": {"count": 1}})
+    container = obj(render(body, shipped("vllm")), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["vllm"]
+    assert container["args"][:2] == ["serve", "org/x"]
+    assert "0.0.0.0" in container["args"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
+def test_digest_is_stable_and_follows_content() -> None:
+    assert render(model()).digest() == render(model()).digest()
+    assert render(model()).digest() != render(model(args=["x"])).digest()
+    # Routing-only fields change nothing that is applied.
+    assert render(model()).objects == render(model(limits={"requestsPerSecond": 3})).objects
+
+
+def test_select_explicit_runtime() -> None:
+    custom = runtime("mine", image="example/sim:1")
+    chosen = rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "mine"})), [custom])
+    assert chosen.spec.image == "example/sim:1"
+    with pytest.raises(rnd.RenderError) as missing:
+        rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "nope"})), [custom])
+    assert missing.value.reason == "RuntimeNotFound"
+    with pytest.raises(rnd.RenderError) as mismatch:
+        rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "vllm"})), [shipped("vllm")])
+    assert mismatch.value.reason == "RuntimeMismatch"
+
+
+def test_select_best_match_prefers_vendor_then_shipped() -> None:
+    body = rnd.parse_model(model(backend="vllm", resources={"gpu": {"count": 1, "vendor": "amd"}}))
+    rocm = runtime("vllm-rocm", backend="vllm", gpuVendors=["amd"])
+    cuda = runtime("vllm-cuda", backend="vllm", gpuVendors=["nvidia"])
+    assert rnd.select_runtime(body, [cuda, rocm, *shipped_runtimes()]).metadata.name == "vllm"
+    assert rnd.select_runtime(body, [cuda]).metadata.name == "vllm"  # shipped fallback
+    # A user's runtime is not picked over the shipped one without runtimeRef.
+    assert rnd.select_runtime(rnd.parse_model(model()), [runtime("custom")]).metadata.name == "sim"
+    # Invalid runtime objects are ignored.
+    broken = {"metadata": {"name": "x"}, "spec": {}}
+    assert rnd.select_runtime(rnd.parse_model(model()), [broken]).metadata.name == "sim"
+
+
+def test_every_backend_ships_a_valid_runtime() -> None:
+    runtimes = {r["metadata"]["name"]: rnd.parse_runtime(r) for r in shipped_runtimes()}
+    assert set(runtimes) == set(BACKENDS)
+    for name, rt in runtimes.items():
+        assert rt.spec.port == BACKENDS[name].default_port
+        assert rt.spec.readinessProbe.path == BACKENDS[name].health_path
+        assert rt.spec.gpuVendors == list(BACKENDS[name].gpu_vendors)

@@ -1,0 +1,89 @@
+"""Verdicts from summed demand: wake at once, idle to zero, GPU-group losers inactive."""
+
+from __future__ import annotations
+
+from wakegate.control.demand.book import DemandBook
+from wakegate.control.scaling.core import Core
+from wakegate.control.schema import parse_models
+from wakegate.v1 import demand_pb2
+
+MODELS = """
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: a, namespace: ns}
+spec:
+  backend: sim
+  scaling: {min: 0, max: 4, idleTimeout: 30, targetInFlight: 2}
+  gpu: {shared: g, priority: 1}
+---
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: b, namespace: ns}
+spec:
+  backend: sim
+  scaling: {min: 0, max: 1, idleTimeout: 30}
+  gpu: {shared: g, priority: 0}
+"""
+
+
+def demand(book: DemandBook, seq: int, now: float, **per_model: int) -> None:
+    models = [demand_pb2.ModelDemand(model=f"ns/{k}", queued=v) for k, v in per_model.items()]
+    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=seq, models=models), now)[0]
+
+
+def test_wake_scale_out_idle() -> None:
+    book = DemandBook()
+    core = Core(book)
+    core.set_models(parse_models(MODELS), 0.0)
+    verdicts, _ = core.evaluate(0.0)
+    assert not verdicts["ns/a"].active
+    demand(book, 1, 1.0, a=1)
+    verdicts, _ = core.evaluate(1.0)
+    assert verdicts["ns/a"].active and verdicts["ns/a"].replicas == 1 and verdicts["ns/a"].demand == 1
+    demand(book, 2, 1.5, a=7)
+    verdicts, next_at = core.evaluate(1.5)
+    assert verdicts["ns/a"].replicas == 1 and next_at == 3.5  # scale-out window
+    verdicts, _ = core.evaluate(3.5)
+    assert verdicts["ns/a"].replicas == 4
+    demand(book, 3, 4.0)
+    verdicts, next_at = core.evaluate(4.0)
+    assert verdicts["ns/a"].active and next_at is not None
+    verdicts, _ = core.evaluate(34.0)
+    assert not verdicts["ns/a"].active and verdicts["ns/a"].replicas == 0
+
+
+def test_group_loser_reports_inactive() -> None:
+    book = DemandBook()
+    core = Core(book)
+    core.set_models(parse_models(MODELS), 0.0)
+    demand(book, 1, 0.0, a=1, b=3)
+    verdicts, _ = core.evaluate(0.0)
+    assert verdicts["ns/a"].active
+    assert not verdicts["ns/b"].active and verdicts["ns/b"].demand == 0 and verdicts["ns/b"].busy
+    assert core.group_active("ns/g") == "ns/a"
+
+
+def test_restart_starts_from_current_replicas() -> None:
+    core = Core(DemandBook())
+    core.set_models(parse_models(MODELS), 100.0, {"ns/a": 2})
+    verdicts, next_at = core.evaluate(100.0)
+    assert verdicts["ns/a"].replicas == 2 and verdicts["ns/a"].active
+    assert next_at == 130.0  # idle timeout counts from the restart
+
+
+def test_a_lease_older_than_the_newest_failed_activation_does_not_wake_again() -> None:
+    book = DemandBook()
+    core = Core(book)
+    core.set_models(parse_models(MODELS), 0.0)
+    lease = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=0)
+    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=1, models=[lease]), 0.0)[0]
+    verdicts, _ = core.evaluate(0.0, failures={"ns/b": 0})
+    assert verdicts["ns/b"].replicas == 1
+    # The load failed (failures -> 1) and the replica went away without a verdict.
+    core.resync("ns/b", 0)
+    verdicts, _ = core.evaluate(1.0, failures={"ns/b": 1})
+    assert verdicts["ns/b"].replicas == 0, "the stale lease must not start a retry loop"
+    fresh = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=1)
+    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=2, models=[fresh]), 2.0)[0]
+    verdicts, _ = core.evaluate(2.0, failures={"ns/b": 1})
+    assert verdicts["ns/b"].replicas == 1, "a lease begun after the failure starts a new activation"

@@ -1,0 +1,103 @@
+"""The Model manifest: defaults, validation messages that name document and field, the CRD kept in sync."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from wakegate.control import crd
+from wakegate.control.schema import ColdMode, ManifestError, parse_models
+
+MINIMAL = """
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: small}
+spec: {backend: sim}
+"""
+
+
+def test_defaults() -> None:
+    (model,) = parse_models(MINIMAL)
+    spec = model.spec
+    assert (spec.scaling.min, spec.scaling.max, spec.scaling.idleTimeout, spec.scaling.activationTimeout) == (
+        1,
+        1,
+        300,
+        180,
+    )
+    assert spec.endpoint.maxQueue == 100 and spec.endpoint.coldMode is ColdMode.HOLD
+    assert model.served_name == "small" and model.client_names == ["small"]
+
+
+def test_names_are_deduplicated_in_order() -> None:
+    (model,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, servedName: org/s, aliases: [s, small]}"))
+    assert model.client_names == ["small", "org/s", "s"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ("{backend: nope}", "spec.backend: Value error, unknown backend 'nope'"),
+        ("{backend: sim, scaling: {min: 3, max: 2}}", "spec.scaling"),
+        ("{backend: sim, scaling: {min: -1}}", "spec.scaling.min"),
+        ("{backend: sim, endpoint: {coldMode: sometimes}}", "spec.endpoint.coldMode"),
+        ("{backend: sim, routing: {strategy: random}}", "spec.routing.strategy"),
+        ("{backend: sim, surprise: 1}", "spec.surprise: Extra inputs are not permitted"),
+        ("{backend: sim, aliases: ['has space']}", "spec.aliases[0]"),
+        ("{backend: sim, source: 'oci://img:latest'}", "spec.source"),
+    ],
+)
+def test_invalid_fields_are_named(patch: str, needle: str) -> None:
+    text = MINIMAL + "---\n" + MINIMAL.replace("small", "second").replace("{backend: sim}", patch)
+    with pytest.raises(ManifestError) as caught:
+        parse_models(text, "models.yaml")
+    message = str(caught.value)
+    assert message.startswith("models.yaml: document 2 (Model 'second'):"), message
+    assert needle in message
+
+
+def test_bad_yaml_and_empty_and_wrong_kind() -> None:
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        parse_models("a: [")
+    with pytest.raises(ManifestError, match="no Model documents"):
+        parse_models("---\n")
+    with pytest.raises(ManifestError, match="kind"):
+        parse_models(MINIMAL.replace("kind: Model", "kind: Deployment"))
+    with pytest.raises(ManifestError, match="expected a mapping"):
+        parse_models("- a\n- b\n")
+
+
+def test_a_name_may_belong_to_one_model_only() -> None:
+    text = (
+        MINIMAL
+        + "---\n"
+        + MINIMAL.replace("name: small", "name: other").replace("{backend: sim}", "{backend: sim, aliases: [small]}")
+    )
+    with pytest.raises(ManifestError, match="'small' is already used by Model 'small'"):
+        parse_models(text)
+
+
+def test_committed_crd_matches_schema() -> None:
+    for name, text in crd.render().items():
+        committed = (crd.CRD_DIR / name).read_text()
+        assert committed == text, f"{name} is stale: run python -m wakegate.control.crd"
+
+
+def test_crd_schema_is_structural() -> None:
+    schema = crd.model_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            assert "$ref" not in node and "anyOf" not in node, path
+            if "properties" in node:
+                assert node.get("type") == "object", path
+            for key, value in node.items():
+                walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+
+    walk(schema, "spec")
+    assert schema["properties"]["scaling"]["properties"]["idleTimeout"]["default"] == 300
+    assert schema["properties"]["gpu"]["properties"]["shared"]["nullable"] is True
+    yaml.safe_dump(schema)

@@ -1,0 +1,367 @@
+"""extproc's HTTP/2 gRPC server against a real gRPC client (grpcio) and raw HTTP/2 frames.
+
+grpcio's client is a strict, independent HTTP/2 and gRPC implementation: if it gets its
+answers, with the right statuses, through its own flow control, the server speaks the
+protocol. Raw frames cover what no well-behaved client sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from wakegate.extproc.h2grpc import call as grpc_call
+from wakegate.extproc.h2grpc import connection as h2
+from wakegate.extproc.h2grpc.call import Call, GrpcError, GrpcServer, unary
+
+ECHO = "/wakegate.test.Echo/Chat"
+UPPER = "/wakegate.test.Echo/Upper"
+BOOM = "/wakegate.test.Echo/Boom"
+SLOW = "/wakegate.test.Echo/Slow"
+
+
+class EchoCall:
+    """Echoes each message; on half-close answers with the count and status OK."""
+
+    def __init__(self, call: Call, log: list[str]) -> None:
+        self.call = call
+        self.count = 0
+        self.log = log
+
+    def on_message(self, data: bytes) -> None:
+        self.count += 1
+        if data == b"fail":
+            self.call.finish(grpc_call.INVALID_ARGUMENT, "no f\u00fcn allowed: 100%")
+            return
+        self.call.send(data)
+
+    def on_half_close(self) -> None:
+        self.call.send(str(self.count).encode())
+        self.call.finish()
+        self.log.append("half-close")
+
+    def on_cancel(self) -> None:
+        self.log.append("cancel")
+
+
+class SlowCall:
+    """Answers each message 0.2 s later, from a task (as a held cold request does)."""
+
+    def __init__(self, call: Call, log: list[str]) -> None:
+        self.call = call
+        self.log = log
+        self.task: asyncio.Task[None] | None = None
+
+    def on_message(self, data: bytes) -> None:
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            self.call.send(data)
+            self.call.finish()
+            self.log.append("slow-done")
+
+        self.task = asyncio.get_running_loop().create_task(later())
+
+    def on_half_close(self) -> None:
+        pass
+
+    def on_cancel(self) -> None:
+        self.log.append("cancel")
+        if self.task is not None:
+            self.task.cancel()
+
+
+class Boom:
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def on_message(self, data: bytes) -> None:
+        raise RuntimeError("listener bug")
+
+    def on_half_close(self) -> None:
+        pass
+
+    def on_cancel(self) -> None:
+        pass
+
+
+def upper(data: bytes) -> bytes:
+    if not data:
+        raise GrpcError(grpc_call.INVALID_ARGUMENT, "empty")
+    return data.upper()
+
+
+def health(data: bytes) -> bytes:
+    request = health_pb2.HealthCheckRequest.FromString(data)
+    if request.service:
+        raise GrpcError(grpc_call.NOT_FOUND, "unknown service")
+    return bytes(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString())
+
+
+@pytest.fixture
+async def served():
+    log: list[str] = []
+    server = GrpcServer(
+        {
+            ECHO: lambda call: EchoCall(call, log),
+            SLOW: lambda call: SlowCall(call, log),
+            UPPER: unary(upper),
+            BOOM: Boom,
+            "/grpc.health.v1.Health/Check": unary(health),
+        },
+        max_message_bytes=8 * 1024 * 1024,
+    )
+    address = await server.listen("127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(
+        address,
+        options=[("grpc.max_receive_message_length", 16 * 1024 * 1024), ("grpc.max_send_message_length", 16 << 20)],
+    )
+    yield server, channel, address, log
+    await channel.close()
+    await server.stop(1.0)
+
+
+async def test_unary_and_health_check_from_grpcio(served) -> None:
+    _, channel, _, _ = served
+    assert await channel.unary_unary(UPPER)(b"hello") == b"HELLO"
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_unary_handler_error_reaches_the_client(served) -> None:
+    _, channel, _, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await channel.unary_unary(UPPER)(b"")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "empty"
+
+
+async def test_bidi_stream_keeps_order_and_ends_with_ok(served) -> None:
+    _, channel, _, log = served
+    call = channel.stream_stream(ECHO)()
+    for i in range(200):
+        await call.write(f"m{i}".encode())
+        assert await call.read() == f"m{i}".encode()
+    await call.done_writing()
+    assert await call.read() == b"200"
+    assert await call.code() == grpc.StatusCode.OK
+    assert log == ["half-close"]
+
+
+async def test_large_messages_both_ways_respect_flow_control(served) -> None:
+    # 6 MB each way: far past grpcio's initial 64 KiB windows and our peer's frame size,
+    # so the server must split frames and wait for WINDOW_UPDATEs.
+    _, channel, _, _ = served
+    payload = bytes(range(256)) * (6 * 1024 * 4)
+    call = channel.stream_stream(ECHO)()
+    await call.write(payload)
+    assert await call.read() == payload
+    await call.write(b"x" * 100_000)
+    assert await call.read() == b"x" * 100_000
+    await call.done_writing()
+    assert await call.read() == b"2"
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_many_concurrent_calls_on_one_connection(served) -> None:
+    _, channel, _, _ = served
+    method = channel.unary_unary(UPPER)
+    replies = await asyncio.gather(*(method(f"call-{i}".encode()) for i in range(500)))
+    assert replies == [f"CALL-{i}".upper().encode() for i in range(500)]
+
+
+async def test_status_message_is_percent_encoded(served) -> None:
+    _, channel, _, _ = served
+    call = channel.stream_stream(ECHO)()
+    await call.write(b"fail")
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await call.details() == "no f\u00fcn allowed: 100%"
+
+
+async def test_unknown_method_is_unimplemented(served) -> None:
+    _, channel, _, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await channel.unary_unary("/wakegate.test.Echo/Missing")(b"x")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_message_over_the_limit_is_refused(served) -> None:
+    _, channel, _, log = served
+    call = channel.stream_stream(ECHO)()
+    await call.write(b"y" * (8 * 1024 * 1024 + 1))
+    assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert log == ["cancel"]  # the listener hears that its call is over
+    # ... and the connection still serves other calls
+    assert await channel.unary_unary(UPPER)(b"ok") == b"OK"
+
+
+async def test_listener_exception_is_internal_and_server_keeps_serving(served, caplog) -> None:
+    _, channel, _, _ = served
+    call = channel.stream_stream(BOOM)()
+    await call.write(b"x")
+    assert await call.code() == grpc.StatusCode.INTERNAL
+    assert "listener bug" in caplog.text
+    assert await channel.unary_unary(UPPER)(b"still") == b"STILL"
+
+
+async def test_client_cancel_reaches_the_listener(served) -> None:
+    server, channel, _, log = served
+    call = channel.stream_stream(SLOW)()
+    await call.write(b"x")
+    await asyncio.sleep(0.05)
+    call.cancel()
+    for _ in range(100):
+        if log:
+            break
+        await asyncio.sleep(0.01)
+    assert log == ["cancel"]
+    await asyncio.sleep(0.3)
+    assert "slow-done" not in log
+    assert server.active_calls == 0
+
+
+async def test_stop_lets_open_calls_finish_and_refuses_new_ones(served) -> None:
+    server, channel, address, log = served
+    call = channel.stream_stream(SLOW)()
+    await call.write(b"in flight")
+    await asyncio.sleep(0.05)
+    stopping = asyncio.create_task(server.stop(5.0))
+    assert await call.read() == b"in flight"
+    assert await call.code() == grpc.StatusCode.OK
+    await stopping
+    assert log == ["slow-done"]
+    async with grpc.aio.insecure_channel(address) as fresh:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fresh.unary_unary(UPPER)(b"late", timeout=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_unix_socket(tmp_path) -> None:
+    server = GrpcServer({UPPER: unary(upper)})
+    path = tmp_path / "s.sock"
+    await server.listen(f"unix:{path}")
+    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+        assert await channel.unary_unary(UPPER)(b"uds") == b"UDS"
+    await server.stop(1.0)
+
+
+# -- raw frames ------------------------------------------------------------------------------
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
+
+
+def _read_frames(
+    sock: socket.socket, until_kind: int, timeout: float = 3.0, until_flags: int = 0
+) -> list[tuple[int, int, int, bytes]]:
+    """Frames until one of `until_kind` (with all of `until_flags`), EOF or the timeout."""
+    sock.settimeout(timeout)
+    data = b""
+    frames: list[tuple[int, int, int, bytes]] = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return frames
+        if not chunk:
+            return frames
+        data += chunk
+        while len(data) >= 9:
+            length = int.from_bytes(data[:3], "big")
+            if len(data) < 9 + length:
+                break
+            frame = (data[3], data[4], int.from_bytes(data[5:9], "big"), data[9 : 9 + length])
+            frames.append(frame)
+            data = data[9 + length :]
+            if frame[0] == until_kind and frame[1] & until_flags == until_flags:
+                return frames
+
+
+def _raw(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)))
+
+
+@pytest.mark.parametrize(
+    ("opening", "code"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", h2.PROTOCOL_ERROR),
+        (h2.PREFACE + _frame(h2.SETTINGS, 0, 0, b"\x00\x04\x00"), h2.FRAME_SIZE_ERROR),
+        (h2.PREFACE + b"\x20\x00\x00" + bytes((0, 0)) + b"\x00\x00\x00\x01", h2.FRAME_SIZE_ERROR),
+        (h2.PREFACE + _frame(h2.HEADERS, h2.END_HEADERS, 2, b"\x83"), h2.PROTOCOL_ERROR),
+        (h2.PREFACE + _frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), 9),
+        (h2.PREFACE + _frame(h2.DATA, 0, 7, b"\x00"), h2.PROTOCOL_ERROR),
+        (h2.PREFACE + _frame(h2.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), h2.PROTOCOL_ERROR),
+        (h2.PREFACE + _frame(h2.PUSH_PROMISE, 0, 1, b"\x00\x00\x00\x02"), h2.PROTOCOL_ERROR),
+    ],
+    ids=["http1", "short-settings", "huge-frame", "even-stream", "bad-hpack", "data-idle", "window-0", "push"],
+)
+async def test_protocol_errors_end_only_that_connection(served, opening: bytes, code: int) -> None:
+    _, channel, address, _ = served
+    loop = asyncio.get_running_loop()
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(opening)
+            return _read_frames(sock, h2.GOAWAY)
+
+    frames = await loop.run_in_executor(None, exchange)
+    goaway = [f for f in frames if f[0] == h2.GOAWAY]
+    assert goaway, frames
+    assert struct.unpack(">I", goaway[-1][3][4:8])[0] == code
+    assert await channel.unary_unary(UPPER)(b"fine") == b"FINE"
+
+
+async def test_ping_is_answered(served) -> None:
+    _, _, address, _ = served
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"12345678"))
+            return _read_frames(sock, h2.PING)
+
+    frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert frames[-1] == (h2.PING, h2.ACK, 0, b"12345678")
+
+
+async def test_continuation_and_padding_are_understood(served) -> None:
+    """What grpcio never sends: a header block split over CONTINUATION, padded DATA."""
+    import hpack
+
+    _, _, address, _ = served
+    block = hpack.Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", UPPER), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+    message = b"padded"
+    grpc_message = b"\x00" + struct.pack(">I", len(message)) + message
+    padding = 7
+    data = bytes((padding,)) + grpc_message + b"\x00" * padding
+    frames = (
+        h2.PREFACE
+        + _frame(h2.SETTINGS, 0, 0)
+        + _frame(h2.HEADERS, 0, 1, block[:5])
+        + _frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[5:])
+        + _frame(h2.DATA, h2.PADDED | h2.END_STREAM, 1, data)
+    )
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(frames)
+            return _read_frames(sock, h2.HEADERS, until_flags=h2.END_STREAM)
+
+    got = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    on_stream = [f for f in got if f[2] == 1]
+    body = b"".join(f[3] for f in on_stream if f[0] == h2.DATA)
+    assert body == b"\x00" + struct.pack(">I", len(message)) + message.upper()
+    trailers = hpack.Decoder().decode(on_stream[-1][3])  # our blocks never use the dynamic table
+    assert on_stream[-1][1] & h2.END_STREAM and ("grpc-status", "0") in trailers

@@ -1,1 +1,0 @@
-"""Unit and component tests of GPU placement: rules, extender HTTP, node agent, discovery, bench."""

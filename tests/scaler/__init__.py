@@ -1,1 +1,0 @@
-"""Tests of `wakegate scaler`: demand book, verdicts, KEDA protocol, up --scaler-listen."""
