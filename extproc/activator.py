@@ -21,8 +21,9 @@ import time
 import aiohttp
 from aiohttp import web
 
+from wakegate import contract
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
-from wakegate.extproc.service import ACTIVATOR_MODEL_HEADER, Gateway
+from wakegate.extproc.service import Gateway
 
 log = logging.getLogger("wakegate.extproc.activator")
 
@@ -34,9 +35,9 @@ _HOP_HEADERS = {
     "keep-alive",
     "te",
     "upgrade",
-    ACTIVATOR_MODEL_HEADER,
-    "x-wakegate-cluster",
-    "x-gateway-destination-endpoint",
+    contract.ACTIVATOR_MODEL_HEADER,
+    contract.CLUSTER_HEADER,
+    contract.DESTINATION_HEADER,
     "x-envoy-expected-rq-timeout-ms",
     "x-forwarded-proto",
     "x-request-id",
@@ -55,7 +56,7 @@ class Activator:
         self._session: aiohttp.ClientSession | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        key = request.headers.get(ACTIVATOR_MODEL_HEADER, "")
+        key = request.headers.get(contract.ACTIVATOR_MODEL_HEADER, "")
         route = self.gw.table.routes.get(key)
         if route is None:
             return web.json_response(

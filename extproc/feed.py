@@ -16,11 +16,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
+from wakegate import contract
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc.feed")
 
-MODEL_ROUTE = "type.googleapis.com/wakegate.v1.ModelRoute"
+MODEL_ROUTE = contract.MODEL_ROUTE_TYPE
 
 
 def decode(response: discovery_pb2.DiscoveryResponse) -> list[routing_pb2.ModelRoute]:
@@ -45,7 +46,7 @@ class RouteFeed:
         max_backoff: float = 5.0,
     ) -> None:
         self._target = target
-        self._node = base_pb2.Node(id=node_id, cluster="wakegate-gateway")
+        self._node = base_pb2.Node(id=node_id, cluster=contract.GATEWAY_NODE_CLUSTER)
         self._on_routes = on_routes
         self._max_backoff = max_backoff
         self.synced = asyncio.Event()

@@ -14,10 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from wakegate import contract
 from wakegate.v1 import routing_pb2
 
-MODEL_HEADER = "x-model-id"
-_PATH_PREFIX = "/model/"
 _MAX_NAME = 253
 
 
@@ -39,12 +38,12 @@ class FromHeaders:
 
 
 def model_from_headers(headers: Mapping[str, str]) -> FromHeaders:
-    name = headers.get(MODEL_HEADER)
+    name = headers.get(contract.MODEL_HEADER)
     if name:
         return FromHeaders(_checked(name.strip()))
     path = headers.get(":path", "")
-    if path.startswith(_PATH_PREFIX):
-        rest = path[len(_PATH_PREFIX) :]
+    if path.startswith(contract.MODEL_PATH_PREFIX):
+        rest = path[len(contract.MODEL_PATH_PREFIX) :]
         name, slash, tail = rest.partition("/")
         if not name or not slash:
             raise BadRequest("path must look like /model/<name>/v1/...", "invalid_path")

@@ -30,6 +30,8 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from wakegate import contract
+
 __all__ = [
     "STRATEGIES",
     "HashRing",
@@ -39,8 +41,8 @@ __all__ = [
     "session_key",
 ]
 
-STRATEGIES = frozenset({"default", "session-affinity", "prefix", "least-loaded"})
-"""The strategy names :meth:`Picker.pick` understands."""
+STRATEGIES = frozenset(contract.STRATEGIES)
+"""The strategy names :meth:`Picker.pick` understands: every one routing.proto defines."""
 
 SESSION_MESSAGES = 5
 """How many leading ``messages`` identify a session when no explicit id is given."""

@@ -24,6 +24,14 @@ from google.protobuf import duration_pb2, struct_pb2
 from google.protobuf.message import DecodeError
 from prometheus_client import generate_latest
 
+from wakegate.contract import (
+    ACTIVATOR_CLUSTER,
+    ACTIVATOR_MODEL_HEADER,
+    CLUSTER_HEADER,
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    STRATEGY_NAMES,
+)
 from wakegate.extproc.auth import ApiKeys
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
@@ -44,19 +52,6 @@ from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("extproc")
 
-CLUSTER_HEADER = "x-wakegate-cluster"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-ACTIVATOR_CLUSTER = "wakegate_activator"
-#: Set on requests routed to the activator: which model they wait for.
-ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
-
-_STRATEGY_NAMES = {
-    routing_pb2.STRATEGY_DEFAULT: "default",
-    routing_pb2.STRATEGY_SESSION_AFFINITY: "session-affinity",
-    routing_pb2.STRATEGY_PREFIX: "prefix",
-    routing_pb2.STRATEGY_LEAST_LOADED: "least-loaded",
-}
 _BUFFER_BODY = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
@@ -392,14 +387,14 @@ class Processor:
     ) -> ep.ProcessingResponse:
         route = resolved.route
         endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
-        strategy = _STRATEGY_NAMES.get(route.strategy, "default")
+        strategy = STRATEGY_NAMES.get(route.strategy, "default")
         endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:
             extra.append(header(DESTINATION_HEADER, endpoint))
             metadata = struct_pb2.Struct()
-            metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = endpoint
+            metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = endpoint
         common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
         ex.model_key = route.key
         ex.endpoint = endpoint

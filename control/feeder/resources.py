@@ -28,6 +28,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
+from wakegate import contract
 from wakegate.control.schema import Model
 from wakegate.v1 import routing_pb2
 
@@ -37,32 +38,14 @@ LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-MODEL_ROUTE = "type.googleapis.com/wakegate.v1.ModelRoute"
+MODEL_ROUTE = contract.MODEL_ROUTE_TYPE
 
 #: Types a client gets in full on every response (no resource names asked).
 WILDCARD_TYPES = frozenset({LISTENER, CLUSTER, MODEL_ROUTE})
 
 LISTENER_NAME = "wakegate_http"
 ROUTE_NAME = "wakegate_routes"
-EXTPROC_CLUSTER = "wakegate_extproc"
-ACTIVATOR_CLUSTER = "wakegate_activator"
-#: Header extproc sets to name the model's cluster; the route reads it.
-CLUSTER_HEADER = "x-wakegate-cluster"
-#: Gateway API Inference Extension endpoint-picker header and metadata key.
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_METADATA_NAMESPACE = "envoy.lb"
-
-_STRATEGIES = {
-    "default": routing_pb2.STRATEGY_DEFAULT,
-    "session-affinity": routing_pb2.STRATEGY_SESSION_AFFINITY,
-    "prefix": routing_pb2.STRATEGY_PREFIX,
-    "least-loaded": routing_pb2.STRATEGY_LEAST_LOADED,
-}
-_COLD_MODES = {
-    "hold": routing_pb2.COLD_MODE_HOLD,
-    "keepalive": routing_pb2.COLD_MODE_KEEPALIVE,
-    "reject": routing_pb2.COLD_MODE_REJECT,
-}
+UPSTREAM_HEADER = "x-wakegate-upstream"
 
 
 @dataclass(frozen=True)
@@ -213,7 +196,7 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
+                "grpc_service": {"envoy_grpc": {"cluster_name": contract.EXTPROC_CLUSTER}, "timeout": "5s"},
                 "failure_mode_allow": False,
                 # Bodies are buffered unless the route says the model is named in the request's
                 # headers (route_configuration): a body that arrives while extproc decides on the
@@ -287,11 +270,7 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     )
 
 
-UPSTREAM_HEADER = "x-wakegate-upstream"
-#: How a request can name its model without a body (extproc/naming.py reads the same two).
-MODEL_HEADER = "x-model-id"
-MODEL_PATH_PREFIX = "/model/"
-_MODEL_HEADER_SET = {"name": MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
+_MODEL_HEADER_SET = {"name": contract.MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
 _NO_ROUTE: dict[str, Any] = {
     "direct_response": {
         "status": 404,
@@ -330,15 +309,15 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                         {
                             "match": {
                                 "prefix": "/",
-                                "headers": [{"name": CLUSTER_HEADER, "present_match": True}],
+                                "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
                             },
-                            "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
+                            "route": {"cluster_header": contract.CLUSTER_HEADER, "timeout": "0s"},
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
                         # needs no body, so it streams through; everything else is buffered.
                         {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **_STREAM_BODY},
-                        {**_NO_ROUTE, "match": {"prefix": MODEL_PATH_PREFIX}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **_STREAM_BODY},
                         {**_NO_ROUTE, "match": {"prefix": "/"}},
                     ],
                 }
@@ -390,11 +369,11 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                                 "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
                                 ".override_host.v3.OverrideHost",
                                 "override_host_sources": [
-                                    {"header": DESTINATION_HEADER},
+                                    {"header": contract.DESTINATION_HEADER},
                                     {
                                         "metadata": {
-                                            "key": LB_METADATA_NAMESPACE,
-                                            "path": [{"key": DESTINATION_HEADER}],
+                                            "key": contract.LB_METADATA_NAMESPACE,
+                                            "path": [{"key": contract.DESTINATION_HEADER}],
                                         }
                                     },
                                 ],
@@ -451,11 +430,11 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         served_name=model.served_name,
         lora_adapters=list(model.lora_adapters),
         cluster=model.cluster,
-        strategy=_STRATEGIES[model.strategy],
+        strategy=contract.STRATEGIES[model.strategy],
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=[routing_pb2.Endpoint(address=ip, port=port) for ip, port in sorted(model.endpoints)],
         cold=routing_pb2.ColdPolicy(
-            mode=_COLD_MODES[model.cold_mode],
+            mode=contract.COLD_MODES[model.cold_mode],
             max_queue=model.max_queue,
             activation_timeout_ms=int(model.activation_timeout_s * 1000),
         ),

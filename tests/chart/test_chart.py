@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from e2e.helm import HELM, BuildError, ensure_helm, is_current
+from wakegate.control.bootstrap import envoy_binary
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "wakegate"
 MONITORING = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
@@ -107,6 +108,26 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     dashboards = [n for n in by_kind(docs, "ConfigMap") if "-dashboard-" in n]
     assert len(dashboards) == 3
     assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "PrometheusRule"), "no Prometheus Operator CRDs"
+
+
+def test_gateway_bootstrap_is_valid_for_envoy(helm: Path, tmp_path: Path) -> None:
+    """The chart's Envoy bootstrap (rendered from envoy/bootstrap.yaml) as the real Envoy reads it."""
+    for values in (None, {"gateway": {"xdsHost": "10.0.0.7", "envoy": {"metricsPort": 9912}}, "xds": {"port": 18001}}):
+        docs = template(helm, tmp_path, values)
+        text = by_kind(docs, "ConfigMap")["wg-wakegate-gateway-envoy"]["data"]["envoy.yaml"]
+        config = yaml.safe_load(text)
+        clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+        xds = clusters["wakegate_xds"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        assert clusters["wakegate_xds"]["type"] == "STRICT_DNS"  # a Service name, or whatever xdsHost says
+        if values is None:
+            assert xds["address"]["socket_address"]["address"] == "wg-wakegate-xds.wakegate-system.svc"
+        else:
+            assert xds["address"]["socket_address"] == {"address": "10.0.0.7", "port_value": 18001}
+            assert config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 9912
+        (tmp_path / "envoy.yaml").write_text(text)
+        out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:

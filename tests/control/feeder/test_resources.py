@@ -9,6 +9,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from wakegate import contract
 from wakegate.control.feeder import resources as r
 
 MODELS = [
@@ -69,7 +70,7 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
         clusters.append(as_dict)
     clusters.append(
         {
-            "name": r.EXTPROC_CLUSTER,
+            "name": contract.EXTPROC_CLUSTER,
             "type": "STATIC",
             "connectTimeout": "1s",
             "typedExtensionProtocolOptions": {
@@ -79,7 +80,7 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
                 }
             },
             "loadAssignment": {
-                "clusterName": r.EXTPROC_CLUSTER,
+                "clusterName": contract.EXTPROC_CLUSTER,
                 "endpoints": [
                     {
                         "lbEndpoints": [

@@ -1,0 +1,52 @@
+"""Names both halves rely on across the control/extproc wall, and through Envoy's configuration.
+
+The feeder (`wakegate.control.feeder`) writes Envoy's routes and clusters and extproc's
+ModelRoutes with these names; extproc (`wakegate.extproc`) sets and reads them on every
+request; Envoy's bootstrap (`wakegate.control.bootstrap`) names the static clusters with
+them. Both halves import this one module, which imports only the generated protos, so the
+two sides cannot disagree. Strategy and cold-mode names are derived from routing.proto's
+enums, so the manifest's words and the wire values cannot disagree either; the Model
+schema's enums are checked against them (tests/test_contract.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+from wakegate.v1 import routing_pb2
+
+#: Header extproc sets to name the model's cluster; the gateway's first route reads it.
+CLUSTER_HEADER = "x-wakegate-cluster"
+#: The endpoint extproc picked, as a header and as `envoy.lb` dynamic metadata (the Gateway
+#: API Inference Extension endpoint-picker convention); the cluster's override_host policy reads both.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
+#: How a request names its model without a body: this header, or a /model/<name>/ path prefix.
+MODEL_HEADER = "x-model-id"
+MODEL_PATH_PREFIX = "/model/"
+#: Set on requests routed to the activator: which model they wait for.
+ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
+
+#: Envoy's static clusters (the bootstrap) that routes and the ext_proc filter refer to.
+XDS_CLUSTER = "wakegate_xds"
+EXTPROC_CLUSTER = "wakegate_extproc"
+ACTIVATOR_CLUSTER = "wakegate_activator"
+#: `node.cluster` of the gateway's Envoy and extproc when they subscribe over ADS.
+GATEWAY_NODE_CLUSTER = "wakegate-gateway"
+
+#: Type URL of the per-model resource the feeder serves extproc.
+MODEL_ROUTE_TYPE = "type.googleapis.com/" + routing_pb2.ModelRoute.DESCRIPTOR.full_name
+
+
+def enum_names(values: Iterable[tuple[str, int]], prefix: str) -> dict[str, int]:
+    """Manifest word -> wire value, from a proto enum's (name, number) pairs: STRATEGY_SESSION_AFFINITY
+    is `session-affinity`."""
+    return {name[len(prefix) :].lower().replace("_", "-"): value for name, value in values}
+
+
+#: Routing strategy and cold mode, by the word a Model manifest uses.
+STRATEGIES = cast(dict[str, routing_pb2.Strategy], enum_names(routing_pb2.Strategy.items(), "STRATEGY_"))
+COLD_MODES = cast(dict[str, routing_pb2.ColdMode], enum_names(routing_pb2.ColdMode.items(), "COLD_MODE_"))
+#: Wire value -> word, for extproc's picker.
+STRATEGY_NAMES: dict[int, str] = {value: name for name, value in STRATEGIES.items()}
