@@ -1,38 +1,113 @@
 """The `wakegate` console script: one subcommand per long-running component.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``main(args) -> int``. Only the chosen module is imported, so `wakegate sim`
-does not pay for the Kubernetes client and `wakegate extproc` stays small.
+Each subcommand is a process whose `main` module exposes ``add_arguments(parser)`` and
+``main(args) -> int``. Only the chosen module is imported (each in its own function below,
+where the import linter sees it), so `wakegate sim` does not pay for the Kubernetes client
+and `wakegate extproc` stays small.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
-#: subcommand -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("wakegate.control.up.main", "run gateway, feeder and model backends on this machine"),
-    "sim": ("wakegate.control.sim.main", "an OpenAI-compatible backend simulator that behaves like vLLM"),
-    "extproc": ("wakegate.extproc.main", "the Envoy ext_proc server (request path)"),
-    "xds": ("wakegate.control.xds.main", "the xDS feeder (ADS server for Envoy and extproc)"),
-    "operator": ("wakegate.control.operator.main", "the Kubernetes operator for Model and InferenceRuntime"),
-    "scaler": ("wakegate.control.scaler.main", "KEDA external-push scaler and demand aggregation"),
-    "agent": ("wakegate.control.agent.main", "GPU node agent: labels nodes with accelerator facts"),
-    "scheduler-extender": ("wakegate.control.extender.main", "kube-scheduler HTTP extender for GPU placement"),
-    "bench": ("wakegate.control.bench.main", "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
+
+def _up() -> ModuleType:
+    from wakegate.control.up import main
+
+    return main
+
+
+def _sim() -> ModuleType:
+    from wakegate.control.sim import main
+
+    return main
+
+
+def _extproc() -> ModuleType:
+    from wakegate.extproc import main
+
+    return main
+
+
+def _xds() -> ModuleType:
+    from wakegate.control.xds import main
+
+    return main
+
+
+def _operator() -> ModuleType:
+    from wakegate.control.operator import main
+
+    return main
+
+
+def _scaler() -> ModuleType:
+    from wakegate.control.scaler import main
+
+    return main
+
+
+def _agent() -> ModuleType:
+    from wakegate.control.agent import main
+
+    return main
+
+
+def _extender() -> ModuleType:
+    from wakegate.control.extender import main
+
+    return main
+
+
+def _bench() -> ModuleType:
+    from wakegate.control.bench import main
+
+    return main
+
+
+#: subcommand -> (its process's main module, one-line help)
+COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
+    "up": (_up, "run gateway, feeder and model backends on this machine"),
+    "sim": (_sim, "an OpenAI-compatible backend simulator that behaves like vLLM"),
+    "extproc": (_extproc, "the Envoy ext_proc server (request path)"),
+    "xds": (_xds, "the xDS feeder (ADS server for Envoy and extproc)"),
+    "operator": (_operator, "the Kubernetes operator for Model and InferenceRuntime"),
+    "scaler": (_scaler, "KEDA external-push scaler and demand aggregation"),
+    "agent": (_agent, "GPU node agent: labels nodes with accelerator facts"),
+    "scheduler-extender": (_extender, "kube-scheduler HTTP extender for GPU placement"),
+    "bench": (_bench, "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
 }
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless there is none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wakegate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="wakegate", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
+    """The argument parser of one subcommand, and its process's main module."""
+    load, help_text = COMMANDS[name]
+    module = load()
+    parser = argparse.ArgumentParser(prog=f"wakegate {name}", description=help_text, formatter_class=_HelpWithDefaults)
+    module.add_arguments(parser)
+    return parser, module
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,20 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0 if args_list else 2
         parser.error(f"unknown command {args_list[0]!r}; choose one of: {', '.join(COMMANDS)}")
-    name = args_list[0]
-    module_name, help_text = COMMANDS[name]
     # Our processes fork children (backends, Envoy) while gRPC threads run; gRPC's fork
     # handlers are for children that keep using gRPC, which ours never do.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        print(f"wakegate {name}: not available in this build", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog=f"wakegate {name}", description=help_text)
-    module.add_arguments(parser)
+    parser, module = command_parser(args_list[0])
     args = parser.parse_args(args_list[1:])
     result: int = module.main(args)
     return result

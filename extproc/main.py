@@ -11,22 +11,23 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from wakegate.extproc import activator, admin
+from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
-from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor, Settings
+from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 
-log = logging.getLogger("extproc")
+log = logging.getLogger("wakegate.extproc")
 
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
@@ -52,36 +53,86 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="interval of SSE heartbeats while a keepalive request waits",
     )
-    parser.add_argument("--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}")
+    parser.add_argument(
+        "--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}", help="this gateway's id in xDS and demand"
+    )
     parser.add_argument(
         "--api-keys-file",
         type=Path,
         default=None,
         help="file with one API key per line; re-read on change; omit to disable auth",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body read to find `model`"
+    )
     parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
-    parser.add_argument("--global-burst", type=float, default=0.0)
-    parser.add_argument("--drain-seconds", type=float, default=30.0)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="time in-flight streams get to finish")
+    add_log_level(parser)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one extproc process is configured with; built once from its command line."""
+
+    #: gRPC address Envoy's ext_proc filter connects to (HOST:PORT or unix:PATH).
+    listen: str
+    #: HTTP address of /healthz, /metrics and /wakegate/queue.
+    admin_listen: str
+    #: HTTP address of the activator (keepalive cold mode); loopback only.
+    activator_listen: str
+    #: The xDS feeder (HOST:PORT) the route table comes from.
+    xds: str
+    #: Where demand reports go (HOST:PORT).
+    demand: str
+    demand_token_file: Path | None
+    #: This gateway's id in xDS and demand reports.
+    node_id: str
+    api_keys_file: Path | None
+    #: SSE heartbeat interval while a keepalive request waits, seconds.
+    keepalive_seconds: float
+    #: How long in-flight streams may finish after the first signal, seconds.
+    drain_seconds: float
+    #: How each request is decided.
+    gateway: service.Settings
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        return cls(
+            listen=args.listen,
+            admin_listen=args.admin_listen,
+            activator_listen=args.activator_listen,
+            xds=args.xds,
+            demand=args.demand or args.xds,
+            demand_token_file=args.demand_token_file,
+            node_id=args.node_id,
+            api_keys_file=args.api_keys_file,
+            keepalive_seconds=args.keepalive_seconds,
+            drain_seconds=args.drain_seconds,
+            gateway=service.Settings(
+                max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
+            ),
+            log_level=args.log_level,
+        )
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings.from_args(args)
+    setup_logging(settings.log_level)
     try:
-        keys = ApiKeys(args.api_keys_file)
+        keys = ApiKeys(settings.api_keys_file)
     except AuthConfigError as exc:
         log.error("%s", exc)
         return 2
-    settings = Settings(max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst)
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    return asyncio.run(serve(args, Gateway(settings, keys)))
+    return asyncio.run(serve(settings, Gateway(settings.gateway, keys)))
 
 
-async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
+async def serve(settings: Settings, gateway: Gateway) -> int:
     serving = True
 
     def check_health(data: bytes) -> bytes:
@@ -97,28 +148,28 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
     processor = Processor(gateway)
     server = GrpcServer(
         {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
-        max_message_bytes=args.max_body_bytes + 1024 * 1024,
+        max_message_bytes=settings.gateway.max_body_bytes + 1024 * 1024,
     )
     try:
-        await server.listen(args.listen)
+        await server.listen(settings.listen)
     except (OSError, ValueError) as exc:
-        log.error("cannot listen on %s: %s", args.listen, exc)
+        log.error("cannot listen on %s: %s", settings.listen, exc)
         return 2
-    feed = RouteFeed(args.xds, args.node_id, gateway.set_routes)
+    feed = RouteFeed(settings.xds, settings.node_id, gateway.set_routes)
     reporter = DemandReporter(
-        args.demand or args.xds,
-        args.node_id,
+        settings.demand,
+        settings.node_id,
         gateway.cold.snapshot,
         lambda: gateway.in_flight,
-        token_file=args.demand_token_file,
+        token_file=settings.demand_token_file,
         on_delivered=gateway.demand_delivered,
     )
     gateway.on_demand_change = reporter.changed
     gateway.on_load_change = reporter.changed_lazily
-    host, port = host_port(args.admin_listen)
+    host, port = host_port(settings.admin_listen)
     runner = await admin.start(gateway, feed.synced.is_set, host, port)
-    keepalive = activator.Activator(gateway, args.keepalive_seconds)
-    host, port = host_port(args.activator_listen)
+    keepalive = activator.Activator(gateway, settings.keepalive_seconds)
+    host, port = host_port(settings.activator_listen)
     activator_runner = await activator.start(keepalive, host, port)
     tasks = [
         asyncio.create_task(feed.run()),
@@ -126,29 +177,18 @@ async def serve(args: argparse.Namespace, gateway: Gateway) -> int:
         asyncio.create_task(_expire_leases(gateway)),
     ]
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            os._exit(1)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    graceful_exit(stop, "extproc")
     log.info(
         "extproc ready listen=%s admin=%s xds=%s auth=%s",
-        args.listen,
-        args.admin_listen,
-        args.xds,
+        settings.listen,
+        settings.admin_listen,
+        settings.xds,
         "on" if gateway.keys.enabled else "off",
     )
     await stop.wait()
-    log.info("extproc draining (up to %.0fs)", args.drain_seconds)
+    log.info("extproc draining (up to %.0fs)", settings.drain_seconds)
     serving = False
-    await server.stop(args.drain_seconds)
+    await server.stop(settings.drain_seconds)
     await activator_runner.cleanup()
     await keepalive.close()
     for task in tasks:

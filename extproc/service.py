@@ -50,7 +50,7 @@ from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
 from wakegate.extproc.responses import error, header, immediate
 from wakegate.v1 import routing_pb2
 
-log = logging.getLogger("extproc")
+log = logging.getLogger("wakegate.extproc")
 
 _BUFFER_BODY = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(),

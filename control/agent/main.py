@@ -17,21 +17,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from wakegate.control.agent.labels import node_report, patch_for
 from wakegate.control.gpu import Discovery, DiscoveryError, GpuDevice, probe
+from wakegate.control.k8s import names
+from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 
 log = logging.getLogger("wakegate.agent")
 
 
 class NodeAgent:
-    def __init__(self, core: Any, node: str, discoveries: list[Discovery], problems: list[str]) -> None:
-        self.core = core
+    def __init__(self, kube: Kube, node: str, discoveries: list[Discovery], problems: list[str]) -> None:
+        self.kube = kube
         self.node = node
+        self._path = path("v1", "Node", None, node)
         self.discoveries = discoveries
         self.problems = problems
         self.labels: dict[str, str] | None = None
@@ -57,9 +60,9 @@ class NodeAgent:
     def sync(self) -> bool:
         """One round; True when the Node was patched."""
         if self.labels is None:
-            meta = self.core.read_node(self.node).metadata
-            self.labels = dict(meta.labels or {})
-            self.annotations = dict(meta.annotations or {})
+            meta = self.kube.get(self._path).get("metadata") or {}
+            self.labels = dict(meta.get("labels") or {})
+            self.annotations = dict(meta.get("annotations") or {})
         devices, problems = self.devices()
         report = node_report(devices)
         if devices:
@@ -70,7 +73,7 @@ class NodeAgent:
         patch = patch_for(report, self.labels, self.annotations)
         if patch is None:
             return False
-        self.core.patch_node(self.node, patch)
+        self.kube.merge_patch(self._path, patch, names.AGENT_FIELD_MANAGER)
         for key, value in patch["metadata"].get("labels", {}).items():
             self._set(self.labels, key, value)
         for key, value in patch["metadata"].get("annotations", {}).items():
@@ -90,54 +93,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--node-name", default=os.environ.get("NODE_NAME"),
       help="the Node to label (default: $NODE_NAME, set it from spec.nodeName in the DaemonSet)")
-    a("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)")
-    a("--interval", type=float, default=15.0, help="seconds between refreshes of the annotations (default 15)")
+    add_kubeconfig(parser)
+    a("--interval", type=float, default=15.0, help="seconds between refreshes of the annotations")
     a("--fake-gpus", type=Path, default=None, metavar="FILE",
       help="read GPUs from a JSON file instead of NVML/amdsmi (tests, demos; see control/gpu/fake.py)")
     a("--once", action="store_true", help="one round, then exit")
-    a("--log-level", default="INFO", help="logging level (default INFO)")
+    add_log_level(parser)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate agent` is configured with; built once from its command line."""
+
+    #: The Node this agent labels.
+    node_name: str
+    kubeconfig: str | None
+    #: Seconds between refreshes of the annotations.
+    interval: float
+    #: Read GPUs from this JSON file instead of NVML/amdsmi.
+    fake_gpus: Path | None
+    #: One round, then exit (status 1 when it failed).
+    once: bool
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        if not args.node_name:
+            raise ValueError("no node name: pass --node-name or set NODE_NAME")
+        return cls(args.node_name, args.kubeconfig, args.interval, args.fake_gpus, args.once, args.log_level)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if not args.node_name:
-        log.error("no node name: pass --node-name or set NODE_NAME")
+    setup_logging(args.log_level)
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
         return 2
-    from kubernetes.client import CoreV1Api
-    from kubernetes.client.exceptions import ApiException
-    from kubernetes.config import ConfigException
-    from urllib3.exceptions import HTTPError
+    return run(settings)
 
-    from wakegate.control.extender.kube import api_client
+
+def run(settings: Settings) -> int:
+    from kubernetes.config import ConfigException
+
     from wakegate.control.gpu.fake import FakeDiscovery
 
-    if args.fake_gpus is not None:
-        discoveries: list[Discovery] = [FakeDiscovery(args.fake_gpus, args.node_name)]
+    if settings.fake_gpus is not None:
+        discoveries: list[Discovery] = [FakeDiscovery(settings.fake_gpus, settings.node_name)]
         problems: list[str] = []
     else:
         discoveries, problems = probe()
     try:
-        core = CoreV1Api(api_client(args.kubeconfig))
+        kube = Kube(api_client(settings.kubeconfig))
     except (ConfigException, OSError) as exc:
         log.error("no Kubernetes configuration: %s", exc)
         return 2
-    agent = NodeAgent(core, args.node_name, discoveries, problems)
+    agent = NodeAgent(kube, settings.node_name, discoveries, problems)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    graceful_exit(stop, "agent")
     try:
         while True:
             failed = False
             try:
                 agent.sync()
-            except (ApiException, HTTPError, OSError) as exc:
+            except (KubeError, OSError) as exc:
                 # Re-read the Node next round: our view of it may be stale.
                 agent.labels = None
                 failed = True
-                log.warning("updating node %s failed: %s", args.node_name, exc)
-            if args.once:
+                log.warning("updating node %s failed: %s", settings.node_name, exc)
+            if settings.once:
                 return 1 if failed else 0
-            if stop.wait(args.interval):
+            if stop.wait(settings.interval):
                 return 0
     finally:
         for discovery in discoveries:

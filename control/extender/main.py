@@ -13,14 +13,16 @@ import asyncio
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from wakegate.control.admin import host_port
 from wakegate.control.extender.server import DEFAULT_MAX_BODY, make_app
+from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP
 from wakegate.control.placement.rules import Weights
-from wakegate.process import graceful_exit
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 
 log = logging.getLogger("wakegate.extender")
 
@@ -35,13 +37,45 @@ def _host_port(value: str) -> tuple[str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--listen", type=_host_port, default=("0.0.0.0", 8888), metavar="HOST:PORT",
-      help="address to serve the extender on (default 0.0.0.0:8888)")
-    a("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+      help="address to serve the extender on (0.0.0.0:8888 by default)")
+    add_kubeconfig(parser)
     a("--bench-namespace", default=os.environ.get("POD_NAMESPACE", "wakegate"),
-      help="namespace of the bench results ConfigMap (default: $POD_NAMESPACE or wakegate)")
-    a("--bench-configmap", default=DEFAULT_CONFIGMAP, help=f"bench results ConfigMap (default {DEFAULT_CONFIGMAP})")
+      help="namespace of the bench results ConfigMap ($POD_NAMESPACE or wakegate by default)")
+    a("--bench-configmap", default=DEFAULT_CONFIGMAP, help="bench results ConfigMap")
     a("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
-    a("--log-level", default="INFO", help="logging level (default INFO)")
+    add_log_level(parser)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate scheduler-extender` is configured with; built once from its command line."""
+
+    listen_host: str
+    listen_port: int
+    kubeconfig: str | None
+    #: Where the bench results ConfigMap is.
+    bench_namespace: str
+    bench_configmap: str
+    #: Largest request body from kube-scheduler.
+    max_body_bytes: int
+    #: Score weights, from the SCHED_*_WEIGHT environment variables.
+    weights: Weights
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Raises ValueError for a bad score weight."""
+        host, port = args.listen
+        return cls(
+            listen_host=host,
+            listen_port=port,
+            kubeconfig=args.kubeconfig,
+            bench_namespace=args.bench_namespace,
+            bench_configmap=args.bench_configmap,
+            max_body_bytes=args.max_body_bytes,
+            weights=Weights.from_env(os.environ),
+            log_level=args.log_level,
+        )
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
@@ -58,29 +92,29 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(args.log_level)
     try:
-        weights = Weights.from_env(os.environ)
+        settings = Settings.from_args(args)
     except ValueError as exc:
         log.error("bad score weight: %s", exc)
         return 2
-    from kubernetes.client import CoreV1Api
     from kubernetes.config import ConfigException
 
-    from wakegate.control.extender.kube import ClusterSources, api_client
+    from wakegate.control.extender.kube import ClusterSources
 
     try:
-        api = api_client(args.kubeconfig)
+        kube = Kube(api_client(settings.kubeconfig))
     except (ConfigException, OSError) as exc:
         log.error("no Kubernetes configuration: %s", exc)
         return 2
-    sources = ClusterSources(CoreV1Api(api), args.bench_namespace, args.bench_configmap)
+    sources = ClusterSources(kube, settings.bench_namespace, settings.bench_configmap)
     stop = threading.Event()
     sources.start(stop)
-    log.info("weights %s; bench results from %s/%s", weights, args.bench_namespace, args.bench_configmap)
-    host, port = args.listen
+    bench = f"{settings.bench_namespace}/{settings.bench_configmap}"
+    log.info("weights %s; bench results from %s", settings.weights, bench)
+    app = make_app(sources, settings.weights, max_body=settings.max_body_bytes)
     try:
-        asyncio.run(_serve(make_app(sources, weights, max_body=args.max_body_bytes), host, port))
+        asyncio.run(_serve(app, settings.listen_host, settings.listen_port))
     finally:
         stop.set()
     return 0

@@ -19,11 +19,7 @@ from pydantic import ValidationError
 
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.k8s import names
-from wakegate.control.schema import Model
-
-
-def _model(body: Mapping[str, Any]) -> Model:
-    return Model.model_validate({k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+from wakegate.control.k8s.objects import model_from_object
 
 
 def slice_endpoints(body: Mapping[str, Any]) -> set[tuple[str, int]]:
@@ -80,7 +76,7 @@ class KubeSource:
         out = []
         for key, body in sorted(self.models.items()):
             try:
-                model = _model(body)
+                model = model_from_object(body)
             except ValidationError:
                 continue
             status = body.get("status") or {}

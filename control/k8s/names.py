@@ -17,6 +17,10 @@ RUNTIME_PLURAL = "inferenceruntimes"
 FIELD_MANAGER = "wakegate-operator"
 #: Field manager of the builtin scaling engine (it owns only spec.replicas via the scale subresource).
 SCALER_FIELD_MANAGER = "wakegate-scaler"
+#: Field manager of the GPU node agent's label and annotation patches.
+AGENT_FIELD_MANAGER = "wakegate-agent"
+#: Field manager of `wakegate bench` writing its results ConfigMap.
+BENCH_FIELD_MANAGER = "wakegate-bench"
 
 LABEL_MODEL = "wakegate.io/model"
 LABEL_COMPONENT = "app.kubernetes.io/component"

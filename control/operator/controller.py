@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
+from wakegate.control.k8s.objects import model_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.status import Observed, compute, swap_holder
 from wakegate.control.schema import InferenceRuntime
@@ -170,7 +171,7 @@ class Reconciler:
         autoscaling = rnd.Condition("AutoscalingReady", "Unknown", "NotRendered")
         render_error: rnd.Condition | None = None
         try:
-            model = rnd.parse_model(body)
+            model = model_from_object(body)
             runtime = rnd.select_runtime(model, self.runtimes.values())
             autoscaling = (await self._apply(key, body, runtime)).autoscaling
         except ValidationError as exc:
@@ -216,7 +217,7 @@ class Reconciler:
         seed: int | None = None
         if deployment is None or not _replicas_owned_elsewhere(deployment):
             current = ((deployment or {}).get("spec") or {}).get("replicas")
-            seed = int(current) if current is not None else rnd.parse_model(body).spec.scaling.min
+            seed = int(current) if current is not None else model_from_object(body).spec.scaling.min
             rendered_with_seed = rnd.render(body, runtime, self.settings, initial_replicas=seed)
         else:
             rendered_with_seed = rendered

@@ -13,22 +13,21 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any
+from dataclasses import dataclass
 
-import kopf
-
-from wakegate.control.k8s.client import Kube, api_client, connection_info
+from wakegate.control.k8s import kopfing
+from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler, keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
-from wakegate.process import graceful_exit
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 
 log = logging.getLogger("wakegate.operator")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)")
+    add_kubeconfig(parser)
     parser.add_argument(
         "--scaler-address",
         default="wakegate-scaler.wakegate-system.svc:9091",
@@ -37,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lease-namespace",
         default=os.environ.get("POD_NAMESPACE", "wakegate-system"),
-        help="namespace of the leader-election Lease (default: $POD_NAMESPACE or wakegate-system)",
+        help="namespace of the leader-election Lease ($POD_NAMESPACE or wakegate-system by default)",
     )
     parser.add_argument("--lease-name", default="wakegate-operator")
     parser.add_argument("--lease-seconds", type=float, default=15.0, help="a dead leader is replaced after this")
@@ -54,32 +53,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="apply the InferenceRuntimes shipped for each backend plugin when leading",
     )
-    parser.add_argument("--log-level", default="info")
+    add_log_level(parser)
 
 
-async def _lead(args: argparse.Namespace, kube: Kube, lease: LeaderLease, stop: asyncio.Event) -> int:
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate operator` is configured with; built once from its command line."""
+
+    kubeconfig: str | None
+    #: host:port of `wakegate scaler`, written into KEDA ScaledObjects.
+    scaler_address: str
+    #: The leader-election Lease and this replica's name in it.
+    lease: LeaseConfig
+    #: Models reconciled concurrently.
+    workers: int
+    #: Apply the InferenceRuntimes shipped for each backend plugin when leading.
+    install_runtimes: bool
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        return cls(
+            kubeconfig=args.kubeconfig,
+            scaler_address=args.scaler_address,
+            lease=LeaseConfig(
+                namespace=args.lease_namespace,
+                name=args.lease_name,
+                identity=args.identity,
+                lease_seconds=args.lease_seconds,
+                renew_seconds=args.renew_seconds,
+            ),
+            workers=args.workers,
+            install_runtimes=args.install_runtimes,
+            log_level=args.log_level,
+        )
+
+
+async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Event) -> int:
     if args.install_runtimes:
         for runtime in shipped_runtimes():
             await asyncio.to_thread(kube.apply, runtime)
     keda = await asyncio.to_thread(keda_installed, kube)
     settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda)
     reconciler = Reconciler(kube, settings, workers=args.workers)
-    registry = kopf.OperatorRegistry()
+    registry = kopfing.registry(args.kubeconfig)
     register(registry, reconciler)
-
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(**connection_info(api_client(args.kubeconfig).configuration))
-
-    kopf.on.login(registry=registry)(login)
-    kopf_settings = kopf.OperatorSettings()
-    kopf_settings.posting.enabled = False
     kopf_stop = asyncio.Event()
     tasks = {
-        "kopf": asyncio.create_task(
-            kopf.operator(
-                registry=registry, settings=kopf_settings, standalone=True, clusterwide=True, stop_flag=kopf_stop
-            )
-        ),
+        "kopf": asyncio.create_task(kopfing.run(registry, kopf_stop)),
         "workers": asyncio.create_task(reconciler.run()),
         "lease": asyncio.create_task(lease.keep()),
         "stop": asyncio.create_task(stop.wait()),
@@ -102,21 +123,12 @@ async def _lead(args: argparse.Namespace, kube: Kube, lease: LeaderLease, stop: 
     return 0
 
 
-async def _main(args: argparse.Namespace) -> int:
+async def _main(args: Settings) -> int:
     kube = Kube(api_client(args.kubeconfig))
-    lease = LeaderLease(
-        kube,
-        LeaseConfig(
-            namespace=args.lease_namespace,
-            name=args.lease_name,
-            identity=args.identity,
-            lease_seconds=args.lease_seconds,
-            renew_seconds=args.renew_seconds,
-        ),
-    )
+    lease = LeaderLease(kube, args.lease)
     stop = asyncio.Event()
     graceful_exit(stop, "operator")
-    log.info("operator %s waiting for lease %s/%s", args.identity, args.lease_namespace, args.lease_name)
+    log.info("operator %s waiting for lease %s/%s", args.lease.identity, args.lease.namespace, args.lease.name)
     acquire = asyncio.create_task(lease.acquire())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -124,11 +136,11 @@ async def _main(args: argparse.Namespace) -> int:
         acquire.cancel()
         return 0
     stopped.cancel()
-    log.info("operator %s is the leader", args.identity)
+    log.info("operator %s is the leader", args.lease.identity)
     return await _lead(args, kube, lease, stop)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kopf").setLevel(logging.WARNING)
-    return asyncio.run(_main(args))
+    settings = Settings.from_args(args)
+    setup_logging(settings.log_level, quiet=("kopf",))
+    return asyncio.run(_main(settings))

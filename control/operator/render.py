@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from wakegate.control.k8s import names
+from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.schema import InferenceRuntime, Model, ScalingEngine
 
@@ -73,29 +74,6 @@ class Rendered:
         return hashlib.blake2b(json.dumps(self.objects, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def parse_model(body: Mapping[str, Any]) -> Model:
-    """The typed Model from a Kubernetes object (status and server metadata dropped)."""
-    return Model.model_validate(
-        {
-            "apiVersion": body.get("apiVersion"),
-            "kind": body.get("kind"),
-            "metadata": body.get("metadata", {}),
-            "spec": body.get("spec", {}),
-        }
-    )
-
-
-def parse_runtime(body: Mapping[str, Any]) -> InferenceRuntime:
-    return InferenceRuntime.model_validate(
-        {
-            "apiVersion": body.get("apiVersion"),
-            "kind": body.get("kind"),
-            "metadata": body.get("metadata", {}),
-            "spec": body.get("spec", {}),
-        }
-    )
-
-
 def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> InferenceRuntime:
     """Explicit `runtimeRef`, else the best runtime for backend + GPU vendor (shipped before user's).
 
@@ -105,7 +83,7 @@ def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> Infer
     parsed: dict[str, InferenceRuntime] = {}
     for body in runtimes:
         try:
-            runtime = parse_runtime(body)
+            runtime = runtime_from_object(body)
         except ValidationError:
             continue
         parsed[runtime.metadata.name] = runtime
@@ -122,7 +100,7 @@ def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> Infer
             )
         return chosen
     for body in shipped_runtimes():
-        shipped = parse_runtime(body)
+        shipped = runtime_from_object(body)
         parsed.setdefault(shipped.metadata.name, shipped)
     vendor = spec.resources.gpu.vendor
     candidates = [r for r in parsed.values() if r.spec.backend == spec.backend]
@@ -348,7 +326,7 @@ def render(
     initial_replicas: int | None = None,
 ) -> Rendered:
     """Everything a Model owns. `body` is the Model object (metadata with namespace and uid)."""
-    model = parse_model(body)
+    model = model_from_object(body)
     engine = model.spec.scaling.engine
     objects: list[dict[str, Any]] = [service(body, model, runtime)]
     if engine is ScalingEngine.KEDA and not settings.keda_available:

@@ -1,26 +1,24 @@
 """The scaler's Kubernetes adapters: a read-only Model watch and the builtin engine's scale writes.
 
-:class:`ModelWatch` lists and watches `wakegate.io/v1alpha1` Models (one
-namespace or all) in a thread and hands the whole valid set to the event loop
-on every change. :class:`BuiltinEngine` applies the verdicts of models with
-``spec.scaling.engine: builtin`` by PATCHing their `wg-<model>` Deployment's
-scale subresource, only while this scaler holds the Lease and only when the
-desired count differs from the one it last saw or wrote.
+:func:`model_watch` lists and watches `wakegate.io/v1alpha1` Models (one namespace or all)
+in a thread and hands the whole valid set to the event loop on every change.
+:class:`BuiltinEngine` applies the verdicts of models with ``spec.scaling.engine: builtin``
+by patching their `wg-<model>` Deployment's scale subresource, only while this scaler holds
+the Lease and only when the desired count differs from the one it last saw or wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any
 
-from kubernetes import client, watch
-from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from wakegate.control.k8s.names import GROUP, MODEL_PLURAL, SCALER_FIELD_MANAGER, VERSION, backend_name
+from wakegate.control.k8s import names
+from wakegate.control.k8s.client import Kube, KubeError, path
+from wakegate.control.k8s.objects import model_from_object
+from wakegate.control.k8s.watch import ListWatch
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Verdict
 from wakegate.control.schema import Model, ScalingEngine
@@ -31,74 +29,36 @@ log = logging.getLogger("wakegate.scaler.kube")
 RETRY_SECONDS = 2.0
 
 
-def parse_model(obj: dict[str, Any]) -> Model | None:
-    body = {k: obj.get(k) for k in ("apiVersion", "kind", "metadata", "spec")}
-    try:
-        return Model.model_validate(body)
-    except ValidationError as exc:
-        meta = obj.get("metadata") or {}
-        log.warning("ignoring Model %s/%s: %s", meta.get("namespace"), meta.get("name"), exc.errors()[:1])
-        return None
+def valid_models(watch: ListWatch) -> list[Model]:
+    """The watched Models the schema accepts; one warning for each that it does not."""
+    models = []
+    for obj in watch.items():
+        try:
+            models.append(model_from_object(obj))
+        except ValidationError as exc:
+            meta = obj.get("metadata") or {}
+            log.warning("ignoring Model %s/%s: %s", meta.get("namespace"), meta.get("name"), exc.errors()[:1])
+    return models
 
 
-class ModelWatch:
-    def __init__(
-        self,
-        api: client.ApiClient,
-        namespace: str | None,
-        loop: asyncio.AbstractEventLoop,
-        on_models: Callable[[list[Model]], None],
-    ) -> None:
-        self._custom = client.CustomObjectsApi(api)
-        self._namespace = namespace
-        self._loop = loop
-        self._on_models = on_models
-        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self._watch: watch.Watch | None = None
+def model_watch(
+    kube: Kube, namespace: str | None, loop: asyncio.AbstractEventLoop, on_models: Callable[[list[Model]], None]
+) -> ListWatch:
+    """A watch of the Models (one namespace, or all) that hands every valid set to the loop."""
 
-    def _list(self, **kwargs: Any) -> Any:
-        if self._namespace:
-            return self._custom.list_namespaced_custom_object(GROUP, VERSION, self._namespace, MODEL_PLURAL, **kwargs)
-        return self._custom.list_cluster_custom_object(GROUP, VERSION, MODEL_PLURAL, **kwargs)
+    def changed(watch: ListWatch) -> None:
+        loop.call_soon_threadsafe(on_models, valid_models(watch))
 
-    def _publish(self) -> None:
-        models = [m for m in map(parse_model, self._objects.values()) if m is not None]
-        self._loop.call_soon_threadsafe(self._on_models, models)
+    return ListWatch(kube, "models", path(names.API_VERSION, "Model", namespace), on_change=changed)
 
-    def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                listed = self._list()
-                self._objects = {
-                    (o["metadata"]["namespace"], o["metadata"]["name"]): o for o in listed.get("items", [])
-                }
-                self._publish()
-                self._watch = watch.Watch()
-                version = listed["metadata"]["resourceVersion"]
-                for event in self._watch.stream(self._list, resource_version=version, timeout_seconds=300):
-                    obj = event["object"]
-                    if event["type"] == "ERROR":
-                        break
-                    ref = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-                    if event["type"] == "DELETED":
-                        self._objects.pop(ref, None)
-                    else:
-                        self._objects[ref] = obj
-                    self._publish()
-            except (ApiException, OSError, ValueError) as exc:
-                if stop.is_set():
-                    return
-                log.warning("Model watch failed, relisting: %s", exc)
-                stop.wait(1.0)
 
-    def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
+def _scale_path(model: Model) -> str:
+    return path("apps/v1", "Deployment", model.metadata.namespace, names.backend_name(model.name)) + "/scale"
 
 
 class BuiltinEngine:
-    def __init__(self, api: client.ApiClient, metrics: ScalerMetrics, on_retry: Callable[[], None]) -> None:
-        self._apps = client.AppsV1Api(api)
+    def __init__(self, kube: Kube, metrics: ScalerMetrics, on_retry: Callable[[], None]) -> None:
+        self._kube = kube
         self._metrics = metrics
         self._on_retry = on_retry
         self.leader = False
@@ -110,13 +70,8 @@ class BuiltinEngine:
 
     def current_replicas(self, model: Model) -> int:
         """The Deployment's spec.replicas now (0 when it does not exist yet)."""
-        try:
-            scale = self._apps.read_namespaced_deployment_scale(backend_name(model.name), model.metadata.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return 0
-            raise
-        return int(scale.spec.replicas or 0)
+        scale = self._kube.get_or_none(_scale_path(model))
+        return int(((scale or {}).get("spec") or {}).get("replicas") or 0)
 
     def set_leader(self, leader: bool) -> None:
         self.leader = leader
@@ -142,10 +97,10 @@ class BuiltinEngine:
             while self.leader and self._known.get(key) != (wanted := self._wanted[key]):
                 try:
                     await asyncio.to_thread(self._patch, model, wanted)
-                except (ApiException, OSError) as exc:
-                    result = "not_found" if isinstance(exc, ApiException) and exc.status == 404 else "error"
+                except (KubeError, OSError) as exc:
+                    result = "not_found" if isinstance(exc, KubeError) and exc.status == 404 else "error"
                     self._metrics.scale_patches.labels(key, result).inc()
-                    log.warning("scale %s to %d failed: %s", key, wanted, getattr(exc, "reason", exc))
+                    log.warning("scale %s to %d failed: %s", key, wanted, exc)
                     retry = True
                     return
                 self._known[key] = wanted
@@ -157,9 +112,4 @@ class BuiltinEngine:
                 asyncio.get_running_loop().call_later(RETRY_SECONDS, self._on_retry)
 
     def _patch(self, model: Model, replicas: int) -> None:
-        self._apps.patch_namespaced_deployment_scale(
-            backend_name(model.name),
-            model.metadata.namespace,
-            {"spec": {"replicas": replicas}},
-            field_manager=SCALER_FIELD_MANAGER,
-        )
+        self._kube.merge_patch(_scale_path(model), {"spec": {"replicas": replicas}}, names.SCALER_FIELD_MANAGER)

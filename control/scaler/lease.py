@@ -13,8 +13,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from kubernetes import client
-
 from wakegate.control.k8s.client import Kube, KubeError
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
 
@@ -24,7 +22,7 @@ log = logging.getLogger("wakegate.scaler.lease")
 class LeaseElector:
     def __init__(
         self,
-        api: client.ApiClient,
+        kube: Kube,
         namespace: str,
         name: str,
         identity: str,
@@ -33,7 +31,7 @@ class LeaseElector:
         lease_seconds: int = 15,
         renew_seconds: float = 5.0,
     ) -> None:
-        self._lease = LeaderLease(Kube(api), LeaseConfig(namespace, name, identity, lease_seconds, renew_seconds))
+        self._lease = LeaderLease(kube, LeaseConfig(namespace, name, identity, lease_seconds, renew_seconds))
         self._on_change = on_change
         self.lease_seconds = lease_seconds
         self.renew_seconds = renew_seconds

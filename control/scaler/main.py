@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,12 +30,13 @@ from aiohttp import web
 from wakegate.control import admin
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
+from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.keda.hub import Hub
 from wakegate.control.keda.service import TlsFiles, serve_external_scaler
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
 from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.process import graceful_exit
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.scaler")
@@ -51,42 +53,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--admin-listen", default="0.0.0.0:8080", help="HTTP address for /metrics and /healthz")
     parser.add_argument("--models-file", type=Path, default=None, help="serve these Models instead of the cluster's")
-    parser.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG, then in-cluster)")
+    add_kubeconfig(parser)
     parser.add_argument("--namespace", default=None, help="watch Models in this namespace only (default: all)")
     parser.add_argument("--lease-name", default="wakegate-scaler", help="Lease that elects the builtin engine")
     parser.add_argument(
         "--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="namespace of the Lease"
     )
     parser.add_argument("--identity", default=None, help="Lease holder identity (default: hostname + pid)")
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser)
 
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate scaler` is configured with; built once from its command line."""
+
+    #: DemandService address gateways report to, and the bearer token they must present.
+    demand_listen: str
+    demand_token_file: Path | None
+    #: ExternalScaler address for KEDA; TLS (mTLS with a client CA) when files are given.
+    keda_listen: str
+    tls: TlsFiles | None
+    #: HTTP address of /metrics and /healthz.
+    admin_listen: str
+    #: Serve these Models instead of watching the cluster's.
+    models: tuple[Model, ...] | None
+    kubeconfig: str | None
+    #: Watch Models in this namespace only (None: all).
+    namespace: str | None
+    #: The Lease that elects the builtin engine, and this replica's name in it.
+    lease_namespace: str
+    lease_name: str
+    identity: str
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Raises ValueError with a message for the user."""
+        if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
+            raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+        models = None
+        if args.models_file is not None:
+            try:
+                models = tuple(parse_models(args.models_file.read_text(encoding="utf-8"), str(args.models_file)))
+            except (OSError, ManifestError) as exc:
+                raise ValueError(str(exc)) from None
+        for address in (args.demand_listen, args.keda_listen, args.admin_listen):
+            admin.host_port(address, "0.0.0.0")
+        return cls(
+            demand_listen=args.demand_listen,
+            demand_token_file=args.demand_token_file,
+            keda_listen=args.keda_listen,
+            tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+            admin_listen=args.admin_listen,
+            models=models,
+            kubeconfig=args.kubeconfig,
+            namespace=args.namespace,
+            lease_namespace=args.lease_namespace,
+            lease_name=args.lease_name,
+            identity=args.identity or f"{socket.gethostname()}-{os.getpid()}",
+            log_level=args.log_level,
+        )
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
-        print("wakegate scaler: --tls-cert and --tls-key go together; --tls-client-ca needs them", file=sys.stderr)
-        return 2
-    models: list[Model] | None = None
-    if args.models_file is not None:
-        try:
-            models = parse_models(args.models_file.read_text(encoding="utf-8"), str(args.models_file))
-        except (OSError, ManifestError) as exc:
-            print(f"wakegate scaler: {exc}", file=sys.stderr)
-            return 2
+    setup_logging(args.log_level)
     try:
-        for address in (args.demand_listen, args.keda_listen, args.admin_listen):
-            admin.host_port(address, "0.0.0.0")
+        settings = Settings.from_args(args)
     except ValueError as exc:
         print(f"wakegate scaler: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(Scaler(args, models).run())
+    return asyncio.run(Scaler(settings).run())
 
 
 class Scaler:
-    def __init__(self, args: argparse.Namespace, models: list[Model] | None) -> None:
-        self.args = args
-        self.static_models = models
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.book = DemandBook()
         self.core = Core(self.book)
         self.hub = Hub(self.core, clock=time.monotonic)
@@ -102,19 +144,19 @@ class Scaler:
         async def metrics(_: web.Request) -> web.Response:
             return admin.metrics_response(self.metrics.registry)
 
-        host, port = admin.host_port(self.args.admin_listen, "0.0.0.0")
+        host, port = admin.host_port(self.settings.admin_listen, "0.0.0.0")
         return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
     async def _start_demand(self) -> grpc.aio.Server:
-        service = DemandService(self.book, self.hub.poke, token_file=self.args.demand_token_file)
+        service = DemandService(self.book, self.hub.poke, token_file=self.settings.demand_token_file)
         limits = self.book.limits
         server = grpc.aio.server(
             maximum_concurrent_rpcs=limits.max_concurrent_reports,
             options=[("grpc.max_receive_message_length", 2 * limits.max_report_bytes)],
         )
         demand_pb2_grpc.add_DemandServiceServicer_to_server(service, server)
-        if server.add_insecure_port(self.args.demand_listen) == 0:
-            raise OSError(f"cannot listen on {self.args.demand_listen}")
+        if server.add_insecure_port(self.settings.demand_listen) == 0:
+            raise OSError(f"cannot listen on {self.settings.demand_listen}")
         await server.start()
         return server
 
@@ -126,25 +168,23 @@ class Scaler:
         servers: list[grpc.aio.Server] = []
         admin = None
         try:
-            if self.static_models is not None:
-                self.core.set_models(self.static_models, time.monotonic())
+            if self.settings.models is not None:
+                self.core.set_models(self.settings.models, time.monotonic())
             else:
                 threads = self._start_kube(loop, threads_stop)
             self.hub.evaluate()
             admin = await self._start_admin()
             servers.append(await self._start_demand())
-            tls = (
-                TlsFiles(self.args.tls_cert, self.args.tls_key, self.args.tls_client_ca) if self.args.tls_cert else None
-            )
-            keda, port = await serve_external_scaler(self.hub, self.args.keda_listen, tls)
+            tls = self.settings.tls
+            keda, port = await serve_external_scaler(self.hub, self.settings.keda_listen, tls)
             servers.append(keda)
             log.info(
                 "wakegate scaler: demand=%s keda=%s (port %d, %s) admin=%s",
-                self.args.demand_listen,
-                self.args.keda_listen,
+                self.settings.demand_listen,
+                self.settings.keda_listen,
                 port,
-                "mTLS" if self.args.tls_client_ca else "TLS" if tls else "plaintext",
-                self.args.admin_listen,
+                "mTLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",
+                self.settings.admin_listen,
             )
             print("wakegate scaler: ready", flush=True)
             await self.stop.wait()
@@ -159,17 +199,12 @@ class Scaler:
         return 0
 
     def _start_kube(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> list[threading.Thread]:
-        from kubernetes import client, config
-
-        from wakegate.control.scaler.kube import BuiltinEngine, ModelWatch
+        from wakegate.control.k8s.client import Kube, api_client
+        from wakegate.control.scaler.kube import BuiltinEngine, model_watch
         from wakegate.control.scaler.lease import LeaseElector
 
-        if self.args.kubeconfig or os.environ.get("KUBECONFIG"):
-            api = config.new_client_from_config(config_file=self.args.kubeconfig)
-        else:
-            config.load_incluster_config()
-            api = client.ApiClient()
-        engine = BuiltinEngine(api, self.metrics, self.hub.poke)
+        kube = Kube(api_client(self.settings.kubeconfig))
+        engine = BuiltinEngine(kube, self.metrics, self.hub.poke)
         self.hub.add_listener(engine.apply)
 
         latest: list[list[Model]] = []
@@ -203,15 +238,13 @@ class Scaler:
 
             loop.call_soon_threadsafe(switch)
 
-        identity = self.args.identity or f"{socket.gethostname()}-{os.getpid()}"
-        watcher = ModelWatch(api, self.args.namespace, loop, on_models)
-        elector = LeaseElector(api, self.args.lease_namespace, self.args.lease_name, identity, on_leader)
+        cfg = self.settings
+        elector = LeaseElector(kube, cfg.lease_namespace, cfg.lease_name, cfg.identity, on_leader)
         threads = [
-            threading.Thread(target=watcher.run, args=(stop,), name="model-watch", daemon=True),
+            model_watch(kube, cfg.namespace, loop, on_models).start(stop),
             threading.Thread(target=elector.run, args=(stop,), name="lease", daemon=True),
         ]
-        for thread in threads:
-            thread.start()
+        threads[1].start()
         # The watch thread blocks in a long request and is a daemon: only the elector is joined
         # on the way out, so that it releases the Lease.
         return threads[1:]

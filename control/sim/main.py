@@ -9,7 +9,7 @@ See :mod:`wakegate.control.sim.app` for how tokens are counted and text is gener
 Lifecycle, one log line each on stderr: ``sim listening`` → (``sim loading``) →
 ``sim ready model=NAME url=http://H:P`` → on SIGTERM/SIGINT ``sim draining`` →
 ``sim stopped`` (exit 0). In-flight requests get up to ``--drain-seconds`` to
-finish; a second signal exits at once with status 1. ``--fail-after-seconds``
+finish; a second signal exits at once with status 130. ``--fail-after-seconds``
 ends the process abruptly with ``--exit-code`` (``os._exit``, no draining).
 """
 
@@ -19,9 +19,8 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +30,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from wakegate.control.sim.app import Sim, SimConfig
+from wakegate.process import add_log_level, graceful_exit, setup_logging
 
 log = logging.getLogger("wakegate.sim")
 
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log the moment the sim becomes ready and each /v1 request's arrival, as epoch seconds with "
         "microseconds ('sim timing ready t=…', 'sim timing request t=…'); for benchmarks",
     )
-    a("--log-level", default="INFO", help="logging level (default INFO)")
+    add_log_level(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -165,20 +165,7 @@ async def serve(
     log.info("sim listening url=%s names=%s", url, ",".join(sorted(sim.names)))
 
     stop = asyncio.Event()
-    signals_seen = 0
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen > 1:
-            log.warning("sim second %s: exiting now", sig.name)
-            logging.shutdown()
-            os._exit(1)
-        log.info("sim received %s", sig.name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    graceful_exit(stop, "sim")
 
     def mark_ready() -> None:
         sim.ready = True
@@ -225,26 +212,52 @@ def _read_fault(path: str | None) -> str:
     return fault
 
 
+@dataclass(frozen=True)
+class Settings:
+    """Everything one `wakegate sim` is configured with; built once from its command line."""
+
+    #: What the simulated server serves and how it behaves.
+    sim: SimConfig
+    host: str
+    port: int
+    #: End abruptly after this many seconds with `exit_code` (no draining).
+    fail_after: float | None
+    exit_code: int
+    #: Time in-flight requests get to finish after SIGTERM.
+    drain_seconds: float
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        fail_after, exit_code, never_ready = args.fail_after_seconds, args.exit_code, args.never_ready
+        fault = _read_fault(args.fault_file)
+        if fault == "crash":
+            fail_after = args.startup_seconds / 2 if args.startup_seconds else 0.2
+            exit_code = 3
+        elif fault == "hang":
+            never_ready = True
+        args.never_ready = never_ready
+        return cls(
+            sim=config_from_args(args),
+            host=args.host,
+            port=args.port,
+            fail_after=fail_after,
+            exit_code=exit_code,
+            drain_seconds=args.drain_seconds,
+            log_level=args.log_level,
+        )
+
+
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    fault = _read_fault(args.fault_file)
-    if fault == "crash":
-        args.fail_after_seconds = args.startup_seconds / 2 if args.startup_seconds else 0.2
-        args.exit_code = 3
-    elif fault == "hang":
-        args.never_ready = True
-    cfg = config_from_args(args)
+    setup_logging(args.log_level)
+    settings = Settings.from_args(args)
     coro = serve(
-        cfg,
-        args.host,
-        args.port,
-        fail_after=args.fail_after_seconds,
-        exit_code=args.exit_code,
-        drain_seconds=args.drain_seconds,
+        settings.sim,
+        settings.host,
+        settings.port,
+        fail_after=settings.fail_after,
+        exit_code=settings.exit_code,
+        drain_seconds=settings.drain_seconds,
     )
     try:
         import uvloop

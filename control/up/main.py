@@ -16,10 +16,10 @@ import logging
 import sys
 from pathlib import Path
 
-from wakegate.control import admin
 from wakegate.control.backends import BACKENDS
 from wakegate.control.schema import ManifestError, parse_models
-from wakegate.control.up.supervisor import Up
+from wakegate.control.up.supervisor import Settings, Up
+from wakegate.process import add_log_level, setup_logging
 
 log = logging.getLogger("wakegate.up")
 
@@ -35,9 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument("--global-rps", type=float, default=0.0)
-    parser.add_argument("--global-burst", type=float, default=0.0)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body the gateway reads, bytes"
+    )
+    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models; 0: unlimited")
+    parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument(
         "--upstream-header",
@@ -67,11 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(args.log_level)
     if args.list_backends:
         for backend in BACKENDS.values():
             vendors = ",".join(backend.gpu_vendors) or "none"
@@ -89,14 +91,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"{args.file}: {len(models)} model(s) valid")
         return 0
     try:
-        host, port = admin.host_port(args.listen)
-    except ValueError:
-        print(f"wakegate up: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
+        settings = Settings.from_args(args)
+    except ValueError as exc:
+        print(f"wakegate up: {exc}", file=sys.stderr)
         return 2
-    if args.status_display is None:
-        args.status_display = sys.stderr.isatty()
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    return asyncio.run(Up(args, models, host, port).run())
+    return asyncio.run(Up(settings, models).run())

@@ -25,9 +25,10 @@ from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.ads import AdsServer, start_server
+from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewaySettings, build
+from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.schema import Model
@@ -42,6 +43,64 @@ from wakegate.v1 import demand_pb2_grpc
 log = logging.getLogger("wakegate.up")
 
 
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate up` is configured with; built once from its command line."""
+
+    #: The YAML file of Model documents.
+    file: Path
+    #: The gateway's listener.
+    listen_host: str
+    listen_port: int
+    #: HTTP address of /status, /healthz and /metrics.
+    admin_listen: str
+    #: Logs, rendered configs (Envoy's bootstrap).
+    state_dir: Path
+    api_keys_file: Path | None
+    max_body_bytes: int
+    global_rps: float
+    global_burst: float
+    envoy_concurrency: int
+    #: Add x-wakegate-upstream (the backend's ip:port) to responses.
+    upstream_header: bool
+    #: The live status table on the terminal.
+    status_display: bool
+    keepalive_seconds: float
+    #: Also serve KEDA's ExternalScaler gRPC service here (HOST:PORT).
+    scaler_listen: str | None
+    #: JSON file of GPUs to pretend this machine has.
+    fake_gpus: Path | None
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Raises ValueError with a message for the user when an address is malformed."""
+        try:
+            host, port = admin.host_port(args.listen)
+            admin.host_port(args.admin_listen)
+        except ValueError as exc:
+            raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
+        return cls(
+            file=args.file,
+            listen_host=host,
+            listen_port=port,
+            admin_listen=args.admin_listen,
+            state_dir=args.state_dir,
+            api_keys_file=args.api_keys_file,
+            max_body_bytes=args.max_body_bytes,
+            global_rps=args.global_rps,
+            global_burst=args.global_burst,
+            envoy_concurrency=args.envoy_concurrency,
+            upstream_header=args.upstream_header,
+            status_display=sys.stderr.isatty() if args.status_display is None else args.status_display,
+            keepalive_seconds=args.keepalive_seconds,
+            scaler_listen=args.scaler_listen,
+            fake_gpus=args.fake_gpus,
+            log_level=args.log_level,
+        )
+
+
+
 @dataclass
 class Ports:
     xds: int
@@ -52,20 +111,21 @@ class Ports:
 
 
 class Up:
-    def __init__(self, args: argparse.Namespace, models: list[Model], host: str, port: int) -> None:
-        self.args = args
+    def __init__(self, settings: Settings, models: list[Model]) -> None:
+        self.settings = settings
         self.models = models
-        self.state_dir: Path = args.state_dir
+        self.state_dir: Path = settings.state_dir
         self.gateway = GatewaySettings(
-            listen_host=host,
-            listen_port=port,
-            max_request_bytes=args.max_body_bytes,
-            upstream_header=args.upstream_header,
+            listen_host=settings.listen_host,
+            listen_port=settings.listen_port,
+            max_request_bytes=settings.max_body_bytes,
+            upstream_header=settings.upstream_header,
         )
-        self.cache = SnapshotCache()
+        self.publisher = Publisher(SnapshotCache(), self.gateway, self._routed)
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
-        self.gpus = discover(args.fake_gpus)
-        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, self._publish_soon, self.gpus) for m in models}
+        self.gpus = discover(settings.fake_gpus)
+        publish = self.publisher.publish_soon
+        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in models}
         self.metrics = UpMetrics()
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
@@ -76,8 +136,6 @@ class Up:
                 rt.model.key
             ).inc()
         self.children: list[Child] = []
-        self.ads: AdsServer | None = None
-        self._publish_pending = False
         self._stop = asyncio.Event()
         self._failure: str | None = None
 
@@ -136,19 +194,8 @@ class Up:
 
     # -- feeder -------------------------------------------------------------------------------
 
-    def _publish_soon(self) -> None:
-        """Coalesce bursts of replica changes into one snapshot, pushed on the next loop turn."""
-        if not self._publish_pending:
-            self._publish_pending = True
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._publish()))
-
-    async def _publish(self) -> None:
-        self._publish_pending = False
-        routed = [runtime.routed() for runtime in self.runtimes.values()]
-        if self.ads is None:
-            await self.cache.set(build(routed, self.gateway))
-        else:
-            await self.cache.set(build(routed, self.gateway, self.ads.confirmed(), self.ads.retained()))
+    def _routed(self) -> list[RoutedModel]:
+        return [runtime.routed() for runtime in self.runtimes.values()]
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -159,14 +206,14 @@ class Up:
         admin = None
         try:
             admin = await self._start_admin()
-            if self.args.scaler_listen:
-                keda_server, self.scaler_hub, _ = await serve_local(self.book, self.models, self.args.scaler_listen)
-            await self._publish()
-            server, self.ads, xds_port = await start_server(
-                self.cache,
+            if self.settings.scaler_listen:
+                keda_server, self.scaler_hub, _ = await serve_local(self.book, self.models, self.settings.scaler_listen)
+            await self.publisher.publish()
+            server, self.publisher.ads, xds_port = await start_server(
+                self.publisher.cache,
                 "127.0.0.1:0",
                 lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
-                on_endpoints_acked=self._publish_soon,
+                on_endpoints_acked=self.publisher.publish_soon,
             )
             ports = Ports(
                 xds=xds_port,
@@ -180,7 +227,7 @@ class Up:
             watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
             watchers.append(asyncio.create_task(self.scaler.run()))
             self.scaler.poke()
-            if self.args.status_display:
+            if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
             if await self._wait_gateway_ready(ports):
                 names = ", ".join(m.key for m in self.models)
@@ -262,7 +309,7 @@ class Up:
             self._refresh_gauges()
             return admin.metrics_response(self.metrics.registry)
 
-        host, port = admin.host_port(self.args.admin_listen)
+        host, port = admin.host_port(self.settings.admin_listen)
         return await admin.serve({"/metrics": metrics, "/status": status, "/healthz": healthz}, host, port)
 
     async def _start_extproc(self, ports: Ports) -> Child:
@@ -277,20 +324,20 @@ class Up:
             "--activator-listen",
             f"127.0.0.1:{ports.activator}",
             "--keepalive-seconds",
-            str(self.args.keepalive_seconds),
+            str(self.settings.keepalive_seconds),
             "--xds",
             f"127.0.0.1:{ports.xds}",
             "--max-body-bytes",
-            str(self.args.max_body_bytes),
+            str(self.settings.max_body_bytes),
             "--global-rps",
-            str(self.args.global_rps),
+            str(self.settings.global_rps),
             "--global-burst",
-            str(self.args.global_burst),
+            str(self.settings.global_burst),
             "--log-level",
-            self.args.log_level,
+            self.settings.log_level,
         ]
-        if self.args.api_keys_file is not None:
-            argv += ["--api-keys-file", str(self.args.api_keys_file.resolve())]
+        if self.settings.api_keys_file is not None:
+            argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
         child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
         self.children.append(child)
         await child.start()
@@ -311,7 +358,7 @@ class Up:
             "-c",
             str(config),
             "--concurrency",
-            str(self.args.envoy_concurrency),
+            str(self.settings.envoy_concurrency),
             "--use-dynamic-base-id",
             "--log-level",
             "warn",

@@ -14,80 +14,85 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from wakegate.process import graceful_exit
+from wakegate.control.admin import host_port
+from wakegate.control.feeder.resources import GatewaySettings
+from wakegate.control.k8s.client import add_kubeconfig
+from wakegate.process import add_log_level, graceful_exit, setup_logging
+
+log = logging.getLogger("wakegate.xds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="0.0.0.0:18000", help="ADS gRPC address for Envoy and extproc")
-    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)")
+    add_kubeconfig(parser)
     parser.add_argument(
         "--gateway-listen", default="0.0.0.0:8080", help="address the gateway's Envoy listener binds (HOST:PORT)"
     )
-    parser.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest request body a gateway buffers, bytes"
+    )
     parser.add_argument("--upstream-header", action="store_true", help="add x-wakegate-upstream to responses")
-    parser.add_argument("--log-level", default="info")
+    add_log_level(parser)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `wakegate xds` is configured with; built once from its command line."""
+
+    #: ADS gRPC address for Envoy and extproc.
+    listen: str
+    kubeconfig: str | None
+    #: The Envoy listener every gateway gets (address, body limit, debug header).
+    gateway: GatewaySettings
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Raises ValueError for a malformed --gateway-listen."""
+        host, port = host_port(args.gateway_listen, "0.0.0.0")
+        gateway = GatewaySettings(
+            listen_host=host,
+            listen_port=port,
+            max_request_bytes=args.max_request_bytes,
+            upstream_header=args.upstream_header,
+        )
+        return cls(args.listen, args.kubeconfig, gateway, args.log_level)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kopf").setLevel(logging.WARNING)
-    return asyncio.run(_run(args))
+    setup_logging(args.log_level, quiet=("kopf",))
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(run(settings))
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def run(settings: Settings) -> int:
     import kopf
 
-    from wakegate.control.admin import host_port
-    from wakegate.control.feeder.ads import AdsServer, start_server
+    from wakegate.control.feeder.ads import start_server
     from wakegate.control.feeder.cache import SnapshotCache
     from wakegate.control.feeder.kube_source import KubeSource
-    from wakegate.control.feeder.resources import GatewaySettings, build
-    from wakegate.control.k8s import names
-    from wakegate.control.k8s.client import api_client, connection_info
+    from wakegate.control.feeder.publisher import Publisher
+    from wakegate.control.k8s import kopfing, names
 
-    log = logging.getLogger("wakegate.xds")
-    host, port = host_port(args.gateway_listen, "0.0.0.0")
-    gateway = GatewaySettings(
-        listen_host=host,
-        listen_port=port,
-        max_request_bytes=args.max_request_bytes,
-        upstream_header=args.upstream_header,
-    )
     source = KubeSource()
-    cache = SnapshotCache()
-    ads: AdsServer | None = None
-    pending = False
-
-    async def publish() -> None:
-        nonlocal pending
-        pending = False
-        routed = source.routed()
-        if ads is None:
-            await cache.set(build(routed, gateway))
-        else:
-            await cache.set(build(routed, gateway, ads.confirmed(), ads.retained()))
-
-    def publish_soon() -> None:
-        nonlocal pending
-        if not pending:
-            pending = True
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(publish()))
+    publisher = Publisher(SnapshotCache(), settings.gateway, source.routed)
 
     async def model_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         source.on_model(event.get("type"), body)
-        publish_soon()
+        publisher.publish_soon()
 
     async def slice_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         source.on_slice(event.get("type"), body)
-        publish_soon()
+        publisher.publish_soon()
 
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(**connection_info(api_client(args.kubeconfig).configuration))
-
-    registry = kopf.OperatorRegistry()
-    kopf.on.login(registry=registry)(login)
+    registry = kopfing.registry(settings.kubeconfig)
     kopf.on.event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
     kopf.on.event(
         "discovery.k8s.io",
@@ -96,18 +101,17 @@ async def _run(args: argparse.Namespace) -> int:
         labels={names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY},
         registry=registry,
     )(slice_event)
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False
 
-    await publish()
-    server, ads, bound = await start_server(cache, args.listen, on_endpoints_acked=publish_soon)
-    log.info("wakegate xds: ADS on port %d, gateway listener %s", bound, args.gateway_listen)
+    await publisher.publish()
+    server, publisher.ads, bound = await start_server(
+        publisher.cache, settings.listen, on_endpoints_acked=publisher.publish_soon
+    )
+    log.info("wakegate xds: ADS on port %d, gateway listener %s:%d", bound, settings.gateway.listen_host,
+             settings.gateway.listen_port)
     print(f"wakegate xds: listening on port {bound}", flush=True)
     stop = asyncio.Event()
     graceful_exit(stop, "xds")
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, settings=settings, standalone=True, clusterwide=True, stop_flag=stop)
-    )
+    operator = asyncio.create_task(kopfing.run(registry, stop))
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({operator, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,29 +1,70 @@
-"""Graceful exit for every long-running `wakegate` process: the first signal drains, a second exits.
+"""What every long-running `wakegate` process shares: its logging set-up and its graceful exit.
 
-SIGTERM or SIGINT sets the process's stop event (stop admitting, finish what is in flight,
-then exit); another one while draining ends the process at once with status 130.
+Logging: one format on stderr, one `--log-level` flag that takes DEBUG, INFO, WARNING or
+ERROR in any case (WARN too). Exit: SIGTERM or SIGINT sets the process's stop event (stop
+admitting, finish what is in flight, then exit); another one while draining ends the
+process at once with status 130.
+
+Both halves (wakegate.control, wakegate.extproc) use this module; it imports neither.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
+import sys
+import threading
+from collections.abc import Iterable
 
 log = logging.getLogger("wakegate")
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Exit status of a process stopped by a second signal while it drained.
+FORCED_EXIT = 130
 
-def graceful_exit(stop: asyncio.Event, name: str) -> None:
-    """Wire SIGTERM/SIGINT of the running loop to `stop`; call from inside the loop."""
-    loop = asyncio.get_running_loop()
+
+def log_level(text: str) -> str:
+    """argparse type of `--log-level`: a level name in any case."""
+    level = text.strip().upper()
+    level = "WARNING" if level == "WARN" else level
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO", metavar="LEVEL", help=f"one of {', '.join(LOG_LEVELS)}"
+    )
+
+
+def setup_logging(level: str, *, quiet: Iterable[str] = ()) -> None:
+    """Log to stderr at `level`; loggers named in `quiet` (chatty libraries) only from WARNING."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    for name in quiet:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def graceful_exit(stop: asyncio.Event | threading.Event, name: str) -> None:
+    """Wire SIGTERM/SIGINT to `stop`: an asyncio event from inside its loop, or a threading event
+    from the main thread (processes whose work runs in threads)."""
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
             log.warning("%s: second %s, exiting now", name, sig.name)
-            os._exit(130)
+            logging.shutdown()
+            os._exit(FORCED_EXIT)
         log.info("%s: %s received, draining", name, sig.name)
         stop.set()
 
+    if isinstance(stop, asyncio.Event):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        return
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+        signal.signal(sig, lambda signum, _frame: on_signal(signal.Signals(signum)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +50,28 @@ def test_patch_only_changed_keys_and_removes_stale_ones() -> None:
                                   "annotations": {"wakegate.io/gpu-utilization": None}}}
 
 
-class FakeCore:
+class FakeKube:
+    """One Node's labels as the API server answers them (the real one runs in e2e/test_placement.py)."""
+
     def __init__(self, labels: dict[str, str] | None = None) -> None:
         self.labels = dict(labels or {})
         self.patches: list[dict[str, Any]] = []
 
-    def read_node(self, name: str) -> Any:
-        return types.SimpleNamespace(metadata=types.SimpleNamespace(labels=self.labels, annotations=None))
+    def get(self, resource: str) -> Any:
+        assert resource == "/api/v1/nodes/n"
+        return {"metadata": {"name": "n", "labels": self.labels}}
 
-    def patch_node(self, name: str, body: dict[str, Any]) -> None:
-        self.patches.append(body)
+    def merge_patch(self, resource: str, patch: dict[str, Any], field_manager: str) -> None:
+        assert resource == "/api/v1/nodes/n" and field_manager == "wakegate-agent"
+        self.patches.append(patch)
 
 
 def test_agent_patches_on_change_only(tmp_path: Path) -> None:
     path = tmp_path / "gpus.json"
     gpu = {"vendor": "nvidia", "arch": "sm90", "total_mb": 81559, "free_mb": 80000, "utilization": 0}
     path.write_text(json.dumps({"n": [gpu]}))
-    core = FakeCore()
-    agent = NodeAgent(core, "n", [FakeDiscovery(path, "n")], [])
+    core = FakeKube()
+    agent = NodeAgent(core, "n", [FakeDiscovery(path, "n")], [])  # type: ignore[arg-type]
     assert agent.sync() is True
     assert agent.sync() is False
     path.write_text(json.dumps({"n": [dict(gpu, free_mb=1000)]}))
@@ -92,8 +95,8 @@ class Broken:
 
 
 def test_no_gpu_and_no_library_log_one_clear_line(caplog: pytest.LogCaptureFixture) -> None:
-    core = FakeCore()
-    agent = NodeAgent(core, "n", [Broken()], ["amdsmi: amdsmi not importable"])
+    core = FakeKube()
+    agent = NodeAgent(core, "n", [Broken()], ["amdsmi: amdsmi not importable"])  # type: ignore[arg-type]
     with caplog.at_level(logging.INFO, logger="wakegate.agent"):
         assert agent.sync() is False
         assert agent.sync() is False
@@ -104,8 +107,8 @@ def test_no_gpu_and_no_library_log_one_clear_line(caplog: pytest.LogCaptureFixtu
 
 
 def test_stale_labels_from_an_earlier_run_are_removed() -> None:
-    core = FakeCore({"wakegate.io/gpu.vendor": "nvidia", "kubernetes.io/os": "linux"})
-    assert NodeAgent(core, "n", [], ["nvml: nvmlInit failed"]).sync() is True
+    core = FakeKube({"wakegate.io/gpu.vendor": "nvidia", "kubernetes.io/os": "linux"})
+    assert NodeAgent(core, "n", [], ["nvml: nvmlInit failed"]).sync() is True  # type: ignore[arg-type]
     assert core.patches == [{"metadata": {"labels": {"wakegate.io/gpu.vendor": None}}}]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from wakegate.control.backends import BACKENDS
 from wakegate.control.k8s import names
+from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.runtimes import shipped_runtimes
 
@@ -34,7 +35,7 @@ def shipped(name: str) -> dict[str, Any]:
 def render(
     body: dict[str, Any], rt: dict[str, Any] | None = None, initial: int | None = None, **settings: Any
 ) -> rnd.Rendered:
-    return rnd.render(body, rnd.parse_runtime(rt or runtime()), rnd.Settings(**settings), initial)
+    return rnd.render(body, runtime_from_object(rt or runtime()), rnd.Settings(**settings), initial)
 
 
 def kinds(rendered: rnd.Rendered) -> list[str]:
@@ -181,31 +182,31 @@ def test_digest_is_stable_and_follows_content() -> None:
 
 def test_select_explicit_runtime() -> None:
     custom = runtime("mine", image="example/sim:1")
-    chosen = rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "mine"})), [custom])
+    chosen = rnd.select_runtime(model_from_object(model(runtimeRef={"name": "mine"})), [custom])
     assert chosen.spec.image == "example/sim:1"
     with pytest.raises(rnd.RenderError) as missing:
-        rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "nope"})), [custom])
+        rnd.select_runtime(model_from_object(model(runtimeRef={"name": "nope"})), [custom])
     assert missing.value.reason == "RuntimeNotFound"
     with pytest.raises(rnd.RenderError) as mismatch:
-        rnd.select_runtime(rnd.parse_model(model(runtimeRef={"name": "vllm"})), [shipped("vllm")])
+        rnd.select_runtime(model_from_object(model(runtimeRef={"name": "vllm"})), [shipped("vllm")])
     assert mismatch.value.reason == "RuntimeMismatch"
 
 
 def test_select_best_match_prefers_vendor_then_shipped() -> None:
-    body = rnd.parse_model(model(backend="vllm", resources={"gpu": {"count": 1, "vendor": "amd"}}))
+    body = model_from_object(model(backend="vllm", resources={"gpu": {"count": 1, "vendor": "amd"}}))
     rocm = runtime("vllm-rocm", backend="vllm", gpuVendors=["amd"])
     cuda = runtime("vllm-cuda", backend="vllm", gpuVendors=["nvidia"])
     assert rnd.select_runtime(body, [cuda, rocm, *shipped_runtimes()]).metadata.name == "vllm"
     assert rnd.select_runtime(body, [cuda]).metadata.name == "vllm"  # shipped fallback
     # A user's runtime is not picked over the shipped one without runtimeRef.
-    assert rnd.select_runtime(rnd.parse_model(model()), [runtime("custom")]).metadata.name == "sim"
+    assert rnd.select_runtime(model_from_object(model()), [runtime("custom")]).metadata.name == "sim"
     # Invalid runtime objects are ignored.
     broken = {"metadata": {"name": "x"}, "spec": {}}
-    assert rnd.select_runtime(rnd.parse_model(model()), [broken]).metadata.name == "sim"
+    assert rnd.select_runtime(model_from_object(model()), [broken]).metadata.name == "sim"
 
 
 def test_every_backend_ships_a_valid_runtime() -> None:
-    runtimes = {r["metadata"]["name"]: rnd.parse_runtime(r) for r in shipped_runtimes()}
+    runtimes = {r["metadata"]["name"]: runtime_from_object(r) for r in shipped_runtimes()}
     assert set(runtimes) == set(BACKENDS)
     for name, rt in runtimes.items():
         assert rt.spec.port == BACKENDS[name].default_port

@@ -1,0 +1,42 @@
+"""Pushing what is routable into the snapshot cache: coalesced, gated by what clients acknowledged.
+
+Both feeders (`wakegate up`'s, from its local runtime, and `wakegate xds`, from Kubernetes
+watches) call `publish_soon()` on every change of their source; a burst of changes becomes
+one snapshot, built on the next loop turn from the source's current `RoutedModel`s. Once the
+ADS server runs, each build also takes its record of which endpoints every Envoy confirmed
+and every extproc may still hold (docs/decisions.md, "Endpoint changes reach extproc only
+after Envoy acknowledged them").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from wakegate.control.feeder.ads import AdsServer
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build
+
+
+class Publisher:
+    def __init__(self, cache: SnapshotCache, gateway: GatewaySettings, routed: Callable[[], list[RoutedModel]]) -> None:
+        self.cache = cache
+        self.gateway = gateway
+        self._routed = routed
+        #: Set once the ADS server runs; its acknowledgements gate the snapshots from then on.
+        self.ads: AdsServer | None = None
+        self._pending = False
+
+    def publish_soon(self) -> None:
+        """Coalesce bursts of changes into one snapshot, pushed on the next loop turn."""
+        if not self._pending:
+            self._pending = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.publish()))
+
+    async def publish(self) -> None:
+        self._pending = False
+        routed = self._routed()
+        if self.ads is None:
+            await self.cache.set(build(routed, self.gateway))
+        else:
+            await self.cache.set(build(routed, self.gateway, self.ads.confirmed(), self.ads.retained()))

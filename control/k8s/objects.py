@@ -1,0 +1,36 @@
+"""Typed objects from Kubernetes JSON: the one way a Model or an InferenceRuntime is read from a cluster.
+
+Whoever reads a Model from the API server (the operator, the xDS feeder, the scaler) gets it
+here, with one set of defaults: `status` and the server's metadata bookkeeping (uid,
+managed fields and the like) are dropped, a missing `metadata` or `spec` counts as empty, and anything else the
+schema does not accept raises `pydantic.ValidationError`. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from wakegate.control.schema import InferenceRuntime, Model
+
+_T = TypeVar("_T", Model, InferenceRuntime)
+
+
+def _typed(kind: type[_T], body: Mapping[str, Any]) -> _T:
+    # Metadata keeps what the schema knows (name, namespace, labels) and ignores the rest.
+    return kind.model_validate(
+        {
+            "apiVersion": body.get("apiVersion"),
+            "kind": body.get("kind"),
+            "metadata": body.get("metadata") or {},
+            "spec": body.get("spec") or {},
+        }
+    )
+
+
+def model_from_object(body: Mapping[str, Any]) -> Model:
+    return _typed(Model, body)
+
+
+def runtime_from_object(body: Mapping[str, Any]) -> InferenceRuntime:
+    return _typed(InferenceRuntime, body)
