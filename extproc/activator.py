@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from wakegate import contract
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
+from wakegate.extproc.responses import error_body
 from wakegate.extproc.service import Gateway
 
 log = logging.getLogger("wakegate.extproc.activator")
@@ -45,8 +45,8 @@ _HOP_HEADERS = {
 
 
 def _event(code: str, message: str) -> bytes:
-    payload = {"error": {"message": message, "type": "service_unavailable", "code": code}}
-    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+    """An error after the 200 went out: one SSE event with the gateway's error shape, then [DONE]."""
+    return b"data: " + error_body(503, code, message) + b"\n\ndata: [DONE]\n\n"
 
 
 class Activator:
@@ -59,16 +59,8 @@ class Activator:
         key = request.headers.get(contract.ACTIVATOR_MODEL_HEADER, "")
         route = self.gw.table.routes.get(key)
         if route is None:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"model {key!r} does not exist",
-                        "type": "not_found_error",
-                        "code": "model_not_found",
-                    }
-                },
-                status=404,
-            )
+            body = error_body(404, "model_not_found", f"model {key!r} does not exist")
+            return web.Response(body=body, status=404, content_type="application/json")
         body = await request.read()
         started = time.monotonic()
         deadline = started + route.cold.activation_timeout_ms / 1000

@@ -129,17 +129,22 @@ class RouteTable:
 
     def listing(self) -> list[dict[str, Any]]:
         """OpenAI `/v1/models` data: every served name and alias, adapters with their parent."""
-        data: list[dict[str, Any]] = []
-        for name, resolved in sorted(self._by_name.items()):
-            route = resolved.route
-            entry: dict[str, Any] = {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "wakegate",
-                "root": route.served_name,
-            }
-            if name in route.lora_adapters:
-                entry["parent"] = route.served_name
-            data.append(entry)
-        return data
+        return [_model_object(name, resolved.route) for name, resolved in sorted(self._by_name.items())]
+
+    def model_object(self, name: str) -> dict[str, Any] | None:
+        """OpenAI `/v1/models/{name}`: the listing's entry for one name, None when no model has it."""
+        resolved = self._by_name.get(name)
+        return None if resolved is None else _model_object(name, resolved.route)
+
+
+def _model_object(name: str, route: routing_pb2.ModelRoute) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "wakegate",
+        "root": route.served_name,
+    }
+    if name in route.lora_adapters:
+        entry["parent"] = route.served_name
+    return entry

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -96,7 +97,10 @@ class Gateway:
         self.on_demand_change()
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
+        gone = self.table.routes.keys() - {route.key for route in routes}
         self.table = RouteTable(routes)
+        for key in gone:
+            self.picker.forget(key)
         self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
         self.metrics.routes.set(len(self.table.routes))
         for key, route in self.table.routes.items():
@@ -217,8 +221,10 @@ class Processor:
             return self._open_path(path)
         if not self.gw.keys.check(headers.get("authorization")):
             return self._reject(None, 401, "invalid_api_key", "missing or invalid API key")
-        if path.split("?", 1)[0] in ("/v1/models", "/models") and headers.get(":method") == "GET":
-            return self._done(None, immediate(200, self.gw.models_body))
+        if headers.get(":method") == "GET":
+            listed = self._models_api(path.split("?", 1)[0])
+            if listed is not None:
+                return listed
         try:
             found = model_from_headers(headers)
         except BadRequest as exc:
@@ -273,6 +279,19 @@ class Processor:
         except BadRequest as exc:
             return self._reject(None, 400, exc.code, str(exc))
         return self._decide(ex, parsed, body, in_body=True)
+
+    def _models_api(self, path: str) -> ep.ProcessingResponse | None:
+        """OpenAI's model list and model retrieval, answered from the route table; None for other paths."""
+        if path in ("/v1/models", "/models"):
+            return self._done(None, immediate(200, self.gw.models_body))
+        prefix = "/v1/models/" if path.startswith("/v1/models/") else "/models/" if path.startswith("/models/") else ""
+        if not prefix:
+            return None
+        name = unquote(path[len(prefix) :])
+        found = self.gw.table.model_object(name)
+        if found is None:
+            return self._reject(None, 404, "model_not_found", f"model {name!r} does not exist")
+        return self._done(None, immediate(200, json.dumps(found).encode()))
 
     # -- decisions ------------------------------------------------------------------------------
 

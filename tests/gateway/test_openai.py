@@ -67,6 +67,21 @@ def test_models_lists_every_name_and_alias(client: openai.OpenAI) -> None:
     } <= ids
 
 
+@pytest.mark.parametrize(("name", "root"), [("a", "org/chat-a"), ("org/chat-a", "org/chat-a"), ("a-sql", "org/chat-a")])
+def test_models_retrieve_answers_for_every_listed_name(client: openai.OpenAI, name: str, root: str) -> None:
+    found = client.models.retrieve(name)
+    assert found.id == name
+    assert found.model_dump()["root"] == root
+
+
+def test_models_retrieve_of_an_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.status_code == 404
+    assert err.value.body == {"message": "model 'no-such-model' does not exist", "type": "not_found_error",
+                              "code": "model_not_found"}
+
+
 def test_completions_and_embeddings(client: openai.OpenAI) -> None:
     done = client.completions.create(model="a", prompt="once upon", max_tokens=3)
     assert done.choices[0].text

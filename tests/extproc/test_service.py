@@ -1,0 +1,294 @@
+"""extproc's orchestrator on its own: ext_proc messages in, Envoy instructions out, no Envoy.
+
+The same decisions run through the real Envoy in tests/gateway and tests/cold; here each one
+is looked at in the message Envoy would receive: immediate responses (status, OpenAI-shaped
+body, headers), header and body mutations, dynamic metadata and processing-mode overrides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from wakegate import contract
+from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT
+from wakegate.extproc.service import Gateway, ProcessCall, Processor, Settings, _Cold, _Exchange
+from wakegate.v1 import routing_pb2
+
+
+def route(
+    key: str,
+    *endpoints: str,
+    names: tuple[str, ...] = (),
+    served: str = "",
+    strategy: str = "least-loaded",
+    cold: str = "hold",
+    rps: float = 0.0,
+    adapters: tuple[str, ...] = (),
+) -> routing_pb2.ModelRoute:
+    return routing_pb2.ModelRoute(
+        key=key,
+        names=[key, *names],
+        served_name=served or key,
+        lora_adapters=list(adapters),
+        cluster=f"model.{key}",
+        strategy=contract.STRATEGIES[strategy],
+        rate_limit=routing_pb2.RateLimit(requests_per_second=rps, burst=rps),
+        endpoints=[routing_pb2.Endpoint(address=e.split(":")[0], port=int(e.split(":")[1])) for e in endpoints],
+        cold=routing_pb2.ColdPolicy(
+            mode=contract.COLD_MODES[cold], max_queue=2, activation_timeout_ms=5000
+        ),
+    )
+
+
+ROUTES = [
+    route("chat", "10.0.0.1:8000", "10.0.0.2:8000", names=("small",), served="org/chat", adapters=("chat-sql",)),
+    route("limited", "10.0.0.3:8000", rps=1),
+    route("sleepy", cold="reject"),
+    route("waiting"),
+    route("streamer", cold="keepalive"),
+]
+
+
+def gateway(keys: ApiKeys | None = None, **settings: Any) -> Gateway:
+    gw = Gateway(Settings(**settings), keys or ApiKeys(None))
+    gw.set_routes(ROUTES)
+    return gw
+
+
+def headers(path: str, *, method: str = "POST", end: bool = False, **extra: str) -> ep.ProcessingRequest:
+    fields = {":path": path, ":method": method, "content-type": "application/json", **extra}
+    http = ep.HttpHeaders(end_of_stream=end)
+    for name, value in fields.items():
+        http.headers.headers.add(key=name, raw_value=value.encode())
+    return ep.ProcessingRequest(request_headers=http)
+
+
+def body(data: dict[str, Any] | bytes) -> ep.ProcessingRequest:
+    raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True))
+
+
+def decide(proc: Processor, *messages: ep.ProcessingRequest) -> tuple[_Exchange, Any]:
+    exchange = _Exchange()
+    decided: Any = None
+    for message in messages:
+        decided = proc.decide(exchange, message)
+    return exchange, decided
+
+
+def immediate(response: ep.ProcessingResponse) -> tuple[int, dict[str, str], Any]:
+    assert response.WhichOneof("response") == "immediate_response"
+    answer = response.immediate_response
+    sent = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
+    try:
+        payload = json.loads(answer.body)
+    except ValueError:
+        payload = answer.body
+    return answer.status.code, sent, payload
+
+
+def set_headers(common: ep.CommonResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def test_open_paths_answer_without_auth(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    proc = Processor(gateway(ApiKeys(keys)))
+    status, _, payload = immediate(decide(proc, headers("/healthz", method="GET", end=True))[1])
+    assert (status, payload) == (200, {"status": "ok"})
+    status, sent, text = immediate(decide(proc, headers("/metrics", method="GET", end=True))[1])
+    assert status == 200 and sent["content-type"].startswith("text/plain") and b"wakegate_gateway_models" in text
+
+
+def test_a_missing_or_wrong_key_is_401_and_a_good_one_passes(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    proc = Processor(gateway(ApiKeys(keys)))
+    status, _, payload = immediate(decide(proc, headers("/v1/models", method="GET", end=True))[1])
+    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    wrong = headers("/v1/models", method="GET", end=True, authorization="Bearer nope")
+    assert immediate(decide(proc, wrong)[1])[0] == 401
+    good = headers("/v1/models", method="GET", end=True, authorization="Bearer k1")
+    assert immediate(decide(proc, good)[1])[0] == 200
+
+
+def test_models_list_and_retrieve_come_from_the_route_table() -> None:
+    proc = Processor(gateway())
+    _, _, listing = immediate(decide(proc, headers("/v1/models", method="GET", end=True))[1])
+    ids = {m["id"] for m in listing["data"]}
+    assert {"chat", "small", "org/chat", "chat-sql", "limited"} <= ids
+    _, _, one = immediate(decide(proc, headers("/v1/models/org%2Fchat", method="GET", end=True))[1])
+    assert one == {"id": "org/chat", "object": "model", "created": 0, "owned_by": "wakegate", "root": "org/chat"}
+    _, _, adapter = immediate(decide(proc, headers("/v1/models/chat-sql", method="GET", end=True))[1])
+    assert adapter["parent"] == "org/chat"
+    status, _, missing = immediate(decide(proc, headers("/v1/models/nope", method="GET", end=True))[1])
+    assert status == 404 and missing["error"] == {
+        "message": "model 'nope' does not exist",
+        "type": "not_found_error",
+        "code": "model_not_found",
+    }
+
+
+def test_header_named_model_is_routed_at_once_with_its_pick() -> None:
+    gw = gateway()
+    proc = Processor(gw)
+    exchange, decided = decide(proc, headers("/v1/chat/completions", **{"x-model-id": "small"}))
+    assert decided.WhichOneof("response") == "request_headers"
+    assert decided.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
+    mutations = set_headers(decided.request_headers.response)
+    assert mutations[contract.CLUSTER_HEADER] == "model.chat"
+    picked = mutations[contract.DESTINATION_HEADER]
+    assert picked in ("10.0.0.1:8000", "10.0.0.2:8000")
+    lb = decided.dynamic_metadata.fields[contract.LB_METADATA_NAMESPACE].struct_value
+    assert lb.fields[contract.DESTINATION_HEADER].string_value == picked
+    assert gw.in_flight == {"chat": 1}
+    proc.release(exchange)
+    proc.release(exchange)  # released once only
+    assert gw.in_flight == {}
+
+
+def test_path_prefix_is_stripped_and_client_destination_removed() -> None:
+    proc = Processor(gateway())
+    request = headers("/model/chat/v1/chat/completions", **{contract.DESTINATION_HEADER: "10.9.9.9:1"})
+    _, decided = decide(proc, request)
+    common = decided.request_headers.response
+    assert set_headers(common)[":path"] == "/v1/chat/completions"
+    assert set_headers(common)[contract.DESTINATION_HEADER] != "10.9.9.9:1"
+
+
+def test_body_named_model_is_buffered_then_rewritten() -> None:
+    proc = Processor(gateway())
+    exchange = _Exchange()
+    first = proc.decide(exchange, headers("/v1/chat/completions"))
+    assert first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    decided = proc.decide(exchange, body({"model": "small", "messages": []}))
+    common = decided.request_body.response
+    assert json.loads(common.body_mutation.body) == {"model": "org/chat", "messages": []}
+    assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
+    # A LoRA adapter keeps its own name: the body is left alone.
+    adapter = proc.decide(_Exchange(), headers("/v1/completions", **{"x-model-id": "chat-sql"}))
+    assert not adapter.request_headers.response.HasField("body_mutation")
+
+
+@pytest.mark.parametrize(
+    ("request_", "status", "code"),
+    [
+        (headers("/v1/chat/completions", end=True), 400, "model_required"),
+        (headers("/v1/chat/completions", **{"content-type": "text/plain"}), 415, "unsupported_media_type"),
+        (headers("/v1/chat/completions", **{"content-length": "999999999"}), 413, "body_too_large"),
+        (headers("/v1/chat/completions", **{"x-model-id": "nope"}), 404, "model_not_found"),
+        (headers("/model/", **{}), 400, "invalid_path"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(request_: ep.ProcessingRequest, status: int, code: str) -> None:
+    got_status, sent, payload = immediate(decide(Processor(gateway()), request_)[1])
+    assert (got_status, payload["error"]["code"]) == (status, code)
+    assert sent["content-type"] == "application/json"
+
+
+def test_rate_limit_refuses_with_retry_after() -> None:
+    proc = Processor(gateway())
+    limited = headers("/v1/completions", **{"x-model-id": "limited"})
+    assert decide(proc, limited)[1].WhichOneof("response") == "request_headers"
+    status, sent, payload = immediate(decide(proc, limited)[1])
+    assert status == 429 and payload["error"]["code"] == "rate_limited" and int(sent["retry-after"]) >= 1
+
+
+async def test_cold_reject_registers_demand_then_answers_503() -> None:
+    gw = gateway()
+    status, sent, payload = immediate(decide(Processor(gw), headers("/v1/x", **{"x-model-id": "sleepy"}))[1])
+    assert (status, payload["error"]["code"], sent["retry-after"]) == (503, "model_not_ready", "5")
+    assert gw.cold.snapshot()["sleepy"][1] == 1  # the activation lease started
+
+
+async def test_cold_keepalive_stream_goes_to_the_activator() -> None:
+    proc = Processor(gateway())
+    exchange = _Exchange()
+    proc.decide(exchange, headers("/v1/chat/completions"))
+    decided = proc.decide(exchange, body({"model": "streamer", "stream": True}))
+    mutations = set_headers(decided.request_body.response)
+    assert mutations[contract.CLUSTER_HEADER] == contract.ACTIVATOR_CLUSTER
+    assert mutations[contract.ACTIVATOR_MODEL_HEADER] == "streamer"
+
+
+async def test_a_held_request_is_sent_on_when_its_model_becomes_ready() -> None:
+    gw = gateway()
+    proc = Processor(gw)
+    exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "waiting"}))
+    assert isinstance(cold, _Cold)
+    held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
+    await asyncio.sleep(0.01)
+    assert gw.queue_view()["models"][-1] == {
+        "model": "waiting", "queued": 1, "leases": 1, "in_flight": 0, "ready_endpoints": 0
+    }
+    gw.set_routes([*ROUTES[:3], route("waiting", "10.0.0.9:8000"), ROUTES[4]])
+    decided = await asyncio.wait_for(held, 2)
+    assert set_headers(decided.request_headers.response)[contract.DESTINATION_HEADER] == "10.0.0.9:8000"
+    assert gw.in_flight == {"waiting": 1}
+
+
+def test_routes_that_go_away_drop_their_hash_rings() -> None:
+    gw = gateway()
+    affinity = route("sticky", "10.0.0.5:1", "10.0.0.6:1", strategy="session-affinity")
+    gw.set_routes([*ROUTES, affinity])
+    proc = Processor(gw)
+    decide(proc, headers("/v1/x", **{"x-model-id": "sticky", "x-session-id": "s1"}))
+    assert "sticky" in gw.picker._rings
+    gw.set_routes(ROUTES)
+    assert "sticky" not in gw.picker._rings
+
+
+class FakeCall:
+    """What ProcessCall sees of its gRPC call (the server side is tested in tests/extproc/h2grpc)."""
+
+    def __init__(self) -> None:
+        self.sent: list[ep.ProcessingResponse] = []
+        self.status: tuple[int, str] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not None
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(ep.ProcessingResponse.FromString(data))
+
+    def finish(self, status: int = 0, message: str = "") -> None:
+        self.status = (status, message)
+
+
+def test_stream_answers_each_message_and_releases_on_half_close() -> None:
+    gw = gateway()
+    call = FakeCall()
+    stream = ProcessCall(Processor(gw), call)  # type: ignore[arg-type]
+    stream.on_message(headers("/v1/x", **{"x-model-id": "chat"}).SerializeToString())
+    assert len(call.sent) == 1 and gw.in_flight == {"chat": 1}
+    stream.on_half_close()
+    assert call.status == (0, "") and gw.in_flight == {}
+
+
+def test_stream_refuses_what_is_not_an_ext_proc_message() -> None:
+    call = FakeCall()
+    ProcessCall(Processor(gateway()), call).on_message(b"\xff\xff garbage")  # type: ignore[arg-type]
+    assert call.status == (INVALID_ARGUMENT, "not an ext_proc ProcessingRequest")
+
+
+async def test_a_reset_while_held_frees_the_queue_slot() -> None:
+    gw = gateway()
+    call = FakeCall()
+    stream = ProcessCall(Processor(gw), call)  # type: ignore[arg-type]
+    stream.on_message(headers("/v1/x", **{"x-model-id": "waiting"}).SerializeToString())
+    assert call.sent[0].HasField("override_message_timeout")  # Envoy is told to wait longer
+    await asyncio.sleep(0.01)
+    assert gw.cold.depth("waiting") == 1
+    stream.on_cancel()
+    await asyncio.sleep(0.01)
+    assert gw.cold.depth("waiting") == 0 and gw.in_flight == {}
