@@ -1,5 +1,5 @@
-"""`python -m wakegate …` is the `wakegate` console script."""
+"""`python -m wakegate …` is the `wakegate` console script (wakegate.cli)."""
 
-from wakegate.control.cli import main
+from wakegate.cli import main
 
 raise SystemExit(main())

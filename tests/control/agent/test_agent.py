@@ -113,7 +113,7 @@ def test_stale_labels_from_an_earlier_run_are_removed() -> None:
 
 
 def test_cli_without_node_name_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from wakegate.control.cli import main
+    from wakegate.cli import main
 
     monkeypatch.delenv("NODE_NAME", raising=False)
     assert main(["agent", "--once"]) == 2

@@ -57,7 +57,7 @@ def test_cli_prints_a_summary(sim: SimProcess) -> None:
 
 
 def test_cli_refuses_device_class_without_backend() -> None:
-    from wakegate.control.cli import main
+    from wakegate.cli import main
 
     assert main(["bench", "--url", "http://x/v1", "--model", "m", "--device-class", "nvidia-sm90"]) == 2
 

@@ -1,7 +1,8 @@
 """The `wakegate` console script: one subcommand per long-running component.
 
-Each subcommand is a process whose `main` module exposes ``add_arguments(parser)`` and
-``main(args) -> int``. Only the chosen module is imported (each in its own function below,
+It sits above both halves (the only module that reaches into wakegate.control and
+wakegate.extproc alike). Each subcommand is a process whose `main` module exposes
+``add_arguments(parser)`` and ``main(args) -> int``. Only the chosen module is imported (each in its own function below,
 where the import linter sees it), so `wakegate sim` does not pay for the Kubernetes client
 and `wakegate extproc` stays small.
 """
