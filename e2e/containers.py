@@ -14,15 +14,15 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
 
 from e2e import images, net
 from e2e.nodes import now
 from e2e.probes import Handler, probe_loop
 from e2e.procs import die_with_parent, kill_group
-
-if TYPE_CHECKING:
-    from e2e.pods import PodWorker
 
 log = logging.getLogger("e2e.nodeagent")
 
@@ -70,10 +70,25 @@ def container_preexec(netns: str | None) -> Callable[[], None]:
     return preexec
 
 
+class PodHost(Protocol):
+    """What a container needs of its pod (e2e/pods.py's PodWorker is the one there is)."""
+
+    pod: dict[str, Any]
+    name: str
+    ip: str
+    dir: Path
+    netns: str | None
+    http: aiohttp.ClientSession
+    agent_settings: Settings
+
+    def changed(self) -> None: ...
+    async def container_env(self, spec: dict[str, Any]) -> dict[str, str]: ...
+
+
 class Container:
     """One container: "pull", start, probe, restart with backoff, stop gracefully."""
 
-    def __init__(self, pod: PodWorker, spec: dict[str, Any], init: bool = False) -> None:
+    def __init__(self, pod: PodHost, spec: dict[str, Any], init: bool = False) -> None:
         self.pod = pod
         self.spec = spec
         self.name: str = spec["name"]

@@ -1,0 +1,47 @@
+"""The console script: every command it offers is documented, shows its defaults, and nothing else is offered."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support import REPO_ROOT
+from wakegate.cli import COMMANDS, command_parser, main
+
+
+def test_the_readme_table_lists_exactly_the_commands() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    table = readme[readme.index("| command | what it does |") :].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `wakegate ([a-z-]+)", table, flags=re.MULTILINE)
+    assert listed == list(COMMANDS)
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_parses_its_own_help(name: str) -> None:
+    parser, module = command_parser(name)
+    assert callable(module.main)
+    assert "--log-level" in parser.format_help()
+
+
+def test_up_help_shows_the_default_ports_and_state_dir() -> None:
+    parser, _ = command_parser("up")
+    help_text = parser.format_help()
+    for default in ("127.0.0.1:8080", "127.0.0.1:8081", ".wakegate"):
+        assert default in help_text
+
+
+def test_unknown_and_unbuilt_commands_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "flash-load" not in COMMANDS
+    with pytest.raises(SystemExit) as exit_:
+        main(["flash-load"])
+    assert exit_.value.code == 2
+    assert "unknown command 'flash-load'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", ["debug", "WARN", "Info"])
+def test_log_level_is_one_spelling_in_any_case(level: str) -> None:
+    parser, _ = command_parser("sim")
+    assert parser.parse_args(["--log-level", level]).log_level in ("DEBUG", "WARNING", "INFO")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "loud"])
