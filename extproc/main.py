@@ -25,7 +25,7 @@ from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
 
@@ -99,27 +99,17 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
-        return cls(
-            listen=args.listen,
-            admin_listen=args.admin_listen,
-            activator_listen=args.activator_listen,
-            xds=args.xds,
-            demand=args.demand or args.xds,
-            demand_token_file=args.demand_token_file,
-            node_id=args.node_id,
-            api_keys_file=args.api_keys_file,
-            keepalive_seconds=args.keepalive_seconds,
-            drain_seconds=args.drain_seconds,
-            gateway=service.Settings(
-                max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
-            ),
-            log_level=args.log_level,
+        gateway = service.Settings(
+            max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
         )
+        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway)
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = Settings.from_args(args)
-    setup_logging(settings.log_level)
+    return start(args, Settings.from_args, run, "extproc")
+
+
+def run(settings: Settings) -> int:
     try:
         keys = ApiKeys(settings.api_keys_file)
     except AuthConfigError as exc:

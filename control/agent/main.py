@@ -25,7 +25,7 @@ from wakegate.control.agent.labels import node_report, patch_for
 from wakegate.control.gpu import Discovery, DiscoveryError, GpuDevice, probe
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.agent")
 
@@ -120,17 +120,11 @@ class Settings:
     def from_args(cls, args: argparse.Namespace) -> Settings:
         if not args.node_name:
             raise ValueError("no node name: pass --node-name or set NODE_NAME")
-        return cls(args.node_name, args.kubeconfig, args.interval, args.fake_gpus, args.once, args.log_level)
+        return settings_from(cls, args)
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return run(settings)
+    return start(args, Settings.from_args, run, "agent")
 
 
 def run(settings: Settings) -> int:

@@ -26,7 +26,7 @@ from wakegate.control.bench.measure import run_bench
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
 from wakegate.control.k8s.names import BENCH_FIELD_MANAGER
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP, BenchResult
-from wakegate.process import add_log_level, setup_logging
+from wakegate.process import add_log_level, settings_from, start
 
 log = logging.getLogger("wakegate.bench")
 
@@ -105,33 +105,11 @@ class Settings:
             raise ValueError("--device-class needs --backend: both are part of the result key")
         if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
             raise ValueError("--requests, --concurrency and --max-tokens must be at least 1")
-        return cls(
-            url=args.url,
-            model=args.model,
-            requests=args.requests,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            api_key=args.api_key,
-            timeout=args.timeout,
-            backend=args.backend,
-            device_class=args.device_class,
-            model_key=args.model_key or args.model,
-            configmap=args.configmap,
-            namespace=args.namespace,
-            kubeconfig=args.kubeconfig,
-            json=args.json,
-            log_level=args.log_level,
-        )
+        return settings_from(cls, args, model_key=args.model_key or args.model)
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return run(settings)
+    return start(args, Settings.from_args, run, "bench")
 
 
 def run(s: Settings) -> int:

@@ -22,7 +22,7 @@ from wakegate.control.extender.server import DEFAULT_MAX_BODY, make_app
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP
 from wakegate.control.placement.rules import Weights
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extender")
 
@@ -66,16 +66,7 @@ class Settings:
     def from_args(cls, args: argparse.Namespace) -> Settings:
         """Raises ValueError for a bad score weight."""
         host, port = args.listen
-        return cls(
-            listen_host=host,
-            listen_port=port,
-            kubeconfig=args.kubeconfig,
-            bench_namespace=args.bench_namespace,
-            bench_configmap=args.bench_configmap,
-            max_body_bytes=args.max_body_bytes,
-            weights=Weights.from_env(os.environ),
-            log_level=args.log_level,
-        )
+        return settings_from(cls, args, listen_host=host, listen_port=port, weights=Weights.from_env(os.environ))
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
@@ -92,12 +83,10 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        log.error("bad score weight: %s", exc)
-        return 2
+    return start(args, Settings.from_args, run, "scheduler-extender")
+
+
+def run(settings: Settings) -> int:
     from kubernetes.config import ConfigException
 
     from wakegate.control.extender.kube import ClusterSources

@@ -21,7 +21,7 @@ from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler, keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.operator")
 
@@ -73,20 +73,14 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
-        return cls(
-            kubeconfig=args.kubeconfig,
-            scaler_address=args.scaler_address,
-            lease=LeaseConfig(
-                namespace=args.lease_namespace,
-                name=args.lease_name,
-                identity=args.identity,
-                lease_seconds=args.lease_seconds,
-                renew_seconds=args.renew_seconds,
-            ),
-            workers=args.workers,
-            install_runtimes=args.install_runtimes,
-            log_level=args.log_level,
+        lease = LeaseConfig(
+            namespace=args.lease_namespace,
+            name=args.lease_name,
+            identity=args.identity,
+            lease_seconds=args.lease_seconds,
+            renew_seconds=args.renew_seconds,
         )
+        return settings_from(cls, args, lease=lease)
 
 
 async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Event) -> int:
@@ -141,6 +135,4 @@ async def _main(args: Settings) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = Settings.from_args(args)
-    setup_logging(settings.log_level, quiet=("kopf",))
-    return asyncio.run(_main(settings))
+    return start(args, Settings.from_args, lambda settings: asyncio.run(_main(settings)), "operator", quiet=("kopf",))

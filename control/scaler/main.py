@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from wakegate.control.keda.service import TlsFiles, serve_external_scaler
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
 from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.scaler")
@@ -100,30 +99,17 @@ class Settings:
                 raise ValueError(str(exc)) from None
         for address in (args.demand_listen, args.keda_listen, args.admin_listen):
             admin.host_port(address, "0.0.0.0")
-        return cls(
-            demand_listen=args.demand_listen,
-            demand_token_file=args.demand_token_file,
-            keda_listen=args.keda_listen,
+        return settings_from(
+            cls,
+            args,
             tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
-            admin_listen=args.admin_listen,
             models=models,
-            kubeconfig=args.kubeconfig,
-            namespace=args.namespace,
-            lease_namespace=args.lease_namespace,
-            lease_name=args.lease_name,
             identity=args.identity or f"{socket.gethostname()}-{os.getpid()}",
-            log_level=args.log_level,
         )
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        print(f"wakegate scaler: {exc}", file=sys.stderr)
-        return 2
-    return asyncio.run(Scaler(settings).run())
+    return start(args, Settings.from_args, lambda settings: asyncio.run(Scaler(settings).run()), "scaler")
 
 
 class Scaler:

@@ -30,7 +30,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from wakegate.control.sim.app import Sim, SimConfig
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.sim")
 
@@ -237,20 +237,14 @@ class Settings:
         elif fault == "hang":
             never_ready = True
         args.never_ready = never_ready
-        return cls(
-            sim=config_from_args(args),
-            host=args.host,
-            port=args.port,
-            fail_after=fail_after,
-            exit_code=exit_code,
-            drain_seconds=args.drain_seconds,
-            log_level=args.log_level,
-        )
+        return settings_from(cls, args, sim=config_from_args(args), fail_after=fail_after, exit_code=exit_code)
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    settings = Settings.from_args(args)
+    return start(args, Settings.from_args, run, "sim")
+
+
+def run(settings: Settings) -> int:
     coro = serve(
         settings.sim,
         settings.host,

@@ -13,13 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 from pathlib import Path
 
 from wakegate.control.backends import BACKENDS
-from wakegate.control.schema import ManifestError, parse_models
 from wakegate.control.up.supervisor import Settings, Up
-from wakegate.process import add_log_level, setup_logging
+from wakegate.process import add_log_level, start
 
 log = logging.getLogger("wakegate.up")
 
@@ -73,30 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
     if args.list_backends:
         for backend in BACKENDS.values():
             vendors = ",".join(backend.gpu_vendors) or "none"
             print(f"{backend.name:10} port={backend.default_port:<6} gpu={vendors:12} {backend.description}")
         return 0
-    if args.file is None:
-        print("wakegate up: -f FILE is required", file=sys.stderr)
-        return 2
-    try:
-        models = parse_models(args.file.read_text(encoding="utf-8"), str(args.file))
-    except (OSError, ManifestError) as exc:
-        print(f"wakegate up: {exc}", file=sys.stderr)
-        return 2
-    if args.check:
-        print(f"{args.file}: {len(models)} model(s) valid")
-        return 0
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        print(f"wakegate up: {exc}", file=sys.stderr)
-        return 2
+    return start(args, Settings.from_args, _check if args.check else run, "up")
+
+
+def _check(settings: Settings) -> int:
+    print(f"{settings.file}: {len(settings.models)} model(s) valid")
+    return 0
+
+
+def run(settings: Settings) -> int:
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    return asyncio.run(Up(settings, models).run())
+    return asyncio.run(Up(settings).run())

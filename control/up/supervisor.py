@@ -31,13 +31,13 @@ from wakegate.control.feeder.publisher import Publisher
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
-from wakegate.control.schema import Model
+from wakegate.control.schema import ManifestError, Model, parse_models
 from wakegate.control.up.children import Child
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
-from wakegate.process import graceful_exit
+from wakegate.process import graceful_exit, settings_from
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.up")
@@ -47,8 +47,9 @@ log = logging.getLogger("wakegate.up")
 class Settings:
     """Everything `wakegate up` is configured with; built once from its command line."""
 
-    #: The YAML file of Model documents.
+    #: The YAML file of Model documents, and the Models it holds.
     file: Path
+    models: tuple[Model, ...]
     #: The gateway's listener.
     listen_host: str
     listen_port: int
@@ -74,31 +75,20 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
-        """Raises ValueError with a message for the user when an address is malformed."""
+        """Raises ValueError with a message for the user: no file, an invalid one, a malformed address."""
+        if args.file is None:
+            raise ValueError("-f FILE is required")
+        try:
+            models = tuple(parse_models(args.file.read_text(encoding="utf-8"), str(args.file)))
+        except (OSError, ManifestError) as exc:
+            raise ValueError(str(exc)) from None
         try:
             host, port = admin.host_port(args.listen)
             admin.host_port(args.admin_listen)
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
-        return cls(
-            file=args.file,
-            listen_host=host,
-            listen_port=port,
-            admin_listen=args.admin_listen,
-            state_dir=args.state_dir,
-            api_keys_file=args.api_keys_file,
-            max_body_bytes=args.max_body_bytes,
-            global_rps=args.global_rps,
-            global_burst=args.global_burst,
-            envoy_concurrency=args.envoy_concurrency,
-            upstream_header=args.upstream_header,
-            status_display=sys.stderr.isatty() if args.status_display is None else args.status_display,
-            keepalive_seconds=args.keepalive_seconds,
-            scaler_listen=args.scaler_listen,
-            fake_gpus=args.fake_gpus,
-            log_level=args.log_level,
-        )
-
+        display = sys.stderr.isatty() if args.status_display is None else args.status_display
+        return settings_from(cls, args, models=models, listen_host=host, listen_port=port, status_display=display)
 
 
 @dataclass
@@ -111,9 +101,9 @@ class Ports:
 
 
 class Up:
-    def __init__(self, settings: Settings, models: list[Model]) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.models = models
+        self.models = list(settings.models)
         self.state_dir: Path = settings.state_dir
         self.gateway = GatewaySettings(
             listen_host=settings.listen_host,
@@ -125,7 +115,7 @@ class Up:
         self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
         self.gpus = discover(settings.fake_gpus)
         publish = self.publisher.publish_soon
-        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in models}
+        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in self.models}
         self.metrics = UpMetrics()
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)

@@ -20,7 +20,7 @@ from typing import Any
 from wakegate.control.admin import host_port
 from wakegate.control.feeder.resources import GatewaySettings
 from wakegate.control.k8s.client import add_kubeconfig
-from wakegate.process import add_log_level, graceful_exit, setup_logging
+from wakegate.process import add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.xds")
 
@@ -59,17 +59,11 @@ class Settings:
             max_request_bytes=args.max_request_bytes,
             upstream_header=args.upstream_header,
         )
-        return cls(args.listen, args.kubeconfig, gateway, args.log_level)
+        return settings_from(cls, args, gateway=gateway)
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level, quiet=("kopf",))
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(run(settings))
+    return start(args, Settings.from_args, lambda settings: asyncio.run(run(settings)), "xds", quiet=("kopf",))
 
 
 async def run(settings: Settings) -> int:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 log = logging.getLogger("wakegate")
 
@@ -25,6 +27,38 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Exit status of a process stopped by a second signal while it drained.
 FORCED_EXIT = 130
+#: Exit status of a command line that cannot be used.
+USAGE_ERROR = 2
+
+_Settings = TypeVar("_Settings")
+
+
+def start(
+    args: argparse.Namespace,
+    settings: Callable[[argparse.Namespace], _Settings],
+    run: Callable[[_Settings], int],
+    name: str,
+    *,
+    quiet: Iterable[str] = (),
+) -> int:
+    """The shape of every process's main: set logging up, build its one settings object, run it.
+
+    A ValueError while building the settings is a usage error: one line on stderr, status 2.
+    """
+    setup_logging(args.log_level, quiet=quiet)
+    try:
+        built = settings(args)
+    except ValueError as exc:
+        print(f"wakegate {name}: {exc}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    return run(built)
+
+
+def settings_from(cls: type[_Settings], args: argparse.Namespace, **given: Any) -> _Settings:
+    """A settings dataclass from parsed arguments: every field not `given` is the argument of its name."""
+    names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    taken = {name: getattr(args, name) for name in names - given.keys() if hasattr(args, name)}
+    return cls(**taken, **given)
 
 
 def log_level(text: str) -> str:
