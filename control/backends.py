@@ -33,6 +33,11 @@ class Backend:
         return [part.format(**values) for part in self.command]
 
 
+#: `--host {host} --port {port}`, as most OpenAI-compatible servers take their address.
+_LISTEN = ("--host", "{host}", "--port", "{port}")
+#: vLLM's address and the name it serves (the sim takes the same flags).
+_VLLM_FLAGS = (*_LISTEN, "--served-model-name", "{served_name}")
+
 _NVIDIA_ARCH = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
 _AMD_ARCH = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "gfx1201")
 
@@ -41,18 +46,7 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend(
             name="sim",
-            command=(
-                sys.executable,
-                "-m",
-                "wakegate",
-                "sim",
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-                "--served-model-name",
-                "{served_name}",
-            ),
+            command=(sys.executable, "-m", "wakegate", "sim", *_VLLM_FLAGS),
             default_port=8000,
             health_path="/health",
             gpu_vendors=(),
@@ -62,17 +56,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="vllm",
-            command=(
-                "vllm",
-                "serve",
-                "{model}",
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-                "--served-model-name",
-                "{served_name}",
-            ),
+            command=("vllm", "serve", "{model}", *_VLLM_FLAGS),
             default_port=8000,
             health_path="/health",
             gpu_vendors=("nvidia", "amd"),
@@ -83,18 +67,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="llamacpp",
-            command=(
-                "llama-server",
-                "--model",
-                "{model}",
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-                "--alias",
-                "{served_name}",
-                "--metrics",
-            ),
+            command=("llama-server", "--model", "{model}", *_LISTEN, "--alias", "{served_name}", "--metrics"),
             default_port=8080,
             health_path="/health",
             gpu_vendors=("nvidia", "amd"),
@@ -114,7 +87,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="mlc-llm",
-            command=("mlc_llm", "serve", "{model}", "--host", "{host}", "--port", "{port}"),
+            command=("mlc_llm", "serve", "{model}", *_LISTEN),
             default_port=8000,
             health_path="/v1/models",
             gpu_vendors=("nvidia", "amd"),
@@ -123,17 +96,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="diffusers",
-            command=(
-                sys.executable,
-                "-m",
-                "diffusers_server",
-                "--model",
-                "{model}",
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-            ),
+            command=(sys.executable, "-m", "diffusers_server", "--model", "{model}", *_LISTEN),
             default_port=8000,
             health_path="/health",
             gpu_vendors=("nvidia", "amd"),
@@ -151,18 +114,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="vllm-omni",
-            command=(
-                "vllm",
-                "serve",
-                "{model}",
-                "--omni",
-                "--host",
-                "{host}",
-                "--port",
-                "{port}",
-                "--served-model-name",
-                "{served_name}",
-            ),
+            command=("vllm", "serve", "{model}", "--omni", *_VLLM_FLAGS),
             default_port=8000,
             health_path="/health",
             gpu_vendors=("nvidia", "amd"),

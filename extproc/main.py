@@ -25,7 +25,7 @@ from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
 
@@ -71,31 +71,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything one extproc process is configured with; built once from its command line."""
 
-    #: gRPC address Envoy's ext_proc filter connects to (HOST:PORT or unix:PATH).
     listen: str
-    #: HTTP address of /healthz, /metrics and /wakegate/queue.
+    """gRPC address Envoy's ext_proc filter connects to (HOST:PORT or unix:PATH)."""
     admin_listen: str
-    #: HTTP address of the activator (keepalive cold mode); loopback only.
+    """HTTP address of /healthz, /metrics and /wakegate/queue."""
     activator_listen: str
-    #: The xDS feeder (HOST:PORT) the route table comes from.
+    """HTTP address of the activator (keepalive cold mode); loopback only."""
     xds: str
-    #: Where demand reports go (HOST:PORT).
+    """The xDS feeder (HOST:PORT) the route table comes from."""
     demand: str
+    """Where demand reports go (HOST:PORT)."""
     demand_token_file: Path | None
-    #: This gateway's id in xDS and demand reports.
+    """Bearer token of the demand reports; None: none."""
     node_id: str
+    """This gateway's id in xDS and demand reports."""
     api_keys_file: Path | None
-    #: SSE heartbeat interval while a keepalive request waits, seconds.
+    """API keys, one per line, re-read on change; None: no auth."""
     keepalive_seconds: float
-    #: How long in-flight streams may finish after the first signal, seconds.
+    """SSE heartbeat interval while a keepalive request waits."""
     drain_seconds: float
-    #: How each request is decided.
+    """How long in-flight streams may finish after the first signal."""
     gateway: service.Settings
-    log_level: str = "INFO"
+    """How each request is decided."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

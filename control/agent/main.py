@@ -25,7 +25,7 @@ from wakegate.control.agent.labels import node_report, patch_for
 from wakegate.control.gpu import Discovery, DiscoveryError, GpuDevice, probe
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.agent")
 
@@ -101,20 +101,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate agent` is configured with; built once from its command line."""
 
-    #: The Node this agent labels.
     node_name: str
+    """The Node this agent labels."""
     kubeconfig: str | None
-    #: Seconds between refreshes of the annotations.
+    """Where the cluster is (the seam's lookup order when None)."""
     interval: float
-    #: Read GPUs from this JSON file instead of NVML/amdsmi.
+    """Seconds between refreshes of the annotations."""
     fake_gpus: Path | None
-    #: One round, then exit (status 1 when it failed).
+    """Read GPUs from this JSON file instead of NVML/amdsmi."""
     once: bool
-    log_level: str = "INFO"
+    """One round, then exit (status 1 when it failed)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

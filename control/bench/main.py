@@ -26,7 +26,7 @@ from wakegate.control.bench.measure import run_bench
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
 from wakegate.control.k8s.names import BENCH_FIELD_MANAGER
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP, BenchResult
-from wakegate.process import add_log_level, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, settings_from, start
 
 log = logging.getLogger("wakegate.bench")
 
@@ -74,29 +74,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything one `wakegate bench` run is configured with; built once from its command line."""
 
     url: str
+    """OpenAI-compatible base URL."""
     model: str
+    """Model name sent in the requests."""
     requests: int
+    """Requests in total."""
     concurrency: int
+    """Requests in flight at once."""
     max_tokens: int
+    """max_tokens of each request."""
     api_key: str | None
-    #: Seconds one request may take.
+    """Bearer token; None: none."""
     timeout: float
-    #: Where the result goes: the backend, `<vendor>-<arch>` and Model name of its key (no device
-    #: class: printed only), and the ConfigMap.
+    """Seconds one request may take."""
     backend: str | None
+    """Backend plugin of the endpoint (part of the result key)."""
     device_class: str | None
+    """`<vendor>-<arch>` measured; None: the result is printed, not written."""
     model_key: str
+    """The Model's name in the result key."""
     configmap: str
+    """The results ConfigMap."""
     namespace: str
+    """Namespace of the results ConfigMap."""
     kubeconfig: str | None
-    #: Also print the summary as one JSON line on stdout.
+    """Where the cluster is (the seam's lookup order when None)."""
     json: bool
-    log_level: str = "INFO"
+    """Also print the summary as one JSON line on stdout."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

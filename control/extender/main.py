@@ -22,7 +22,7 @@ from wakegate.control.extender.server import DEFAULT_MAX_BODY, make_app
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP
 from wakegate.control.placement.rules import Weights
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extender")
 
@@ -46,21 +46,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate scheduler-extender` is configured with; built once from its command line."""
 
     listen_host: str
+    """Address the extender serves on."""
     listen_port: int
+    """Port the extender serves on."""
     kubeconfig: str | None
-    #: Where the bench results ConfigMap is.
+    """Where the cluster is (the seam's lookup order when None)."""
     bench_namespace: str
+    """Namespace of the bench results ConfigMap."""
     bench_configmap: str
-    #: Largest request body from kube-scheduler.
+    """Name of the bench results ConfigMap."""
     max_body_bytes: int
-    #: Score weights, from the SCHED_*_WEIGHT environment variables.
+    """Largest request body from kube-scheduler."""
     weights: Weights
-    log_level: str = "INFO"
+    """Score weights, from the SCHED_*_WEIGHT environment variables."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

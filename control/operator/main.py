@@ -21,7 +21,7 @@ from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler, keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.operator")
 
@@ -56,20 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate operator` is configured with; built once from its command line."""
 
     kubeconfig: str | None
-    #: host:port of `wakegate scaler`, written into KEDA ScaledObjects.
+    """Where the cluster is (the seam's lookup order when None)."""
     scaler_address: str
-    #: The leader-election Lease and this replica's name in it.
+    """host:port of `wakegate scaler`, written into KEDA ScaledObjects."""
     lease: LeaseConfig
-    #: Models reconciled concurrently.
+    """The leader-election Lease and this replica's name in it."""
     workers: int
-    #: Apply the InferenceRuntimes shipped for each backend plugin when leading.
+    """Models reconciled concurrently."""
     install_runtimes: bool
-    log_level: str = "INFO"
+    """Apply the InferenceRuntimes shipped for each backend plugin when leading."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

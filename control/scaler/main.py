@@ -35,7 +35,7 @@ from wakegate.control.keda.service import TlsFiles, serve_external_scaler
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
 from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.scaler")
@@ -63,28 +63,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate scaler` is configured with; built once from its command line."""
 
-    #: DemandService address gateways report to, and the bearer token they must present.
     demand_listen: str
+    """DemandService address gateways report to."""
     demand_token_file: Path | None
-    #: ExternalScaler address for KEDA; TLS (mTLS with a client CA) when files are given.
+    """The bearer token gateways must present; None: none."""
     keda_listen: str
+    """ExternalScaler address for KEDA."""
     tls: TlsFiles | None
-    #: HTTP address of /metrics and /healthz.
+    """TLS of the KEDA port (mTLS with a client CA); None: plaintext."""
     admin_listen: str
-    #: Serve these Models instead of watching the cluster's.
+    """HTTP address of /metrics and /healthz."""
     models: tuple[Model, ...] | None
+    """Serve these Models instead of watching the cluster's."""
     kubeconfig: str | None
-    #: Watch Models in this namespace only (None: all).
+    """Where the cluster is (the seam's lookup order when None)."""
     namespace: str | None
-    #: The Lease that elects the builtin engine, and this replica's name in it.
+    """Watch Models in this namespace only; None: all."""
     lease_namespace: str
+    """Namespace of the Lease that elects the builtin engine."""
     lease_name: str
+    """Name of that Lease."""
     identity: str
-    log_level: str = "INFO"
+    """This replica's name in the Lease."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

@@ -30,7 +30,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from wakegate.control.sim.app import Sim, SimConfig
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.sim")
 
@@ -212,20 +212,22 @@ def _read_fault(path: str | None) -> str:
     return fault
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything one `wakegate sim` is configured with; built once from its command line."""
 
-    #: What the simulated server serves and how it behaves.
     sim: SimConfig
+    """What the simulated server serves and how it behaves."""
     host: str
+    """Address to listen on."""
     port: int
-    #: End abruptly after this many seconds with `exit_code` (no draining).
+    """Port to listen on; 0: a free one."""
     fail_after: float | None
+    """End abruptly after this many seconds with `exit_code` (no draining); None: never."""
     exit_code: int
-    #: Time in-flight requests get to finish after SIGTERM.
+    """Status of that abrupt end."""
     drain_seconds: float
-    log_level: str = "INFO"
+    """Time in-flight requests get to finish after SIGTERM."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

@@ -37,41 +37,48 @@ from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
-from wakegate.process import graceful_exit, settings_from
+from wakegate.process import ProcessSettings, graceful_exit, settings_from
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.up")
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate up` is configured with; built once from its command line."""
 
-    #: The YAML file of Model documents, and the Models it holds.
     file: Path
+    """The YAML file of Model documents."""
     models: tuple[Model, ...]
-    #: The gateway's listener.
+    """The Models the file holds, validated."""
     listen_host: str
+    """Address of the gateway's listener."""
     listen_port: int
-    #: HTTP address of /status, /healthz and /metrics.
+    """Port of the gateway's listener."""
     admin_listen: str
-    #: Logs, rendered configs (Envoy's bootstrap).
+    """HTTP address of /status, /healthz and /metrics."""
     state_dir: Path
+    """Logs and rendered configs (Envoy's bootstrap)."""
     api_keys_file: Path | None
+    """API keys, one per line; None: no auth."""
     max_body_bytes: int
+    """Largest request body the gateway reads, bytes."""
     global_rps: float
+    """Requests/s over all models; 0: unlimited."""
     global_burst: float
+    """Burst of `global_rps`; 0: max(1, rps)."""
     envoy_concurrency: int
-    #: Add x-wakegate-upstream (the backend's ip:port) to responses.
+    """Envoy worker threads."""
     upstream_header: bool
-    #: The live status table on the terminal.
+    """Add x-wakegate-upstream (the backend's ip:port) to responses."""
     status_display: bool
+    """The live status table on the terminal."""
     keepalive_seconds: float
-    #: Also serve KEDA's ExternalScaler gRPC service here (HOST:PORT).
+    """SSE heartbeat interval of held keepalive requests."""
     scaler_listen: str | None
-    #: JSON file of GPUs to pretend this machine has.
+    """Also serve KEDA's ExternalScaler gRPC service here (HOST:PORT)."""
     fake_gpus: Path | None
-    log_level: str = "INFO"
+    """JSON file of GPUs to pretend this machine has."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -80,7 +87,9 @@ class Settings:
             raise ValueError("-f FILE is required")
         try:
             models = tuple(parse_models(args.file.read_text(encoding="utf-8"), str(args.file)))
-        except (OSError, ManifestError) as exc:
+        except OSError as exc:
+            raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
+        except ManifestError as exc:
             raise ValueError(str(exc)) from None
         try:
             host, port = admin.host_port(args.listen)

@@ -20,7 +20,7 @@ from typing import Any
 from wakegate.control.admin import host_port
 from wakegate.control.feeder.resources import GatewaySettings
 from wakegate.control.k8s.client import add_kubeconfig
-from wakegate.process import add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.xds")
 
@@ -38,16 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
     """Everything `wakegate xds` is configured with; built once from its command line."""
 
-    #: ADS gRPC address for Envoy and extproc.
     listen: str
+    """ADS gRPC address for Envoy and extproc."""
     kubeconfig: str | None
-    #: The Envoy listener every gateway gets (address, body limit, debug header).
+    """Where the cluster is (the seam's lookup order when None)."""
     gateway: GatewaySettings
-    log_level: str = "INFO"
+    """The Envoy listener every gateway gets (address, body limit, debug header)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:

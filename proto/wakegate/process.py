@@ -19,7 +19,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
 
 log = logging.getLogger("wakegate")
 
@@ -31,6 +32,22 @@ FORCED_EXIT = 130
 USAGE_ERROR = 2
 
 _Settings = TypeVar("_Settings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessSettings:
+    """What the settings of every process have; each process's `Settings` adds its own fields."""
+
+    log_level: str = "INFO"
+    """DEBUG, INFO, WARNING or ERROR."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Self:
+        """The settings from parsed arguments (every field from the argument of its name).
+
+        Subclasses that derive or check values override this; a ValueError is a usage error.
+        """
+        return settings_from(cls, args)
 
 
 def start(
