@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from wakegate import contract
+from wakegate.control.feeder.resources import ROUTER_FILTER, http_listener
 
 _CANDIDATES = (
     Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml",
@@ -137,32 +138,13 @@ def _admin_cluster(port: int | str) -> dict[str, Any]:
 
 
 def _metrics_listener(port: int | str) -> dict[str, Any]:
-    router = {
-        "name": "envoy.filters.http.router",
-        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-    }
+    stats_only = {"match": {"path": "/stats/prometheus"}, "route": {"cluster": "envoy_admin"}}
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager",
         "stat_prefix": "prometheus",
-        "http_filters": [router],
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "stats",
-                    "domains": ["*"],
-                    "routes": [{"match": {"path": "/stats/prometheus"}, "route": {"cluster": "envoy_admin"}}],
-                }
-            ]
-        },
+        "http_filters": [ROUTER_FILTER],
+        "route_config": {"virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": [stats_only]}]},
     }
-    return {
-        "name": "prometheus",
-        "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-        ],
-    }
+    return http_listener("prometheus", "0.0.0.0", port, hcm)
 
 
 def envoy_binary() -> str:

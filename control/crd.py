@@ -103,20 +103,29 @@ STATUS_SCHEMA: dict[str, Any] = {
 }
 
 
-def model_crd() -> dict[str, Any]:
+def _crd(
+    kind: str,
+    scope: str,
+    short_name: str,
+    columns: list[dict[str, str]],
+    schema: dict[str, Any],
+    version_extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The CustomResourceDefinition envelope every wakegate kind shares (one served, stored version)."""
+    plural = f"{kind.lower()}s"
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"models.{GROUP}"},
+        "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
-            "scope": "Namespaced",
+            "scope": scope,
             "names": {
-                "plural": "models",
-                "singular": "model",
-                "kind": "Model",
-                "listKind": "ModelList",
-                "shortNames": ["mdl"],
+                "plural": plural,
+                "singular": kind.lower(),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "shortNames": [short_name],
                 "categories": ["wakegate"],
             },
             "versions": [
@@ -124,88 +133,54 @@ def model_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    **version_extra,
                     "additionalPrinterColumns": [
-                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-                        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
-                        {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
-                        {
-                            "name": "Reason",
-                            "type": "string",
-                            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-                        },
+                        *columns,
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "required": ["spec"],
-                            "x-kubernetes-validations": [
-                                {
-                                    "rule": f"self.metadata.name.size() <= {MAX_MODEL_NAME}",
-                                    "message": f"metadata.name must be at most {MAX_MODEL_NAME} characters "
-                                    "(the backend Service is named wg-<name>)",
-                                }
-                            ],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema(),
-                                "status": STATUS_SCHEMA,
-                            },
-                        }
-                    },
+                    "schema": {"openAPIV3Schema": {"type": "object", "required": ["spec"], **schema}},
                 }
             ],
         },
     }
+
+
+def _properties(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            **extra,
+        }
+    }
+
+
+def model_crd() -> dict[str, Any]:
+    name_rule = {
+        "rule": f"self.metadata.name.size() <= {MAX_MODEL_NAME}",
+        "message": f"metadata.name must be at most {MAX_MODEL_NAME} characters "
+        "(the backend Service is named wg-<name>)",
+    }
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
+        {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+    ]
+    schema = {"x-kubernetes-validations": [name_rule], **_properties(spec_schema(), status=STATUS_SCHEMA)}
+    return _crd("Model", "Namespaced", "mdl", columns, schema, {"subresources": {"status": {}}})
 
 
 def runtime_crd() -> dict[str, Any]:
     """InferenceRuntime: cluster-scoped and passive (no status; Models render from it)."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"inferenceruntimes.{GROUP}"},
-        "spec": {
-            "group": GROUP,
-            "scope": "Cluster",
-            "names": {
-                "plural": "inferenceruntimes",
-                "singular": "inferenceruntime",
-                "kind": "InferenceRuntime",
-                "listKind": "InferenceRuntimeList",
-                "shortNames": ["irt"],
-                "categories": ["wakegate"],
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "additionalPrinterColumns": [
-                        {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
-                        {"name": "Image", "type": "string", "jsonPath": ".spec.image"},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema(InferenceRuntimeSpec),
-                            },
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    columns = [
+        {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
+        {"name": "Image", "type": "string", "jsonPath": ".spec.image"},
+    ]
+    return _crd("InferenceRuntime", "Cluster", "irt", columns, _properties(spec_schema(InferenceRuntimeSpec)), {})
 
 
 def render() -> dict[str, str]:

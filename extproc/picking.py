@@ -111,6 +111,17 @@ def _body_str(body: Mapping[str, Any] | None, name: str) -> str | None:
     return None
 
 
+def _explicit_key(
+    headers: Mapping[str, str], header_names: tuple[str, ...], body: Mapping[str, Any] | None, body_field: str
+) -> str | None:
+    """A key the client named: the first non-empty of these headers, else a non-empty body string."""
+    for name in header_names:
+        key = _header(headers, name)
+        if key is not None:
+            return key
+    return _body_str(body, body_field)
+
+
 def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> str | None:
     """The key that keeps a conversation on one endpoint, or None.
 
@@ -119,14 +130,9 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> s
     JSON of the first :data:`SESSION_MESSAGES` entries of a non-empty body ``messages`` list.
     Empty or whitespace-only header values count as absent.
     """
-    key = _header(headers, "x-session-id") or _header(headers, "x-conversation-id")
-    if key is not None:
+    key = _explicit_key(headers, ("x-session-id", "x-conversation-id"), body, "session_id")
+    if key is not None or body is None:
         return key
-    key = _body_str(body, "session_id")
-    if key is not None:
-        return key
-    if body is None:
-        return None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -186,14 +192,9 @@ def prefix_key(headers: Mapping[str, str], body: Mapping[str, Any] | None, prefi
     """
     if prefix_chars < 1:
         raise ValueError(f"prefix_chars must be >= 1, got {prefix_chars!r}")
-    key = _header(headers, "x-cache-key")
-    if key is not None:
+    key = _explicit_key(headers, ("x-cache-key",), body, "cache_key")
+    if key is not None or body is None:
         return key
-    key = _body_str(body, "cache_key")
-    if key is not None:
-        return key
-    if body is None:
-        return None
     prefix = ""
     messages = body.get("messages")
     if isinstance(messages, list) and messages:

@@ -315,13 +315,7 @@ class Processor:
         self.gw.cold.demand(route)
         mode = route.cold.mode
         if mode == routing_pb2.COLD_MODE_REJECT:
-            return self._reject(
-                route.key,
-                503,
-                "model_not_ready",
-                f"model {ex.model_name!r} is starting; retry later",
-                retry_after=str(self.gw.settings.cold_retry_after),
-            )
+            return self._retry_later(route, 503, "model_not_ready", f"model {ex.model_name!r} is starting; retry later")
         if mode == routing_pb2.COLD_MODE_KEEPALIVE and parsed is not None and parsed.get("stream") is True:
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
@@ -343,13 +337,7 @@ class Processor:
                 f"model {ex.model_name!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
             )
         except ActivationFailed as exc:
-            return self._reject(
-                route.key,
-                503,
-                "activation_failed",
-                f"model {ex.model_name!r} failed to start: {exc}",
-                retry_after=str(self.gw.settings.cold_retry_after),
-            )
+            return self._retry_later(route, 503, "activation_failed", f"model {ex.model_name!r} failed to start: {exc}")
         finally:
             self.gw.metrics.queue_depth.labels(route.key).dec()
         resolved = self.gw.table.resolve(ex.model_name or "")
@@ -363,13 +351,13 @@ class Processor:
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
-        return self._reject(
-            route.key,
-            429,
-            "queue_full",
-            f"too many requests waiting for model {route.key!r}",
-            retry_after=str(self.gw.settings.cold_retry_after),
-        )
+        return self._retry_later(route, 429, "queue_full", f"too many requests waiting for model {route.key!r}")
+
+    def _retry_later(
+        self, route: routing_pb2.ModelRoute, status: int, code: str, message: str
+    ) -> ep.ProcessingResponse:
+        """A cold-path refusal: the client should come back after the cold Retry-After."""
+        return self._reject(route.key, status, code, message, retry_after=str(self.gw.settings.cold_retry_after))
 
     def _mutations(
         self,

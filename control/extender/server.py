@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,31 +157,31 @@ def make_app(
             raise BadRequest(f"body larger than {max_body} bytes") from None
         return parse_args(body, sources)
 
-    def bad(exc: BadRequest) -> web.Response:
-        log.warning("bad extender request: %s", exc)
-        return web.json_response({"error": str(exc)}, status=400)
+    def handler(
+        decide: Callable[[Args], Any], what: str, on_bug: Callable[[Exception], Any]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """A POST handler: 400 for a request it cannot read; a bug in `decide` answers `on_bug`, never a 500."""
 
-    async def filter_handler(request: web.Request) -> web.Response:
-        try:
-            args = await read_args(request)
-        except BadRequest as exc:
-            return bad(exc)
-        try:
-            return web.json_response(filter_result(args, backends))
-        except Exception as exc:  # a rule bug must not stall scheduling with a 500
-            log.exception("filter failed")
-            return web.json_response({"Error": f"wakegate extender: {exc!r}"})
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                args = await read_args(request)
+            except BadRequest as exc:
+                log.warning("bad extender request: %s", exc)
+                return web.json_response({"error": str(exc)}, status=400)
+            try:
+                return web.json_response(decide(args))
+            except Exception as exc:
+                log.exception("%s failed", what)
+                return web.json_response(on_bug(exc))
 
-    async def score_handler(request: web.Request) -> web.Response:
-        try:
-            args = await read_args(request)
-        except BadRequest as exc:
-            return bad(exc)
-        try:
-            return web.json_response(score_result(args, sources, weights))
-        except Exception:  # no scores: kube-scheduler uses its own plugins' scores
-            log.exception("score failed")
-            return web.json_response([])
+        return handle
+
+    # A rule bug must not stall scheduling: filter reports it, score gives no scores (kube-scheduler
+    # then uses its own plugins' scores).
+    filter_handler = handler(
+        lambda args: filter_result(args, backends), "filter", lambda exc: {"Error": f"wakegate extender: {exc!r}"}
+    )
+    score_handler = handler(lambda args: score_result(args, sources, weights), "score", lambda _exc: [])
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -62,10 +62,9 @@ class KubeSource:
 
     def on_slice(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
-        model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
-        if not model:
+        key = names.owning_model_key(meta)
+        if key is None:
             return
-        key = names.model_key(meta["namespace"], model)
         by_slice = self.slices.setdefault(key, {})
         if event_type == "DELETED":
             by_slice.pop(meta["name"], None)

@@ -190,6 +190,29 @@ def _processing_mode(request_body: str) -> dict[str, str]:
     }
 
 
+#: The last HTTP filter of every listener: Envoy's router.
+ROUTER_FILTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
+
+
+def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) -> dict[str, Any]:
+    """A listener with one HTTP connection manager (`hcm`: its config without the type)."""
+    typed = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        **hcm,
+    }
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": host, "port_value": port}},
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": typed}]}
+        ],
+    }
+
+
 def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     http_filters: list[dict[str, Any]] = [
         {
@@ -211,14 +234,9 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
             },
         },
         *settings.extra_listener_filters,
-        {
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-        },
+        ROUTER_FILTER,
     ]
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager",
         "stat_prefix": "wakegate",
         "codec_type": "AUTO",
         "rds": {"route_config_name": ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
@@ -260,12 +278,8 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     return _parse(
         listener_pb2.Listener(),
         {
-            "name": LISTENER_NAME,
-            "address": {"socket_address": {"address": settings.listen_host, "port_value": settings.listen_port}},
+            **http_listener(LISTENER_NAME, settings.listen_host, settings.listen_port, hcm),
             "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
-            "filter_chains": [
-                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-            ],
         },
     )
 

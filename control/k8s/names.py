@@ -7,6 +7,9 @@ it all agree on what to look for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 GROUP = "wakegate.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -53,6 +56,12 @@ def backend_name(model_name: str) -> str:
 def model_key(namespace: str, name: str) -> str:
     """The model's key in routes and demand reports."""
     return f"{namespace}/{name}"
+
+
+def owning_model_key(metadata: Mapping[str, Any]) -> str | None:
+    """The key of the Model a backend object (Deployment, Pod, EndpointSlice) belongs to, by its label."""
+    model = (metadata.get("labels") or {}).get(LABEL_MODEL)
+    return model_key(metadata["namespace"], model) if model else None
 
 
 def backend_labels(model_name: str) -> dict[str, str]:

@@ -35,10 +35,6 @@ SCALEDOBJECT_CRD = "scaledobjects.keda.sh"
 BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY}
 
 
-def _key(namespace: str, name: str) -> str:
-    return names.model_key(namespace, name)
-
-
 def _rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -96,7 +92,7 @@ class Reconciler:
 
     def on_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
-        key = _key(meta["namespace"], meta["name"])
+        key = names.model_key(meta["namespace"], meta["name"])
         if event_type == "DELETED":
             self.models.pop(key, None)
         else:
@@ -116,29 +112,16 @@ class Reconciler:
                 self.poke(key)
 
     def on_deployment(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        meta = body["metadata"]
-        model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
-        if not model:
-            return
-        key = _key(meta["namespace"], model)
-        if event_type == "DELETED":
-            self.deployments.pop(key, None)
-        else:
-            self.deployments[key] = _plain(body)
-        self._poke_with_group(key)
+        key = names.owning_model_key(body["metadata"])
+        if key is not None:
+            _record(self.deployments, key, event_type, body)
+            self._poke_with_group(key)
 
     def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        meta = body["metadata"]
-        model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
-        if not model:
-            return
-        key = _key(meta["namespace"], model)
-        pods = self.pods.setdefault(key, {})
-        if event_type == "DELETED":
-            pods.pop(meta["name"], None)
-        else:
-            pods[meta["name"]] = _plain(body)
-        self.poke(key)
+        key = names.owning_model_key(body["metadata"])
+        if key is not None:
+            _record(self.pods.setdefault(key, {}), body["metadata"]["name"], event_type, body)
+            self.poke(key)
 
     def on_keda_crd(self, present: bool) -> None:
         if present == self.settings.keda_available:
@@ -279,6 +262,14 @@ class Reconciler:
             self._was_running[member] = up
             running[member] = up
         return swap_holder(key, running, self._started_at, self._stopped_at)
+
+
+def _record(store: dict[str, dict[str, Any]], key: str, event_type: str | None, body: Mapping[str, Any]) -> None:
+    """Keep the newest copy of an object, or forget it when it was deleted."""
+    if event_type == "DELETED":
+        store.pop(key, None)
+    else:
+        store[key] = _plain(body)
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.gateway.conftest import API_KEY, MAX_BODY
-from tests.support.http import request
+from tests.support.http import Response, request
 from tests.support.up import UpProcess
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -131,32 +131,22 @@ def test_missing_and_invalid_token(gateway: UpProcess) -> None:
     assert b"wakegate_gateway_requests_total" in request("GET", f"{gateway.url}/metrics").body
 
 
+def transcription(gateway: UpProcess, boundary: str, parts: str) -> Response:
+    """A multipart upload to /v1/audio/transcriptions (`parts`: the form between the boundaries)."""
+    body = f"--{boundary}\r\n{parts}\r\n--{boundary}--\r\n".encode()
+    content_type = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    return post(gateway, body, content_type, path="/v1/audio/transcriptions")
+
+
 def test_multipart_without_model(gateway: UpProcess) -> None:
-    boundary = "XyZ"
-    body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
-        f"Content-Type: audio/wav\r\n\r\nRIFF....\r\n--{boundary}--\r\n"
-    ).encode()
-    response = post(
-        gateway,
-        body,
-        {"content-type": f"multipart/form-data; boundary={boundary}"},
-        path="/v1/audio/transcriptions",
+    file_part = (
+        'Content-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\nRIFF....'
     )
-    assert_error(response, 400, "model_required")
+    assert_error(transcription(gateway, "XyZ", file_part), 400, "model_required")
 
 
 def test_multipart_with_model_is_routed_unchanged(gateway: UpProcess) -> None:
-    boundary = "b0undary"
-    body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nchat-b\r\n--{boundary}--\r\n'
-    ).encode()
-    response = post(
-        gateway,
-        body,
-        {"content-type": f"multipart/form-data; boundary={boundary}"},
-        path="/v1/audio/transcriptions",
-    )
+    response = transcription(gateway, "b0undary", 'Content-Disposition: form-data; name="model"\r\n\r\nchat-b')
     # Routed to chat-b's backend (the simulator has no audio endpoint: its own 404 proves the hop).
     assert "x-wakegate-upstream" in response.headers
     assert response.headers["x-wakegate-upstream"] in set(gateway.endpoints("chat-b"))
