@@ -1,0 +1,35 @@
+"""docs/architecture.md's layout table names what is in the tree, and nothing that is not."""
+
+from __future__ import annotations
+
+import re
+
+from tests.support import REPO_ROOT
+
+DOC = (REPO_ROOT / "docs" / "architecture.md").read_text()
+TABLE = DOC[DOC.index("## Layout") :]
+ROWS = [line for line in TABLE.splitlines() if line.startswith("| `")]
+PATHS = {path for row in ROWS for path in re.findall(r"`([a-z0-9_]+/[a-z0-9_./-]*)`", row)}
+TEXT = "\n".join(ROWS)
+
+
+def test_every_path_in_the_table_exists() -> None:
+    missing = sorted(p for p in PATHS if not (REPO_ROOT / p).exists())
+    assert missing == []
+
+
+def test_every_package_and_module_has_a_row() -> None:
+    unnamed = []
+    for half in ("control", "extproc"):
+        for entry in sorted((REPO_ROOT / half).iterdir()):
+            if entry.name.startswith("__") or entry.name == "py.typed":
+                continue
+            path = f"{half}/{entry.name}" + ("/" if entry.is_dir() else "")
+            if not any(p == path.rstrip("/") or p.startswith(path) for p in PATHS) and f"`{entry.name}`" not in TEXT:
+                unnamed.append(path)
+    assert unnamed == []
+
+
+def test_every_process_main_is_named() -> None:
+    mains = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "control").glob("*/main.py"))
+    assert mains and all(main in PATHS for main in [*mains, "extproc/main.py", "proto/wakegate/cli.py"])
