@@ -1,7 +1,8 @@
 """NVIDIA GPUs through NVML (`pynvml` from nvidia-ml-py).
 
 The module is passed in (default: the real `pynvml`) so tests drive this exact code with a
-fake NVML; a machine with an NVIDIA driver runs it for real (tests/placement/test_gpu_real.py).
+fake NVML; a machine with an NVIDIA driver runs it for real (tests/control/gpu/test_gpu.py,
+`test_real_nvml_reports_this_machines_gpus`).
 """
 
 from __future__ import annotations
