@@ -18,8 +18,6 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A preexec_fn: the child gets `sig` when the thread that forked it exits."""
     libc = ctypes.CDLL(None, use_errno=True)

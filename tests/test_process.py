@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,3 +36,13 @@ def test_first_signal_drains_second_exits_at_once(tmp_path) -> None:  # type: ig
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(10) == 130
         assert time.monotonic() - started < 5
+
+
+def test_every_process_logs_one_format() -> None:
+    script = (
+        "from wakegate.process import log_level, setup_logging; import logging; "
+        "setup_logging(log_level('warn')); logging.getLogger('wakegate.x').warning('hello %s', 1); "
+        "logging.getLogger('wakegate.x').info('hidden')"
+    )
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING wakegate\.x hello 1\n", err), err

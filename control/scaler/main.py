@@ -62,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class Settings(ProcessSettings):
     """Everything `wakegate scaler` is configured with; built once from its command line."""

@@ -22,7 +22,6 @@ from wakegate.process import add_log_level, start
 log = logging.getLogger("wakegate.up")
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", type=Path, help="YAML file of Model documents")
     parser.add_argument("--listen", default="127.0.0.1:8080", help="gateway address HOST:PORT")

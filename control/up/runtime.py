@@ -40,8 +40,6 @@ class ReplicaState(StrEnum):
     STOPPED = "stopped"
 
 
-
-
 @dataclass
 class RuntimeSettings:
     """Knobs of the local runtime; one object per `up` process."""

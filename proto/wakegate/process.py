@@ -24,7 +24,7 @@ from typing import Any, Self, TypeVar
 
 log = logging.getLogger("wakegate")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Exit status of a process stopped by a second signal while it drained.
 FORCED_EXIT = 130

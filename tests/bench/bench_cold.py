@@ -70,10 +70,6 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # -- helpers ------------------------------------------------------------------------------------
 
 
-
-
-
-
 def log_time(line: str) -> float:
     """Epoch seconds of a `%(asctime)s` log line (`2026-11-30 12:30:39,349 ...`, local time, ms)."""
     stamp = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")

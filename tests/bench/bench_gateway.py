@@ -61,8 +61,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # -- processes ----------------------------------------------------------------------------------
 
 
-
-
 class Proc:
     """A child in its own process group, logged to a file, stopped by group."""
 
@@ -467,10 +465,6 @@ class Stacks:
 
 
 # -- reporting ----------------------------------------------------------------------------------
-
-
-
-
 
 
 def median_result(runs: list[WrkResult]) -> dict[str, Any]:
