@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from wakegate.control.gpu import GpuDevice
+from wakegate.control.gpu.discovery import GpuDevice
 from wakegate.control.k8s import names
 
 LABELS = (names.NODE_GPU_VENDOR, names.NODE_GPU_ARCH, names.NODE_GPU_COUNT, names.NODE_GPU_VRAM)

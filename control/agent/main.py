@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wakegate.control.agent.labels import node_report, patch_for
-from wakegate.control.gpu import Discovery, DiscoveryError, GpuDevice, probe
+from wakegate.control.gpu.discovery import Discovery, DiscoveryError, GpuDevice, probe
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from wakegate.control.gpu import DiscoveryError, GpuDevice
+from wakegate.control.gpu.discovery import DiscoveryError, GpuDevice
 
 
 def _device(raw: Any) -> GpuDevice:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wakegate.control.gpu import DiscoveryError, GpuDevice
+from wakegate.control.gpu.discovery import DiscoveryError, GpuDevice
 
 MIB = 1024 * 1024
 

@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
-from wakegate.control.scaling import require_non_negative
+from wakegate.control.scaling.checks import require_non_negative
 
 __all__ = [
     "Decision",

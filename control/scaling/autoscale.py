@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from wakegate.control.scaling import require_non_negative
+from wakegate.control.scaling.checks import require_non_negative
 
 __all__ = ["Load", "Policy", "ScaleState", "decide"]
 

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wakegate.control.gpu import Discovery, DiscoveryError, GpuDevice, probe
+from wakegate.control.gpu.discovery import Discovery, DiscoveryError, GpuDevice, probe
 
 log = logging.getLogger("wakegate.up")
 

@@ -11,7 +11,7 @@ import pytest
 
 from wakegate.control.agent.labels import Report, node_report, patch_for
 from wakegate.control.agent.main import NodeAgent
-from wakegate.control.gpu import DiscoveryError, GpuDevice
+from wakegate.control.gpu.discovery import DiscoveryError, GpuDevice
 from wakegate.control.gpu.fake import FakeDiscovery
 
 H100 = GpuDevice("nvidia", "sm90", "H100", 81559, 80000, 10.0)

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from wakegate.control.gpu import DiscoveryError, GpuDevice, probe
 from wakegate.control.gpu.amd import AmdDiscovery
+from wakegate.control.gpu.discovery import DiscoveryError, GpuDevice, probe
 from wakegate.control.gpu.fake import FakeDiscovery
 from wakegate.control.gpu.nvml import NvmlDiscovery
 

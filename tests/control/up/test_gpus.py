@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wakegate.control.gpu import GpuDevice
+from wakegate.control.gpu.discovery import GpuDevice
 from wakegate.control.up.gpus import GpuPool, visible_devices_env
 
 
