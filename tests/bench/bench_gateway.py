@@ -424,7 +424,7 @@ class Stacks:
             cmd = cmdline(pid)
             if "envoy" in cmd.split(" ", 1)[0]:
                 self.cpu_pids["wg-envoy"] = pid
-            elif "-m extproc" in cmd:
+            elif "-m wakegate.extproc" in cmd or "-m extproc" in cmd:
                 self.cpu_pids["wg-extproc"] = pid
             elif " sim " in cmd:
                 self.cpu_pids["wg-sim"] = pid
