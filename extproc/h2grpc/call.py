@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Protocol
 
-from wakegate.extproc.h2grpc.connection import H2Server, Stream
+from wakegate.extproc.h2grpc.connection import Connection, H2Server, Stream
 from wakegate.extproc.h2grpc.hpack import STATUS_200, literal
 
 log = logging.getLogger("wakegate.extproc.h2")
@@ -63,47 +63,47 @@ class Listener(Protocol):
 Method = Callable[["Call"], Listener]
 
 
-class Call:
-    """One gRPC call (one HTTP/2 stream) as its listener sees it."""
+class Call(Stream):
+    """One gRPC call: an HTTP/2 stream speaking gRPC, as its listener sees it."""
 
-    __slots__ = ("_max_message", "_recv", "_sent_headers", "_stream", "finished", "listener", "method")
+    __slots__ = ("_max_message", "_recv", "_sent_headers", "listener", "method")
 
-    def __init__(self, stream: Stream, method: str, max_message_bytes: int) -> None:
-        self._stream = stream
+    def __init__(self, conn: Connection, stream_id: int, method: str, max_message_bytes: int) -> None:
+        super().__init__(conn, stream_id)
         self.method = method
         self._max_message = max_message_bytes
         self.listener: Listener | None = None
         self._recv = bytearray()
         self._sent_headers = False
-        #: We sent our status (or the stream is gone): nothing more goes out.
-        self.finished = False
+
+    @property
+    def finished(self) -> bool:
+        """We sent our status (or the stream is gone): nothing more goes out."""
+        return self.ended
 
     def send(self, message: bytes) -> None:
         """Queue one response message; it goes out as the client's flow-control windows allow."""
-        if self.finished:
+        if self.ended:
             return
         if not self._sent_headers:
             self._sent_headers = True
-            self._stream.write_headers(_RESPONSE_HEADERS)
-        self._stream.write_data(b"\x00" + _LENGTH.pack(len(message)) + message)
+            self.write_headers(_RESPONSE_HEADERS)
+        self.write_data(b"\x00" + _LENGTH.pack(len(message)) + message)
 
     def finish(self, status: int = OK, message: str = "") -> None:
         """End the call with a gRPC status; response messages still queued go out first."""
-        if self.finished:
+        if self.ended:
             return
-        self.finished = True
         block = _OK_TRAILERS if status == OK and not message else _trailers(status, message)
         if not self._sent_headers:
             # Trailers-only response: one HEADERS frame with the status.
             self._sent_headers = True
             block = _RESPONSE_HEADERS + block
-        self._stream.end(block)
+        self.end(block)
 
-    # -- from the stream (StreamHandler) -------------------------------------------------------
+    # -- Stream hooks ---------------------------------------------------------------------------
 
     def on_data(self, data: bytes) -> None:
-        if self.finished:
-            return
         buf = self._recv
         buf += data
         while len(buf) >= 5:
@@ -119,7 +119,7 @@ class Call:
             message = bytes(buf[5 : 5 + length])
             del buf[: 5 + length]
             self._deliver(message)
-            if self.finished:
+            if self.ended:
                 return
 
     def on_end(self) -> None:
@@ -136,7 +136,6 @@ class Call:
 
     def on_reset(self) -> None:
         """The stream is gone before the call finished: the listener hears `on_cancel`."""
-        self.finished = True
         self._cancel_listener()
 
     def _deliver(self, message: bytes) -> None:
@@ -152,7 +151,7 @@ class Call:
     def _fail(self, status: int, message: str) -> None:
         """The call cannot go on: end it with a status and tell the listener it is over."""
         self._recv.clear()
-        already = self.finished
+        already = self.ended
         self.finish(status, message)
         if already:
             self.listener = None
@@ -232,7 +231,7 @@ class GrpcServer:
     def active_calls(self) -> int:
         return self.transport.active_streams
 
-    def _new_call(self, stream: Stream, headers: list[tuple[bytes, bytes]]) -> Call:
+    def _new_call(self, conn: Connection, stream_id: int, headers: list[tuple[bytes, bytes]]) -> Call:
         method = path = content_type = b""
         for name, value in headers:
             if name == b":path":
@@ -241,7 +240,7 @@ class GrpcServer:
                 method = value
             elif name == b"content-type":
                 content_type = value
-        call = Call(stream, path.decode("ascii", "replace"), self.max_message_bytes)
+        call = Call(conn, stream_id, path.decode("ascii", "replace"), self.max_message_bytes)
         factory = self.methods.get(call.method)
         if method != b"POST" or not content_type.startswith(b"application/grpc"):
             call.finish(UNIMPLEMENTED, "expected a gRPC request (POST, content-type application/grpc)")

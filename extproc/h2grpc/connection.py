@@ -1,11 +1,12 @@
 """The HTTP/2 side of the server (RFC 9113): connections, streams, flow control, draining.
 
-It knows nothing of gRPC. A new stream is handed, with its decoded request headers, to the
-server's `new_stream` callback, which returns the stream's handler; the handler then hears
-`on_data` for each DATA payload, `on_end` when the client has sent everything, and
-`on_reset` once if the stream is reset or the connection is lost before we ended it. It
-answers through the `Stream`: `write_headers()`, `write_data()`, then `end()` with the last
-header block. All of this runs on the event loop thread, without a task per stream.
+It knows nothing of gRPC. For each new stream the server's `new_stream` callback builds the
+`Stream` object from the decoded request headers: an application protocol subclasses
+`Stream` (gRPC's `Call` does) and overrides its hooks, `on_data` for each DATA payload,
+`on_end` when the client has sent everything, and `on_reset` once if the stream is reset or
+the connection is lost before it ended. It answers with `write_headers()`, `write_data()`,
+then `end()` with the last header block. One object per stream, on the event loop thread,
+without a task.
 
 What it speaks: cleartext HTTP/2 with prior knowledge (no TLS, no server push, no
 priorities):
@@ -30,7 +31,7 @@ import os
 import struct
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import cast
 
 from wakegate.extproc.h2grpc.hpack import MAX_HEADER_LIST_SIZE, HeaderDecoder, HpackError
 
@@ -85,18 +86,8 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _FRAME_HEADER.pack(len(payload))[1:] + bytes((kind, flags)) + _FRAME_HEADER.pack(stream_id) + payload
 
 
-class StreamHandler(Protocol):
-    def on_data(self, data: bytes) -> None: ...
-    def on_end(self) -> None: ...
-    def on_reset(self) -> None: ...
-
-
-#: Called for each new stream with its request headers; returns the stream's handler.
-NewStream = Callable[["Stream", list[tuple[bytes, bytes]]], StreamHandler]
-
-
 class Stream:
-    """One HTTP/2 stream of a connection, as its handler sees it."""
+    """One HTTP/2 stream of a connection; subclasses give it an application protocol."""
 
     __slots__ = (
         "_conn",
@@ -106,7 +97,6 @@ class Stream:
         "closed",
         "ended",
         "half_closed",
-        "handler",
         "send_window",
         "stream_id",
     )
@@ -114,7 +104,6 @@ class Stream:
     def __init__(self, conn: Connection, stream_id: int) -> None:
         self._conn = conn
         self.stream_id = stream_id
-        self.handler: StreamHandler | None = None
         self.send_window = conn.peer_initial_window
         self._recv_used = 0
         self._pending: deque[bytes] = deque()
@@ -125,6 +114,19 @@ class Stream:
         self.ended = False
         #: Gone from the connection: ended both ways, reset, or the connection was lost.
         self.closed = False
+
+    # -- hooks for the application protocol ---------------------------------------------------
+
+    def on_data(self, data: bytes) -> None:
+        """A DATA payload arrived (never after `end()`)."""
+
+    def on_end(self) -> None:
+        """The client sent END_STREAM (not heard after `end()`)."""
+
+    def on_reset(self) -> None:
+        """The stream was reset, or the connection lost, before `end()`."""
+
+    # -- answering -----------------------------------------------------------------------------
 
     def write_headers(self, block: bytes) -> None:
         """Send a header block (response headers) at once; it does not end the stream."""
@@ -186,35 +188,33 @@ class Stream:
             if self._recv_used >= _WINDOW_REFILL:  # a very long stream: keep its window open
                 self._conn.write(frame(WINDOW_UPDATE, 0, self.stream_id, _FRAME_HEADER.pack(self._recv_used)))
                 self._recv_used = 0
-            handler = self.handler
-            if payload and handler is not None:
-                handler.on_data(payload)
+            if payload:
+                self.on_data(payload)
         if end_stream:
             self._remote_end()
 
     def _remote_end(self) -> None:
         self.half_closed = True
-        if not self.ended and self.handler is not None:
-            self.handler.on_end()
+        if not self.ended:
+            self.on_end()
         if self.ended and self._queued_end is None and not self.closed:
             self._conn.forget(self)
 
     def _reset(self) -> None:
         """The stream is gone (RST_STREAM, or the connection): no more sending.
 
-        The handler hears `on_reset` only if we had not ended the stream ourselves.
+        `on_reset` runs only if we had not ended the stream ourselves.
         """
         was_ended = self.ended
         self.closed = True
         self.ended = True
         self._pending.clear()
         self._queued_end = None
-        handler, self.handler = self.handler, None
-        if handler is not None and not was_ended:
+        if not was_ended:
             try:
-                handler.on_reset()
+                self.on_reset()
             except Exception:
-                log.exception("stream handler failed on reset")
+                log.exception("stream failed on reset")
 
 
 class Connection(asyncio.Protocol):
@@ -479,15 +479,13 @@ class Connection(asyncio.Protocol):
         if self.goaway == "final":
             self._refuse(stream_id, REFUSED_STREAM)
             return
-        stream = Stream(self, stream_id)
-        self.streams[stream_id] = stream
         try:
-            stream.handler = self.server.new_stream(stream, headers)
+            stream = self.server.new_stream(self, stream_id, headers)
         except Exception:
             log.exception("could not start stream %d", stream_id)
             self._refuse(stream_id, INTERNAL_ERROR)
-            self._drop(stream)
             return
+        self.streams[stream_id] = stream
         if flags & END_STREAM:
             stream._received(b"", True)
 
@@ -565,8 +563,12 @@ def host_port(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+#: Builds the stream object of a new stream from its connection, id and request headers.
+NewStream = Callable[[Connection, int, list[tuple[bytes, bytes]]], Stream]
+
+
 class H2Server:
-    """Accepts HTTP/2 connections on TCP or a Unix socket; `new_stream` handles each stream."""
+    """Accepts HTTP/2 connections on TCP or a Unix socket; `new_stream` builds each stream."""
 
     def __init__(self, new_stream: NewStream) -> None:
         self.new_stream = new_stream
