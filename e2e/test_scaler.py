@@ -448,11 +448,13 @@ def _ok(url: str) -> bool:
 
 def test_lease_elects_one_scaler_and_hands_over(kube: Kube) -> None:
     """Only one builtin engine acts: two candidates, one holder; the other takes over on release."""
+    from wakegate.control.k8s import client as seam
     from wakegate.control.scaler.lease import LeaseElector
 
     changes: list[tuple[str, bool]] = []
-    a = LeaseElector(kube.api, kube.ns, "wakegate-scaler", "a", lambda v: changes.append(("a", v)), lease_seconds=3)
-    b = LeaseElector(kube.api, kube.ns, "wakegate-scaler", "b", lambda v: changes.append(("b", v)), lease_seconds=3)
+    api = seam.Kube(kube.api)
+    a = LeaseElector(api, kube.ns, "wakegate-scaler", "a", lambda v: changes.append(("a", v)), lease_seconds=3)
+    b = LeaseElector(api, kube.ns, "wakegate-scaler", "b", lambda v: changes.append(("b", v)), lease_seconds=3)
     assert a.try_acquire() is True
     assert b.try_acquire() is False
     assert a.try_acquire() is True, "the holder renews"
