@@ -1,4 +1,4 @@
-"""h2spec (e2e/tools/h2spec.py) against extproc's own HTTP/2 server, started as `python -m extproc`.
+"""h2spec (e2e/tools/h2spec.py) against extproc's own HTTP/2 server, started as `python -m wakegate.extproc`.
 
 extproc accepts HTTP/2 connections without an xDS feeder (its route feed retries in the
 background), so none runs here. h2spec_extproc_baseline.json records a full run against
@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from e2e.procs import Proc, free_port
+from e2e.procs import Proc
 from e2e.tools import TOOLS
 from e2e.tools.h2spec import Case, is_subgroup, parse_junit, run_h2spec
+from wakegate.control.admin import free_port
 
 BASELINE = Path(__file__).with_name("h2spec_extproc_baseline.json")
 
@@ -39,9 +40,9 @@ def _baseline() -> list[Case]:
 
 @contextmanager
 def running_extproc(logdir: Path) -> Iterator[int]:
-    """`python -m extproc` on free loopback ports; yields its gRPC (HTTP/2) port."""
+    """`python -m wakegate.extproc` on free loopback ports; yields its gRPC (HTTP/2) port."""
     grpc, admin, activator, xds = (free_port() for _ in range(4))
-    proc = Proc("extproc", [sys.executable, "-m", "extproc", "--listen", f"127.0.0.1:{grpc}",
+    proc = Proc("extproc", [sys.executable, "-m", "wakegate.extproc", "--listen", f"127.0.0.1:{grpc}",
                             "--admin-listen", f"127.0.0.1:{admin}", "--activator-listen", f"127.0.0.1:{activator}",
                             "--xds", f"127.0.0.1:{xds}", "--drain-seconds", "1"],
                 logdir / "extproc.log")
