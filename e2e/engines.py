@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -111,11 +112,6 @@ def _run(cmd: Sequence[str], cwd: Path, label: str, log: Log, env: Mapping[str, 
 
     Output is read line by line; only the last lines are kept, to explain a failure.
     """
-    proc = subprocess.Popen(
-        ["nice", "-n", "10", *cmd], cwd=cwd, env=dict(env or os.environ), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    assert proc.stdout is not None
     tail: deque[str] = deque(maxlen=60)
     state: list[tuple[int, int] | None] = [None]
     started = time.monotonic()
@@ -130,16 +126,26 @@ def _run(cmd: Sequence[str], cwd: Path, label: str, log: Log, env: Mapping[str, 
             else:
                 log(f"  {label}: {latest[0]}/{latest[1]} ({100 * latest[0] // max(latest[1], 1)}%), {elapsed}")
 
-    threading.Thread(target=ticker, daemon=True).start()
-    try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            if progress is not None:
-                state[0] = progress(line) or state[0]
-        code = proc.wait()
-    finally:
-        done.set()
+    with subprocess.Popen(
+        ["nice", "-n", "10", *cmd], cwd=cwd, env=dict(env or os.environ), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    ) as proc:
+        assert proc.stdout is not None
+        threading.Thread(target=ticker, daemon=True).start()
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                tail.append(line)
+                if progress is not None:
+                    state[0] = progress(line) or state[0]
+            code = proc.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C, an error in `progress`): the build and its compilers must not
+            # run on unattended, so the step's whole process group goes.
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            done.set()
     if code != 0:
         tail_text = "\n".join(tail)
         raise BuildError(f"{label} failed (exit {code}): {' '.join(cmd)}\n{tail_text}")
@@ -223,6 +229,9 @@ def _ollama_ldflags() -> str:
                      "-X=github.com/ollama/ollama/server.mode=release"))
 
 
+_IMPORT_PATH = re.compile(r"[\w.\-/~]+")
+
+
 def _build_ollama(out: Path, log: Log) -> None:
     llama_cpp = llama_cpp_source(log)
     WORK_DIR.mkdir(parents=True, exist_ok=True)
@@ -244,18 +253,22 @@ def _build_ollama(out: Path, log: Log) -> None:
         shutil.copytree(llama_cpp / "vendor" / name, vendor / name)
     env = _go_env()
     try:
-        packages = subprocess.run(
-            ["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", "."],
-            cwd=source, capture_output=True, text=True, env=env,
-        )
-        if packages.returncode != 0:
-            raise BuildError(f"go list in {source} failed:\n{packages.stderr}")
-        total = len(packages.stdout.split())
+        # Listing the packages to build also downloads the modules they come from (minutes on a
+        # cold module cache), so it runs with the progress clock too.
+        packages: list[str] = []
+
+        def collect(line: str) -> None:
+            if _IMPORT_PATH.fullmatch(line):
+                packages.append(line)
+
+        _run(["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", "."],
+             source, "go list (downloading modules)", log, env=env, progress=collect)
+        total = len(packages)
         compiled = [0]
 
         def go_progress(line: str) -> tuple[int, int] | None:
             # `go build -v` names each package it compiles; the standard library is not counted.
-            if re.fullmatch(r"[\w.\-/~]+", line) and "." in line.split("/", 1)[0]:
+            if _IMPORT_PATH.fullmatch(line) and "." in line.split("/", 1)[0]:
                 compiled[0] += 1
                 return compiled[0], total
             return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,3 +84,37 @@ def test_unknown_engine_is_refused() -> None:
 )
 def test_build_progress_is_read_from_ninja_and_make_output(line: str, progress: tuple[int, int] | None) -> None:
     assert engines._ninja_or_make_progress(line) == progress
+
+
+def test_an_interrupted_build_step_leaves_no_process_behind(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    # A "build" whose child compiler is still working when the step is interrupted.
+    script = f"sleep 60 & echo $! > {pids}; echo started; wait"
+
+    def interrupt(line: str) -> None:
+        if line == "started":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engines._run(["sh", "-c", script], tmp_path, "fake build", lambda _msg: None, progress=interrupt)
+    assert process_ends(int(pids.read_text()))
+
+
+def process_ends(pid: int, within: float = 5.0) -> bool:
+    """`pid` exits within `within` seconds (a zombie waiting for its new parent counts as ended)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_failed_build_step_says_what_failed(tmp_path: Path) -> None:
+    with pytest.raises(engines.BuildError, match=r"(?s)fake build failed \(exit 3\).*no such header"):
+        engines._run(["sh", "-c", "echo 'fatal: no such header' >&2; exit 3"], tmp_path, "fake build",
+                     lambda _msg: None)
