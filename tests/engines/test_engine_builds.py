@@ -1,0 +1,120 @@
+"""`e2e.engines` decides when to build: only when a pin, the recipe or the toolchain changes.
+
+These tests build nothing: they point the engines at a scratch bin folder and check the
+decision and the command line, not the compilers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from e2e import engines
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(engines, "BIN_DIR", tmp_path)
+    return tmp_path
+
+
+def fake_build(engine: engines.Engine, calls: list[Path]) -> engines.Engine:
+    def build(out: Path, _log: engines.Log) -> None:
+        calls.append(out)
+        out.write_text("#!/bin/sh\n")
+
+    return replace(engine, build=build)
+
+
+def test_a_built_engine_is_reused_until_its_recipe_changes(bin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    engine = fake_build(engines.ENGINES["llama-server"], calls)
+    monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
+    if engine.wanted_stamp()["go"] is None:
+        pytest.skip("cmake or a C/C++ compiler is missing here")
+    path = engines.ensure("llama-server", log=lambda _msg: None)
+    assert path == bin_dir / "llama-server" and path.exists()
+    assert json.loads((bin_dir / "llama-server-stamp.json").read_text()) == engine.wanted_stamp()
+    assert engines.ensure("llama-server", log=lambda _msg: None) == path
+    assert len(calls) == 1
+    changed = replace(engine, recipe={**engine.recipe, "cmake": (*engine.recipe["cmake"], "-DEXTRA=ON")})  # type: ignore[misc]
+    monkeypatch.setitem(engines.ENGINES, "llama-server", changed)
+    engines.ensure("llama-server", log=lambda _msg: None)
+    assert len(calls) == 2
+    engines.ensure("llama-server", force=True, log=lambda _msg: None)
+    assert len(calls) == 3
+
+
+def test_without_a_toolchain_a_binary_built_for_the_pin_is_still_used(
+    bin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engines.ENGINES["ollama"]
+    (bin_dir / "ollama").write_text("#!/bin/sh\n")
+    stamp = {**engine.wanted_stamp(), "go": "go version go1.0 linux/amd64; cc 1.0"}
+    (bin_dir / "ollama-stamp.json").write_text(json.dumps(stamp))
+    monkeypatch.setenv("PATH", str(bin_dir / "nothing-here"))
+    assert engines.ensure("ollama") == bin_dir / "ollama"
+    (bin_dir / "ollama-stamp.json").write_text(json.dumps({**stamp, "pin": "github.com/ollama/ollama@v0.1.0"}))
+    with pytest.raises(engines.ToolchainMissing, match="building it needs go, cc, c\\+\\+ on PATH"):
+        engines.ensure("ollama")
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        engines.ensure("vllm")
+    out = subprocess.run([sys.executable, "-m", "e2e.engines", "vllm"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "unknown engine(s) vllm" in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("line", "progress"),
+    [
+        ("[12/206] Building CXX object ggml/src/ggml.cpp.o", (12, 206)),
+        ("[ 42%] Building CXX object ggml/src/ggml.cpp.o", (42, 100)),
+        ("-- Configuring done", None),
+    ],
+)
+def test_build_progress_is_read_from_ninja_and_make_output(line: str, progress: tuple[int, int] | None) -> None:
+    assert engines._ninja_or_make_progress(line) == progress
+
+
+def test_an_interrupted_build_step_leaves_no_process_behind(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    # A "build" whose child compiler is still working when the step is interrupted.
+    script = f"sleep 60 & echo $! > {pids}; echo started; wait"
+
+    def interrupt(line: str) -> None:
+        if line == "started":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engines._run(["sh", "-c", script], tmp_path, "fake build", lambda _msg: None, progress=interrupt)
+    assert process_ends(int(pids.read_text()))
+
+
+def process_ends(pid: int, within: float = 5.0) -> bool:
+    """`pid` exits within `within` seconds (a zombie waiting for its new parent counts as ended)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_failed_build_step_says_what_failed(tmp_path: Path) -> None:
+    with pytest.raises(engines.BuildError, match=r"(?s)fake build failed \(exit 3\).*no such header"):
+        engines._run(["sh", "-c", "echo 'fatal: no such header' >&2; exit 3"], tmp_path, "fake build",
+                     lambda _msg: None)
