@@ -8,7 +8,9 @@ Storage is a directory under `workdir` (filesystem driver, deletes enabled). `au
 turns on htpasswd basic auth with a generated user and password (bcrypt, as the registry
 wants); `reg.docker_config` is then a Docker config.json holding them, the form clients
 read credentials from. `tls=True` serves HTTPS with a certificate from a throwaway CA
-(`reg.ca`). The registry picks its own port (it listens on 127.0.0.1:0 and logs the
+(`reg.ca`). `token_auth=True` turns on the registry's `token` auth instead: the Bearer flow,
+with tokens from a token service on loopback (`e2e/tools/tokenauth.py`, `reg.tokens`) that grants
+the same generated user every action and anybody else none. The registry picks its own port (it listens on 127.0.0.1:0 and logs the
 address), so two registries never race for one.
 """
 
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 import ssl
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,6 +39,7 @@ import yaml
 from e2e import tools
 from e2e.pki import PKI
 from e2e.procs import Proc
+from e2e.tools.tokenauth import ISSUER, SERVICE, TokenService, start_token_service
 
 #: how long the registry may take to log its address and answer /v2/
 START_TIMEOUT = 30.0
@@ -83,6 +88,8 @@ class Registry:
     #: a Docker config.json with no entries, so a client cannot find this user's own
     anonymous_config: Path
     pid: int
+    #: the token service (token_auth=True), else None
+    tokens: TokenService | None = None
 
     def ssl_context(self) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
@@ -101,8 +108,13 @@ class Registry:
         Error statuses are returned, not raised: tests assert on them."""
         headers = dict(headers or {})
         if self.credentials and not anonymous:
-            headers["Authorization"] = self.credentials.basic()
+            headers["Authorization"] = (
+                self._bearer(method, path) if self.tokens else self.credentials.basic()
+            )
         req = urllib.request.Request(self.url + path, data=body, headers=headers, method=method)
+        return self._open(req, timeout)
+
+    def _open(self, req: urllib.request.Request, timeout: float) -> Response:
         # No proxy from the environment: test traffic stays on loopback.
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=self.ssl_context())
@@ -113,6 +125,20 @@ class Registry:
         except urllib.error.HTTPError as exc:
             with exc:
                 return Response(exc.code, exc.headers, exc.read())
+
+    def _bearer(self, method: str, path: str) -> str:
+        """A token for what `path` touches, from the token service, as the test user."""
+        assert self.tokens is not None and self.credentials is not None
+        name = re.match(r"^/v2/(.+?)/(?:manifests|blobs|tags)/", path)
+        scope = ""
+        if name:
+            scope = f"repository:{name.group(1)}:{'pull' if method in ('GET', 'HEAD') else 'pull,push'}"
+        elif path.startswith("/v2/_catalog"):
+            scope = "registry:catalog:*"
+        query = "?" + urllib.parse.urlencode({"service": "wakegate-test-registry", **({"scope": scope} if scope else {})})
+        req = urllib.request.Request(self.tokens.url + query, headers={"Authorization": self.credentials.basic()})
+        token = self._open(req, 10.0).json()["token"]
+        return f"Bearer {token}"
 
     def oras_flags(self, anonymous: bool = False) -> list[str]:
         """`oras` flags for this registry: transport, CA, and credentials unless `anonymous`."""
@@ -134,7 +160,8 @@ def htpasswd_line(credentials: Credentials) -> str:
     return f"{credentials.user}:{hashed}\n"
 
 
-def _config(workdir: Path, storage: Path, htpasswd: Path | None, tls: tuple[Path, Path] | None) -> Path:
+def _config(workdir: Path, storage: Path, htpasswd: Path | None, tls: tuple[Path, Path] | None,
+            tokens: TokenService | None = None) -> Path:
     http: dict[str, object] = {
         "addr": "127.0.0.1:0",
         "secret": secrets.token_hex(16),
@@ -156,6 +183,9 @@ def _config(workdir: Path, storage: Path, htpasswd: Path | None, tls: tuple[Path
     }
     if htpasswd:
         config["auth"] = {"htpasswd": {"realm": "wakegate-tests", "path": str(htpasswd)}}
+    if tokens:
+        config["auth"] = {"token": {"realm": tokens.url, "service": SERVICE, "issuer": ISSUER,
+                                    "rootcertbundle": str(tokens.ca)}}
     return _write_private(workdir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
 
@@ -184,21 +214,34 @@ def _listening_address(log: Path) -> str | None:
 
 
 @contextmanager
-def start_registry(workdir: Path, auth: bool = False, tls: bool = False) -> Iterator[Registry]:
+def start_registry(workdir: Path, auth: bool = False, tls: bool = False, token_auth: bool = False) -> Iterator[Registry]:
     """Start a registry keeping its files under `workdir`; it answers /v2/ when this yields,
     and is stopped (SIGTERM, then SIGKILL after 5 s) when the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
+    credentials = Credentials("wakegate", secrets.token_urlsafe(16)) if auth or token_auth else None
+    if token_auth:
+        assert credentials is not None
+        with start_token_service(workdir, credentials.user, credentials.password) as tokens:
+            with _start_registry(workdir, credentials, tls, tokens) as registry:
+                yield registry
+        return
+    with _start_registry(workdir, credentials, tls, None) as registry:
+        yield registry
+
+
+@contextmanager
+def _start_registry(workdir: Path, credentials: Credentials | None, tls: bool,
+                    tokens: TokenService | None) -> Iterator[Registry]:
     storage = workdir / "storage"
     storage.mkdir(exist_ok=True)
-    credentials = Credentials("wakegate", secrets.token_urlsafe(16)) if auth else None
     htpasswd = None
-    if credentials:
+    if credentials and tokens is None:
         htpasswd = _write_private(workdir / "htpasswd", htpasswd_line(credentials))
     ca = pair = None
     if tls:
         pki = PKI(workdir / "pki")
         ca, pair = pki.ca.cert, pki.issue("registry", "127.0.0.1", server=True)
-    config = _config(workdir, storage, htpasswd, (pair.cert, pair.key) if pair else None)
+    config = _config(workdir, storage, htpasswd, (pair.cert, pair.key) if pair else None, tokens)
     proc = Proc("registry", [str(tools.ensure("registry")), "serve", str(config)], workdir / "registry.log")
     proc.start()
     try:
@@ -208,7 +251,7 @@ def start_registry(workdir: Path, auth: bool = False, tls: bool = False) -> Iter
         anonymous_config = _write_private(workdir / "anonymous-config.json", json.dumps({"auths": {}}))
         scheme = "https" if tls else "http"
         registry = Registry(host, f"{scheme}://{host}", storage, proc.log, ca, credentials, docker_config,
-                            anonymous_config, proc.pid)
+                            anonymous_config, proc.pid, tokens)
         _wait_until_serving(registry, proc)
         yield registry
     finally:
