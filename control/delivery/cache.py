@@ -234,9 +234,7 @@ class Cache:
             return False
         fd = os.open(path, os.O_RDWR)
         try:
-            if _lock_nb(fd, fcntl.LOCK_EX):
-                return False
-            return True
+            return not _lock_nb(fd, fcntl.LOCK_EX)
         finally:
             os.close(fd)
 

@@ -88,14 +88,14 @@ def _entry_credentials(entry: Mapping[str, object]) -> Credentials | None:
     auth = entry.get("auth")
     if isinstance(auth, str) and auth:
         try:
-            decoded = base64.b64decode(auth, validate=True).decode()
+            decoded: str = base64.b64decode(auth, validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
             return None
         user, sep, password = decoded.partition(":")
         return Credentials(user, password) if sep else None
-    user, password = entry.get("username"), entry.get("password")
-    if isinstance(user, str) and isinstance(password, str) and user:
-        return Credentials(user, password)
+    name, secret = entry.get("username"), entry.get("password")
+    if isinstance(name, str) and isinstance(secret, str) and name:
+        return Credentials(name, secret)
     return None
 
 

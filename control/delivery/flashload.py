@@ -168,7 +168,8 @@ def flash_load(
             (dest / STAGED_MARKER).unlink(missing_ok=True)
             free = shutil.disk_usage(dest).free
             if free < total:
-                raise DeliveryError(f"{dest}: {human_bytes(total)} do not fit in {human_bytes(free)} free", "cache_full")
+                raise DeliveryError(f"{dest}: {human_bytes(total)} do not fit in {human_bytes(free)} free",
+                                    "cache_full")
         for f in files:
             safe_relative(f.path)
             src_fd, is_direct = _open_source(f.source, direct and dest is not None)
@@ -218,7 +219,8 @@ def flash_load(
                     f"{f.source}: block {block} (bytes {offset}-{offset + length - 1}) does not match its digest"
                 )
 
-        jobs = [(i, b, off, n) for i, f in enumerate(files) for b, (off, n) in enumerate(block_ranges(f.size, f.block_size))]
+        jobs = [(i, b, off, n) for i, f in enumerate(files)
+                for b, (off, n) in enumerate(block_ranges(f.size, f.block_size))]
         jobs.sort(key=lambda job: (job[2], job[0]))
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="flash-load") as pool:
             for _ in pool.map(read_block, jobs):

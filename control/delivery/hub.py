@@ -103,7 +103,7 @@ def download(src: HfSource, commit: str, files: list[HubFile], dest: Path, token
              endpoint: str | None) -> None:
     """Download `files` at `commit` into `dest`; blocking."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils.tqdm import disable_progress_bars
 
     disable_progress_bars()
     base = _endpoint(endpoint)

@@ -91,7 +91,8 @@ class EntryRecord:
             "size": self.size,
             "created": self.created,
             "files": [
-                {"path": f.path, "size": f.size, "digest": f.digest, "blockSize": f.block_size, "blocks": list(f.blocks)}
+                {"path": f.path, "size": f.size, "digest": f.digest, "blockSize": f.block_size,
+                 "blocks": list(f.blocks)}
                 for f in self.files
             ],
         }

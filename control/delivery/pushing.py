@@ -52,6 +52,7 @@ async def push(path: Path, target: str | OciSource, *, settings: RegistrySetting
     if not isinstance(dest, OciSource):
         raise SourceError(f"{dest}: push needs an oci:// target")
     files = files_to_push(path)
+    default_name = path.stem if len(files) == 1 and files[0][1] == path else path.name
     total = sum(p.stat().st_size for _, p in files)
     tracker = Tracker(progress, Progress(Phase.PUSHING, str(dest), total=total, detail="hashing"), clock())
     try:
@@ -60,7 +61,7 @@ async def push(path: Path, target: str | OciSource, *, settings: RegistrySetting
             digest, size = await asyncio.to_thread(_digest_file, local)
             tracker.advance(size, clock())
             layers.append(media.layer_for(rel, digest, size))
-        config = media.model_config(layers, name or (path.stem if path.is_file() else path.name))
+        config = media.model_config(layers, name or default_name)
         config_desc = media.Descriptor(media.MODEL_CONFIG, digest_of(config), len(config))
         manifest = media.image_manifest(config_desc, layers)
         manifest_digest = digest_of(manifest)

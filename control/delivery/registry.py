@@ -39,7 +39,7 @@ import aiohttp
 from wakegate.control.delivery import media
 from wakegate.control.delivery.credentials import Credentials, DockerAuths, parse_challenge, parse_docker_config
 from wakegate.control.delivery.digests import Digester, FileDigests, digest_of
-from wakegate.control.delivery.errors import DigestMismatch, RegistryError
+from wakegate.control.delivery.errors import DigestMismatch, ManifestError, RegistryError
 from wakegate.control.delivery.progress import Tracker
 
 log = logging.getLogger("wakegate.delivery")
@@ -269,7 +269,7 @@ class RegistryClient:
                     continue
                 raise RegistryError(f"registry {self.host}: TLS handshake failed (is --ca-file needed?)",
                                     "unreachable") from None
-            except (aiohttp.ServerDisconnectedError, asyncio.TimeoutError, aiohttp.ClientOSError) as exc:
+            except (TimeoutError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 raise RegistryError(f"registry {self.host} is unreachable: {_short(exc)}", "unreachable") from None
             if resp.status in (301, 302, 303, 307, 308) and "Location" in resp.headers:
                 url = urljoin(url, resp.headers["Location"])
@@ -317,7 +317,7 @@ class RegistryClient:
                     raise RegistryError(
                         f"registry {self.host}: token service {realm_parts.netloc} answered HTTP {resp.status}"
                         + (" (credentials refused)" if self._credentials and reason == "unauthorized" else ""), reason)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise RegistryError(f"token service {realm_parts.netloc} is unreachable: {_short(exc)}",
                                 "unreachable") from None
         try:
@@ -350,13 +350,13 @@ class RegistryClient:
             chosen = media.choose(parsed)
             digest, parsed, body = await self.manifest(repository, chosen.digest)
             if isinstance(parsed, media.Index):
-                raise media.ManifestError(f"{repository}@{chosen.digest}: an index inside an index is not supported")
+                raise ManifestError(f"{repository}@{chosen.digest}: an index inside an index is not supported")
         return digest, parsed, body
 
     async def blob_bytes(self, repository: str, descriptor: media.Descriptor, limit: int = 4 * 1024 * 1024) -> bytes:
         """A small blob (a config) in memory, verified."""
         if descriptor.size > limit:
-            raise media.ManifestError(f"blob {descriptor.digest} is {descriptor.size} bytes, more than {limit}")
+            raise ManifestError(f"blob {descriptor.digest} is {descriptor.size} bytes, more than {limit}")
         async with self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository) as resp:
             body = await resp.content.read(limit + 1)
         checker = Digester(descriptor.digest)
@@ -414,7 +414,7 @@ class RegistryClient:
         try:
             return digester.verify(descriptor.digest, f"blob {descriptor.digest} from {self.host}/{repository}")
         except DigestMismatch:
-            dest.unlink(missing_ok=True)
+            await asyncio.to_thread(dest.unlink, missing_ok=True)
             raise
 
     async def _receive(self, repository: str, descriptor: media.Descriptor, fd: int, digester: Digester,
@@ -443,8 +443,8 @@ class RegistryClient:
                     await writer.close()
                 if received < descriptor.size:
                     raise _Broken(f"the response ended at {received} bytes")
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError) as exc:
             raise _Broken(_short(exc)) from None
 
     # -- push -----------------------------------------------------------------------------------

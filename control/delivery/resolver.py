@@ -88,7 +88,8 @@ class Access:
             try:
                 token = Path(token_path).read_text().strip() or None
             except OSError as exc:
-                raise DeliveryError(f"cannot read the Hub token file {token_path}: {exc.strerror}", "bad_config") from None
+                raise DeliveryError(f"cannot read the Hub token file {token_path}: {exc.strerror}",
+                                    "bad_config") from None
         return cls(registry or RegistrySettings(), token, os.environ.get("HF_ENDPOINT") or None, pvc_root)
 
 
@@ -135,7 +136,8 @@ async def resolve(
     tracker = Tracker(progress, Progress(Phase.RESOLVING, str(src)), clock())
     try:
         if isinstance(src, FileSource):
-            resolved = _local(src, Path(src.path) if Path(src.path).is_absolute() else (base_dir or Path.cwd()) / src.path)
+            path = Path(src.path)
+            resolved = _local(src, path if path.is_absolute() else (base_dir or Path.cwd()) / path)
         elif isinstance(src, PvcSource):
             if access.pvc_root is None:
                 raise SourceError(f"{src}: pvc:// sources are mounted by a cluster; this process has no claims mounted")
@@ -149,6 +151,16 @@ async def resolve(
         raise
     tracker.finish(clock(), Phase.READY, str(resolved.model_path))
     return resolved
+
+
+async def cached(cache: Cache, key: str) -> Resolved:
+    """A ready entry by its key, leased; no check and no network. SourceError when it is absent."""
+    lease = await cache.lease(key)
+    record = cache.record(key)
+    if record is None:
+        lease.release()
+        raise SourceError(f"{key} is not in the cache {cache.root}", "not_found")
+    return _from_entry(parse_source(record.source), cache, record, lease, False)
 
 
 def _local(src: Source, path: Path) -> Resolved:
@@ -283,9 +295,8 @@ def unpack_tar(archive: Path, root: Path, unpack: media.Unpack) -> list[FileReco
     """Unpack a tar layer below `root`, hashing each file as it is written. Only regular files
     and directories are accepted; a member that would land outside `root` is refused."""
     records: list[FileRecord] = []
-    mode = "r:gz" if unpack is media.Unpack.TAR_GZIP else "r:"
     try:
-        with tarfile.open(archive, mode) as tar:  # noqa: S202 (members are checked one by one below)
+        with tarfile.open(archive, "r:gz" if unpack is media.Unpack.TAR_GZIP else "r:") as tar:
             for member in tar:
                 try:
                     rel = safe_relative(member.name)

@@ -10,8 +10,8 @@ wants); `reg.docker_config` is then a Docker config.json holding them, the form 
 read credentials from. `tls=True` serves HTTPS with a certificate from a throwaway CA
 (`reg.ca`). `token_auth=True` turns on the registry's `token` auth instead: the Bearer flow,
 with tokens from a token service on loopback (`e2e/tools/tokenauth.py`, `reg.tokens`) that grants
-the same generated user every action and anybody else none. The registry picks its own port (it listens on 127.0.0.1:0 and logs the
-address), so two registries never race for one.
+the same generated user every action and anybody else none. The registry picks its own port
+(it listens on 127.0.0.1:0 and logs the address), so two registries never race for one.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class Registry:
             scope = f"repository:{name.group(1)}:{'pull' if method in ('GET', 'HEAD') else 'pull,push'}"
         elif path.startswith("/v2/_catalog"):
             scope = "registry:catalog:*"
-        query = "?" + urllib.parse.urlencode({"service": "wakegate-test-registry", **({"scope": scope} if scope else {})})
+        params = {"service": SERVICE, **({"scope": scope} if scope else {})}
+        query = "?" + urllib.parse.urlencode(params)
         req = urllib.request.Request(self.tokens.url + query, headers={"Authorization": self.credentials.basic()})
         token = self._open(req, 10.0).json()["token"]
         return f"Bearer {token}"
@@ -214,16 +215,17 @@ def _listening_address(log: Path) -> str | None:
 
 
 @contextmanager
-def start_registry(workdir: Path, auth: bool = False, tls: bool = False, token_auth: bool = False) -> Iterator[Registry]:
+def start_registry(workdir: Path, auth: bool = False, tls: bool = False,
+                   token_auth: bool = False) -> Iterator[Registry]:
     """Start a registry keeping its files under `workdir`; it answers /v2/ when this yields,
     and is stopped (SIGTERM, then SIGKILL after 5 s) when the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
     credentials = Credentials("wakegate", secrets.token_urlsafe(16)) if auth or token_auth else None
     if token_auth:
         assert credentials is not None
-        with start_token_service(workdir, credentials.user, credentials.password) as tokens:
-            with _start_registry(workdir, credentials, tls, tokens) as registry:
-                yield registry
+        with (start_token_service(workdir, credentials.user, credentials.password) as tokens,
+              _start_registry(workdir, credentials, tls, tokens) as registry):
+            yield registry
         return
     with _start_registry(workdir, credentials, tls, None) as registry:
         yield registry

@@ -78,8 +78,9 @@ def start_token_service(workdir: Path, user: str, password: str) -> Iterator[Tok
     """Serve tokens on 127.0.0.1 until the block ends; `ca` is the registry's rootcertbundle."""
     pki = PKI(workdir / "token-pki")
     pair = pki.issue("token-signer", "wakegate-token-signer")
-    key = serialization.load_pem_private_key(pair.key.read_bytes(), password=None)
-    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    loaded = serialization.load_pem_private_key(pair.key.read_bytes(), password=None)
+    assert isinstance(loaded, ec.EllipticCurvePrivateKey)
+    key: ec.EllipticCurvePrivateKey = loaded
     cert_der = x509.load_pem_x509_certificate(pair.cert.read_bytes()).public_bytes(serialization.Encoding.DER)
     expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
     service = TokenService("", pki.ca.cert)

@@ -70,6 +70,18 @@ def _bench() -> ModuleType:
     return main
 
 
+def _cache() -> ModuleType:
+    from wakegate.control.cache import main
+
+    return main
+
+
+def _flashload() -> ModuleType:
+    from wakegate.control.flashload import main
+
+    return main
+
+
 #: subcommand -> (its process's main module, one-line help)
 COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "up": (_up, "run gateway, feeder and model backends on this machine"),
@@ -81,6 +93,8 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "agent": (_agent, "GPU node agent: labels nodes with accelerator facts"),
     "scheduler-extender": (_extender, "kube-scheduler HTTP extender for GPU placement"),
     "bench": (_bench, "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
+    "cache": (_cache, "the model cache: pull, ls, rm, push (OCI registries, Hugging Face Hub)"),
+    "flash-load": (_flashload, "stage a cached model into fast storage (tmpfs, page cache), verified"),
 }
 
 
