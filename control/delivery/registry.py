@@ -379,8 +379,10 @@ class RegistryClient:
             if have:
                 await asyncio.to_thread(_hash_prefix, fd, have, digester)
             os.lseek(fd, have, os.SEEK_SET)
-            if tracker:
-                tracker.advance(have, self._clock())
+            if tracker and have:
+                log.info("registry %s: resuming blob %s at %d of %d bytes", self.host, descriptor.digest, have,
+                         descriptor.size)
+                tracker.set_done(tracker.current.done + have, self._clock(), force=True)
             failures = 0
             while digester.size < descriptor.size:
                 try:

@@ -141,6 +141,15 @@ class Registry:
         token = self._open(req, 10.0).json()["token"]
         return f"Bearer {token}"
 
+    def requests(self) -> list[str]:
+        """`METHOD PATH` of every request served so far (needs `access_log=True`)."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            match = re.search(r'"(GET|HEAD|PUT|POST|PATCH|DELETE) (\S+) HTTP/', line)
+            if match:
+                out.append(f"{match.group(1)} {match.group(2)}")
+        return out
+
     def oras_flags(self, anonymous: bool = False) -> list[str]:
         """`oras` flags for this registry: transport, CA, and credentials unless `anonymous`."""
         flags = ["--ca-file", str(self.ca)] if self.ca else ["--plain-http"]
@@ -162,7 +171,7 @@ def htpasswd_line(credentials: Credentials) -> str:
 
 
 def _config(workdir: Path, storage: Path, htpasswd: Path | None, tls: tuple[Path, Path] | None,
-            tokens: TokenService | None = None) -> Path:
+            tokens: TokenService | None = None, access_log: bool = False) -> Path:
     http: dict[str, object] = {
         "addr": "127.0.0.1:0",
         "secret": secrets.token_hex(16),
@@ -174,7 +183,7 @@ def _config(workdir: Path, storage: Path, htpasswd: Path | None, tls: tuple[Path
     config: dict[str, object] = {
         "version": 0.1,
         # JSON lines: the address the registry picked is read from its log.
-        "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": True}},
+        "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": not access_log}},
         "storage": {
             "filesystem": {"rootdirectory": str(storage)},
             "delete": {"enabled": True},
@@ -216,24 +225,25 @@ def _listening_address(log: Path) -> str | None:
 
 @contextmanager
 def start_registry(workdir: Path, auth: bool = False, tls: bool = False,
-                   token_auth: bool = False) -> Iterator[Registry]:
+                   token_auth: bool = False, access_log: bool = False) -> Iterator[Registry]:
     """Start a registry keeping its files under `workdir`; it answers /v2/ when this yields,
-    and is stopped (SIGTERM, then SIGKILL after 5 s) when the block ends."""
+    and is stopped (SIGTERM, then SIGKILL after 5 s) when the block ends. With `access_log`,
+    every request is a line in `reg.log` (`Registry.requests()` lists them)."""
     workdir.mkdir(parents=True, exist_ok=True)
     credentials = Credentials("wakegate", secrets.token_urlsafe(16)) if auth or token_auth else None
     if token_auth:
         assert credentials is not None
         with (start_token_service(workdir, credentials.user, credentials.password) as tokens,
-              _start_registry(workdir, credentials, tls, tokens) as registry):
+              _start_registry(workdir, credentials, tls, tokens, access_log) as registry):
             yield registry
         return
-    with _start_registry(workdir, credentials, tls, None) as registry:
+    with _start_registry(workdir, credentials, tls, None, access_log) as registry:
         yield registry
 
 
 @contextmanager
 def _start_registry(workdir: Path, credentials: Credentials | None, tls: bool,
-                    tokens: TokenService | None) -> Iterator[Registry]:
+                    tokens: TokenService | None, access_log: bool) -> Iterator[Registry]:
     storage = workdir / "storage"
     storage.mkdir(exist_ok=True)
     htpasswd = None
@@ -243,7 +253,8 @@ def _start_registry(workdir: Path, credentials: Credentials | None, tls: bool,
     if tls:
         pki = PKI(workdir / "pki")
         ca, pair = pki.ca.cert, pki.issue("registry", "127.0.0.1", server=True)
-    config = _config(workdir, storage, htpasswd, (pair.cert, pair.key) if pair else None, tokens)
+    config = _config(workdir, storage, htpasswd, (pair.cert, pair.key) if pair else None, tokens,
+                     access_log)
     proc = Proc("registry", [str(tools.ensure("registry")), "serve", str(config)], workdir / "registry.log")
     proc.start()
     try:
