@@ -1,8 +1,8 @@
 """`hf://` sources: a Hugging Face Hub snapshot into the cache, through `huggingface_hub`.
 
 The branch or tag is resolved to a commit (`HfApi.model_info`, which also lists every file with
-its size, and for LFS files their SHA-256), the files are downloaded with `snapshot_download`
-into the entry's staging directory, and each is checked against that listing (size; SHA-256 for
+its size, and for LFS files their SHA-256), the files are downloaded
+into the entry's staging directory (`hf_hub_download` per file), and each is checked against that listing (size; SHA-256 for
 LFS files, the git blob id for the others) before the entry is committed. The endpoint is
 `$HF_ENDPOINT` (or the caller's), the token `$HF_TOKEN` or a Secret file (`Access.from_env`);
 neither the token nor a header ever reaches a log line or an error.
@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -101,15 +102,20 @@ def snapshot_listing(src: HfSource, token: str | None, endpoint: str | None) -> 
 
 def download(src: HfSource, commit: str, files: list[HubFile], dest: Path, token: str | None,
              endpoint: str | None) -> None:
-    """Download `files` at `commit` into `dest`; blocking."""
-    from huggingface_hub import snapshot_download
+    """Download `files` at `commit` into `dest` (`hf_hub_download` per file, four at a time);
+    blocking."""
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.utils.tqdm import disable_progress_bars
 
     disable_progress_bars()
     base = _endpoint(endpoint)
+
+    def one(f: HubFile) -> None:
+        hf_hub_download(src.repo, f.path, revision=commit, local_dir=dest, endpoint=base, token=token or False)
+
     try:
-        snapshot_download(src.repo, revision=commit, local_dir=dest, endpoint=base, token=token or False,
-                          allow_patterns=[f.path for f in files], max_workers=4)
+        with ThreadPoolExecutor(4, thread_name_prefix="hf-download") as pool:
+            list(pool.map(one, files))
     except Exception as exc:
         raise _hub_error(src, base, exc) from None
     shutil.rmtree(dest / ".cache", ignore_errors=True)

@@ -259,6 +259,10 @@ class RegistryClient:
             try:
                 resp = await self._http().request(method, url, headers=sent, data=body() if body else None,
                                                   allow_redirects=False)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                raise RegistryError(
+                    f"registry {self.host}: its TLS certificate is not trusted ({_short(exc.certificate_error)}); "
+                    "give its CA with --ca-file", "unreachable") from None
             except (aiohttp.ClientSSLError, aiohttp.ClientConnectorError) as exc:
                 if not _tls_failure(exc):
                     raise RegistryError(f"registry {self.host} is unreachable: {_short(exc)}", "unreachable") from None
