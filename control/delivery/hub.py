@@ -1,9 +1,9 @@
 """`hf://` sources: a Hugging Face Hub snapshot into the cache, through `huggingface_hub`.
 
 The branch or tag is resolved to a commit (`HfApi.model_info`, which also lists every file with
-its size, and for LFS files their SHA-256), the files are downloaded
-into the entry's staging directory (`hf_hub_download` per file), and each is checked against that listing (size; SHA-256 for
-LFS files, the git blob id for the others) before the entry is committed. The endpoint is
+its size, and for LFS files their SHA-256), the files are downloaded into the entry's staging
+directory (`hf_hub_download` per file), and each is checked against that listing (size; SHA-256
+for LFS files, the git blob id for the others) before the entry is committed. The endpoint is
 `$HF_ENDPOINT` (or the caller's), the token `$HF_TOKEN` or a Secret file (`Access.from_env`);
 neither the token nor a header ever reaches a log line or an error.
 

@@ -42,7 +42,8 @@ def layer_gets(reg: Registry) -> list[str]:
     return [r for r in reg.requests() if r.startswith("GET /v2/models/") and "/blobs/" in r]
 
 
-def test_a_corrupted_entry_is_found_reported_and_fetched_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_corrupted_entry_is_found_reported_and_fetched_again(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     model = weights(tmp_path / "src", 40 * MB + 7)
     cache = Cache(tmp_path / "cache")
     with start_registry(tmp_path / "reg") as reg:

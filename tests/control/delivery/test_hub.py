@@ -20,7 +20,7 @@ from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access, Resolved, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-TOKEN = "hf_test_token_not_a_real_one"  # noqa: S105
+TOKEN = "hf_test_token_not_a_real_one"
 
 
 @dataclass
@@ -35,7 +35,7 @@ class FakeHub:
     def sibling(self, name: str) -> dict[str, object]:
         data = self.files[name]
         out: dict[str, object] = {"rfilename": name, "size": len(data),
-                                  "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}  # noqa: S324
+                                  "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
         if name in self.lfs:
             sha = hashlib.sha256(data).hexdigest() if not self.wrong_sha else "0" * 64
             out["lfs"] = {"sha256": sha, "size": len(data), "pointerSize": 134}
@@ -55,7 +55,7 @@ class FakeHub:
         if request.match_info["revision"] != COMMIT or name not in self.files:
             return web.Response(status=404, headers={"X-Error-Code": "EntryNotFound"})
         data = self.files[name]
-        etag = hashlib.sha256(data).hexdigest() if name in self.lfs else hashlib.sha1(data).hexdigest()  # noqa: S324
+        etag = hashlib.sha256(data).hexdigest() if name in self.lfs else hashlib.sha1(data).hexdigest()
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Content-Length": str(len(data))}
         if request.method == "HEAD":
             return web.Response(headers=headers)

@@ -109,4 +109,5 @@ def test_pushed_manifests_follow_modelpack_and_are_reproducible() -> None:
     assert first == second
     doc = json.loads(first)
     assert doc["artifactType"] == media.MODEL_ARTIFACT and doc["mediaType"] == media.OCI_MANIFEST
-    assert doc["layers"][0]["annotations"] == {media.ANNOTATION_TITLE: "tiny.gguf", media.ANNOTATION_FILEPATH: "tiny.gguf"}
+    assert doc["layers"][0]["annotations"] == {media.ANNOTATION_TITLE: "tiny.gguf",
+                                               media.ANNOTATION_FILEPATH: "tiny.gguf"}
