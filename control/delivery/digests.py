@@ -65,9 +65,17 @@ class Digester:
         self.size = 0
 
     def update(self, data: bytes | memoryview) -> None:
+        self.update_whole(data)
+        self.update_blocks(data)
+
+    def update_whole(self, data: bytes | memoryview) -> None:
+        """The whole-file hash only (with `update_blocks`, the two may run on two threads)."""
+        self._whole.update(data)
+        self.size += len(data)
+
+    def update_blocks(self, data: bytes | memoryview) -> None:
+        """The block table only."""
         view = memoryview(data)
-        self._whole.update(view)
-        self.size += len(view)
         while view:
             take = min(len(view), self._block_size - self._in_block)
             self._block.update(view[:take])

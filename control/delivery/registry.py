@@ -119,37 +119,49 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 class _BlobWriter:
-    """Writes and hashes a blob's chunks on a thread, in order, behind a bounded queue."""
+    """Writes a blob's chunks and hashes them, in order, behind bounded queues: one thread writes
+    and computes the whole-file digest, another the block table, so the two hashes use two cores."""
 
     def __init__(self, fd: int, digester: Digester) -> None:
         self._fd = fd
         self._digester = digester
-        self._queue: queue.Queue[bytes | None] = queue.Queue(WRITE_QUEUE)
+        self._queues: list[queue.Queue[bytes | None]] = [queue.Queue(WRITE_QUEUE), queue.Queue(WRITE_QUEUE)]
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="blob-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._queues[0], self._write), name="blob-writer", daemon=True),
+            threading.Thread(target=self._run, args=(self._queues[1], digester.update_blocks), name="blob-blocks",
+                             daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
+    def _write(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._digester.update_whole(chunk)
+
+    def _run(self, chunks: queue.Queue[bytes | None], work: Callable[[bytes], None]) -> None:
+        while (chunk := chunks.get()) is not None:
             if self._error is not None:
                 continue
             try:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(self._fd, view):]
-                self._digester.update(chunk)
+                work(chunk)
             except BaseException as exc:  # handed to the event loop in close()
                 self._error = exc
 
     async def put(self, chunk: bytes) -> None:
-        try:
-            self._queue.put_nowait(chunk)
-        except queue.Full:
-            await asyncio.to_thread(self._queue.put, chunk)
+        for chunks in self._queues:
+            try:
+                chunks.put_nowait(chunk)
+            except queue.Full:
+                await asyncio.to_thread(chunks.put, chunk)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._queue.put, None)
-        await asyncio.to_thread(self._thread.join)
+        for chunks in self._queues:
+            await asyncio.to_thread(chunks.put, None)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)
         if self._error is not None:
             raise self._error
 

@@ -12,8 +12,10 @@ its reference measured in the same round (the machine is shared and noisy):
 * device: a plain sequential read of the cached file in 16 MiB blocks (one stream, buffered,
   the kernel's readahead) after dropping the page cache: the disk's own rate;
 * flash-load: `flash_load` of the cache entry into /dev/shm after dropping the page cache, for
-  every threads x chunk size, each as a rate and as a share of that round's device rate;
-  and the page-cache mode (no copy) at 4 threads, 4 MiB;
+  every threads x chunk size, each as a rate, as a share of that round's device rate (the mean
+  of a plain read before and after the sweep), and the CPU it kept busy (cores: this process's
+  CPU seconds over the wall time); the same at 4 threads, 4 MiB without the block check, to
+  show what verifying costs; and the page-cache mode (no copy) at 4 threads, 4 MiB;
 * pull: `resolve()` of the tag into an empty cache (manifest, blob, verification, fsync, commit)
   vs copying the registry's stored blob to a new file with `shutil.copyfile` plus fsync, both
   from a cold page cache;
@@ -35,12 +37,14 @@ import contextlib
 import http.client
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +84,12 @@ def resident(path: Path) -> str:
     out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
                          capture_output=True, text=True, check=False)
     return f"{out.stdout.strip() or out.stderr.strip()} bytes resident"
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, every thread, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def plain_read(path: Path) -> float:
@@ -192,14 +202,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for round_no in range(args.rounds):
             row: dict[str, Any] = {"load": loadavg()}
             row["device"] = plain_read(cached_file)
-            sweep = {}
+            sweep, cpu = {}, {}
             for t in threads:
                 for c in chunks:
                     drop_page_cache(cached_file)
+                    before = cpu_seconds()
                     staged = flash_load(files_of(record, cache.files_dir(record.key)), SHM, threads=t, chunk_size=c)
                     sweep[f"{t}x{c // (1 << 20)}M"] = staged.rate
+                    cpu[f"{t}x{c // (1 << 20)}M"] = (cpu_seconds() - before) / staged.seconds
                     shutil.rmtree(SHM)
             row["flash_load"] = sweep
+            row["flash_load_cpu"] = cpu
+            drop_page_cache(cached_file)
+            unverified = [replace(f, blocks=None) for f in files_of(record, cache.files_dir(record.key))]
+            row["flash_load_unverified"] = flash_load(unverified, SHM, threads=4, chunk_size=4 << 20).rate
+            shutil.rmtree(SHM)
             row["device_after_sweep"] = plain_read(cached_file)
             drop_page_cache(cached_file)
             row["page_cache_mode"] = flash_load(files_of(record, cache.files_dir(record.key)), None,
@@ -245,7 +262,12 @@ def report(results: dict[str, Any]) -> None:
     for key in keys:
         rates = [r["flash_load"][key] for r in rounds]
         shares = [r["flash_load"][key] / ((r["device"] + r["device_after_sweep"]) / 2) for r in rounds]
-        print(f"  threads x chunk {key:>6}: {median(rates) / mb:7.0f} MB/s  {100 * median(shares):5.1f}%")
+        cpu = [r["flash_load_cpu"][key] for r in rounds]
+        print(f"  threads x chunk {key:>6}: {median(rates) / mb:7.0f} MB/s  {100 * median(shares):5.1f}%  "
+              f"CPU {median(cpu):.2f} cores")
+    unverified = [r["flash_load_unverified"] for r in rounds]
+    print(f"  4x4M without the block check (diagnosis only): {median(unverified) / mb:.0f} MB/s "
+          f"{100 * median([r['flash_load_unverified'] / r['device'] for r in rounds]):.1f}%")
     pcm = [r["page_cache_mode"] for r in rounds]
     print(f"  page-cache mode 4x4M: {median(pcm) / mb:.0f} MB/s "
           f"{100 * median([r['page_cache_mode'] / r['device'] for r in rounds]):.1f}%")
