@@ -142,6 +142,18 @@ def _lock_nb(fd: int, kind: int) -> bool:
         raise
 
 
+def _held(path: Path) -> bool:
+    """Whether any process holds a lock on `path` (tried exclusively, without waiting)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        return not _lock_nb(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
 async def _lock(fd: int, kind: int, on_wait: Callable[[], None] | None = None) -> None:
     """Take a flock without blocking the event loop (polling), calling `on_wait` while it waits."""
     while not _lock_nb(fd, kind):
@@ -229,24 +241,10 @@ class Cache:
 
     def in_use(self, key: str) -> bool:
         """Whether a lease is held on `key` (by any process)."""
-        path = self._lock_path(key, "use")
-        if not path.exists():
-            return False
-        fd = os.open(path, os.O_RDWR)
-        try:
-            return not _lock_nb(fd, fcntl.LOCK_EX)
-        finally:
-            os.close(fd)
+        return _held(self._lock_path(key, "use"))
 
     def _pulling(self, key: str) -> bool:
-        path = self._lock_path(key, "pull")
-        if not path.exists():
-            return False
-        fd = os.open(path, os.O_RDWR)
-        try:
-            return not _lock_nb(fd, fcntl.LOCK_EX)
-        finally:
-            os.close(fd)
+        return _held(self._lock_path(key, "pull"))
 
     # -- refs ---------------------------------------------------------------------------------
 

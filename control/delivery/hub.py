@@ -161,12 +161,7 @@ async def pull(src: HfSource, cache: Cache, token: str | None, endpoint: str | N
         return key
     total = sum(f.size or 0 for f in files)
 
-    def waiting(done: int) -> None:
-        if tracker.current.phase is not Phase.WAITING:
-            tracker.phase(Phase.WAITING, clock(), "another process is pulling it", total=total)
-        tracker.set_done(done, clock())
-
-    async with cache.pull_lock(key, waiting) as staging:
+    async with cache.pull_lock(key, tracker.waiting(clock, total)) as staging:
         if cache.record(key) is not None:
             return key
         cache.make_room(total, keep=[key])

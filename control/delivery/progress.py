@@ -138,6 +138,16 @@ class Tracker:
         self._last = now
         self._sink(self._current)
 
+    def waiting(self, clock: Callable[[], float], total: int) -> Callable[[int], None]:
+        """A callback for bytes another process has pulled so far, reported as `Phase.WAITING`."""
+
+        def report(done: int) -> None:
+            if self._current.phase is not Phase.WAITING:
+                self.phase(Phase.WAITING, clock(), "another process is pulling it", total=total)
+            self.set_done(done, clock())
+
+        return report
+
     def finish(self, now: float, phase: Phase = Phase.READY, detail: str = "") -> Progress:
         """The closing event, with the step's average rate."""
         self.set_done(self._current.done, now)

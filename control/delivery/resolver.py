@@ -248,12 +248,7 @@ async def _pull_oci(src: OciSource, cache: Cache, access: Access, tracker: Track
         files = media.files_of(manifest)
         total = sum(f.layer.size for f in files)
 
-        def waiting(done: int) -> None:
-            if tracker.current.phase is not Phase.WAITING:
-                tracker.phase(Phase.WAITING, clock(), "another process is pulling it", total=total)
-            tracker.set_done(done, clock())
-
-        async with cache.pull_lock(key, waiting) as staging:
+        async with cache.pull_lock(key, tracker.waiting(clock, total)) as staging:
             if cache.record(key) is not None:
                 return key
             cache.make_room(total, keep=[key])

@@ -18,3 +18,13 @@ def built(name: str) -> Path:
         return ensure(name)
     except BuildError as exc:
         pytest.fail(f"building {name} failed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def registry_bin() -> Path:
+    return built("registry")
+
+
+@pytest.fixture(scope="session")
+def oras_bin() -> Path:
+    return built("oras")

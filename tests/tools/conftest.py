@@ -6,17 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tools import built
+from tests.support.tools import built, oras_bin, registry_bin
 
-
-@pytest.fixture(scope="session")
-def registry_bin() -> Path:
-    return built("registry")
-
-
-@pytest.fixture(scope="session")
-def oras_bin() -> Path:
-    return built("oras")
+__all__ = ["h2spec_bin", "oras_bin", "registry_bin"]
 
 
 @pytest.fixture(scope="session")

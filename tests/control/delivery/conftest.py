@@ -5,19 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+from tests.support.tools import oras_bin, registry_bin
 
-from tests.support.tools import built
-
-
-@pytest.fixture(scope="session")
-def registry_bin() -> Path:
-    return built("registry")
-
-
-@pytest.fixture(scope="session")
-def oras_bin() -> Path:
-    return built("oras")
+__all__ = ["oras_bin", "registry_bin", "weights"]
 
 
 def weights(directory: Path, size: int = 3 * 1024 * 1024 + 123, name: str = "tiny.gguf") -> Path:
