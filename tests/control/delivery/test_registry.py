@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import tarfile
@@ -247,3 +248,103 @@ def test_a_registry_that_is_down_fails_at_once_with_a_clear_error(tmp_path: Path
     assert err.value.reason == "unreachable"
     assert f"registry 127.0.0.1:{port} is unreachable" in str(err.value)
     assert events[-1].phase is Phase.FAILED and "unreachable" in events[-1].detail
+
+
+class _CuttingProxy:
+    """A TCP proxy in front of the registry that breaks the first response to a blob GET after
+    `cut` bytes, and records every request line and Range header it forwards."""
+
+    def __init__(self, upstream: str, blob: str, cut: int) -> None:
+        self.upstream = upstream
+        self.blob = blob
+        self.cut = cut
+        self.requests: list[str] = []
+        self.port = 0
+        self._cut_done = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self) -> asyncio.AbstractServer:
+        server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        return server
+
+    async def close(self, server: asyncio.AbstractServer) -> None:
+        server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await server.wait_closed()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        host, port = self.upstream.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        self._writers |= {writer, up_writer}
+        budget: list[int | None] = [None]
+
+        async def to_upstream() -> None:
+            while data := await reader.read(65536):
+                text = data.decode("latin-1")
+                for line in text.split("\r\n"):
+                    if line.startswith(("GET ", "HEAD ", "PUT ", "POST ")) or line.lower().startswith("range:"):
+                        self.requests.append(line)
+                if f"GET /v2/models/tiny/blobs/{self.blob}" in text and not self._cut_done:
+                    self._cut_done = True
+                    budget[0] = self.cut
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def to_client() -> None:
+            while data := await up_reader.read(65536):
+                if budget[0] is not None:
+                    if len(data) >= budget[0]:
+                        writer.write(data[: budget[0]])
+                        await writer.drain()
+                        writer.transport.abort()
+                        up_writer.transport.abort()
+                        return
+                    budget[0] -= len(data)
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                await asyncio.gather(to_upstream(), to_client())
+        finally:
+            for end in (writer, up_writer):
+                end.transport.abort()
+
+
+def test_a_transfer_that_breaks_off_resumes_with_a_range_request(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    model = weights(tmp_path / "src", 12 * 1024 * 1024)
+    with start_registry(tmp_path / "reg") as reg:
+        asyncio.run(push(model, f"oci://{reg.host}/models/tiny:v1", settings=settings(reg)))
+        layer = digest_of(model.read_bytes())
+
+        async def pull_through_proxy() -> tuple[Resolved, _CuttingProxy]:
+            proxy = _CuttingProxy(reg.host, layer, cut=5 * 1024 * 1024)
+            server = await proxy.serve()
+            try:
+                resolved = await resolve(f"oci://127.0.0.1:{proxy.port}/models/tiny:v1", Cache(tmp_path / "cache"),
+                                         access=Access(registry=settings(reg)))
+            finally:
+                await proxy.close(server)
+            return resolved, proxy
+
+        with caplog.at_level(logging.WARNING, "wakegate.delivery"):
+            resolved, proxy = asyncio.run(pull_through_proxy())
+        assert resolved.model_path.read_bytes() == model.read_bytes()
+        resolved.release()
+        blob_requests = [r for r in proxy.requests if layer in r or r.lower().startswith("range:")]
+        assert blob_requests[0] == f"GET /v2/models/tiny/blobs/{layer} HTTP/1.1"
+        assert blob_requests[1] == f"GET /v2/models/tiny/blobs/{layer} HTTP/1.1"
+        assert blob_requests[2].lower().startswith("range: bytes=") and blob_requests[2].endswith("-")
+        resumed_at = int(blob_requests[2].split("=")[1].rstrip("-"))
+        assert 0 < resumed_at <= 5 * 1024 * 1024
+        assert "broke off" in caplog.text and "resuming" in caplog.text
