@@ -4,10 +4,16 @@ Cascade: `X-Model-ID` header, then a `/model/<name>/…` path prefix (stripped),
 then the JSON body's `model`, then a multipart form's `model` field. The
 route table maps every client-visible name (model name, served name, aliases,
 LoRA adapters) to its model's route. Pure: no I/O.
+
+A JSON body is refused (400) when the gateway could not read it the way a backend would:
+not UTF-8, nested deeper than :data:`MAX_JSON_DEPTH`, or naming `model` twice (the gateway
+would route by one and a backend might read the other). A multipart form likewise.
 """
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -18,6 +24,10 @@ from wakegate import contract
 from wakegate.v1 import routing_pb2
 
 _MAX_NAME = 253
+
+#: Deepest nesting of arrays and objects a JSON body may have (docs/decisions.md). Python's
+#: parser fails near 1,000 levels; real requests (tool schemas included) stay far below this.
+MAX_JSON_DEPTH = 128
 
 
 class BadRequest(Exception):
@@ -69,12 +79,72 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("request body is empty; expected a JSON object with a `model` field", "empty_body")
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid UTF-8", "invalid_json") from None
+    try:
+        parsed = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:
         raise BadRequest("request body is not valid JSON", "invalid_json") from None
     if not isinstance(parsed, dict):
         raise BadRequest("request body must be a JSON object", "invalid_json")
+    # Both checks read the raw bytes once with C-level scans; the exact work runs only when
+    # the cheap count says it could matter.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    if len(_MODEL_KEY.findall(body)) > 1 and _names_model_twice(text):
+        raise BadRequest("request body names `model` more than once", "duplicate_model")
     return parsed
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest(f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
+
+
+#: Every spelling of the JSON string "model": each letter as itself or as a \u escape.
+_MODEL_KEY = re.compile(rb'"(?:m|\\u006[dD])(?:o|\\u006[fF])(?:d|\\u0064)(?:e|\\u0065)(?:l|\\u006[cC])"')
+_SIGNED_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in `body`, valid JSON (brackets in strings do not count)."""
+    # Outside strings valid JSON has no backslash, so dropping escaped backslashes and then
+    # escaped quotes leaves quotes only at string ends; every other piece is outside a string.
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])
+    steps = array.array("b", outside.translate(_SIGNED_BRACKETS, _NOT_BRACKETS))  # +1 open, -1 close
+    return max(itertools.accumulate(steps), default=0)
+
+
+def _names_model_twice(text: str) -> bool:
+    """Whether the top-level object has two `model` keys (its pairs are the parser's last call)."""
+    top_level_twice = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal top_level_twice
+        top_level_twice = sum(1 for key, _ in items if key == "model") > 1
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return top_level_twice
+
+
+def rewritten(parsed: dict[str, Any], model: str) -> bytes:
+    """The body with its `model` set to `model`, re-encoded (UTF-8, compact)."""
+    parsed["model"] = model
+    try:
+        return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A \ud800-\udfff escape without its pair parses to a lone surrogate, which UTF-8 cannot
+        # carry; the body passes unchanged when its model needs no rewrite.
+        raise BadRequest(
+            "request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+            "it cannot be re-encoded as UTF-8 when the model name is rewritten",
+            "invalid_unicode",
+        ) from None
 
 
 def model_from_json(parsed: Mapping[str, Any]) -> str:
@@ -93,14 +163,21 @@ def model_from_multipart(content_type: str, body: bytes) -> str:
     found = _BOUNDARY.search(content_type)
     if not found:
         raise BadRequest("multipart body without a boundary", "invalid_multipart")
-    delimiter = b"--" + found.group(1).encode("latin-1")
+    delimiter = b"--" + found.group(1).encode()
+    names = []
     for part in body.split(delimiter)[1:]:
         head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep or not _MODEL_PART.search(head):
-            continue
-        text = value.removesuffix(b"\r\n").decode("utf-8", errors="strict").strip()
-        return _checked(text)
-    raise BadRequest("multipart form has no `model` field", "model_required")
+        if sep and _MODEL_PART.search(head):
+            names.append(value.removesuffix(b"\r\n"))
+    if not names:
+        raise BadRequest("multipart form has no `model` field", "model_required")
+    if len(names) > 1:
+        raise BadRequest("multipart form has more than one `model` field", "duplicate_model")
+    try:
+        text = names[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("multipart `model` field is not valid UTF-8", "invalid_model") from None
+    return _checked(text.strip())
 
 
 @dataclass(frozen=True, slots=True)
