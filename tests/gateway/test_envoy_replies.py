@@ -60,13 +60,14 @@ def test_http1_requests_envoy_refuses_get_shaped_errors(
     assert reply.error()["code"] == code
 
 
-GET = [(":method", "GET"), (":scheme", "http"), (":authority", "x"), ("authorization", f"Bearer {API_KEY}")]
-MODELS = [*GET, (":path", "/v1/models")]
+GET = [(":method", "GET"), (":scheme", "http"), (":authority", "x")]
+AUTH = ("authorization", f"Bearer {API_KEY}")
+MODELS = [*GET, (":path", "/v1/models"), AUTH]
 
 
 @pytest.mark.parametrize("path", ["/model/%00/v1/models", "/v1/models#frag"])
 def test_http2_path_that_cannot_be_normalized_gets_a_shaped_400(gateway: UpProcess, path: str) -> None:
-    reply = http2(gateway.port, [([*GET, (":path", path)], b"")])[1]
+    reply = http2(gateway.port, [([*GET, (":path", path), AUTH], b"")])[1]
     assert reply.status == 400, reply
     assert reply.error()["code"] == "invalid_http_request"
 
@@ -74,7 +75,7 @@ def test_http2_path_that_cannot_be_normalized_gets_a_shaped_400(gateway: UpProce
 @pytest.mark.parametrize(
     "headers",
     [
-        [(":method", "GET"), (":scheme", "http"), (":authority", "x")],  # no :path
+        [*GET, AUTH],  # no :path
         [*MODELS, ("X-Upper", "1")],
         [*MODELS, ("x-a", "a\x00b")],
         [*MODELS, ("x-a", "a\r\nx-b: c")],
@@ -83,8 +84,8 @@ def test_http2_path_that_cannot_be_normalized_gets_a_shaped_400(gateway: UpProce
         [("x-a", "1"), *MODELS],  # a pseudo-header after a regular one
         [*MODELS, (":foo", "1")],
         [(":method", "G@T"), *MODELS[1:]],
-        [*GET, (":path", "v1/models")],
-        [*GET, (":path", "/v1/ models")],
+        [*GET, (":path", "v1/models"), AUTH],
+        [*GET, (":path", "/v1/ models"), AUTH],
         [*MODELS, *[(f"x-h{i}", "1") for i in range(200)]],
     ],
     ids=[

@@ -24,8 +24,9 @@ class Reply:
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
-    #: How the exchange ended when it was not a complete reply: "reset:<code>", "goaway:<code>",
-    #: "closed" or "timeout"; empty for a complete reply.
+    #: How the exchange ended when it was not a complete reply: "reset:<code>", "goaway:<code>"
+    #: (the connection ended with that error before the reply), "closed" or "timeout"; empty
+    #: for a complete reply.
     ended: str = ""
 
     def error(self) -> dict[str, Any]:
@@ -98,15 +99,16 @@ def http2(port: int, streams: list[tuple[list[tuple[str, str]], bytes]], timeout
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(b"".join(out))
         data = b""
+        goaway = ""
         while open_ids:
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:
                 chunk, reason = b"", "timeout"
             except ConnectionResetError:
-                chunk, reason = b"", "closed"
+                chunk, reason = b"", goaway or "closed"
             else:
-                reason = "closed"
+                reason = goaway or "closed"
             if not chunk:
                 for stream_id in open_ids:
                     replies[stream_id].ended = reason
@@ -119,10 +121,10 @@ def http2(port: int, streams: list[tuple[list[tuple[str, str]], bytes]], timeout
                 if kind == h2.SETTINGS and not flags & h2.ACK:
                     sock.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
                 elif kind == h2.GOAWAY:
-                    code = struct.unpack(">I", payload[4:8])[0]
+                    goaway = f"goaway:{struct.unpack('>I', payload[4:8])[0]}"
                     last = struct.unpack(">I", payload[:4])[0] & h2.MAX_WINDOW
-                    for gone in [s for s in open_ids if s > last]:
-                        replies[gone].ended = f"goaway:{code}"
+                    for gone in [s for s in open_ids if s > last]:  # never processed
+                        replies[gone].ended = goaway
                         open_ids.discard(gone)
                 elif reply is None:
                     continue
