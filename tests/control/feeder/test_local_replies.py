@@ -166,7 +166,8 @@ def get(port: int, name: str) -> tuple[int, str, dict[str, Any]]:
         with urllib.request.urlopen(request, timeout=30) as response:
             status, content_type, body = response.status, response.headers["content-type"], response.read()
     except urllib.error.HTTPError as exc:
-        status, content_type, body = exc.code, exc.headers["content-type"], exc.read()
+        with exc:
+            status, content_type, body = exc.code, exc.headers["content-type"], exc.read()
     return status, content_type, json.loads(body)
 
 
