@@ -12,7 +12,6 @@ would route by one and a backend might read the other). A multipart form likewis
 
 from __future__ import annotations
 
-import array
 import itertools
 import json
 import re
@@ -79,7 +78,8 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("request body is empty; expected a JSON object with a `model` field", "empty_body")
     try:
-        text = body.decode("utf-8-sig")
+        # A UTF-8 byte-order mark is skipped (the "utf-8-sig" codec does it ten times slower).
+        text = (body[3:] if body.startswith(b"\xef\xbb\xbf") else body).decode()
     except UnicodeDecodeError:
         raise BadRequest("request body is not valid UTF-8", "invalid_json") from None
     try:
@@ -90,9 +90,8 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         raise BadRequest("request body is not valid JSON", "invalid_json") from None
     if not isinstance(parsed, dict):
         raise BadRequest("request body must be a JSON object", "invalid_json")
-    # Both checks read the raw bytes once with C-level scans; the exact work runs only when
-    # the cheap count says it could matter.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+    # Nearly every body has too few brackets to nest past the limit: two byte counts say so.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nested_deeper_than(parsed, MAX_JSON_DEPTH):
         raise _too_deep()
     if len(_MODEL_KEY.findall(body)) > 1 and _names_model_twice(text):
         raise BadRequest("request body names `model` more than once", "duplicate_model")
@@ -105,18 +104,25 @@ def _too_deep() -> BadRequest:
 
 #: Every spelling of the JSON string "model": each letter as itself or as a \u escape.
 _MODEL_KEY = re.compile(rb'"(?:m|\\u006[dD])(?:o|\\u006[fF])(?:d|\\u0064)(?:e|\\u0065)(?:l|\\u006[cC])"')
-_SIGNED_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_CONTAINERS = (dict, list)
 
 
-def json_depth(body: bytes) -> int:
-    """How deeply arrays and objects nest in `body`, valid JSON (brackets in strings do not count)."""
-    # Outside strings valid JSON has no backslash, so dropping escaped backslashes and then
-    # escaped quotes leaves quotes only at string ends; every other piece is outside a string.
-    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    outside = b"".join(unescaped.split(b'"')[::2])
-    steps = array.array("b", outside.translate(_SIGNED_BRACKETS, _NOT_BRACKETS))  # +1 open, -1 close
-    return max(itertools.accumulate(steps), default=0)
+def nested_deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels in a parsed JSON value (itself level 1).
+
+    Level by level; the containers of each level are picked out with C-level iterators, so a long
+    string costs nothing and a long array of numbers one pass.
+    """
+    level: list[Any] = [value]
+    for _ in range(limit):
+        below: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            below.extend(itertools.compress(items, map(isinstance, items, itertools.repeat(_CONTAINERS))))
+        if not below:
+            return False
+        level = below
+    return True
 
 
 def _names_model_twice(text: str) -> bool:

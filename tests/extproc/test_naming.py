@@ -10,10 +10,10 @@ from wakegate.extproc.naming import (
     MAX_JSON_DEPTH,
     BadRequest,
     RouteTable,
-    json_depth,
     model_from_headers,
     model_from_json,
     model_from_multipart,
+    nested_deeper_than,
     parse_json_body,
     rewritten,
 )
@@ -108,11 +108,12 @@ def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
     [
         {"model": "a"},
         [[[]], [], {"a": [1, {"b": "]]]]"}]}],
-        {"s": 'a\\"[[[\\\\', "t": ["x\\\\"]},
-        ["\\", "\\\\\\", '"', "[{", "}]"],
+        {"s": 'a\\"[[[\\\\', "t": ["x\\\\"], "u": {}},
+        ["\\", "\\\\\\", '"', "[{", "}]", [[[[[[[]]]]]]]],
+        [list(range(1000)), {"k": [{"k": [{}]}]}],
     ],
 )
-def test_json_depth_matches_the_structure(value: object) -> None:
+def test_nesting_is_measured_on_the_structure(value: dict[str, object] | list[object]) -> None:
     def depth(v: object) -> int:
         if isinstance(v, dict):
             return 1 + max(map(depth, v.values()), default=0)
@@ -120,7 +121,8 @@ def test_json_depth_matches_the_structure(value: object) -> None:
             return 1 + max(map(depth, v), default=0)
         return 0
 
-    assert json_depth(json.dumps(value).encode()) == depth(value)
+    for limit in range(1, 10):
+        assert nested_deeper_than(value, limit) == (depth(value) > limit), limit
 
 
 @pytest.mark.parametrize(
