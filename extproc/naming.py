@@ -4,10 +4,15 @@ Cascade: `X-Model-ID` header, then a `/model/<name>/…` path prefix (stripped),
 then the JSON body's `model`, then a multipart form's `model` field. The
 route table maps every client-visible name (model name, served name, aliases,
 LoRA adapters) to its model's route. Pure: no I/O.
+
+A JSON body is refused (400) when the gateway could not read it the way a backend would:
+not UTF-8, nested deeper than :data:`MAX_JSON_DEPTH`, or naming `model` twice (the gateway
+would route by one and a backend might read the other). A multipart form likewise.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -18,6 +23,10 @@ from wakegate import contract
 from wakegate.v1 import routing_pb2
 
 _MAX_NAME = 253
+
+#: Deepest nesting of arrays and objects a JSON body may have (docs/decisions.md). Python's
+#: parser fails near 1,000 levels; real requests (tool schemas included) stay far below this.
+MAX_JSON_DEPTH = 128
 
 
 class BadRequest(Exception):
@@ -69,12 +78,79 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("request body is empty; expected a JSON object with a `model` field", "empty_body")
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        # A UTF-8 byte-order mark is skipped (the "utf-8-sig" codec does it ten times slower).
+        text = (body[3:] if body.startswith(b"\xef\xbb\xbf") else body).decode()
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid UTF-8", "invalid_json") from None
+    try:
+        parsed = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:
         raise BadRequest("request body is not valid JSON", "invalid_json") from None
     if not isinstance(parsed, dict):
         raise BadRequest("request body must be a JSON object", "invalid_json")
+    # Nearly every body has too few brackets to nest past the limit: two byte counts say so.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nested_deeper_than(parsed, MAX_JSON_DEPTH):
+        raise _too_deep()
+    if len(_MODEL_KEY.findall(body)) > 1 and _names_model_twice(text):
+        raise BadRequest("request body names `model` more than once", "duplicate_model")
     return parsed
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest(f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
+
+
+#: Every spelling of the JSON string "model": each letter as itself or as a \u escape.
+_MODEL_KEY = re.compile(rb'"(?:m|\\u006[dD])(?:o|\\u006[fF])(?:d|\\u0064)(?:e|\\u0065)(?:l|\\u006[cC])"')
+_CONTAINERS = (dict, list)
+
+
+def nested_deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels in a parsed JSON value (itself level 1).
+
+    Level by level; the containers of each level are picked out with C-level iterators, so a long
+    string costs nothing and a long array of numbers one pass.
+    """
+    level: list[Any] = [value]
+    for _ in range(limit):
+        below: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            below.extend(itertools.compress(items, map(isinstance, items, itertools.repeat(_CONTAINERS))))
+        if not below:
+            return False
+        level = below
+    return True
+
+
+def _names_model_twice(text: str) -> bool:
+    """Whether the top-level object has two `model` keys (its pairs are the parser's last call)."""
+    top_level_twice = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal top_level_twice
+        top_level_twice = sum(1 for key, _ in items if key == "model") > 1
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return top_level_twice
+
+
+def rewritten(parsed: dict[str, Any], model: str) -> bytes:
+    """The body with its `model` set to `model`, re-encoded (UTF-8, compact)."""
+    parsed["model"] = model
+    try:
+        return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A \ud800-\udfff escape without its pair parses to a lone surrogate, which UTF-8 cannot
+        # carry; the body passes unchanged when its model needs no rewrite.
+        raise BadRequest(
+            "request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+            "it cannot be re-encoded as UTF-8 when the model name is rewritten",
+            "invalid_unicode",
+        ) from None
 
 
 def model_from_json(parsed: Mapping[str, Any]) -> str:
@@ -93,14 +169,21 @@ def model_from_multipart(content_type: str, body: bytes) -> str:
     found = _BOUNDARY.search(content_type)
     if not found:
         raise BadRequest("multipart body without a boundary", "invalid_multipart")
-    delimiter = b"--" + found.group(1).encode("latin-1")
+    delimiter = b"--" + found.group(1).encode()
+    names = []
     for part in body.split(delimiter)[1:]:
         head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep or not _MODEL_PART.search(head):
-            continue
-        text = value.removesuffix(b"\r\n").decode("utf-8", errors="strict").strip()
-        return _checked(text)
-    raise BadRequest("multipart form has no `model` field", "model_required")
+        if sep and _MODEL_PART.search(head):
+            names.append(value.removesuffix(b"\r\n"))
+    if not names:
+        raise BadRequest("multipart form has no `model` field", "model_required")
+    if len(names) > 1:
+        raise BadRequest("multipart form has more than one `model` field", "duplicate_model")
+    try:
+        text = names[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("multipart `model` field is not valid UTF-8", "invalid_model") from None
+    return _checked(text.strip())
 
 
 @dataclass(frozen=True, slots=True)

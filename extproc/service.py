@@ -45,10 +45,12 @@ from wakegate.extproc.naming import (
     model_from_json,
     model_from_multipart,
     parse_json_body,
+    rewritten,
 )
 from wakegate.extproc.picking import Picker
 from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
 from wakegate.extproc.responses import error, header, immediate
+from wakegate.process import ThrottledLog
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc")
@@ -91,6 +93,8 @@ class Gateway:
         #: Load changes that may be reported a little later (coalesced).
         self.on_load_change: Callable[[], None] = lambda: None
         self.cold = ColdQueues(self._demand_changed)
+        #: One line per refused request (no traceback), a few per second per error code at most.
+        self.refusals = ThrottledLog(log)
         self._models_body = b'{"object":"list","data":[]}'
 
     def _demand_changed(self) -> None:
@@ -162,12 +166,14 @@ def _headers(message: ep.HttpHeaders) -> dict[str, str]:
 class _Exchange:
     """Per-request state between the headers and body phases."""
 
-    __slots__ = ("endpoint", "headers", "model_key", "model_name", "new_path", "started")
+    __slots__ = ("endpoint", "headers", "model_key", "model_name", "new_body", "new_path", "started")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.model_name: str | None = None
         self.new_path: str | None = None
+        #: The body re-encoded with the name its backend knows (None: forwarded unchanged).
+        self.new_body: bytes | None = None
         self.endpoint: str | None = None
         self.model_key: str | None = None
         self.started = time.monotonic()
@@ -309,6 +315,13 @@ class Processor:
             return self._reject(
                 route.key, 429, "rate_limited", "rate limit exceeded; retry later", retry_after=retry_after_header(wait)
             )
+        if parsed is not None and parsed.get("model") != resolved.body_model:
+            # Rewritten now, not when the request is sent on: a body that cannot be is refused
+            # before it waits for a cold model.
+            try:
+                ex.new_body = rewritten(parsed, resolved.body_model)
+            except BadRequest as exc:
+                return self._reject(route.key, 400, exc.code, str(exc))
         if route.endpoints:
             return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
         # Cold: demand is registered before anything that can wait or refuse.
@@ -378,10 +391,11 @@ class Processor:
             mutations.append(header(":path", ex.new_path))
         body_mutation = None
         if parsed is not None and raw_body is not None and parsed.get("model") != resolved.body_model:
-            parsed["model"] = resolved.body_model
-            new_body = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
-            body_mutation = ep.BodyMutation(body=new_body)
-            mutations.append(header("content-length", str(len(new_body))))
+            # The routes changed while the request was held; it was encodable once, so it is now.
+            ex.new_body = rewritten(parsed, resolved.body_model)
+        if ex.new_body is not None:
+            body_mutation = ep.BodyMutation(body=ex.new_body)
+            mutations.append(header("content-length", str(len(ex.new_body))))
         common = ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=mutations, remove_headers=removals),
             body_mutation=body_mutation,
@@ -440,7 +454,16 @@ class Processor:
     def _reject(
         self, model_key: str | None, status: int, code: str, message: str, *, retry_after: str | None = None
     ) -> ep.ProcessingResponse:
+        self.gw.refusals.log(logging.INFO, code, "refused %d %s model=%s: %s", status, code, model_key or "-", message)
         return self._done(model_key, error(status, code, message, retry_after=retry_after), str(status), code)
+
+    def failed(self, exc: Exception) -> ep.ProcessingResponse:
+        """A request the gateway itself failed on (a bug, never the client's input): a shaped 500."""
+        if self.gw.refusals.log(logging.ERROR, "internal_error", "request failed: %s", type(exc).__name__):
+            log.debug("request failed", exc_info=exc)
+        return self._done(
+            None, error(500, "internal_error", "the gateway failed on this request"), "500", "internal_error"
+        )
 
     def _done(
         self, model_key: str | None, response: ep.ProcessingResponse, status: str = "200", reason: str = ""
@@ -493,7 +516,10 @@ class ProcessCall:
             self._close()
             self._call.finish(INVALID_ARGUMENT, "not an ext_proc ProcessingRequest")
             return
-        decided = self._proc.decide(self._exchange, message)
+        try:
+            decided = self._proc.decide(self._exchange, message)
+        except Exception as exc:
+            decided = self._proc.failed(exc)
         if isinstance(decided, _Cold):
             timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
             # Tell Envoy this message may take up to the activation timeout.

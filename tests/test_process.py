@@ -46,3 +46,43 @@ def test_every_process_logs_one_format() -> None:
     )
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING wakegate\.x hello 1\n", err), err
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throttled_log_writes_a_few_lines_per_second_per_kind_and_counts_the_rest(caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    from wakegate.process import ThrottledLog
+
+    clock = _Clock()
+    throttled = ThrottledLog(logging.getLogger("wakegate.test.throttled"), per_second=3, clock=clock)
+    with caplog.at_level(logging.INFO, logger="wakegate.test.throttled"):
+        written = [throttled.log(logging.INFO, "invalid_json", "refused %s", n) for n in range(1000)]
+        assert written == [True] * 3 + [False] * 997
+        assert throttled.log(logging.INFO, "duplicate_model", "other kind")  # its own share
+        clock.now += 0.5
+        assert not throttled.log(logging.INFO, "invalid_json", "still the same second")
+        clock.now += 0.6
+        assert throttled.log(logging.INFO, "invalid_json", "refused %s", "next")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["refused 0", "refused 1", "refused 2", "other kind", "refused next (+998 suppressed)"]
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+def test_throttled_log_tracks_a_bounded_number_of_kinds() -> None:
+    import logging
+
+    from wakegate.process import ThrottledLog
+
+    throttled = ThrottledLog(logging.getLogger("wakegate.test.kinds"), max_kinds=10, clock=_Clock())
+    logging.getLogger("wakegate.test.kinds").setLevel(logging.INFO)
+    for n in range(10_000):
+        throttled.log(logging.INFO, f"kind-{n}", "x")
+    assert len(throttled._kinds) <= 10

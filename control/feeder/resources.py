@@ -18,6 +18,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
@@ -167,16 +168,79 @@ def _parse(message: _M, data: dict[str, Any]) -> _M:
     return message
 
 
-def _json_error(status: int, code: str, message: str, error_type: str) -> dict[str, Any]:
+def _error_format(code: str, message: str, error_type: str) -> dict[str, Any]:
+    """A local reply body in the gateway's one error shape (the same as extproc/responses.py)."""
     return {
-        "filter": {
-            "status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": "_"}}}
-        },
-        "body_format_override": {
-            "json_format": {"error": {"message": message, "type": error_type, "code": code}},
-            "content_type": "application/json",
+        "json_format": {"error": {"message": message, "type": error_type, "code": code}},
+        "content_type": "application/json",
+    }
+
+
+def _status(status: int, op: str = "EQ") -> dict[str, Any]:
+    return {"status_code_filter": {"comparison": {"op": op, "value": {"default_value": status, "runtime_key": "_"}}}}
+
+
+def _flags(*flags: str) -> dict[str, Any]:
+    return {"response_flag_filter": {"flags": list(flags)}}
+
+
+def _mapper(match: dict[str, Any], code: str, message: str, error_type: str) -> dict[str, Any]:
+    return {"filter": match, "body_format_override": _error_format(code, message, error_type)}
+
+
+#: A reply that carries a content type already was written by extproc (its errors are shaped,
+#: /metrics is Prometheus text): it passes through unchanged. Envoy's own replies (codec
+#: errors, limits, upstream failures, direct responses) have no content type at this point.
+_WRITTEN_BY_EXTPROC = {
+    "extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+            "expression": "'content-type' in response.headers",
         },
     }
+}
+
+_CLIENT = "invalid_request_error"
+_SERVER = "server_error"
+
+#: The listener's local_reply_config: every reply Envoy makes itself becomes the OpenAI error
+#: shape. The first mapper that matches wins; the body_format at the end takes the rest.
+#: `%RESPONSE_CODE_DETAILS%` is Envoy's fixed token for why it answered (`http1.codec_error`,
+#: `path_normalization_failed`, `missing_host_header`, ...): it names the problem without
+#: echoing anything from the request.
+LOCAL_REPLY_CONFIG: dict[str, Any] = {
+    "mappers": [
+        {
+            "filter": _WRITTEN_BY_EXTPROC,
+            "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"}},
+        },
+        _mapper(_status(413), "body_too_large", "request body is larger than the gateway accepts", _CLIENT),
+        _mapper(_status(431), "headers_too_large", "request headers are larger than the gateway accepts", _CLIENT),
+        _mapper(_status(426), "unsupported_http_version", "the gateway accepts HTTP/1.1 and HTTP/2", _CLIENT),
+        _mapper(_status(408), "request_timeout", "the request did not arrive in time", _CLIENT),
+        _mapper(_status(404), "no_route", "no route for this request", _CLIENT),
+        _mapper(
+            _status(501),
+            "not_implemented",
+            "the gateway does not support this request: %RESPONSE_CODE_DETAILS%",
+            _CLIENT,
+        ),
+        _mapper(_flags("UT"), "upstream_timeout", "the model server did not answer in time", _SERVER),
+        _mapper(_flags("UH", "UF", "UO", "URX", "UC", "NC"), "upstream_unavailable", "%LOCAL_REPLY_BODY%", _SERVER),
+        # extproc itself never answers 500 or 504: these are the gateway failing to
+        # reach it (stream reset, message timeout). Upstream failures matched above.
+        _mapper(_status(500), "gateway_error", "the gateway could not process the request", _SERVER),
+        _mapper(_status(504), "gateway_timeout", "the gateway did not decide in time", _SERVER),
+        _mapper(
+            _status(400), "invalid_http_request", "the request is not valid HTTP: %RESPONSE_CODE_DETAILS%", _CLIENT
+        ),
+        _mapper(_status(500, "GE"), "gateway_error", "the gateway could not answer: %RESPONSE_CODE_DETAILS%", _SERVER),
+    ],
+    "body_format": _error_format(
+        "request_refused", "the gateway refused the request: %RESPONSE_CODE_DETAILS%", _CLIENT
+    ),
+}
 
 
 def _processing_mode(request_body: str) -> dict[str, str]:
@@ -247,33 +311,10 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
         "use_remote_address": True,
-        "local_reply_config": {
-            "mappers": [
-                _json_error(
-                    413,
-                    "body_too_large",
-                    "request body is larger than the gateway accepts",
-                    "invalid_request_error",
-                ),
-                {
-                    "filter": {"response_flag_filter": {"flags": ["UH", "UF", "UO", "URX", "UC", "UT", "NC"]}},
-                    "body_format_override": {
-                        "json_format": {
-                            "error": {
-                                "message": "%LOCAL_REPLY_BODY%",
-                                "type": "server_error",
-                                "code": "upstream_unavailable",
-                            }
-                        },
-                        "content_type": "application/json",
-                    },
-                },
-                # extproc itself never answers 500 or 504: these are the gateway failing to
-                # reach it (stream reset, message timeout). Upstream failures matched above.
-                _json_error(500, "gateway_error", "the gateway could not process the request", "server_error"),
-                _json_error(504, "gateway_timeout", "the gateway did not decide in time", "server_error"),
-            ]
-        },
+        "local_reply_config": LOCAL_REPLY_CONFIG,
+        # A malformed HTTP/2 request resets its own stream (RFC 9113, 8.1.1), not the connection
+        # with every other stream on it; HTTP/1 gets its shaped 400 and the connection closes.
+        "http2_protocol_options": {"override_stream_error_on_invalid_http_message": True},
     }
     return _parse(
         listener_pb2.Listener(),
@@ -288,7 +329,8 @@ _MODEL_HEADER_SET = {"name": contract.MODEL_HEADER, "string_match": {"safe_regex
 _NO_ROUTE: dict[str, Any] = {
     "direct_response": {
         "status": 404,
-        "body": {"inline_string": '{"error":{"message":"no route","type":"invalid_request_error","code":"no_route"}}'},
+        # Shaped by the listener's local_reply_config (404: `no_route`).
+        "body": {"inline_string": "no route"},
     }
 }
 _STREAM_BODY: dict[str, Any] = {

@@ -5,6 +5,9 @@ ERROR in any case (WARN too). Exit: SIGTERM or SIGINT sets the process's stop ev
 admitting, finish what is in flight, then exit); another one while draining ends the
 process at once with status 130.
 
+Lines caused by what clients send go through a `ThrottledLog`: at most a few per second per
+kind, the rest counted, so no client can flood a log.
+
 Both halves (wakegate.control, wakegate.extproc) use this module; it imports neither.
 """
 
@@ -18,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
@@ -98,6 +102,54 @@ def setup_logging(level: str, *, quiet: Iterable[str] = ()) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     for name in quiet:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+class ThrottledLog:
+    """One line per event, at most `per_second` lines per second for each kind; the rest counted.
+
+    A kind is a short fixed token (an error code, not client text). The lines a kind lost
+    are counted and the count rides on that kind's next line ("+N suppressed"). At most
+    `max_kinds` kinds are tracked; past that the table starts over (counts may be lost, lines never
+    exceed the bound by more than one window's worth).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        per_second: int = 5,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_kinds: int = 1024,
+    ) -> None:
+        self.logger = logger
+        self.per_second = per_second
+        self._clock = clock
+        self._max_kinds = max_kinds
+        #: kind -> [window start, lines written in it, lines suppressed since the last written]
+        self._kinds: dict[str, list[float]] = {}
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> bool:
+        """Write the line unless `kind` has had its share this second; True when written."""
+        if not self.logger.isEnabledFor(level):
+            return False
+        now = self._clock()
+        state = self._kinds.get(kind)
+        if state is None:
+            if len(self._kinds) >= self._max_kinds:
+                self._kinds.clear()
+            state = self._kinds[kind] = [now, 0, 0]
+        elif now - state[0] >= 1.0:
+            state[0], state[1] = now, 0
+        if state[1] >= self.per_second:
+            state[2] += 1
+            return False
+        state[1] += 1
+        suppressed, state[2] = int(state[2]), 0
+        if suppressed:
+            self.logger.log(level, message + " (+%d suppressed)", *args, suppressed)
+        else:
+            self.logger.log(level, message, *args)
+        return True
 
 
 def graceful_exit(stop: asyncio.Event | threading.Event, name: str) -> None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from wakegate.extproc.naming import (
+    MAX_JSON_DEPTH,
     BadRequest,
     RouteTable,
     model_from_headers,
     model_from_json,
     model_from_multipart,
+    nested_deeper_than,
     parse_json_body,
+    rewritten,
 )
 from wakegate.v1 import routing_pb2
 
@@ -71,3 +76,119 @@ def test_route_table_resolves_names_aliases_and_adapters() -> None:
     listing = {entry["id"]: entry for entry in table.listing()}
     assert set(listing) == {"m", "alias", "org/m", "sql"}
     assert listing["sql"]["parent"] == "org/m"
+
+
+def nested(depth: int) -> bytes:
+    """A body whose deepest array sits `depth` levels down (the object itself is level 1)."""
+    return b'{"model": "a", "x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_nesting_up_to_the_limit_is_accepted_and_past_it_refused() -> None:
+    assert parse_json_body(nested(MAX_JSON_DEPTH))["model"] == "a"
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body(nested(MAX_JSON_DEPTH + 1))
+    assert refused.value.code == "json_too_deep"
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
+def test_nesting_past_what_the_parser_survives_is_the_same_refusal(depth: int) -> None:
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body(nested(depth))
+    assert refused.value.code == "json_too_deep"
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    text = "[" * 500 + '\\"{' * 300 + "\\\\" + "}" * 10
+    body = json.dumps({"model": "a", "messages": [{"role": "user", "content": text}], "k": '"[[['}).encode()
+    assert parse_json_body(body)["messages"][0]["content"] == text
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"model": "a"},
+        [[[]], [], {"a": [1, {"b": "]]]]"}]}],
+        {"s": 'a\\"[[[\\\\', "t": ["x\\\\"], "u": {}},
+        ["\\", "\\\\\\", '"', "[{", "}]", [[[[[[[]]]]]]]],
+        [list(range(1000)), {"k": [{"k": [{}]}]}],
+    ],
+)
+def test_nesting_is_measured_on_the_structure(value: dict[str, object] | list[object]) -> None:
+    def depth(v: object) -> int:
+        if isinstance(v, dict):
+            return 1 + max(map(depth, v.values()), default=0)
+        if isinstance(v, list):
+            return 1 + max(map(depth, v), default=0)
+        return 0
+
+    for limit in range(1, 10):
+        assert nested_deeper_than(value, limit) == (depth(value) > limit), limit
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "a", "model": "b"}',
+        b'{"model": "a", "messages": [], "m\\u006fdel": "b"}',
+        b'{"\\u006D\\u006f\\u0064\\u0065\\u006C": "a", "model": "a"}',
+    ],
+)
+def test_two_model_keys_are_refused(body: bytes) -> None:
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body(body)
+    assert refused.value.code == "duplicate_model"
+
+
+def test_model_named_again_below_the_top_level_is_fine() -> None:
+    body = b'{"model": "a", "tools": [{"model": "x", "model": "y"}], "note": "\\"model\\""}'
+    assert parse_json_body(body)["model"] == "a"
+
+
+@pytest.mark.parametrize("body", [b'{"model": "a\xff"}', b'{"model": "\xed\xa0\x80"}', b"\xff\xfe{\x00}\x00"])
+def test_a_body_that_is_not_utf8_is_refused(body: bytes) -> None:
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body(body)
+    assert refused.value.code == "invalid_json"
+
+
+def test_a_utf8_byte_order_mark_is_accepted() -> None:
+    assert parse_json_body(b'\xef\xbb\xbf{"model": "a"}')["model"] == "a"
+
+
+def test_rewrite_sets_the_model_and_keeps_the_rest() -> None:
+    parsed = parse_json_body('{"model": "a", "messages": [{"content": "héllo \\ud83d\\ude00"}]}'.encode())
+    assert json.loads(rewritten(parsed, "org/a")) == {"model": "org/a", "messages": [{"content": "héllo 😀"}]}
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "x\\ud83dy", "\\ude00\\ud83d"])
+def test_rewrite_refuses_a_lone_surrogate(escape: str) -> None:
+    parsed = parse_json_body(f'{{"model": "a", "messages": [{{"content": "{escape}"}}]}}'.encode())
+    with pytest.raises(BadRequest) as refused:
+        rewritten(parsed, "org/a")
+    assert refused.value.code == "invalid_unicode"
+
+
+def form(*parts: bytes) -> bytes:
+    return b"".join(b"--B\r\n" + part + b"\r\n" for part in parts) + b"--B--\r\n"
+
+
+def test_multipart_model_that_is_not_utf8_is_refused() -> None:
+    body = form(b'Content-Disposition: form-data; name="model"\r\n\r\nwhis\xffper')
+    with pytest.raises(BadRequest) as refused:
+        model_from_multipart("multipart/form-data; boundary=B", body)
+    assert refused.value.code == "invalid_model"
+
+
+def test_multipart_with_two_model_fields_is_refused() -> None:
+    one = b'Content-Disposition: form-data; name="model"\r\n\r\na'
+    two = b"Content-Disposition: form-data; name=model\r\n\r\nb"
+    with pytest.raises(BadRequest) as refused:
+        model_from_multipart("multipart/form-data; boundary=B", form(one, two))
+    assert refused.value.code == "duplicate_model"
+
+
+def test_multipart_boundary_outside_latin1_is_read_as_utf8() -> None:
+    body = b'--\xc3\xa9\r\nContent-Disposition: form-data; name="model"\r\n\r\nw\r\n--\xc3\xa9--\r\n'
+    assert model_from_multipart("multipart/form-data; boundary=é", body) == "w"
+    with pytest.raises(BadRequest):
+        model_from_multipart("multipart/form-data; boundary=\ufffd", body)

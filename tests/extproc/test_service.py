@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +293,72 @@ async def test_a_reset_while_held_frees_the_queue_slot() -> None:
     stream.on_cancel()
     await asyncio.sleep(0.01)
     assert gw.cold.depth("waiting") == 0 and gw.in_flight == {}
+
+
+def multipart(value: bytes) -> tuple[ep.ProcessingRequest, ep.ProcessingRequest]:
+    form = b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + value + b"\r\n--B--\r\n"
+    return headers("/v1/audio/transcriptions", **{"content-type": "multipart/form-data; boundary=B"}), body(form)
+
+
+@pytest.mark.parametrize(
+    ("messages", "code"),
+    [
+        # Each of these once raised inside extproc: a 500 from Envoy and a traceback in the log.
+        (
+            (headers("/v1/chat/completions"), body(b'{"model": "chat", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")),
+            "json_too_deep",
+        ),
+        (
+            (headers("/v1/chat/completions"), body(b'{"model": "small", "messages": [{"content": "\\ud800"}]}')),
+            "invalid_unicode",
+        ),
+        (multipart(b"ch\xffat"), "invalid_model"),
+        ((headers("/v1/chat/completions"), body(b'{"model": "chat", "model": "small"}')), "duplicate_model"),
+        (multipart(b'chat\r\n--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nsmall'), "duplicate_model"),
+    ],
+)
+def test_bodies_the_gateway_cannot_read_as_a_backend_would_are_400(
+    messages: tuple[ep.ProcessingRequest, ...], code: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = gateway()
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc"):
+        status, _, payload = immediate(decide(Processor(gw), *messages)[1])
+    assert (status, payload["error"]["code"]) == (400, code)
+    assert payload["error"]["type"] == "invalid_request_error" and payload["error"]["message"]
+    assert gw.in_flight == {}
+    [line] = [r for r in caplog.records if r.name == "wakegate.extproc"]
+    assert code in line.getMessage() and line.exc_info is None
+
+
+def test_a_lone_surrogate_passes_unchanged_when_the_model_needs_no_rewrite() -> None:
+    raw = b'{"model": "org/chat", "messages": [{"content": "\\ud800"}]}'
+    _, decided = decide(Processor(gateway()), headers("/v1/chat/completions"), body(raw))
+    assert not decided.request_body.response.HasField("body_mutation")
+
+
+def test_a_flood_of_refusals_writes_a_few_lines_not_one_each(caplog: pytest.LogCaptureFixture) -> None:
+    proc = Processor(gateway())
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc"):
+        for _ in range(500):
+            decide(proc, headers("/v1/chat/completions"), body(b"{not json"))
+    lines = [r for r in caplog.records if r.name == "wakegate.extproc"]
+    assert 1 <= len(lines) <= 10 and all("invalid_json" in r.getMessage() for r in lines)
+
+
+def test_a_failure_inside_extproc_is_a_shaped_500_and_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    gw = gateway()
+
+    def broken(name: str) -> None:
+        raise KeyError(name)
+
+    gw.table.resolve = broken  # type: ignore[method-assign]
+    call = FakeCall()
+    stream = ProcessCall(Processor(gw), call)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc"):
+        stream.on_message(headers("/v1/x", **{"x-model-id": "chat"}).SerializeToString())
+    status, sent, payload = immediate(call.sent[0])
+    assert (status, payload["error"]["code"], sent["content-type"]) == (500, "internal_error", "application/json")
+    [line] = caplog.records
+    assert line.getMessage() == "request failed: KeyError" and line.exc_info is None
+    stream.on_half_close()
+    assert call.status == (0, "") and gw.in_flight == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 
@@ -11,8 +13,10 @@ from tests.support.up import UpProcess
 
 
 @pytest.fixture
-def client(gateway: UpProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+def client(gateway: UpProcess) -> Iterator[openai.OpenAI]:
+    # Closed after each test: a pooled connection left to the collector is a ResourceWarning.
+    with openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0) as opened:
+        yield opened
 
 
 @pytest.mark.parametrize("model", ["chat-a", "a", "gpt-a", "chat-b", "b"])

@@ -48,4 +48,5 @@ def request(
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return Response(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
     except urllib.error.HTTPError as exc:
-        return Response(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+        with exc:  # its connection, closed now rather than whenever it is collected
+            return Response(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
