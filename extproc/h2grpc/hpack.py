@@ -4,12 +4,12 @@ Why not `hpack.Decoder`: it logs at debug level for every header field and decod
 Huffman string again, and Envoy sends the same few strings on every stream (the method path
 is a Huffman literal each time). Short Huffman strings are decoded once and remembered (a
 bounded cache); the dynamic table follows the encoder's updates, bounded by the 4,096 bytes
-we allow (we never raise SETTINGS_HEADER_TABLE_SIZE).
+we allow (we never raise SETTINGS_HEADER_TABLE_SIZE). Huffman decoding itself and the
+static table come from the `hpack` package (its private modules, hence the upper bound on that dependency).
 
 The work a client can ask for is bounded: a block's decoded size by the header list limit,
 and Huffman decoding (about 0.3 µs a byte in Python, the costly part) by a limit per block
-and a budget per connection, which the connection refills as streams open. Huffman decoding itself and the static table come from
-the `hpack` package (its private modules, hence the upper bound on that dependency).
+and a budget per connection, which the connection refills as streams open.
 
 What we send is encoded as literals that never touch the dynamic table, so nothing there
 can go out of step with the client.
