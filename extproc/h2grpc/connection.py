@@ -380,8 +380,7 @@ class Connection(asyncio.Protocol):
             more = self._frames()
         except ProtocolError as exc:
             self._out = None
-            if exc.refusal:
-                self.server.refuse(exc.refusal)
+            self.server.refuse(exc.refusal or "protocol_error")
             self._abort(exc.code, str(exc), out)
             return
         except Exception:  # a bug here must not leave the connection half-parsed
