@@ -7,19 +7,27 @@ or the attack has sent its frames; with `reconnect`, a connection that is ended 
 by a new one, so the attack goes on for its whole size. It reports how each connection
 ended (the GOAWAY code, if the server sent one).
 
+`Prober` is the other side: a client of the gateway whose latency an attack must not hurt.
 Only what the tests and tests/bench/bench_h2_floods.py need; nothing here is shipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import yaml
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+
+from wakegate import contract
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -227,17 +235,17 @@ def one_connection(host: str, port: int, attack: Flood, frames: int, deadline: f
                 break
     except OSError:
         ended = True
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
     reader.join(5)
     ended = ended or not reader.is_alive()
     sock.close()
     return (codes[-1] if codes else None), sent, ended
 
 
-def flood(host: str, port: int, attack: Flood, frames: int, *, seconds: float = 30.0, reconnect: bool = True) -> Outcome:
+def flood(
+    host: str, port: int, attack: Flood, frames: int, *, seconds: float = 30.0, reconnect: bool = True
+) -> Outcome:
     """Send `frames` frames of `attack` (or for `seconds`), on new connections as the server ends them."""
     outcome = Outcome(attack.name)
     start = time.monotonic()
@@ -261,6 +269,61 @@ def idle_connections(host: str, port: int, count: int, *, preface: bool) -> list
             sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
         socks.append(sock)
     return socks
+
+
+@dataclass
+class Prober:
+    """Sends chat completions through the gateway one after another on one keep-alive connection,
+    and keeps each one's latency (seconds) and any failure."""
+
+    port: int
+    model: str
+    latencies: list[float] = field(default_factory=list)
+    #: when each request ended (time.monotonic)
+    stamps: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Prober:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            try:
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    self.failures.append(f"status {resp.status}")
+            except (OSError, http.client.HTTPException) as exc:
+                self.failures.append(repr(exc))
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            self.latencies.append(time.perf_counter() - start)
+            self.stamps.append(time.monotonic())
+            time.sleep(0.005)
+        conn.close()
+
+
+def extproc_port(state_dir: Path) -> int:
+    """extproc's HTTP/2 port, read from the Envoy bootstrap `wakegate up` rendered into its state dir."""
+    config = yaml.safe_load((state_dir / "envoy.yaml").read_text())
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == contract.EXTPROC_CLUSTER:
+            endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            return int(endpoint["address"]["socket_address"]["port_value"])
+    raise AssertionError("no extproc cluster in the bootstrap")
 
 
 def closed_by_server(sock: socket.socket, timeout: float) -> bool:
