@@ -456,7 +456,8 @@ async def test_a_request_that_is_not_grpc_gets_415_with_a_body(limited) -> None:
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
             block = _request(content_type=b"text/html")
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block))
+            request = _frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block)
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + request)
             return _read_frames(sock, h2.DATA, until_flags=h2.END_STREAM)
 
     import hpack
@@ -475,7 +476,8 @@ async def test_data_beyond_the_connection_window_is_a_flow_control_error(limited
             header = b"\x00" + struct.pack(">I", 1 << 20)
             chunks = [header + b"x" * 16_000] + [b"x" * 16_000] * 9
             data = b"".join(_frame(h2.DATA, 0, 1, chunk) for chunk in chunks)
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)) + data)
+            opening = _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO))
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + opening + data)
             return _read_frames(sock, h2.GOAWAY)
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
