@@ -92,8 +92,13 @@ _NO_TRAILERS = b""
 #: ignored (RFC 9113 §5.1, "closed") rather than answered as errors.
 _RESET_MEMORY = 1024
 
-_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
-_CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
+#: The request pseudo-headers, each a bit (:path is 4: it must not be empty; the first three must be there).
+_PSEUDO_BITS = {b":method": 1, b":scheme": 2, b":path": 4, b":authority": 8}
+#: Regular fields a request is checked for: 0 connection-specific (never allowed), 1 te, 2 content-length.
+_SPECIAL_HEADERS = {
+    b"connection": 0, b"keep-alive": 0, b"proxy-connection": 0, b"transfer-encoding": 0, b"upgrade": 0,
+    b"te": 1, b"content-length": 2,
+}  # fmt: skip
 
 
 class ProtocolError(Exception):
@@ -853,35 +858,37 @@ class Connection(asyncio.Protocol):
 
 def _check_request(headers: list[tuple[bytes, bytes]]) -> int | None:
     """Raise _StreamError for a malformed request (RFC 9113 §8.2-8.3); its content-length, if any."""
-    pseudo: set[bytes] = set()
+    seen = 0
     regular = False
     length: int | None = None
     for name, value in headers:
-        if name[:1] == b":":
-            if regular:
-                raise _StreamError(PROTOCOL_ERROR, "pseudo-header after a regular header")
-            if name not in _REQUEST_PSEUDO:
-                raise _StreamError(PROTOCOL_ERROR, "unknown or response pseudo-header")
-            if name in pseudo:
-                raise _StreamError(PROTOCOL_ERROR, "duplicate pseudo-header")
-            if name == b":path" and not value:
+        bit = _PSEUDO_BITS.get(name)
+        if bit is not None:
+            if regular or seen & bit:
+                raise _StreamError(PROTOCOL_ERROR, "pseudo-header repeated or after a regular header")
+            if bit == 4 and not value:
                 raise _StreamError(PROTOCOL_ERROR, "empty :path")
-            pseudo.add(name)
+            seen |= bit
             continue
         regular = True
-        if name.lower() != name:
+        if name[:1] == b":":
+            raise _StreamError(PROTOCOL_ERROR, "unknown or response pseudo-header")
+        if not name.islower() and name.lower() != name:
             raise _StreamError(PROTOCOL_ERROR, "uppercase header name")
-        if name in _CONNECTION_SPECIFIC:
+        special = _SPECIAL_HEADERS.get(name)
+        if special is None:
+            continue
+        if special == 0:
             raise _StreamError(PROTOCOL_ERROR, "connection-specific header")
-        if name == b"te":
+        if special == 1:
             if value != b"trailers":
                 raise _StreamError(PROTOCOL_ERROR, "te other than trailers")
-        elif name == b"content-length":
-            if not value.isdigit() or (length is not None and int(value) != length):
-                raise _StreamError(PROTOCOL_ERROR, "bad content-length")
+        elif not value.isdigit() or (length is not None and int(value) != length):
+            raise _StreamError(PROTOCOL_ERROR, "bad content-length")
+        else:
             length = int(value)
-    if b":method" not in pseudo or b":scheme" not in pseudo or b":path" not in pseudo:
-        raise _StreamError(PROTOCOL_ERROR, "missing pseudo-header")
+    if seen & 7 != 7:
+        raise _StreamError(PROTOCOL_ERROR, "missing :method, :scheme or :path")
     return length
 
 
