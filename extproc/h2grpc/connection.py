@@ -91,6 +91,8 @@ _NO_TRAILERS = b""
 #: Stream ids we reset ourselves, remembered so that the client's late frames on them are
 #: ignored (RFC 9113 §5.1, "closed") rather than answered as errors.
 _RESET_MEMORY = 1024
+#: Unhandled input (frames left for the next turn) above which we stop reading the connection.
+_READ_AHEAD = 256 * 1024
 
 #: The request pseudo-headers, each a bit (:path is 4: it must not be empty; the first three must be there).
 _PSEUDO_BITS = {b":method": 1, b":scheme": 2, b":path": 4, b":authority": 8}
@@ -313,7 +315,7 @@ class Connection(asyncio.Protocol):
         self._closing = False
         #: GOAWAY state: None (serving), "announced" (first GOAWAY sent), "final".
         self.goaway: str | None = None
-        #: Reading is paused while a turn's frames are left over, or our output is not drained.
+        #: Reading pauses while our output is not drained, or too much input waits for later turns.
         self._backlog = False
         self._write_paused = False
         self._reading_paused = False
@@ -375,6 +377,8 @@ class Connection(asyncio.Protocol):
         self._heard = True
         if not self._backlog:
             self._turn()
+        elif len(self._buf) > _READ_AHEAD:
+            self._update_reading()
 
     def _turn(self) -> None:
         """Handle up to `frames_per_turn` frames; if more are waiting, come back on the next turn."""
@@ -417,11 +421,11 @@ class Connection(asyncio.Protocol):
         self._update_reading()
 
     def _update_reading(self) -> None:
-        """Read only when the last read is handled and the client takes what we write."""
+        """Read only while the client takes what we write, and we are not far behind its frames."""
         transport = self.transport
         if transport is None or self._closing:
             return
-        pause = self._backlog or self._write_paused
+        pause = self._write_paused or (self._backlog and len(self._buf) > _READ_AHEAD)
         if pause != self._reading_paused:
             self._reading_paused = pause
             if pause:
