@@ -783,7 +783,10 @@ class Connection(asyncio.Protocol):
         """Envoy's rule: end a connection whose streams are mostly reset by it before an answer."""
         premature = self._premature_resets
         threshold = self.limits.rapid_reset_streams
-        if premature * 2 < threshold and (self._streams_done < threshold or premature * 2 < self._streams_done):
+        if self._streams_done < threshold:
+            if premature * 2 < threshold:
+                return
+        elif premature * 2 < self._streams_done:
             return
         raise calm("rapid_reset", f"{premature} of {self._streams_done} streams reset before an answer")
 
