@@ -516,3 +516,35 @@ async def test_a_client_that_does_not_read_stops_being_read(limited) -> None:
     assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
     assert sent > 1024 * 1024
     sock.close()
+
+
+async def test_rapid_resets_are_judged_by_their_share_of_the_streams() -> None:
+    """Envoy's rule: a few quick cancellations among many answered streams are normal; a
+    connection whose streams are mostly reset before an answer is ended."""
+    server = GrpcServer({ECHO: lambda call: EchoCall(call, [])}, limits=H2Limits(rapid_reset_streams=20))
+    address = await server.listen("127.0.0.1:0")
+    block = _request(ECHO)
+    answered = b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.DATA, h2.END_STREAM, sid)
+                        for sid in range(1, 61, 2))  # fmt: skip
+    cancel = struct.pack(">I", h2.CANCEL)
+
+    def resets(first: int, count: int) -> bytes:
+        return b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.RST_STREAM, 0, sid, cancel)
+                        for sid in range(first, first + 2 * count, 2))  # fmt: skip
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], list[tuple[int, int, int, bytes]]]:
+        with _raw(address) as sock:
+            # 30 answered streams, then 12 reset at once: 12 of 42 is not half
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + answered + resets(61, 12))
+            calm = _read_frames(sock, -1, timeout=1.0)
+            # 30 more resets: now most streams were reset before an answer
+            sock.sendall(resets(85, 30))
+            return calm, _read_frames(sock, h2.GOAWAY)
+
+    try:
+        first, second = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    finally:
+        await server.stop(1.0)
+    assert not [f for f in first if f[0] == h2.GOAWAY]
+    assert struct.unpack(">I", second[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert server.transport.refused["rapid_reset"] == 1
