@@ -360,6 +360,7 @@ class Up:
             bootstrap.GatewayPorts(
                 envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
             ),
+            extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
         )
         config = self.state_dir / "envoy.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
@@ -439,3 +440,13 @@ def _model_state(runtime: ModelRuntime) -> str:
     if not runtime.admitted:
         return "waiting"
     return "idle"
+
+
+def _extproc_streams(limits: tuple[str, ...]) -> int | None:
+    """extproc's max_concurrent_streams when `--extproc-h2-limit` sets it (the last one wins)."""
+    streams = None
+    for item in limits:
+        name, _, value = item.partition("=")
+        if name.strip().replace("-", "_") == "max_concurrent_streams":
+            streams = int(float(value))
+    return streams

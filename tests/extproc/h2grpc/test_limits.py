@@ -51,3 +51,16 @@ def test_envoy_opens_no_more_streams_per_extproc_connection_than_extproc_allows(
     options = clusters[contract.EXTPROC_CLUSTER]["typed_extension_protocol_options"]
     http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
     assert http2["max_concurrent_streams"] == H2Limits().max_concurrent_streams
+
+
+def test_up_renders_envoy_with_the_stream_limit_it_gives_extproc() -> None:
+    from wakegate.control.up.supervisor import _extproc_streams
+
+    ports = bootstrap.GatewayPorts(envoy_admin=1, xds=2, extproc=3, activator=4)
+    streams = _extproc_streams(("ping_burst=5", "max-concurrent-streams=64"))
+    assert streams == 64 and _extproc_streams(("ping_burst=5",)) is None
+    config = yaml.safe_load(bootstrap.render("n", ports, extproc_streams=streams))
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    options = clusters[contract.EXTPROC_CLUSTER]["typed_extension_protocol_options"]
+    http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
+    assert http2["max_concurrent_streams"] == 64
