@@ -10,10 +10,12 @@ is shared); the latencies themselves are measured by tests/bench/bench_h2_floods
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.support import h2attack
@@ -68,3 +70,36 @@ def test_silent_and_half_open_connections_are_closed(gateway) -> None:
                 sock.close()
     assert not prober.failures, prober.failures
     assert prober.latencies and max(prober.latencies) < STALL_SECONDS
+
+
+HELD = """  scaling: {min: 0, max: 1}
+  endpoint: {maxQueue: 1000, coldMode: hold}
+  args: [--startup-seconds, "2"]
+"""
+
+
+def test_held_requests_beyond_one_connections_stream_limit_are_all_answered(tmp_path: Path) -> None:
+    """With 40 streams per extproc connection, 300 held cold requests need Envoy to open more
+    connections (it learns the limit from its bootstrap, which `up` renders to match): every one
+    is held, then answered once the model is up, none refused."""
+    up = UpProcess(tmp_path, model_doc("held", extra=HELD),
+                   "--extproc-h2-limit", "max_concurrent_streams=40")  # fmt: skip
+    try:
+        up.wait_ready({}, timeout=90)
+
+        async def send_all() -> list[int]:
+            body = {"model": "held", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def one() -> int:
+                    async with session.post(f"{up.base_url}/chat/completions", json=body) as resp:
+                        await resp.read()
+                        return resp.status
+
+                return await asyncio.gather(*(one() for _ in range(300)))
+
+        statuses = asyncio.run(send_all())
+        assert statuses == [200] * 300, sorted(set(statuses))
+    finally:
+        assert up.stop() == 0, up.log()
