@@ -91,7 +91,7 @@ def run_idle(up: UpProcess, port: int, count: int = 500) -> dict[str, Any]:
         start = time.monotonic()
         socks = h2attack.idle_connections("127.0.0.1", port, count // 2, preface=False)
         socks += h2attack.idle_connections("127.0.0.1", port, count - count // 2, preface=True)
-        closed = sum(h2attack.closed_by_server(s, max(0.1, start + 30 - time.monotonic())) for s in socks)
+        closed = sum(h2attack.closed_by_server(s, max(0.01, start + 30 - time.monotonic())) for s in socks)
         seconds = time.monotonic() - start
         for sock in socks:
             sock.close()
