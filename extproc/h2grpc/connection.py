@@ -463,7 +463,7 @@ class Connection(asyncio.Protocol):
         if self._closing:
             return
         if not self._heard:
-            if self._alive_ping or self.goaway is not None:
+            if self._alive_ping or (self.goaway is not None and not self.streams):
                 # It did not answer our PING (or our GOAWAY's) within a whole period: gone.
                 self.server.refuse("idle_timeout")
                 self.close()
@@ -529,6 +529,9 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self._closing:
+            if self._out:  # what this turn wrote (a final GOAWAY) goes out before the close
+                self.transport.write(b"".join(self._out))
+                self._out.clear()
             self._closing = True
             self.transport.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -548,3 +549,74 @@ async def test_rapid_resets_are_judged_by_their_share_of_the_streams() -> None:
     assert not [f for f in first if f[0] == h2.GOAWAY]
     assert struct.unpack(">I", second[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
     assert server.transport.refused["rapid_reset"] == 1
+
+
+Frames = list[tuple[int, int, int, bytes]]
+
+
+def _converse(sock: socket.socket, seconds: float, answer_pings: bool) -> tuple[Frames, bool]:
+    """Read frames for `seconds` (answering PINGs if asked); (frames, whether the server closed)."""
+    frames: list[tuple[int, int, int, bytes]] = []
+    data = b""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        except OSError:
+            return frames, True
+        if not chunk:
+            return frames, True
+        data += chunk
+        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+            length = int.from_bytes(data[:3], "big")
+            got = (data[3], data[4], int.from_bytes(data[5:9], "big"), data[9 : 9 + length])
+            data = data[9 + length :]
+            frames.append(got)
+            if answer_pings and got[0] == h2.PING and not got[1] & h2.ACK:
+                sock.sendall(_frame(h2.PING, h2.ACK, 0, got[3]))
+    return frames, False
+
+
+@pytest.fixture
+async def quick_idle():
+    server = GrpcServer({ECHO: lambda call: EchoCall(call, [])}, limits=H2Limits(idle_timeout=0.3, preface_timeout=0.3))
+    address = await server.listen("127.0.0.1:0")
+    yield server, address
+    await server.stop(1.0)
+
+
+@pytest.mark.parametrize("answer_pings", [True, False], ids=["alive", "gone"])
+async def test_a_quiet_client_with_a_stream_open_is_asked_if_it_is_still_there(quick_idle, answer_pings: bool) -> None:
+    """A held request keeps its connection as long as the client answers our PINGs; a peer that
+    vanished without a FIN (half-open) is closed after two idle periods."""
+    _, address = quick_idle
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool]:
+        with _raw(address) as sock:
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)))
+            return _converse(sock, 2.5, answer_pings)
+
+    frames, closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert [f for f in frames if f[0] == h2.PING and not f[1] & h2.ACK], "no liveness PING"
+    assert closed is not answer_pings
+    assert not [f for f in frames if f[0] == h2.GOAWAY]
+
+
+async def test_an_idle_connection_is_closed_the_graceful_way_and_a_silent_one_at_once(quick_idle) -> None:
+    server, address = quick_idle
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool, bool]:
+        with _raw(address) as idle, _raw(address) as silent:
+            idle.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0))
+            frames, closed = _converse(idle, 3.0, answer_pings=True)
+            _, silent_closed = _converse(silent, 0.1, answer_pings=False)  # already closed by now
+            return frames, closed, silent_closed
+
+    frames, closed, silent_closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    goaways = [struct.unpack(">II", f[3][:8]) for f in frames if f[0] == h2.GOAWAY]
+    assert goaways == [(h2.MAX_WINDOW, h2.NO_ERROR), (0, h2.NO_ERROR)]  # announced, then final
+    assert closed and silent_closed
+    assert server.transport.refused["preface_timeout"] == 1
