@@ -91,6 +91,10 @@ _NO_TRAILERS = b""
 #: Stream ids we reset ourselves, remembered so that the client's late frames on them are
 #: ignored (RFC 9113 §5.1, "closed") rather than answered as errors.
 _RESET_MEMORY = 1024
+#: Accept queue: a burst of connections (an attack, or many at once) must not make Envoy's own
+#: connect wait for a SYN retry (its connect timeout to extproc is 1 s). The kernel caps it at
+#: net.core.somaxconn.
+_BACKLOG = 4096
 #: Unhandled input (frames left for the next turn) above which we stop reading the connection.
 _READ_AHEAD = 256 * 1024
 
@@ -946,11 +950,11 @@ class H2Server:
             path = address[len("unix:") :]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            server = await loop.create_unix_server(lambda: Connection(self), path)
+            server = await loop.create_unix_server(lambda: Connection(self), path, backlog=_BACKLOG)
             self._servers.append(server)
             return address
         host, port = host_port(address)
-        server = await loop.create_server(lambda: Connection(self), host, port)
+        server = await loop.create_server(lambda: Connection(self), host, port, backlog=_BACKLOG)
         self._servers.append(server)
         bound = server.sockets[0].getsockname()[1]
         return f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"

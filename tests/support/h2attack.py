@@ -13,10 +13,10 @@ Only what the tests and tests/bench/bench_h2_floods.py need; nothing here is shi
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
+import select
 import socket
 import struct
 import threading
@@ -194,51 +194,44 @@ class Outcome:
         return sum(code == ENHANCE_YOUR_CALM for code in self.ended)
 
 
-def _reader(sock: socket.socket, codes: list[int]) -> None:
-    """Drain the server's frames; note the code of a GOAWAY; stop at EOF or an error."""
-    data = b""
-    try:
-        while True:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                return
-            data += chunk
-            while len(data) >= 9:
-                length = int.from_bytes(data[:3], "big")
-                if len(data) < 9 + length:
-                    break
-                if data[3] == GOAWAY and length >= 8:
-                    codes.append(int.from_bytes(data[13:17], "big"))
-                data = data[9 + length :]
-    except OSError:
-        return
-
-
 def one_connection(host: str, port: int, attack: Flood, frames: int, deadline: float) -> tuple[int | None, int, bool]:
-    """Attack over one connection: (GOAWAY code or None, frames sent, whether the server ended it)."""
+    """Attack over one connection: (GOAWAY code or None, frames sent, whether the server ended it).
+
+    One thread, non-blocking: it sends while the socket takes data and reads what the server
+    answers in between, so it stops sending as soon as a GOAWAY arrives (only whole batches
+    written before that count as sent)."""
     sock = socket.create_connection((host, port), timeout=10)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
     codes: list[int] = []
-    reader = threading.Thread(target=_reader, args=(sock, codes), daemon=True)
-    reader.start()
-    sent = 0
+    data = b""
+    pending = attack.opening
+    opening = True
+    sent = n = 0
     ended = False
-    n = 0
     try:
-        sock.sendall(attack.opening)
-        while sent < frames and time.monotonic() < deadline:
-            sock.sendall(attack.batch(n))
-            n += 1
-            sent += attack.frames_per_batch
-            if not reader.is_alive():
-                ended = True
-                break
+        while time.monotonic() < deadline and (codes or sent < frames):
+            readable, writable, _ = select.select([sock], [] if codes else [sock], [], 1.0)
+            if readable:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    ended = True
+                    break
+                data += chunk
+                while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+                    length = int.from_bytes(data[:3], "big")
+                    if data[3] == GOAWAY and length >= 8:
+                        codes.append(int.from_bytes(data[13:17], "big"))
+                    data = data[9 + length :]
+            if writable and not codes:
+                if not pending:
+                    pending, opening = attack.batch(n), False
+                    n += 1
+                pending = pending[sock.send(pending) :]
+                if not pending and not opening:
+                    sent += attack.frames_per_batch
     except OSError:
         ended = True
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-    reader.join(5)
-    ended = ended or not reader.is_alive()
     sock.close()
     return (codes[-1] if codes else None), sent, ended
 
