@@ -28,9 +28,9 @@ class H2Limits:
     #: Largest decoded header list (RFC 7541 sizes); advertised as SETTINGS_MAX_HEADER_LIST_SIZE.
     max_header_list_size: int = 64 * 1024
     #: Huffman-coded bytes one header block may hold (decoding is ~0.3 µs a byte in Python).
-    huffman_per_block: int = 16 * 1024
+    huffman_per_block: int = 8 * 1024
     #: Huffman-coded bytes a connection may have decoded beyond what its streams earned...
-    huffman_burst: int = 64 * 1024
+    huffman_burst: int = 16 * 1024
     #: ... and what each stream it opens earns it.
     huffman_per_stream: int = 256
     #: Received DATA a connection may have buffered in unfinished messages (its receive window).

@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +92,8 @@ class Flood:
     name: str
     frames_per_batch: int
     opening: bytes = PREFACE + frame(SETTINGS, 0, 0)
+    #: the limit the server should end it for (its reason in wakegate_gateway_h2_refused_total)
+    reason: str = ""
 
     def batch(self, n: int) -> bytes:
         raise NotImplementedError
@@ -99,8 +102,8 @@ class Flood:
 class Repeat(Flood):
     """The same frames again and again."""
 
-    def __init__(self, name: str, one: bytes, per_batch: int = 1000, opening: bytes = b"") -> None:
-        super().__init__(name, per_batch, PREFACE + frame(SETTINGS, 0, 0) + opening)
+    def __init__(self, name: str, reason: str, one: bytes, per_batch: int = 1000, opening: bytes = b"") -> None:
+        super().__init__(name, per_batch, PREFACE + frame(SETTINGS, 0, 0) + opening, reason)
         self._batch = one * per_batch
 
     def batch(self, n: int) -> bytes:
@@ -110,8 +113,8 @@ class Repeat(Flood):
 class NewStreams(Flood):
     """HEADERS opening a new stream each (and with `reset`, RST_STREAM right after it)."""
 
-    def __init__(self, name: str, block: bytes, *, per_batch: int = 200, reset: bool = False) -> None:
-        super().__init__(name, per_batch * (2 if reset else 1))
+    def __init__(self, name: str, reason: str, block: bytes, *, per_batch: int = 200, reset: bool = False) -> None:
+        super().__init__(name, per_batch * (2 if reset else 1), reason=reason)
         self._block = block
         self._per_batch = per_batch
         self._reset = reset
@@ -129,8 +132,8 @@ class NewStreams(Flood):
 class HuffmanHeaders(Flood):
     """Each stream's headers carry a large, unique Huffman-coded value."""
 
-    def __init__(self, size: int = 12_000, variants: int = 32) -> None:
-        super().__init__("unique large Huffman headers", 1)
+    def __init__(self, size: int = 6_000, variants: int = 32) -> None:
+        super().__init__("unique large Huffman headers", 1, reason="hpack")
         self._values = [literal(b"x-junk", os.urandom(size // 2).hex().encode(), huffman_value=True)
                         for _ in range(variants)]  # fmt: skip
 
@@ -144,7 +147,7 @@ class Continuations(Flood):
 
     def __init__(self, size: int = 16_000) -> None:
         opening = frame(HEADERS, 0, 1, request_block())
-        super().__init__("CONTINUATION flood", 1, PREFACE + frame(SETTINGS, 0, 0) + opening)
+        super().__init__("CONTINUATION flood", 1, PREFACE + frame(SETTINGS, 0, 0) + opening, "header_block")
         self._one = frame(CONTINUATION, 0, 1, literal(b"x-junk", b"j" * (size - 16)))
 
     def batch(self, n: int) -> bytes:
@@ -155,14 +158,14 @@ def attacks() -> list[Flood]:
     """The floods an HTTP/2 server is known to fall to, each at the size it is run at."""
     open_stream = frame(HEADERS, END_HEADERS, 1, request_block())
     return [
-        Repeat("PING flood", frame(PING, 0, 0, b"flood!!!")),
-        Repeat("SETTINGS flood", frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 65_535))),
+        Repeat("PING flood", "ping", frame(PING, 0, 0, b"flood!!!")),
+        Repeat("SETTINGS flood", "settings", frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 65_535))),
         HuffmanHeaders(),
-        NewStreams("50k open streams", request_block()),
-        NewStreams("rapid reset", request_block(), reset=True),
+        NewStreams("50k open streams", "rst_stream", request_block()),
+        NewStreams("rapid reset", "rapid_reset", request_block(), reset=True),
         Continuations(),
-        Repeat("WINDOW_UPDATE flood", frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))),
-        Repeat("empty DATA", frame(DATA, 0, 1), opening=open_stream),
+        Repeat("WINDOW_UPDATE flood", "window_update", frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))),
+        Repeat("empty DATA", "empty_frames", frame(DATA, 0, 1), opening=open_stream),
     ]
 
 
@@ -182,9 +185,11 @@ SIZES = {
 @dataclass
 class Outcome:
     attack: str
-    #: per connection: the GOAWAY error code the server ended it with (None: closed without one,
-    #: or still open when the attack stopped)
+    #: per connection: the GOAWAY error code the attacker read before the connection ended (None:
+    #: none read; the server resets a connection it closes with unread input, which can drop it)
     ended: list[int | None] = field(default_factory=list)
+    #: connections the server ended (with or without a GOAWAY read)
+    cut: int = 0
     frames: int = 0
     seconds: float = 0.0
 
@@ -246,7 +251,8 @@ def flood(
     while outcome.frames < frames and time.monotonic() < deadline:
         code, sent, ended = one_connection(host, port, attack, frames - outcome.frames, deadline)
         outcome.frames += sent
-        outcome.ended.append(code if ended else None)
+        outcome.ended.append(code)
+        outcome.cut += ended
         if not reconnect or not ended:
             break
     outcome.seconds = time.monotonic() - start
@@ -307,6 +313,18 @@ class Prober:
             self.stamps.append(time.monotonic())
             time.sleep(0.005)
         conn.close()
+
+
+def refusals(gateway_url: str) -> dict[str, float]:
+    """wakegate_gateway_h2_refused_total by reason, from extproc's /metrics through the gateway."""
+    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith('wakegate_gateway_h2_refused_total{reason="'):
+            reason, value = line[len('wakegate_gateway_h2_refused_total{reason="') :].split('"} ')
+            found[reason] = float(value)
+    return found
 
 
 def extproc_port(state_dir: Path) -> int:

@@ -3,7 +3,9 @@ extproc, a sim), while a prober sends requests through the gateway.
 
 Each attack (tests/support/h2attack.py) goes straight to extproc's HTTP/2 port, as a local
 process could. What must hold: the server ends the attacking connection with GOAWAY
-ENHANCE_YOUR_CALM long before the attack has sent everything, and the prober's requests
+ENHANCE_YOUR_CALM, for the limit the attack is about (its count in extproc's
+wakegate_gateway_h2_refused_total goes up by one), long before the attack has sent everything,
+and the prober's requests
 keep being answered, none failed, none stalled. The bounds here are generous (this machine
 is shared); the latencies themselves are measured by tests/bench/bench_h2_floods.py.
 """
@@ -46,9 +48,14 @@ def test_flood_ends_the_connection_and_the_gateway_keeps_serving(gateway, attack
     with h2attack.Prober(up.port, MODEL) as prober:
         time.sleep(0.2)
         served_before = len(prober.latencies)
+        before = h2attack.refusals(up.url)
         outcome = h2attack.flood("127.0.0.1", port, attack, size, seconds=60, reconnect=False)
         time.sleep(0.3)
-    assert outcome.ended == [h2attack.ENHANCE_YOUR_CALM], outcome
+        after = h2attack.refusals(up.url)
+    # The server ended the connection, for the limit this attack is about (the attacker may not
+    # read the GOAWAY ENHANCE_YOUR_CALM: a close with unread input is a reset).
+    assert outcome.cut == 1 and outcome.ended in ([h2attack.ENHANCE_YOUR_CALM], [None]), outcome
+    assert after.get(attack.reason, 0) == before.get(attack.reason, 0) + 1, (before, after)
     assert outcome.frames < size, f"the server took the whole attack: {outcome}"
     assert not prober.failures, prober.failures
     assert len(prober.latencies) > served_before, "the prober was not served during the attack"
