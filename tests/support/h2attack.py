@@ -29,6 +29,8 @@ import yaml
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
 from wakegate import contract
+from wakegate.extproc.h2grpc.hpack import encode_int
+from wakegate.extproc.h2grpc.hpack import literal as hpack_literal
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -43,19 +45,6 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
 
 
-def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def huffman(value: bytes) -> bytes:
     bits = "".join(_HUFFMAN_BITS[b] for b in value)
     bits += "1" * (-len(bits) % 8)  # padded with the most significant bits of EOS
@@ -66,8 +55,8 @@ def literal(name: bytes, value: bytes, *, huffman_value: bool = False) -> bytes:
     """A header field without indexing (stateless, so one block serves every stream)."""
     if huffman_value:
         coded = huffman(value)
-        return b"\x00" + _int(len(name), 7) + name + _int(len(coded), 7, 0x80) + coded
-    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
+        return b"\x00" + encode_int(len(name), 7) + name + encode_int(len(coded), 7, 0x80) + coded
+    return hpack_literal(name, value)
 
 
 def request_block(*extra: bytes) -> bytes:
