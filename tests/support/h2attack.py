@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from prometheus_client.parser import text_string_to_metric_families
 
 from wakegate import contract
 from wakegate.extproc.h2grpc.hpack import encode_int
@@ -307,13 +308,11 @@ class Prober:
 def refusals(gateway_url: str) -> dict[str, float]:
     """wakegate_gateway_h2_refused_total by reason, from extproc's /metrics through the gateway."""
     with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if line.startswith('wakegate_gateway_h2_refused_total{reason="'):
-            reason, value = line[len('wakegate_gateway_h2_refused_total{reason="') :].split('"} ')
-            found[reason] = float(value)
-    return found
+        families = text_string_to_metric_families(resp.read().decode())
+    refused = next((f for f in families if f.name == "wakegate_gateway_h2_refused"), None)
+    if refused is None:
+        return {}
+    return {s.labels["reason"]: s.value for s in refused.samples if s.name.endswith("_total")}
 
 
 def extproc_port(state_dir: Path) -> int:
