@@ -267,7 +267,11 @@ class Stream:
                 self._held = self.buffered() if not self.ended else 0
                 flow += held - self._held
         if flow:
-            conn.release(flow)
+            owed = conn._owed + flow
+            if owed < conn._owed_limit:  # the usual case, without a call
+                conn._owed = owed
+            else:
+                conn.release(flow)
         if end_stream:
             self._remote_end()
 
@@ -314,6 +318,9 @@ class Connection(asyncio.Protocol):
         #: Our connection receive window as the client sees it, and what we owe it back.
         self._recv_window = limits.connection_window
         self._owed = 0
+        #: `_owed` below this needs no WINDOW_UPDATE yet (0 while more than half the window is used)
+        self._owed_limit = limits.connection_window >> 2
+        self._half_window = limits.connection_window >> 1
         self._headers_block: tuple[int, int, bytearray] | None = None
         self._out: list[bytes] | None = None
         self._closing = False
@@ -367,8 +374,6 @@ class Connection(asyncio.Protocol):
         out = frame(SETTINGS, 0, 0, settings)
         if limits.connection_window > DEFAULT_WINDOW:
             out += frame(WINDOW_UPDATE, 0, 0, _FRAME_HEADER.pack(limits.connection_window - DEFAULT_WINDOW))
-        else:
-            self._recv_window = DEFAULT_WINDOW
         self.transport.write(out)
         self._timer = asyncio.get_running_loop().call_later(limits.preface_timeout, self._preface_timeout)
         if server.draining:
@@ -489,15 +494,16 @@ class Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def release(self, size: int) -> None:
-        """The application let go of `size` received bytes: give them back to the client's window."""
+        """The application let go of `size` received bytes: give them back to the client's window
+        (in one WINDOW_UPDATE per quarter window, or at once while more than half of it is used)."""
         owed = self._owed + size
-        window = self.limits.connection_window
-        if owed >= window >> 2 or self._recv_window < window >> 1:
+        if owed >= self._half_window >> 1 or self._recv_window < self._half_window:
             self._recv_window += owed
             self._owed = 0
             self.write(frame(WINDOW_UPDATE, 0, 0, _FRAME_HEADER.pack(owed)))
         else:
             self._owed = owed
+        self._owed_limit = 0 if self._recv_window < self._half_window else self._half_window >> 1
 
     def forget(self, stream: Stream) -> None:
         stream.closed = True
@@ -684,8 +690,10 @@ class Connection(asyncio.Protocol):
             raise ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
         flow = len(payload)  # padding counts against flow control too
         self._recv_window -= flow
-        if self._recv_window < 0:
-            raise ProtocolError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        if self._recv_window < self._half_window:
+            if self._recv_window < 0:
+                raise ProtocolError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+            self._owed_limit = 0
         if flags & PADDED:
             payload = _unpad(payload)
         if payload or flags & END_STREAM:

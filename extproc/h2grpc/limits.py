@@ -77,8 +77,8 @@ class H2Limits:
                 raise ValueError(f"h2 limit {f.name} must be positive, not {value}")
         if not 16_384 <= self.max_frame_size <= 2**24 - 1:
             raise ValueError("h2 limit max_frame_size must be within 16384..16777215")
-        if self.connection_window > 2**31 - 1:
-            raise ValueError("h2 limit connection_window must be at most 2147483647")
+        if not 65_535 <= self.connection_window <= 2**31 - 1:
+            raise ValueError("h2 limit connection_window must be within 65535..2147483647")
 
     def with_overrides(self, items: list[str] | tuple[str, ...]) -> H2Limits:
         """These limits with NAME=VALUE items applied (as `--h2-limit` gives them)."""
