@@ -7,7 +7,7 @@ Run from the repository root (not collected by `pytest tests`):
 It starts `wakegate up` with one sim-backed model on free loopback ports, then, for each attack
 of tests/support/h2attack.py: the prober (one keep-alive client of the gateway, a small chat
 completion after another, 5 ms apart) runs alone for 3 s, then during the attack. The attack
-goes straight to extproc's HTTP/2 port for `--seconds`, on a new connection each time the
+(in a process of its own) goes straight to extproc's HTTP/2 port for `--seconds`, on a new connection each time the
 server ends one (an attacker that does not give up). "Frames sent" counts what the attacker
 wrote into its sockets: the kernel takes a few MB per connection that the server never reads
 once it has ended that connection, so it is far more than the server handled. Then the idle
@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,9 @@ def _extproc_pid(up: UpProcess) -> int | None:
     return None
 
 
-def run_attack(up: UpProcess, port: int, attack: h2attack.Flood, seconds: float) -> dict[str, Any]:
+def run_attack(
+    up: UpProcess, port: int, attack: h2attack.Flood, seconds: float, attacker: ProcessPoolExecutor
+) -> dict[str, Any]:
     pid = _extproc_pid(up)
     with h2attack.Prober(up.port, MODEL) as prober:
         time.sleep(3.0)
@@ -78,7 +82,7 @@ def run_attack(up: UpProcess, port: int, attack: h2attack.Flood, seconds: float)
         start = time.monotonic()
         ticks = proc_ticks(pid) if pid else None
         refused = _refusals(up)
-        outcome = h2attack.flood("127.0.0.1", port, attack, 10**12, seconds=seconds)
+        outcome = attacker.submit(h2attack.flood, "127.0.0.1", port, attack, 10**12, seconds=seconds).result()
         cpu = (proc_ticks(pid) or 0) - ticks if pid and ticks is not None else None
         end = time.monotonic()
         time.sleep(0.2)
@@ -126,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {"git": git_state(), "loadavg_before": loadavg(), "results": []}
     with tempfile.TemporaryDirectory(prefix="bench-h2-") as tmp:
         up = UpProcess(Path(tmp), model_doc(MODEL, extra="  scaling: {min: 1, max: 1}\n"), *extra)
+        # The attacker runs in its own process: in the prober's, it would hold the GIL while it
+        # builds frames and delay the prober's own clock.
+        attacker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
             up.wait_ready({MODEL: 1}, timeout=90)
             port = h2attack.extproc_port(up.state_dir)
             for attack in h2attack.attacks():
                 if args.only and args.only not in attack.name:
                     continue
-                result = run_attack(up, port, attack, args.seconds)
+                result = run_attack(up, port, attack, args.seconds, attacker)
                 record["results"].append(result)
                 print(json.dumps(result), flush=True)
             if not args.only or args.only in "idle":
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 record["results"].append(result)
                 print(json.dumps(result), flush=True)
         finally:
+            attacker.shutdown()
             up.stop()
     record["loadavg_after"] = loadavg()
     print()
