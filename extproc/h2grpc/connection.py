@@ -716,6 +716,7 @@ class Connection(asyncio.Protocol):
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
             raise ProtocolError(PROTOCOL_ERROR, "HEADERS on stream 0")
+        self._empty_frames = 0
         if flags & PADDED:
             payload = _unpad(payload)
         if flags & PRIORITY_FLAG:
