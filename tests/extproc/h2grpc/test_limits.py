@@ -64,3 +64,17 @@ def test_up_renders_envoy_with_the_stream_limit_it_gives_extproc() -> None:
     options = clusters[contract.EXTPROC_CLUSTER]["typed_extension_protocol_options"]
     http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
     assert http2["max_concurrent_streams"] == 64
+
+
+def test_up_passes_limits_on_and_refuses_what_is_not_name_equals_number() -> None:
+    import argparse
+
+    from wakegate.control.up.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--extproc-h2-limit", "ping_burst=5", "--extproc-h2-limit", "idle_timeout=0.5"])
+    assert args.extproc_h2_limit == ["ping_burst=5", "idle_timeout=0.5"]
+    for bad in ("ping_burst", "ping_burst=lots", "=5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--extproc-h2-limit", bad])
