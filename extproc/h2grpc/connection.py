@@ -95,6 +95,8 @@ _RESET_MEMORY = 1024
 #: connect wait for a SYN retry (its connect timeout to extproc is 1 s). The kernel caps it at
 #: net.core.somaxconn.
 _BACKLOG = 4096
+#: Seconds a connection we ended keeps being read (and dropped) before it is closed.
+_LINGER = 0.2
 #: Unhandled input (frames left for the next turn) above which we stop reading the connection.
 _READ_AHEAD = 256 * 1024
 
@@ -549,9 +551,21 @@ class Connection(asyncio.Protocol):
         if self.server.log_budget.take():
             log.warning("closing HTTP/2 connection from %s: %s", self._peer(), reason)
         out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream_id, code) + reason.encode()[:256]))
-        if self.transport is not None and not self._closing:
-            self.transport.write(b"".join(out))
-        self.close()
+        transport = self.transport
+        if transport is None or self._closing:
+            return
+        transport.write(b"".join(out))
+        if self._write_paused or not transport.can_write_eof():
+            self.close()
+            return
+        # Lingering close: send the GOAWAY and a FIN, then read (and drop) what the client still
+        # sends for a moment, so that it reads the GOAWAY instead of a reset (a close with unread
+        # input resets the connection).
+        self._closing = True
+        transport.write_eof()
+        if self._reading_paused:
+            transport.resume_reading()
+        asyncio.get_running_loop().call_later(_LINGER, transport.close)
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
