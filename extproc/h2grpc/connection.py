@@ -95,8 +95,10 @@ _RESET_MEMORY = 1024
 #: connect wait for a SYN retry (its connect timeout to extproc is 1 s). The kernel caps it at
 #: net.core.somaxconn.
 _BACKLOG = 4096
-#: Seconds a connection we ended keeps being read (and dropped) before it is closed.
+#: Seconds a connection we ended keeps being read (and dropped) before it is closed, and
+#: bytes at most (a client that keeps sending gets no more of our reading).
 _LINGER = 0.2
+_LINGER_BYTES = 256 * 1024
 #: Unhandled input (frames left for the next turn) above which we stop reading the connection.
 _READ_AHEAD = 256 * 1024
 
@@ -336,6 +338,7 @@ class Connection(asyncio.Protocol):
         self._alive_ping = False
         self._timer: asyncio.TimerHandle | None = None
         self._reset_ids: dict[int, None] = {}
+        self._lingered = 0
         self.data_frames_sent = 0
         self._data_frames_seen = 0
         self._empty_frames = 0
@@ -383,6 +386,9 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
+            self._lingered += len(data)
+            if self._lingered > _LINGER_BYTES and self.transport is not None:
+                self.transport.close()  # it is not stopping: no more reading for it
             return
         self._buf += data
         self._heard = True
@@ -562,6 +568,7 @@ class Connection(asyncio.Protocol):
         # sends for a moment, so that it reads the GOAWAY instead of a reset (a close with unread
         # input resets the connection).
         self._closing = True
+        self._lingered = 0
         transport.write_eof()
         if self._reading_paused:
             transport.resume_reading()
