@@ -55,8 +55,13 @@ class GatewayPorts:
     metrics: int | str | None = None
 
 
-def config(node_id: str, ports: GatewayPorts, template: str | None = None) -> dict[str, Any]:
-    """The bootstrap as data. Values that are not plain ports must be tokens YAML reads as scalars."""
+def config(
+    node_id: str, ports: GatewayPorts, template: str | None = None, *, extproc_streams: int | None = None
+) -> dict[str, Any]:
+    """The bootstrap as data. Values that are not plain ports must be tokens YAML reads as scalars.
+
+    `extproc_streams`: extproc's own max_concurrent_streams when it is not the default the
+    template names (Envoy must never open more streams on one extproc connection than that)."""
     text = template if template is not None else template_path().read_text(encoding="utf-8")
     filled = string.Template(text).substitute(
         node_id=node_id,
@@ -74,15 +79,19 @@ def config(node_id: str, ports: GatewayPorts, template: str | None = None) -> di
     clusters: list[dict[str, Any]] = data["static_resources"]["clusters"]
     if not _is_ip(ports.xds_host):
         next(c for c in clusters if c["name"] == contract.XDS_CLUSTER)["type"] = "STRICT_DNS"
+    if extproc_streams is not None:
+        extproc = next(c for c in clusters if c["name"] == contract.EXTPROC_CLUSTER)
+        for options in extproc["typed_extension_protocol_options"].values():
+            options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] = extproc_streams
     if ports.metrics is not None:
         clusters.insert(0, _admin_cluster(ports.envoy_admin))
         data["static_resources"] = {"listeners": [_metrics_listener(ports.metrics)], **data["static_resources"]}
     return data
 
 
-def render(node_id: str, ports: GatewayPorts) -> str:
+def render(node_id: str, ports: GatewayPorts, *, extproc_streams: int | None = None) -> str:
     """The bootstrap of one gateway, as Envoy reads it (`-c FILE`)."""
-    return yaml.safe_dump(config(node_id, ports), sort_keys=False)
+    return yaml.safe_dump(config(node_id, ports, extproc_streams=extproc_streams), sort_keys=False)
 
 
 #: Helm expressions of the chart's bootstrap, by the field they fill.

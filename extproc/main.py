@@ -24,6 +24,7 @@ from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
+from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
@@ -68,7 +69,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
     parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="time in-flight streams get to finish")
+    parser.add_argument(
+        "--h2-limit",
+        action="append",
+        default=[],
+        type=_h2_limit,
+        metavar="NAME=VALUE",
+        help="one limit of the HTTP/2 server Envoy connects to (repeatable; docs/decisions.md). "
+        f"Defaults: {H2Limits.names()}",
+    )
     add_log_level(parser)
+
+
+def _h2_limit(text: str) -> str:
+    """argparse type of `--h2-limit`: NAME=VALUE for a known limit with a valid value."""
+    try:
+        H2Limits().with_overrides([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,13 +116,16 @@ class Settings(ProcessSettings):
     """How long in-flight streams may finish after the first signal."""
     gateway: service.Settings
     """How each request is decided."""
+    h2_limits: H2Limits
+    """What one connection to the HTTP/2 server may cost (`--h2-limit`)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         gateway = service.Settings(
             max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
         )
-        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway)
+        limits = H2Limits().with_overrides(getattr(args, "h2_limit", []))
+        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway, h2_limits=limits)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -140,7 +162,9 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     server = GrpcServer(
         {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
         max_message_bytes=settings.gateway.max_body_bytes + 1024 * 1024,
+        limits=settings.h2_limits,
     )
+    gateway.metrics.watch_h2(server.transport.refused)
     try:
         await server.listen(settings.listen)
     except (OSError, ValueError) as exc:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 
 @dataclass
@@ -55,3 +59,25 @@ class Metrics:
         self.route_updates = Counter(
             "wakegate_gateway_route_updates", "Route table updates received from the feeder.", registry=r
         )
+
+    def watch_h2(self, refused: Tally[str]) -> None:
+        """Export the HTTP/2 server's refusals (it counts them itself, without prometheus)."""
+        self.registry.register(_H2Refusals(refused))
+
+
+class _H2Refusals(Collector):
+    def __init__(self, refused: Tally[str]) -> None:
+        self._refused = refused
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "wakegate_gateway_h2_refused",
+            "What extproc's HTTP/2 server refused, by limit: connections (connection_limit), streams "
+            "(stream_limit, draining) and connections it ended (ping, settings, rst_stream, window_update, "
+            "priority, empty_frames, rapid_reset, hpack, header_block, preface_timeout, idle_timeout, "
+            "protocol_error).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._refused.items()):
+            family.add_metric([reason], count)
+        yield family

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument(
+        "--extproc-h2-limit",
+        action="append",
+        default=[],
+        type=_name_value,
+        metavar="NAME=VALUE",
+        help="a limit of extproc's HTTP/2 server, passed on as `wakegate extproc --h2-limit` (repeatable)",
+    )
+    parser.add_argument(
         "--upstream-header",
         action="store_true",
         help="add x-wakegate-upstream (the backend's ip:port) to responses, for debugging",
@@ -67,6 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")
     add_log_level(parser)
+
+
+def _name_value(text: str) -> str:
+    """argparse type of `--extproc-h2-limit`: NAME=NUMBER (extproc checks the name and range)."""
+    name, sep, value = text.partition("=")
+    try:
+        float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=NUMBER") from None
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=NUMBER")
+    return text
 
 
 def main(args: argparse.Namespace) -> int:

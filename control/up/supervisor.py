@@ -69,6 +69,8 @@ class Settings(ProcessSettings):
     """Burst of `global_rps`; 0: max(1, rps)."""
     envoy_concurrency: int
     """Envoy worker threads."""
+    extproc_h2_limit: tuple[str, ...]
+    """NAME=VALUE limits of extproc's HTTP/2 server (`wakegate extproc --h2-limit`)."""
     upstream_header: bool
     """Add x-wakegate-upstream (the backend's ip:port) to responses."""
     status_display: bool
@@ -97,7 +99,15 @@ class Settings(ProcessSettings):
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
         display = sys.stderr.isatty() if args.status_display is None else args.status_display
-        return settings_from(cls, args, models=models, listen_host=host, listen_port=port, status_display=display)
+        return settings_from(
+            cls,
+            args,
+            models=models,
+            listen_host=host,
+            listen_port=port,
+            status_display=display,
+            extproc_h2_limit=tuple(getattr(args, "extproc_h2_limit", ())),
+        )
 
 
 @dataclass
@@ -335,6 +345,8 @@ class Up:
             "--log-level",
             self.settings.log_level,
         ]
+        for limit in self.settings.extproc_h2_limit:
+            argv += ["--h2-limit", limit]
         if self.settings.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
         child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
@@ -348,6 +360,7 @@ class Up:
             bootstrap.GatewayPorts(
                 envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
             ),
+            extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
         )
         config = self.state_dir / "envoy.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
@@ -427,3 +440,13 @@ def _model_state(runtime: ModelRuntime) -> str:
     if not runtime.admitted:
         return "waiting"
     return "idle"
+
+
+def _extproc_streams(limits: tuple[str, ...]) -> int | None:
+    """extproc's max_concurrent_streams when `--extproc-h2-limit` sets it (the last one wins)."""
+    streams = None
+    for item in limits:
+        name, _, value = item.partition("=")
+        if name.strip().replace("-", "_") == "max_concurrent_streams":
+            streams = int(float(value))
+    return streams

@@ -2,7 +2,9 @@
 
 gRPC framing only (no compression): 5-byte length-prefixed messages, a response headers
 block, trailers with grpc-status and a percent-encoded grpc-message, trailers-only
-responses for calls refused up front.
+responses for calls refused up front. A request that is not gRPC at all (another method or
+content-type) gets a plain HTTP answer: 405 or 415 with a one-line text body, as the gRPC
+over HTTP/2 protocol asks of a server.
 
 A call is served by a listener the method's factory returns. The server calls its
 `on_message` for each whole request message, `on_half_close` when the client has sent
@@ -22,6 +24,7 @@ from typing import Protocol
 
 from wakegate.extproc.h2grpc.connection import Connection, H2Server, Stream
 from wakegate.extproc.h2grpc.hpack import STATUS_200, literal
+from wakegate.extproc.h2grpc.limits import H2Limits
 
 log = logging.getLogger("wakegate.extproc.h2")
 
@@ -39,6 +42,7 @@ UNAVAILABLE = 14
 _LENGTH = struct.Struct(">I")
 _RESPONSE_HEADERS = STATUS_200 + literal(b"content-type", b"application/grpc")
 _OK_TRAILERS = literal(b"grpc-status", b"0")
+_NOT_GRPC = b"this server speaks only gRPC (POST, content-type application/grpc)\n"
 
 
 def _grpc_message(text: str) -> bytes:
@@ -101,7 +105,19 @@ class Call(Stream):
             block = _RESPONSE_HEADERS + block
         self.end(block)
 
+    def reply_http(self, status: int, text: bytes) -> None:
+        """Answer a request that is not gRPC with a plain HTTP status and a text body."""
+        if self.ended:
+            return
+        self._sent_headers = True
+        self.write_headers(literal(b":status", str(status).encode()) + literal(b"content-type", b"text/plain"))
+        self.write_data(text)
+        self.end(None)
+
     # -- Stream hooks ---------------------------------------------------------------------------
+
+    def buffered(self) -> int:
+        return len(self._recv)
 
     def on_data(self, data: bytes) -> None:
         buf = self._recv
@@ -214,10 +230,12 @@ def unary(handler: Callable[[bytes], bytes]) -> Method:
 class GrpcServer:
     """Serves gRPC methods (full names, '/package.Service/Method') over `H2Server`."""
 
-    def __init__(self, methods: dict[str, Method], *, max_message_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self, methods: dict[str, Method], *, max_message_bytes: int = 4 * 1024 * 1024, limits: H2Limits | None = None
+    ) -> None:
         self.methods = dict(methods)
         self.max_message_bytes = max_message_bytes
-        self.transport = H2Server(self._new_call)
+        self.transport = H2Server(self._new_call, limits)
 
     async def listen(self, address: str) -> str:
         """Listen on HOST:PORT or unix:PATH; returns the address actually bound."""
@@ -242,8 +260,10 @@ class GrpcServer:
                 content_type = value
         call = Call(conn, stream_id, path.decode("ascii", "replace"), self.max_message_bytes)
         factory = self.methods.get(call.method)
-        if method != b"POST" or not content_type.startswith(b"application/grpc"):
-            call.finish(UNIMPLEMENTED, "expected a gRPC request (POST, content-type application/grpc)")
+        if not content_type.startswith(b"application/grpc"):
+            call.reply_http(415, _NOT_GRPC)
+        elif method != b"POST":
+            call.reply_http(405, _NOT_GRPC)
         elif factory is None:
             call.finish(UNIMPLEMENTED, f"unknown method {call.method}")
         else:

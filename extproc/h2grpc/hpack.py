@@ -2,10 +2,14 @@
 
 Why not `hpack.Decoder`: it logs at debug level for every header field and decodes every
 Huffman string again, and Envoy sends the same few strings on every stream (the method path
-is a Huffman literal each time). Huffman strings are decoded once and remembered; the
-dynamic table follows the encoder's updates, bounded by the 4,096 bytes we allow (we never
-raise SETTINGS_HEADER_TABLE_SIZE). Huffman decoding itself and the static table come from
-the `hpack` package (its private modules, hence the upper bound on that dependency).
+is a Huffman literal each time). Short Huffman strings are decoded once and remembered (a
+bounded cache); the dynamic table follows the encoder's updates, bounded by the 4,096 bytes
+we allow (we never raise SETTINGS_HEADER_TABLE_SIZE). Huffman decoding itself and the
+static table come from the `hpack` package (its private modules, hence the upper bound on that dependency).
+
+The work a client can ask for is bounded: a block's decoded size by the header list limit,
+and Huffman decoding (about 0.3 µs a byte in Python, the costly part) by a limit per block
+and a budget per connection, which the connection refills as streams open.
 
 What we send is encoded as literals that never touch the dynamic table, so nothing there
 can go out of step with the client.
@@ -27,11 +31,14 @@ MAX_HEADER_LIST_SIZE = 64 * 1024
 
 
 class HpackError(Exception):
-    """A header block that cannot be decoded (a compression error), or one past the size limit."""
+    """A header block that cannot be decoded (a compression error), or one past a limit."""
 
-    def __init__(self, reason: str, *, too_large: bool = False) -> None:
+    def __init__(self, reason: str, *, too_large: bool = False, costly: bool = False) -> None:
         super().__init__(reason)
+        #: past the header list size
         self.too_large = too_large
+        #: past the Huffman work allowed per block or per connection
+        self.costly = costly
 
 
 class HeaderDecoder:
@@ -39,9 +46,22 @@ class HeaderDecoder:
 
     MAX_TABLE_SIZE = 4096
     _CACHE_LIMIT = 512
+    #: Huffman strings up to this many (coded) bytes are remembered: 512 of them stay small.
+    _CACHE_STRING = 128
 
-    def __init__(self, max_header_list_size: int = MAX_HEADER_LIST_SIZE) -> None:
+    def __init__(
+        self,
+        max_header_list_size: int = MAX_HEADER_LIST_SIZE,
+        *,
+        huffman_per_block: int = 16 * 1024,
+        huffman_budget: int = 64 * 1024,
+    ) -> None:
         self.max_header_list_size = max_header_list_size
+        self.huffman_per_block = huffman_per_block
+        #: Huffman-coded bytes this decoder may still decode (not counting cached strings);
+        #: its owner tops it up.
+        self.huffman_budget = huffman_budget
+        self._block_huffman = 0
         self._table: deque[tuple[bytes, bytes]] = deque()
         self._size = 0
         self._max_size = self.MAX_TABLE_SIZE
@@ -49,6 +69,7 @@ class HeaderDecoder:
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         headers: list[tuple[bytes, bytes]] = []
+        self._block_huffman = 0
         pos = 0
         end = len(block)
         total = 0
@@ -110,13 +131,20 @@ class HeaderDecoder:
             return raw, end
         decoded = self._huffman.get(raw)
         if decoded is None:
+            self._block_huffman += length
+            if self._block_huffman > self.huffman_per_block:
+                raise HpackError(f"more than {self.huffman_per_block} Huffman-coded bytes in a block", costly=True)
+            self.huffman_budget -= length
+            if self.huffman_budget < 0:
+                raise HpackError("Huffman decoding budget spent", costly=True)
             try:
                 decoded = decode_huffman(raw)
             except HPACKDecodingError as exc:
                 raise HpackError(f"bad Huffman string: {exc}") from None
-            if len(self._huffman) >= self._CACHE_LIMIT:
-                self._huffman.clear()
-            self._huffman[raw] = decoded
+            if length <= self._CACHE_STRING:
+                if len(self._huffman) >= self._CACHE_LIMIT:
+                    self._huffman.clear()
+                self._huffman[raw] = decoded
         return decoded, end
 
     def _add(self, name: bytes, value: bytes) -> None:

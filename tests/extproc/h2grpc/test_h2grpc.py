@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from wakegate.extproc.h2grpc import call as grpc_call
 from wakegate.extproc.h2grpc import connection as h2
 from wakegate.extproc.h2grpc.call import Call, GrpcError, GrpcServer, unary
+from wakegate.extproc.h2grpc.limits import H2Limits
 
 ECHO = "/wakegate.test.Echo/Chat"
 UPPER = "/wakegate.test.Echo/Upper"
@@ -365,3 +367,256 @@ async def test_continuation_and_padding_are_understood(served) -> None:
     assert body == b"\x00" + struct.pack(">I", len(message)) + message.upper()
     trailers = hpack.Decoder().decode(on_stream[-1][3])  # our blocks never use the dynamic table
     assert on_stream[-1][1] & h2.END_STREAM and ("grpc-status", "0") in trailers
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def limited():
+    """A server with small limits, for raw-frame clients."""
+    limits = H2Limits(max_concurrent_streams=2, max_connections=3, ping_burst=5, ping_per_second=0.001,
+                      connection_window=1 << 17, write_buffer=1 << 16)  # fmt: skip
+    server = GrpcServer({ECHO: lambda call: EchoCall(call, []), UPPER: unary(upper)}, limits=limits)
+    address = await server.listen("127.0.0.1:0")
+    yield server, address
+    await server.stop(1.0)
+
+
+def _request(path: str = UPPER, content_type: bytes = b"application/grpc") -> bytes:
+    import hpack
+
+    return hpack.Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+         ("content-type", content_type.decode()), ("te", "trailers")]
+    )  # fmt: skip
+
+
+def _settings(frames: list[tuple[int, int, int, bytes]]) -> dict[int, int]:
+    payload = next(f[3] for f in frames if f[0] == h2.SETTINGS and not f[1] & h2.ACK)
+    return dict(struct.unpack_from(">HI", payload, i) for i in range(0, len(payload), 6))
+
+
+async def test_streams_past_the_advertised_limit_are_refused_and_the_rest_served(limited) -> None:
+    server, address = limited
+    block = _request(ECHO)
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            # three open streams on a connection that allows two; then the first two end
+            opening = b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) for sid in (1, 3, 5))
+            ending = b"".join(_frame(h2.DATA, h2.END_STREAM, sid) for sid in (1, 3))
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + opening + ending)
+            return _read_frames(sock, -1, timeout=1.5)  # everything it answers
+
+    frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert _settings(frames)[h2.SETTINGS_MAX_CONCURRENT_STREAMS] == 2
+    assert (h2.RST_STREAM, 0, 5, struct.pack(">I", h2.REFUSED_STREAM)) in frames
+    ended = {f[2] for f in frames if f[0] == h2.HEADERS and f[1] & h2.END_STREAM}
+    assert ended == {1, 3}
+    assert server.transport.refused["stream_limit"] == 1
+
+
+async def test_a_ping_flood_ends_the_connection_with_enhance_your_calm_and_is_counted(limited) -> None:
+    server, address = limited
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"01234567") * 50)
+            return _read_frames(sock, h2.GOAWAY)
+
+    frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert sum(f[0] == h2.PING for f in frames) == 5  # the burst is answered, then the connection ends
+    assert struct.unpack(">I", frames[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert server.transport.refused["ping"] == 1
+
+
+async def test_connections_past_the_limit_are_closed_at_once(limited) -> None:
+    server, address = limited
+
+    def exchange() -> bytes:
+        socks = [_raw(address) for _ in range(3)]
+        try:
+            for sock in socks:
+                sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0))
+                assert _read_frames(sock, h2.SETTINGS)
+            with _raw(address) as extra:
+                extra.settimeout(3)
+                return extra.recv(100)
+        finally:
+            for sock in socks:
+                sock.close()
+
+    assert await asyncio.get_running_loop().run_in_executor(None, exchange) == b""  # closed without a word
+    assert server.transport.refused["connection_limit"] == 1
+
+
+async def test_a_request_that_is_not_grpc_gets_415_with_a_body(limited) -> None:
+    _, address = limited
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            block = _request(content_type=b"text/html")
+            request = _frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block)
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + request)
+            return _read_frames(sock, h2.DATA, until_flags=h2.END_STREAM)
+
+    import hpack
+
+    frames = [f for f in await asyncio.get_running_loop().run_in_executor(None, exchange) if f[2] == 1]
+    assert (":status", "415") in hpack.Decoder().decode(frames[0][3])
+    assert b"only gRPC" in b"".join(f[3] for f in frames if f[0] == h2.DATA)
+
+
+async def test_data_beyond_the_connection_window_is_a_flow_control_error(limited) -> None:
+    _, address = limited
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            # one message larger than the window (128 KiB), never finished: nothing is given back
+            header = b"\x00" + struct.pack(">I", 1 << 20)
+            chunks = [header + b"x" * 16_000] + [b"x" * 16_000] * 9
+            data = b"".join(_frame(h2.DATA, 0, 1, chunk) for chunk in chunks)
+            opening = _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO))
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + opening + data)
+            return _read_frames(sock, h2.GOAWAY)
+
+    frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert struct.unpack(">I", frames[-1][3][4:8])[0] == h2.FLOW_CONTROL_ERROR
+
+
+async def test_a_client_that_does_not_read_stops_being_read(limited) -> None:
+    """Write backpressure: echoed output piles up only to the write buffer, then we stop reading."""
+    server, address = limited
+    message = b"\x00" + struct.pack(">I", 60_000) + b"e" * 60_000
+    grants = _frame(h2.SETTINGS, 0, 0, struct.pack(">HI", h2.SETTINGS_INITIAL_WINDOW_SIZE, h2.MAX_WINDOW))
+    grants += _frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", h2.MAX_WINDOW - h2.DEFAULT_WINDOW))
+    sock = _raw(address)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.sendall(h2.PREFACE + grants + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)))
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    data = b"".join(_frame(h2.DATA, 0, 1, message[i : i + 15_000]) for i in range(0, len(message), 15_000))
+    sent = 0
+    deadline = loop.time() + 20
+    while loop.time() < deadline:  # echo 60 kB messages, read nothing, until the server stops taking them
+        try:
+            sent += sock.send(data)
+        except BlockingIOError:
+            await asyncio.sleep(0.5)
+            try:
+                sent += sock.send(data)
+            except BlockingIOError:
+                break
+        await asyncio.sleep(0)
+    assert loop.time() < deadline, "the server kept reading a client that reads nothing"
+    conn = next(iter(server.transport.connections))
+    assert conn.transport is not None
+    # what waits to be written stays near the write buffer (plus one turn of frames), not the
+    # ~`sent` bytes the client pushed
+    assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
+    assert sent > 1024 * 1024
+    sock.close()
+
+
+async def test_rapid_resets_are_judged_by_their_share_of_the_streams() -> None:
+    """Envoy's rule: a few quick cancellations among many answered streams are normal; a
+    connection whose streams are mostly reset before an answer is ended."""
+    server = GrpcServer({ECHO: lambda call: EchoCall(call, [])}, limits=H2Limits(rapid_reset_streams=20))
+    address = await server.listen("127.0.0.1:0")
+    block = _request(ECHO)
+    answered = b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.DATA, h2.END_STREAM, sid)
+                        for sid in range(1, 61, 2))  # fmt: skip
+    cancel = struct.pack(">I", h2.CANCEL)
+
+    def resets(first: int, count: int) -> bytes:
+        return b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.RST_STREAM, 0, sid, cancel)
+                        for sid in range(first, first + 2 * count, 2))  # fmt: skip
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], list[tuple[int, int, int, bytes]]]:
+        with _raw(address) as sock:
+            # 30 answered streams, then 12 reset at once: 12 of 42 is not half
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + answered + resets(61, 12))
+            calm = _read_frames(sock, -1, timeout=1.0)
+            # 30 more resets: now most streams were reset before an answer
+            sock.sendall(resets(85, 30))
+            return calm, _read_frames(sock, h2.GOAWAY)
+
+    try:
+        first, second = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    finally:
+        await server.stop(1.0)
+    assert not [f for f in first if f[0] == h2.GOAWAY]
+    assert struct.unpack(">I", second[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert server.transport.refused["rapid_reset"] == 1
+
+
+Frames = list[tuple[int, int, int, bytes]]
+
+
+def _converse(sock: socket.socket, seconds: float, answer_pings: bool) -> tuple[Frames, bool]:
+    """Read frames for `seconds` (answering PINGs if asked); (frames, whether the server closed)."""
+    frames: list[tuple[int, int, int, bytes]] = []
+    data = b""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        except OSError:
+            return frames, True
+        if not chunk:
+            return frames, True
+        data += chunk
+        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+            length = int.from_bytes(data[:3], "big")
+            got = (data[3], data[4], int.from_bytes(data[5:9], "big"), data[9 : 9 + length])
+            data = data[9 + length :]
+            frames.append(got)
+            if answer_pings and got[0] == h2.PING and not got[1] & h2.ACK:
+                sock.sendall(_frame(h2.PING, h2.ACK, 0, got[3]))
+    return frames, False
+
+
+@pytest.fixture
+async def quick_idle():
+    server = GrpcServer({ECHO: lambda call: EchoCall(call, [])}, limits=H2Limits(idle_timeout=0.3, preface_timeout=0.3))
+    address = await server.listen("127.0.0.1:0")
+    yield server, address
+    await server.stop(1.0)
+
+
+@pytest.mark.parametrize("answer_pings", [True, False], ids=["alive", "gone"])
+async def test_a_quiet_client_with_a_stream_open_is_asked_if_it_is_still_there(quick_idle, answer_pings: bool) -> None:
+    """A held request keeps its connection as long as the client answers our PINGs; a peer that
+    vanished without a FIN (half-open) is closed after two idle periods."""
+    _, address = quick_idle
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool]:
+        with _raw(address) as sock:
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)))
+            return _converse(sock, 2.5, answer_pings)
+
+    frames, closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    assert [f for f in frames if f[0] == h2.PING and not f[1] & h2.ACK], "no liveness PING"
+    assert closed is not answer_pings
+    assert not [f for f in frames if f[0] == h2.GOAWAY]
+
+
+async def test_an_idle_connection_is_closed_the_graceful_way_and_a_silent_one_at_once(quick_idle) -> None:
+    server, address = quick_idle
+
+    def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool, bool]:
+        with _raw(address) as idle, _raw(address) as silent:
+            idle.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0))
+            frames, closed = _converse(idle, 3.0, answer_pings=True)
+            _, silent_closed = _converse(silent, 0.1, answer_pings=False)  # already closed by now
+            return frames, closed, silent_closed
+
+    frames, closed, silent_closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    goaways = [struct.unpack(">II", f[3][:8]) for f in frames if f[0] == h2.GOAWAY]
+    assert goaways == [(h2.MAX_WINDOW, h2.NO_ERROR), (0, h2.NO_ERROR)]  # announced, then final
+    assert closed and silent_closed
+    assert server.transport.refused["preface_timeout"] == 1

@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 
 import hpack
+import hpack.huffman
 import pytest
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wakegate.extproc.h2grpc.hpack import HeaderDecoder, HpackError
+
+_CODES = (REQUEST_CODES, REQUEST_CODES_LENGTH)
 
 _names = st.sampled_from(
     [b":method", b":path", b":authority", b"content-type", b"te", b"x-forwarded-for", b"grpc-timeout"]
@@ -56,3 +60,31 @@ def test_header_list_size_is_bounded() -> None:
     block = encoder.encode([(b"x-big", b"v" * 70_000)], huffman=False)
     with pytest.raises(HpackError):
         HeaderDecoder().decode(block)
+
+
+def _huffman_block(value: bytes) -> bytes:
+    return hpack.Encoder().encode([(b"x-junk", value)], huffman=True)
+
+
+def test_huffman_work_is_bounded_per_block() -> None:
+    decoder = HeaderDecoder(huffman_per_block=1000, huffman_budget=10**9)
+    assert decoder.decode(_huffman_block(b"a" * 1000))  # ~630 coded bytes
+    with pytest.raises(HpackError) as err:
+        decoder.decode(_huffman_block(b"b" * 2000))
+    assert err.value.costly
+
+
+def test_huffman_work_is_bounded_per_connection_and_cached_strings_are_free() -> None:
+    path = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    long = bytes(range(97, 123)) * 20
+    short_cost, long_cost = (len(hpack.huffman.HuffmanEncoder(*_CODES).encode(v)) for v in (path, long))
+    decoder = HeaderDecoder(huffman_budget=short_cost + 2 * long_cost + long_cost // 2)
+    for _ in range(1000):  # remembered after the first time: no budget spent
+        assert decoder.decode(_huffman_block(path))
+    decoder.decode(_huffman_block(long))
+    decoder.decode(_huffman_block(long))
+    with pytest.raises(HpackError) as err:  # long strings are not cached: each one costs again
+        decoder.decode(_huffman_block(long))
+    assert err.value.costly
+    decoder.huffman_budget += 10_000  # what the connection grants as streams open
+    assert decoder.decode(_huffman_block(b"fine"))
