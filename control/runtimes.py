@@ -16,6 +16,8 @@ from wakegate.control.schema import API_VERSION
 
 #: Label marking the runtimes wakegate ships (users' own runtimes lack it).
 LABEL_SHIPPED = "wakegate.io/shipped"
+#: An engine's private folder inside its own container (Ollama's model store).
+POD_STATE = "/tmp/wakegate-engine"  # noqa: S108 - the container's own /tmp, no other user
 
 
 def _command(backend: Backend, image: Image) -> tuple[list[str], list[str]]:
@@ -36,7 +38,7 @@ def runtime_name(backend: Backend, image: Image) -> str:
 
 def runtime_for(backend: Backend, image: Image) -> dict[str, Any]:
     command, args = _command(backend, image)
-    env = {k: v.replace("{host}", "0.0.0.0").replace("{state}", "/tmp/engine") for k, v in backend.env.items()}
+    env = {k: v.replace("{host}", "0.0.0.0").replace("{state}", POD_STATE) for k, v in backend.env.items()}
     gpu = image.vendor != "cpu"
     return {
         "apiVersion": API_VERSION,

@@ -10,7 +10,10 @@ Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
     Consistent-hash ring lookup of :func:`prefix_key` (so requests sharing a prompt prefix reuse
     one server's prefix cache); requests without one go least-loaded.
 ``least-loaded``
-    The endpoint with the fewest in-flight requests (:class:`InFlight`), ties rotated.
+    The endpoint with the fewest requests, ties rotated: per endpoint the larger of this
+    gateway's in-flight count (:class:`InFlight`) and the count the engine itself reports
+    (``engine_loads``: running + waiting from its metrics, which also sees other gateways' and
+    direct traffic).
 
 In-flight contract: :attr:`Picker.inflight` is shared. :meth:`Picker.pick` only reads it; when
 ``pick`` returns an endpoint, the caller calls ``picker.inflight.acquire(endpoint)`` once it routes
@@ -239,11 +242,13 @@ class InFlight:
         """In-flight requests over all endpoints."""
         return sum(self._counts.values())
 
-    def least_loaded(self, endpoints: Sequence[str]) -> str | None:
-        """The endpoint with the fewest in-flight requests; None if ``endpoints`` is empty.
+    def least_loaded(self, endpoints: Sequence[str], engine_loads: Mapping[str, int] | None = None) -> str | None:
+        """The endpoint with the fewest requests; None if ``endpoints`` is empty.
 
-        Ties rotate round-robin among the tied endpoints (in the order given), so equally idle
-        endpoints share the traffic instead of the first one taking it all.
+        An endpoint's count is its in-flight count, or what its engine reports holding
+        (``engine_loads``) when that is larger. Ties rotate round-robin among the tied endpoints
+        (in the order given), so equally idle endpoints share the traffic instead of the first
+        one taking it all.
         """
         if not endpoints:
             return None
@@ -252,6 +257,8 @@ class InFlight:
         tied: list[str] = []
         for ep in endpoints:
             n = counts.get(ep, 0)
+            if engine_loads:
+                n = max(n, engine_loads.get(ep, 0))
             if best < 0 or n < best:
                 best = n
                 tied = [ep]
@@ -282,22 +289,24 @@ class Picker:
         endpoints: Sequence[str],
         headers: Mapping[str, str],
         body: Mapping[str, Any] | None,
+        engine_loads: Mapping[str, int] | None = None,
     ) -> str | None:
         """The endpoint for this request, or None to let Envoy's load balancer choose.
 
         Returns None for ``default``, unknown strategies and empty ``endpoints``. Reads but never
         changes :attr:`inflight` (see the module docstring for the acquire/release contract).
+        ``engine_loads`` (endpoint -> requests its engine reports) weighs in on least-loaded picks.
         """
         if not endpoints or strategy not in STRATEGIES or strategy == "default":
             return None
         if strategy == "least-loaded":
-            return self.inflight.least_loaded(endpoints)
+            return self.inflight.least_loaded(endpoints, engine_loads)
         if strategy == "session-affinity":
             key = session_key(headers, body)
         else:  # prefix
             key = prefix_key(headers, body, self.prefix_chars)
         if key is None:
-            return self.inflight.least_loaded(endpoints)
+            return self.inflight.least_loaded(endpoints, engine_loads)
         return self._ring(model_key, endpoints).lookup(key)
 
     def _ring(self, model_key: str, endpoints: Sequence[str]) -> HashRing:

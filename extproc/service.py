@@ -395,7 +395,8 @@ class Processor:
         route = resolved.route
         endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
+        loads = {f"{e.address}:{e.port}": e.engine_load for e in route.endpoints if e.engine_load}
+        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads)
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:

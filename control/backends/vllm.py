@@ -54,7 +54,7 @@ VLLM_OMNI = Backend(
     default_port=8000,
     health_path="/health",
     images=(Image("nvidia", "vllm/vllm-omni:v0.20.0", suffix="cuda"),),
-    gpu_arch=NVIDIA_ARCH,
+    gpu_arch=NVIDIA_ARCH[3:],
     metrics_path="/metrics",
     metrics_prefix="vllm:",
     load_metrics=VLLM_LOAD,

@@ -139,8 +139,21 @@ class LocalScaler:
     def _ready(self, runtime: ModelRuntime, replica: Replica) -> None:
         state = self._applying[runtime.model.key]
         if state.waking_since is not None and replica.ready_at is not None:
-            self._on_cold_start(runtime.model.key, "health_pass", replica.ready_at - replica.started_at)
-            runtime.last_cold_start = replica.ready_at - state.waking_since
-            self._on_cold_start(runtime.model.key, "total", runtime.last_cold_start)
+            key, t0 = runtime.model.key, state.waking_since
+            healthy = replica.healthy_at or replica.ready_at
+            loaded = replica.loaded_at or replica.ready_at
+            # Seconds since the activation signal (the demand that woke the model) of each stage.
+            timeline = {"process_start": replica.started_at - t0, "health_pass": healthy - t0,
+                        "model_loaded": loaded - t0}
+            if replica.first_byte is not None:
+                timeline["first_byte"] = loaded + replica.first_byte - t0
+            timeline["ready"] = replica.ready_at - t0
+            runtime.last_timeline = timeline
+            self._on_cold_start(key, "health_pass", healthy - replica.started_at)
+            self._on_cold_start(key, "model_loaded", loaded - replica.started_at)
+            if replica.first_byte is not None:
+                self._on_cold_start(key, "first_byte", replica.first_byte)
+            runtime.last_cold_start = replica.ready_at - t0
+            self._on_cold_start(key, "total", runtime.last_cold_start)
             state.waking_since = None
         self.poke()
