@@ -166,6 +166,14 @@ class Backend:
         """Whether the engine runs without an accelerator (a CPU image, or no image at all)."""
         return not self.images or any(i.vendor == "cpu" for i in self.images)
 
+    @property
+    def load_signal(self) -> str:
+        """In words, what least-loaded picking and draining read for this engine."""
+        m = self.load_metrics
+        if m is None:
+            return "the gateway's in-flight count (the engine reports no queue)"
+        return f"the engine's {m.running[0]} + {m.waiting[0]}, or the gateway's in-flight count if higher"
+
     def image_for(self, vendor: str | None) -> Image | None:
         """The published image for `vendor` (None: the CPU image, else the first one)."""
         wanted = vendor or "cpu"
