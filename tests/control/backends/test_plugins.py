@@ -71,7 +71,7 @@ def test_ollama_gets_its_own_store_port_and_never_idles() -> None:
 
 def test_engines_without_a_standard_command_need_one() -> None:
     for name in ("comfyui", "diffusers"):
-        with pytest.raises(BackendError, match="spec.command"):
+        with pytest.raises(BackendError, match=r"spec\.command"):
             BACKENDS[name].command(VALUES)
     argv = BACKENDS["comfyui"].command(VALUES, ("python", "/opt/ComfyUI/main.py"))
     assert argv == ["python", "/opt/ComfyUI/main.py", "--listen", "127.0.0.1", "--port", "9001"]
