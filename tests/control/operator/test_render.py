@@ -207,7 +207,7 @@ def test_select_best_match_prefers_vendor_then_shipped() -> None:
     any_gpu = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf", resources={"gpu": {"count": 1}}))
     assert rnd.select_runtime(any_gpu, []).spec.gpuVendors  # a GPU image, not the CPU one
     # An engine without a published image needs the user's own runtime, and says so.
-    with pytest.raises(rnd.RenderError, match="spec.runtimeRef"):
+    with pytest.raises(rnd.RenderError, match=r"spec\.runtimeRef"):
         rnd.select_runtime(model_from_object(model(backend="mlc-llm")), [])
     # A user's runtime is not picked over the shipped one without runtimeRef.
     assert rnd.select_runtime(model_from_object(model()), [runtime("custom")]).metadata.name == "sim"
