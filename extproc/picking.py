@@ -214,12 +214,19 @@ def prefix_key(headers: Mapping[str, str], body: Mapping[str, Any] | None, prefi
 
 
 class InFlight:
-    """In-flight request counts per endpoint (only endpoints with a count > 0 are stored)."""
+    """In-flight request counts per endpoint (only endpoints with a count > 0 are stored).
 
-    __slots__ = ("_counts", "_turn")
+    An engine's own count arrives late (the feeder reads it every half second) and includes this
+    gateway's requests. So that a stale reading does not keep a finished request's endpoint
+    "busy", every release on an endpoint after a reading takes one off that reading.
+    """
+
+    __slots__ = ("_counts", "_engine", "_turn")
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+        # endpoint -> [engine's reported count, releases here since that report]
+        self._engine: dict[str, list[int]] = {}
         self._turn = 0
 
     def acquire(self, endpoint: str) -> None:
@@ -233,6 +240,22 @@ class InFlight:
             self._counts[endpoint] = n - 1
         else:
             self._counts.pop(endpoint, None)
+        seen = self._engine.get(endpoint)
+        if seen is not None:
+            seen[1] += 1
+
+    def engine_count(self, endpoint: str, reported: int) -> int:
+        """The engine's reported count less this gateway's releases on it since the report."""
+        seen = self._engine.get(endpoint)
+        if reported <= 0:
+            if seen is not None:
+                del self._engine[endpoint]
+            return 0
+        if seen is None or seen[0] != reported:
+            if seen is None and len(self._engine) >= _MAX_RINGS:
+                self._engine.clear()  # endpoints that left with a count: defensive bound
+            seen = self._engine[endpoint] = [reported, 0]
+        return max(0, reported - seen[1])
 
     def count(self, endpoint: str) -> int:
         """In-flight requests on ``endpoint``."""
@@ -258,7 +281,7 @@ class InFlight:
         for ep in endpoints:
             n = counts.get(ep, 0)
             if engine_loads:
-                n = max(n, engine_loads.get(ep, 0))
+                n = max(n, self.engine_count(ep, engine_loads.get(ep, 0)))
             if best < 0 or n < best:
                 best = n
                 tied = [ep]

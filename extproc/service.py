@@ -395,7 +395,12 @@ class Processor:
         route = resolved.route
         endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
-        loads = {f"{e.address}:{e.port}": e.engine_load for e in route.endpoints if e.engine_load}
+        # Engines' own counts matter only to strategies that may fall back to least-loaded.
+        loads = (
+            {f"{e.address}:{e.port}": e.engine_load for e in route.endpoints if e.engine_load}
+            if strategy != "default"
+            else None
+        )
         endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads)
         extra = []
         metadata: struct_pb2.Struct | None = None
