@@ -30,9 +30,17 @@ class EngineError(Exception):
     """The engine did not do what a load step asked; the message is for status and logs."""
 
 
-def runnable(model: Model) -> str | None:
-    """Why this machine cannot start `model`'s engine, or None when it can."""
+def runnable(model: Model, base_dir: Path) -> str | None:
+    """Why this machine cannot start `model`'s engine, or None when it can: its executable is
+    missing, or its `file://` weights (relative ones from `base_dir`) do not exist."""
     backend = BACKENDS[model.spec.backend]
+    source = model.spec.source or ""
+    if source.startswith("file://"):
+        path = base_dir / source.removeprefix("file://")  # an absolute path replaces base_dir
+        if not path.exists():
+            return f"spec.source {source}: {path} does not exist"
+        if backend.needs_file and not path.is_file():
+            return f"spec.source {source}: backend {backend.name} loads one file, and {path} is a folder"
     program = tuple(model.spec.command) or backend.program
     if not program:
         return f"backend {backend.name} has no standard command: set spec.command"

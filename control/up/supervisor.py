@@ -94,7 +94,7 @@ class Settings(ProcessSettings):
         except ManifestError as exc:
             raise ValueError(str(exc)) from None
         for model in models:
-            problem = runnable(model)
+            problem = runnable(model, args.file.resolve().parent)
             if problem is not None:
                 raise ValueError(f"{args.file}: Model {model.name!r}: {problem}")
         try:

@@ -3,6 +3,8 @@ images that claim only what they are built for, and Models refused before anythi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from wakegate.control.backends import BACKENDS, BackendError, LoadSignals
@@ -155,3 +157,34 @@ def test_file_sources_absolute_and_relative_parse() -> None:
     for source in ("file:///srv/tiny.gguf", "file://models/tiny.gguf"):
         (model,) = parse_models(MODEL.format(spec=f"backend: llamacpp, source: '{source}'"))
         assert model.spec.source == source
+
+
+def test_up_refuses_a_model_it_cannot_start_before_anything_starts(tmp_path: Path) -> None:
+    from wakegate.control.up.engine import runnable
+
+    (weights,) = parse_models(MODEL.format(spec="backend: llamacpp, source: 'file://w/tiny.gguf'"))
+    assert runnable(weights, tmp_path) == f"spec.source file://w/tiny.gguf: {tmp_path}/w/tiny.gguf does not exist"
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "tiny.gguf").write_bytes(b"GGUF")
+    problem = runnable(weights, tmp_path)
+    # The file is there now; what is missing is the engine (unless this machine has one on PATH).
+    assert problem is None or "'llama-server' is not an executable on PATH" in problem
+    (absolute,) = parse_models(MODEL.format(spec=f"backend: sim, source: 'file://{tmp_path}/w'"))
+    assert runnable(absolute, Path("/nonexistent")) is None
+    (comfy,) = parse_models(MODEL.format(spec="backend: comfyui, command: [/no/such/python, main.py]"))
+    assert "'/no/such/python' is not an executable on PATH" in (runnable(comfy, tmp_path) or "")
+
+
+def test_wakegate_up_says_which_model_cannot_start_and_exits_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    manifest = tmp_path / "models.yaml"
+    manifest.write_text(MODEL.format(spec="backend: llamacpp, source: 'file://missing.gguf'"))
+    out = subprocess.run([sys.executable, "-m", "wakegate", "up", "--check", "-f", str(manifest)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"wakegate up: {manifest}: Model 'm': spec.source file://missing.gguf: {tmp_path}/missing.gguf does not exist"
+    ]
+    assert "Traceback" not in out.stderr
