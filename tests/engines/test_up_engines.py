@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -43,9 +42,9 @@ spec:
 """
 
 
-def engines_path(llama_server_bin: Path, ollama_bin: Path) -> dict[str, str]:
+def engines_path(*binaries: Path) -> dict[str, str]:
     """The engines on PATH, as an installed engine would be."""
-    dirs = dict.fromkeys([str(llama_server_bin.parent), str(ollama_bin.parent)])
+    dirs = dict.fromkeys(str(b.parent) for b in binaries)
     return {"PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")])}
 
 
@@ -145,10 +144,10 @@ spec:
 
 
 def test_least_loaded_avoids_the_replica_its_metrics_say_is_busy(
-    tmp_path: Path, tiny: TinyFiles, llama_server_bin: Path, ollama_bin: Path
+    tmp_path: Path, tiny: TinyFiles, llama_server_bin: Path
 ) -> None:
     shutil.copy(tiny.model, tmp_path / "tiny.gguf")
-    up = UpProcess(tmp_path, LEAST_LOADED, env=engines_path(llama_server_bin, ollama_bin))
+    up = UpProcess(tmp_path, LEAST_LOADED, env=engines_path(llama_server_bin))
     stop = threading.Event()
     try:
         up.wait_ready({"pair": 2}, timeout=120)
@@ -157,13 +156,12 @@ def test_least_loaded_avoids_the_replica_its_metrics_say_is_busy(
         # llama-server's own metrics (requests_processing, requests_deferred) can tell the gateway.
 
         def keep_busy() -> None:
-            with httpx.Client(timeout=120) as direct:
-                while not stop.is_set():
-                    try:
-                        direct.post(f"http://{busy}/v1/completions",
-                                    json={"prompt": "tell me a story", "max_tokens": 1500, "cache_prompt": False})
-                    except httpx.HTTPError:
-                        return  # the engine stopped with the test
+            while not stop.is_set():
+                try:
+                    request("POST", f"http://{busy}/v1/completions", timeout=120,
+                            body={"prompt": "tell me a story", "max_tokens": 1500, "cache_prompt": False})
+                except OSError:
+                    return  # the engine stopped with the test
 
         workers = [threading.Thread(target=keep_busy, daemon=True) for _ in range(3)]
         for worker in workers:
