@@ -91,6 +91,8 @@ class Replica:
     first_byte: float | None = None
     #: The engine's own load signals, last read.
     load: LoadSignals | None = None
+    #: The first answer asked of a new process (runs beside the first requests).
+    probe: asyncio.Task[None] | None = None
 
 
 class ModelRuntime:
@@ -120,6 +122,8 @@ class ModelRuntime:
         self.on_ready: Callable[[ModelRuntime, Replica], None] | None = None
         self.on_exit: Callable[[ModelRuntime], None] | None = None
         self.on_activation_failed: Callable[[ModelRuntime, str], None] | None = None
+        #: A new process answered its first token (replica.first_byte is set).
+        self.on_answered: Callable[[ModelRuntime, Replica], None] | None = None
         #: Requests in flight to this model over all gateways (drains engines without load signals).
         self.in_flight: Callable[[], int] = lambda: 0
         #: The weight file or folder the engine loads, once resolved from `spec.source`.
@@ -399,8 +403,6 @@ class ModelRuntime:
                 raise EngineError(f"the model was not loaded 30s after {self.backend.name}'s load steps")
             await asyncio.sleep(self.settings.probe_interval_loading)
         replica.loaded_at = time.monotonic()
-        if self.backend.answer_probe:
-            replica.first_byte = await engine.answer()
 
     async def _watch(
         self,
@@ -411,6 +413,16 @@ class ModelRuntime:
     ) -> tuple[int | None, str | None]:
         """Probe until the process exits; returns its exit code and, for a load that never
         completed in time, the reason it was stopped."""
+        try:
+            return await self._watch_loop(replica, engine, exited, load_timeout)
+        finally:
+            if replica.probe is not None:
+                replica.probe.cancel()
+                replica.probe = None
+
+    async def _watch_loop(
+        self, replica: Replica, engine: Engine, exited: asyncio.Future[int], load_timeout: float
+    ) -> tuple[int | None, str | None]:
         next_health = 0.0
         while not exited.done():
             now = time.monotonic()
@@ -431,6 +443,8 @@ class ModelRuntime:
                     if exited.done():
                         break
                     self._became_ready(replica)
+                    if self.backend.answer_probe and replica.first_byte is None:
+                        replica.probe = asyncio.create_task(self._first_answer(replica, engine))
                     next_health = time.monotonic() + self.settings.probe_interval_ready
             else:
                 if now >= next_health:
@@ -468,6 +482,23 @@ class ModelRuntime:
         except EngineError as exc:
             return str(exc)
         return None
+
+    async def _first_answer(self, replica: Replica, engine: Engine) -> None:
+        """One token through the OpenAI API right after the replica is routed: the model answers
+        (else the replica goes back to loading), and its first byte is the cold start's last stage.
+        It runs beside the first requests rather than before them: on a 409 MB GGUF a token asked
+        first cost the held request 140-200 ms (docs/decisions.md)."""
+        try:
+            replica.first_byte = await engine.answer()
+        except EngineError as exc:
+            if replica.state is ReplicaState.READY:
+                log.warning("replica does not answer model=%s replica=%d: %s", self.model.key, replica.index, exc)
+                replica.state = ReplicaState.STARTING
+                replica.load = None
+                self._changed()
+            return
+        if self.on_answered is not None:
+            self.on_answered(self, replica)
 
     def _became_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
