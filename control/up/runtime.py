@@ -182,7 +182,9 @@ class ModelRuntime:
             await self._stop_replica(replica)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(self._stop_replica(r) for r in self.replicas))
+        """Stop every replica; `up` calls this after Envoy and extproc are gone, so nothing is left
+        in flight through the gateway and no drain is waited for."""
+        await asyncio.gather(*(self._stop_replica(r, drain=False) for r in self.replicas))
         self.replicas.clear()
 
     # -- replicas ---------------------------------------------------------------------------------
@@ -259,7 +261,7 @@ class ModelRuntime:
         replica.task = asyncio.create_task(self._supervise(replica), name=f"replica-{name}")
         return replica
 
-    async def _stop_replica(self, replica: Replica) -> None:
+    async def _stop_replica(self, replica: Replica, drain: bool = True) -> None:
         self._stopping += 1
         try:
             # Supervision ends first, so no health probe can mark the replica ready again.
@@ -275,7 +277,7 @@ class ModelRuntime:
             if self.backend.drains_on_sigterm:
                 await replica.child.stop(self.settings.stop_grace)
             else:
-                if was_ready:
+                if was_ready and drain:
                     await self._drain(replica)
                 await replica.child.stop(self.backend.term_grace)
         finally:
