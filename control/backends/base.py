@@ -143,8 +143,13 @@ class Backend:
     prepare: tuple[HttpStep, ...] = ()
     #: Checks that the model is loaded, after `prepare` and again while the replica is ready.
     loaded: tuple[HttpStep, ...] = ()
-    #: Before a replica is routable, one token is asked for through the OpenAI API: the model answers.
+    #: One token is asked through the OpenAI API: the model answers (and the cold-start timeline
+    #: gets its first byte). Asked beside the first requests once the replica is routed, unless
+    #: `load_by_answering`.
     answer_probe: bool = False
+    #: The token is asked before routing, after `prepare`: the answer is what loads the model
+    #: (Ollama loads on the first request; a separate load request would cost a second round).
+    load_by_answering: bool = False
     #: The engine loads one weight file (GGUF), so `spec.source` must name one.
     needs_file: bool = False
     #: When SIGTERM does not drain in-flight requests, wakegate waits for the load to reach zero first.

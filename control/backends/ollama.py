@@ -4,8 +4,9 @@
   replica's private folder), `OLLAMA_KEEP_ALIVE=-1` so Ollama never unloads the model on its own
   (wakegate owns idling), no cloud features, one loaded model.
 - Load: the GGUF is uploaded as a blob (`POST /api/blobs/sha256:…`; Ollama keeps a copy), the
-  model created from it under the served name (`POST /api/create`), then loaded with
-  `keep_alive: -1` (`POST /api/generate` without a prompt). Ready = `/api/ps` lists it.
+  model created from it under the served name (`POST /api/create`), then loaded by asking it for
+  one token (Ollama loads a model on its first request; `OLLAMA_KEEP_ALIVE=-1` keeps it). Ready =
+  that answer came and `/api/ps` lists the model.
 - Load signal: Ollama has no metrics endpoint and reports no queue or in-flight counts. Picking
   uses the gateway's own in-flight count per replica; `/api/ps` (the model is loaded) is the
   health check while the replica is ready; draining waits for the gateway's in-flight count.
@@ -56,12 +57,10 @@ OLLAMA = Backend(
             body={"model": "{served_name}", "files": {"model.gguf": "sha256:{sha256}"}, "stream": False},
             what="create the model",
         ),
-        HttpStep(
-            "POST", "/api/generate", body={"model": "{served_name}", "keep_alive": -1}, what="load the model"
-        ),
     ),
     loaded=(HttpStep("GET", "/api/ps", contains='"name":"{served_name}', what="the model is loaded", timeout=5),),
     answer_probe=True,
+    load_by_answering=True,
     needs_file=True,
     term_grace=5.0,
     container_command=("/bin/sh", "-c"),

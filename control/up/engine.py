@@ -109,8 +109,15 @@ class Engine:
     async def answer(self) -> float:
         """One token through the OpenAI API; returns seconds to the answer's first byte."""
         started = time.monotonic()
-        body = {"model": self.values["served_name"], "prompt": ANSWER_PROMPT, "max_tokens": 1, "temperature": 0}
-        url = f"{self.base}{self.backend.openai_prefix}/completions"
+        # A chat request, like the ones that follow: Ollama sometimes reloaded its runner when the
+        # first request was a plain completion and the next a chat (a second load, ~350 ms).
+        body = {
+            "model": self.values["served_name"],
+            "messages": [{"role": "user", "content": ANSWER_PROMPT}],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        url = f"{self.base}{self.backend.openai_prefix}/chat/completions"
         try:
             async with self.session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=120)) as response:
                 await response.content.read(1)

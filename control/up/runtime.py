@@ -87,8 +87,12 @@ class Replica:
     slot: int = 0
     #: Cold-start timeline of the current process (monotonic seconds).
     healthy_at: float | None = None
+    #: The plugin's load steps done (Ollama: the model created in its store).
+    prepared_at: float | None = None
     loaded_at: float | None = None
     first_byte: float | None = None
+    #: When that first byte came (monotonic), for the timeline.
+    first_byte_at: float | None = None
     #: The engine's own load signals, last read.
     load: LoadSignals | None = None
     #: The first answer asked of a new process (runs beside the first requests).
@@ -319,7 +323,7 @@ class ModelRuntime:
             while True:
                 replica.state = ReplicaState.STARTING
                 replica.started_at = time.monotonic()
-                replica.healthy_at = replica.loaded_at = replica.first_byte = None
+                replica.healthy_at = replica.loaded_at = replica.first_byte = replica.first_byte_at = None
                 replica.load = None
                 try:
                     await self._resolve_weights()
@@ -399,6 +403,11 @@ class ModelRuntime:
         """From "health passes" to "the model is loaded and answers" (raises EngineError)."""
         replica.healthy_at = time.monotonic()
         await engine.prepare()
+        replica.prepared_at = time.monotonic()
+        if self.backend.load_by_answering:
+            sent = time.monotonic()
+            replica.first_byte = await engine.answer()
+            replica.first_byte_at = sent + replica.first_byte
         deadline = time.monotonic() + 30.0
         while not await engine.loaded():
             if time.monotonic() > deadline:
@@ -491,7 +500,9 @@ class ModelRuntime:
         It runs beside the first requests rather than before them: on a 409 MB GGUF a token asked
         first cost the held request 140-200 ms (docs/decisions.md)."""
         try:
+            sent = time.monotonic()
             replica.first_byte = await engine.answer()
+            replica.first_byte_at = sent + replica.first_byte
         except EngineError as exc:
             if replica.state is ReplicaState.READY:
                 log.warning("replica does not answer model=%s replica=%d: %s", self.model.key, replica.index, exc)

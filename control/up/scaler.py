@@ -141,12 +141,12 @@ class LocalScaler:
 
     def _answered(self, runtime: ModelRuntime, replica: Replica) -> None:
         state = self._applying[runtime.model.key]
-        if state.answer_from is None or state.answer_from[0] is not replica or replica.first_byte is None:
+        if state.answer_from is None or state.answer_from[0] is not replica:
             return
         _, t0 = state.answer_from
         state.answer_from = None
-        if replica.ready_at is not None:
-            runtime.last_timeline["first_byte"] = replica.ready_at + replica.first_byte - t0
+        if replica.first_byte is not None and replica.first_byte_at is not None:
+            runtime.last_timeline["first_byte"] = replica.first_byte_at - t0
             self._on_cold_start(runtime.model.key, "first_byte", replica.first_byte)
 
     def _ready(self, runtime: ModelRuntime, replica: Replica) -> None:
@@ -160,6 +160,7 @@ class LocalScaler:
             runtime.last_timeline = {
                 "process_start": replica.started_at - t0,
                 "health_pass": healthy - t0,
+                **({"prepared": replica.prepared_at - t0} if replica.prepared_at and runtime.backend.prepare else {}),
                 "model_loaded": loaded - t0,
                 "ready": replica.ready_at - t0,
             }
@@ -169,4 +170,6 @@ class LocalScaler:
             self._on_cold_start(key, "total", runtime.last_cold_start)
             state.waking_since = None
             state.answer_from = (replica, t0)
+            if replica.first_byte is not None:  # answered before routing (load_by_answering)
+                self._answered(runtime, replica)
         self.poke()

@@ -67,8 +67,9 @@ def test_ollama_gets_its_own_store_port_and_never_idles() -> None:
     assert env["OLLAMA_MODELS"] == "/s/models" and env["HOME"] == "/s"
     assert env["OLLAMA_KEEP_ALIVE"] == "-1"
     steps = [(s.method, s.path) for s in BACKENDS["ollama"].prepare]
-    assert steps == [("POST", "/api/blobs/sha256:{sha256}"), ("POST", "/api/create"), ("POST", "/api/generate")]
-    assert BACKENDS["ollama"].prepare[2].body == {"model": "{served_name}", "keep_alive": -1}
+    assert steps == [("POST", "/api/blobs/sha256:{sha256}"), ("POST", "/api/create")]
+    # The model is loaded by its first request, before it is routed; /api/ps must then list it.
+    assert BACKENDS["ollama"].load_by_answering and BACKENDS["ollama"].loaded[0].path == "/api/ps"
 
 
 def test_engines_without_a_standard_command_need_one() -> None:
