@@ -393,14 +393,14 @@ class Processor:
         self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
     ) -> ep.ProcessingResponse:
         route = resolved.route
-        endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
-        # Engines' own counts matter only to strategies that may fall back to least-loaded.
-        loads = (
-            {f"{e.address}:{e.port}": e.engine_load for e in route.endpoints if e.engine_load}
-            if strategy != "default"
-            else None
-        )
+        endpoints = []
+        loads: dict[str, int] = {}  # engines' own counts, for the strategies that may go least-loaded
+        for e in route.endpoints:
+            key = f"{e.address}:{e.port}"
+            endpoints.append(key)
+            if e.engine_load:
+                loads[key] = e.engine_load
         endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads)
         extra = []
         metadata: struct_pb2.Struct | None = None
