@@ -35,6 +35,10 @@ from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
 
 log = logging.getLogger("wakegate.up")
 
+#: After routing a new replica, how long its first answer check waits before looking at the
+#: engine's load (held requests arrive within ~40 ms, docs/performance.md "Cold starts").
+ANSWER_AFTER = 0.1
+
 
 class ReplicaState(StrEnum):
     STARTING = "starting"
@@ -495,10 +499,20 @@ class ModelRuntime:
         return None
 
     async def _first_answer(self, replica: Replica, engine: Engine) -> None:
-        """One token through the OpenAI API right after the replica is routed: the model answers
-        (else the replica goes back to loading), and its first byte is the cold start's last stage.
-        It runs beside the first requests rather than before them: on a 409 MB GGUF a token asked
-        first cost the held request 140-200 ms (docs/decisions.md)."""
+        """One token through the OpenAI API once the replica is routed: the model answers (else
+        the replica goes back to loading), and its first byte is the cold start's last stage. It
+        waits for the requests held for this wake rather than going before them: on a 409 MB GGUF
+        a token asked first cost the held request 140-200 ms (docs/decisions.md)."""
+        if self.backend.load_metrics is not None:
+            # Requests held for this wake reach the engine within tens of ms of routing: let them
+            # have it first, and ask once the engine reports nothing running or waiting.
+            await asyncio.sleep(ANSWER_AFTER)
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                load = await engine.load()
+                if load is None or load.queue == 0:
+                    break
+                await asyncio.sleep(self.settings.probe_interval_loading)
         try:
             sent = time.monotonic()
             replica.first_byte = await engine.answer()
