@@ -148,7 +148,7 @@ class Toleration(_Spec):
     tolerationSeconds: int | None = None
 
 
-SOURCE_PATTERN = r"^(hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]+@sha256:[0-9a-f]{64})$"
+SOURCE_PATTERN = r"^(file://[^\s]+|hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]+@sha256:[0-9a-f]{64})$"
 
 
 def _backend_enum(schema: dict[str, Any]) -> None:
@@ -170,6 +170,10 @@ class ModelSpec(_Spec):
     loraAdapters: list[ServedName] = Field(
         default_factory=list, description="LoRA adapters the backend serves on top of this model."
     )
+    command: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list,
+        description="The engine's executable (and leading words), replacing the backend's own; its flags follow.",
+    )
     args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, description="Appended to the backend's command."
     )
@@ -183,7 +187,12 @@ class ModelSpec(_Spec):
     gpu: Gpu = Field(default_factory=Gpu)
     # Kubernetes placement; ignored by `wakegate up`.
     runtimeRef: RuntimeRef | None = None
-    source: str | None = Field(None, pattern=SOURCE_PATTERN, description="Weights: hf://, pvc:// or oci://…@sha256:…")
+    source: str | None = Field(
+        None,
+        pattern=SOURCE_PATTERN,
+        description="Weights: file:// (a path on the machine; relative to the manifest's folder in "
+        "`wakegate up`), hf://, pvc:// or oci://…@sha256:…",
+    )
     resources: Resources = Field(default_factory=Resources)
     tolerations: list[Toleration] = Field(default_factory=list)
     nodeSelector: dict[str, str] = Field(default_factory=dict)
@@ -196,6 +205,19 @@ class ModelSpec(_Spec):
         if value not in BACKENDS:
             raise ValueError(f"unknown backend {value!r}; known: {', '.join(sorted(BACKENDS))}")
         return value
+
+    @model_validator(mode="after")
+    def _backend_can_serve(self) -> ModelSpec:
+        from wakegate.control.backends import BACKENDS
+
+        backend = BACKENDS[self.backend]
+        if not backend.program and not self.command:
+            raise ValueError(f"backend {self.backend} has no standard command: set spec.command to the engine's")
+        if backend.needs_file and self.source is None:
+            raise ValueError(
+                f"backend {self.backend} loads one GGUF file: set spec.source (file://, oci:// or hf://…/FILE.gguf)"
+            )
+        return self
 
 
 class Metadata(_Spec):

@@ -153,8 +153,9 @@ MODEL = Dashboard(
         ),
         Panel(
             "Cold-start stages (mean)",
-            "Mean seconds per stage over the time range: process_start (decision to spawn), "
-            "health_pass (spawn to healthy), total (decision to ready).",
+            "Mean seconds per stage over the time range: process_start (activation to spawn), "
+            "health_pass (spawn to healthy), model_loaded (spawn to loaded), total (activation to "
+            "ready), first_byte (the engine's first answer to wakegate's check).",
             (
                 Target(
                     f"sum by (stage) (increase(wakegate_cold_start_seconds_sum{{{M}}}[$__range])) "

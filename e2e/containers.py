@@ -205,7 +205,18 @@ class Container:
             pod=self.pod.pod, container=self.spec, pod_ip=self.pod.ip, env=env,
             command=[images.expand(c, env) for c in self.spec.get("command") or []],
             args=[images.expand(a, env) for a in self.spec.get("args") or []],
+            mounts=self._host_mounts(),
         )
+
+    def _host_mounts(self) -> list[tuple[str, str]]:
+        """(mountPath, host path) of the container's hostPath volumes; other volume kinds are not run here."""
+        volumes = {v["name"]: v for v in self.pod.pod["spec"].get("volumes") or []}
+        mounts = []
+        for mount in self.spec.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            if "hostPath" in volume:
+                mounts.append((mount["mountPath"], volume["hostPath"]["path"]))
+        return mounts
 
     async def _run_once(self, argv: list[str], env: dict[str, str], ctx: images.ContainerContext) -> int:
         """Start the process, probe it, and return its exit status (negative: signal)."""

@@ -25,6 +25,15 @@ class ContainerContext:
     env: dict[str, str]
     command: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)
+    #: hostPath volumes as (mountPath, host path): the process sees the host's files, so a path
+    #: under a mount is rewritten to the host path (what the mount would show).
+    mounts: list[tuple[str, str]] = field(default_factory=list)
+
+    def host_path(self, value: str) -> str:
+        for mount, host in self.mounts:
+            if value == mount or value.startswith(mount.rstrip("/") + "/"):
+                return host.rstrip("/") + value[len(mount.rstrip("/")) :]
+        return value
 
     @property
     def first_port(self) -> int | None:
@@ -85,6 +94,42 @@ def envoy(ctx: ContainerContext) -> list[str]:
     return [envoy_binary(), *argv, "--use-dynamic-base-id"]
 
 
+def _engine(name: str) -> str:
+    from e2e import engines
+
+    path = engines.BIN_DIR / name
+    if not path.exists():
+        raise ValueError(f"{path} is missing: build it with python -m e2e.engines {name}")
+    return str(path)
+
+
+def llama_cpp_server(ctx: ContainerContext) -> list[str]:
+    """llama.cpp's server images (`:server`, `:server-cuda`, …): the CPU llama-server built by
+    e2e/engines.py runs as `/app/llama-server`; file arguments under hostPath mounts point at the host."""
+    argv = [*ctx.command, *ctx.args]
+    if argv and not argv[0].startswith("-"):
+        if argv[0] not in ("/app/llama-server", "llama-server"):
+            raise ValueError(f"llama.cpp server image: only llama-server runs here, not {argv[0]!r}")
+        argv = argv[1:]
+    # Pods of one fake node share its network namespace: listen on the pod's own IP.
+    argv = [ctx.pod_ip if a == "0.0.0.0" else ctx.host_path(a) for a in argv]
+    return [_engine("llama-server"), *argv]
+
+
+def ollama_image(ctx: ContainerContext) -> list[str]:
+    """`ollama/ollama`: its command runs with `ollama` meaning the binary e2e/engines.py builds
+    (the shipped runtime's `sh -c` wrapper finds it on PATH)."""
+    import os
+
+    ctx.env["PATH"] = os.pathsep.join([os.path.dirname(_engine("ollama")), ctx.env.get("PATH", "/usr/bin:/bin")])
+    # Pods share the node's network namespace and this machine's /tmp: the pod's IP and a home of its own.
+    ctx.env["OLLAMA_HOST"] = ctx.env.get("OLLAMA_HOST", "").replace("0.0.0.0", ctx.pod_ip) or f"{ctx.pod_ip}:11434"
+    home = f"{ctx.env.get('HOME', '/tmp/ollama')}-{ctx.pod['metadata'].get('uid', ctx.pod_ip)}"
+    ctx.env["HOME"], ctx.env["OLLAMA_MODELS"] = home, f"{home}/models"
+    argv = [*ctx.command, *ctx.args] or ["ollama", "serve"]
+    return [ctx.host_path(a) for a in argv]
+
+
 #: repository path (registry host and tag ignored; matched on whole path
 #: segments from the right) -> recipe
 IMAGES: dict[str, Recipe] = {
@@ -92,6 +137,8 @@ IMAGES: dict[str, Recipe] = {
     "wakegate/wakegate": wakegate,
     "wakegate/e2e-exec": exec_image,
     "envoyproxy/envoy": envoy,
+    "ggml-org/llama.cpp": llama_cpp_server,
+    "ollama/ollama": ollama_image,
 }
 
 

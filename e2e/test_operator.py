@@ -389,7 +389,7 @@ def test_shipped_runtimes_are_installed_and_selected_with_the_documented_rbac(wg
         wait_phase(wg, "picked", "Idle")
         runtimes = kubectl(wg, "get", "inferenceruntimes", "-o", "json").stdout
         names = {item["metadata"]["name"] for item in json.loads(runtimes)["items"]}
-        assert {"sim", "vllm", "llamacpp", "ollama"} <= names
+        assert {"sim", "vllm-cuda", "vllm-rocm", "llamacpp", "llamacpp-cuda", "ollama"} <= names
         dep = wg.apps.read_namespaced_deployment("wg-picked", wg.ns)
         container = dep.spec.template.spec.containers[0]
         assert container.image == "ghcr.io/wakegate/sim:latest"

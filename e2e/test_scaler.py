@@ -466,3 +466,60 @@ def test_lease_elects_one_scaler_and_hands_over(kube: Kube) -> None:
     assert a.try_acquire() is True
     lease = client.CoordinationV1Api(kube.api).read_namespaced_lease("wakegate-scaler", kube.ns)
     assert lease.spec.holder_identity == "a" and lease.spec.lease_transitions == 2
+
+
+def create_llama_model(kube: Kube, gguf: Path) -> None:
+    """A llama.cpp Model on a GGUF the node reads through a hostPath volume; its Deployment and
+    Service are what the operator renders from the shipped `llamacpp` InferenceRuntime."""
+    from wakegate.control.k8s.objects import runtime_from_object
+    from wakegate.control.operator import render
+    from wakegate.control.runtimes import shipped_runtimes
+
+    model = {
+        "apiVersion": names.API_VERSION,
+        "kind": "Model",
+        "metadata": {"name": model_name(kube.ns), "namespace": kube.ns},
+        "spec": {
+            "backend": "llamacpp",
+            "source": f"file://{gguf}",
+            "args": ["--threads", "1", "--ctx-size", "512"],
+            "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 90, "engine": "builtin"},
+        },
+    }
+    created = kube.custom.create_namespaced_custom_object(
+        names.GROUP, names.VERSION, kube.ns, names.MODEL_PLURAL, model
+    )
+    runtime = runtime_from_object(next(r for r in shipped_runtimes() if r["metadata"]["name"] == "llamacpp"))
+    rendered = render.render(created, runtime, render.Settings(keda_available=False), initial_replicas=0)
+    for obj in rendered.objects:
+        if obj["kind"] == "Deployment":
+            kube.apps.create_namespaced_deployment(kube.ns, obj)
+        elif obj["kind"] == "Service":
+            kube.core.create_namespaced_service(kube.ns, obj)
+
+
+@pytest.fixture
+def llama_gateway(kube: Kube, model_crd: None, tmp_path: Path) -> Iterator[Gateway]:
+    from e2e import engines
+    from e2e.tinymodel import ModelSpec, write_model
+
+    try:
+        engines.ensure("llama-server")
+    except engines.ToolchainMissing as exc:
+        pytest.skip(str(exc))
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    create_llama_model(kube, write_model(weights / "tiny.gguf", ModelSpec()))
+    gw = Gateway(kube.cluster, kube.ns, tmp_path)
+    gw.start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def test_llamacpp_model_scales_from_zero_answers_and_goes_back(kube: Kube, llama_gateway: Gateway) -> None:
+    """The real engine as a pod: llama-server loads the GGUF from its hostPath volume, is Ready only
+    once /health says the model is loaded, answers through the cluster gateway, and goes away."""
+    answered, idle = cold_round_trip(kube, llama_gateway, idle_within=15)
+    print(f"llamacpp: cold request answered in {answered:.2f}s; scaled to zero {idle:.1f}s after it")

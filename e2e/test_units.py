@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from e2e import images, net
@@ -63,3 +65,26 @@ def test_network_plan_gives_each_node_a_24_with_gateway_and_node_address() -> No
     assert net.ClusterNet.from_dict(plan.to_dict()) == plan
     with pytest.raises(net.NetError):
         net.plan("abc123", "127.1.0.0/16", 1)  # loopback: refused in EndpointSlices
+
+
+def test_engine_images_run_the_built_engines_on_the_pods_ip_and_host_paths(tmp_path: Path) -> None:
+    from e2e import engines, images
+
+    recipe = images.lookup("ghcr.io/ggml-org/llama.cpp:server-cuda")
+    assert recipe is images.llama_cpp_server
+    ctx = images.ContainerContext(
+        pod={"metadata": {"uid": "u1"}}, container={}, pod_ip="10.9.0.5", env={},
+        command=["/app/llama-server"],
+        args=["--model", "/models/local/tiny.gguf", "--host", "0.0.0.0", "--port", "8080"],
+        mounts=[("/models/local", str(tmp_path))],
+    )
+    if not (engines.BIN_DIR / "llama-server").exists():
+        with pytest.raises(ValueError, match=r"python -m e2e\.engines llama-server"):
+            recipe(ctx)
+        return
+    argv = recipe(ctx)
+    assert argv == [str(engines.BIN_DIR / "llama-server"), "--model", f"{tmp_path}/tiny.gguf",
+                    "--host", "10.9.0.5", "--port", "8080"]
+    ctx.command = ["/bin/sh", "-c"]
+    with pytest.raises(ValueError, match="only llama-server runs here"):
+        recipe(ctx)

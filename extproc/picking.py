@@ -10,7 +10,10 @@ Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
     Consistent-hash ring lookup of :func:`prefix_key` (so requests sharing a prompt prefix reuse
     one server's prefix cache); requests without one go least-loaded.
 ``least-loaded``
-    The endpoint with the fewest in-flight requests (:class:`InFlight`), ties rotated.
+    The endpoint with the fewest requests, ties rotated: per endpoint the larger of this
+    gateway's in-flight count (:class:`InFlight`) and the count the engine itself reports
+    (``engine_loads``: running + waiting from its metrics, which also sees other gateways' and
+    direct traffic).
 
 In-flight contract: :attr:`Picker.inflight` is shared. :meth:`Picker.pick` only reads it; when
 ``pick`` returns an endpoint, the caller calls ``picker.inflight.acquire(endpoint)`` once it routes
@@ -211,12 +214,19 @@ def prefix_key(headers: Mapping[str, str], body: Mapping[str, Any] | None, prefi
 
 
 class InFlight:
-    """In-flight request counts per endpoint (only endpoints with a count > 0 are stored)."""
+    """In-flight request counts per endpoint (only endpoints with a count > 0 are stored).
 
-    __slots__ = ("_counts", "_turn")
+    An engine's own count arrives late (the feeder reads it every half second) and includes this
+    gateway's requests. So that a stale reading does not keep a finished request's endpoint
+    "busy", every release on an endpoint after a reading takes one off that reading.
+    """
+
+    __slots__ = ("_counts", "_engine", "_turn")
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+        # endpoint -> [engine's reported count, releases here since that report]
+        self._engine: dict[str, list[int]] = {}
         self._turn = 0
 
     def acquire(self, endpoint: str) -> None:
@@ -230,6 +240,22 @@ class InFlight:
             self._counts[endpoint] = n - 1
         else:
             self._counts.pop(endpoint, None)
+        seen = self._engine.get(endpoint)
+        if seen is not None:
+            seen[1] += 1
+
+    def engine_count(self, endpoint: str, reported: int) -> int:
+        """The engine's reported count less this gateway's releases on it since the report."""
+        seen = self._engine.get(endpoint)
+        if reported <= 0:
+            if seen is not None:
+                del self._engine[endpoint]
+            return 0
+        if seen is None or seen[0] != reported:
+            if seen is None and len(self._engine) >= _MAX_RINGS:
+                self._engine.clear()  # endpoints that left with a count: defensive bound
+            seen = self._engine[endpoint] = [reported, 0]
+        return max(0, reported - seen[1])
 
     def count(self, endpoint: str) -> int:
         """In-flight requests on ``endpoint``."""
@@ -239,11 +265,13 @@ class InFlight:
         """In-flight requests over all endpoints."""
         return sum(self._counts.values())
 
-    def least_loaded(self, endpoints: Sequence[str]) -> str | None:
-        """The endpoint with the fewest in-flight requests; None if ``endpoints`` is empty.
+    def least_loaded(self, endpoints: Sequence[str], engine_loads: Mapping[str, int] | None = None) -> str | None:
+        """The endpoint with the fewest requests; None if ``endpoints`` is empty.
 
-        Ties rotate round-robin among the tied endpoints (in the order given), so equally idle
-        endpoints share the traffic instead of the first one taking it all.
+        An endpoint's count is its in-flight count, or what its engine reports holding
+        (``engine_loads``) when that is larger. Ties rotate round-robin among the tied endpoints
+        (in the order given), so equally idle endpoints share the traffic instead of the first
+        one taking it all.
         """
         if not endpoints:
             return None
@@ -252,6 +280,8 @@ class InFlight:
         tied: list[str] = []
         for ep in endpoints:
             n = counts.get(ep, 0)
+            if engine_loads:
+                n = max(n, self.engine_count(ep, engine_loads.get(ep, 0)))
             if best < 0 or n < best:
                 best = n
                 tied = [ep]
@@ -282,22 +312,24 @@ class Picker:
         endpoints: Sequence[str],
         headers: Mapping[str, str],
         body: Mapping[str, Any] | None,
+        engine_loads: Mapping[str, int] | None = None,
     ) -> str | None:
         """The endpoint for this request, or None to let Envoy's load balancer choose.
 
         Returns None for ``default``, unknown strategies and empty ``endpoints``. Reads but never
         changes :attr:`inflight` (see the module docstring for the acquire/release contract).
+        ``engine_loads`` (endpoint -> requests its engine reports) weighs in on least-loaded picks.
         """
         if not endpoints or strategy not in STRATEGIES or strategy == "default":
             return None
         if strategy == "least-loaded":
-            return self.inflight.least_loaded(endpoints)
+            return self.inflight.least_loaded(endpoints, engine_loads)
         if strategy == "session-affinity":
             key = session_key(headers, body)
         else:  # prefix
             key = prefix_key(headers, body, self.prefix_chars)
         if key is None:
-            return self.inflight.least_loaded(endpoints)
+            return self.inflight.least_loaded(endpoints, engine_loads)
         return self._ring(model_key, endpoints).lookup(key)
 
     def _ring(self, model_key: str, endpoints: Sequence[str]) -> HashRing:

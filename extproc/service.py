@@ -407,9 +407,15 @@ class Processor:
         self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
     ) -> ep.ProcessingResponse:
         route = resolved.route
-        endpoints = [f"{e.address}:{e.port}" for e in route.endpoints]
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed)
+        endpoints = []
+        loads: dict[str, int] = {}  # engines' own counts, for the strategies that may go least-loaded
+        for e in route.endpoints:
+            key = f"{e.address}:{e.port}"
+            endpoints.append(key)
+            if e.engine_load:
+                loads[key] = e.engine_load
+        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads)
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:

@@ -69,6 +69,8 @@ class RoutedModel:
     failed_activations: int = 0
     last_failure: str = ""
     admitted: bool = True
+    #: (ip, port, requests the engine holds) from the engine's own metrics, where it has them.
+    loads: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def cluster(self) -> str:
@@ -83,6 +85,7 @@ def routed_model(
     failed_activations: int = 0,
     last_failure: str = "",
     admitted: bool = True,
+    loads: Iterable[tuple[str, int, int]] = (),
 ) -> RoutedModel:
     """What the gateway needs of a Model manifest plus its current ready endpoints."""
     spec = model.spec
@@ -102,6 +105,7 @@ def routed_model(
         failed_activations=failed_activations,
         last_failure=last_failure,
         admitted=admitted,
+        loads=tuple(sorted(loads)),
     )
 
 
@@ -488,7 +492,7 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         cluster=model.cluster,
         strategy=contract.STRATEGIES[model.strategy],
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
-        endpoints=[routing_pb2.Endpoint(address=ip, port=port) for ip, port in sorted(model.endpoints)],
+        endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(
             mode=contract.COLD_MODES[model.cold_mode],
             max_queue=model.max_queue,
@@ -499,6 +503,14 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         last_failure=model.last_failure,
         admitted=model.admitted,
     )
+
+
+def _route_endpoints(model: RoutedModel) -> list[routing_pb2.Endpoint]:
+    loads = {(ip, port): queue for ip, port, queue in model.loads}
+    return [
+        routing_pb2.Endpoint(address=ip, port=port, engine_load=loads.get((ip, port), 0))
+        for ip, port in sorted(model.endpoints)
+    ]
 
 
 def build(

@@ -13,10 +13,12 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from pydantic import ValidationError
 
+from wakegate.control.backends import BACKENDS
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
@@ -104,16 +106,30 @@ def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> Infer
         parsed.setdefault(shipped.metadata.name, shipped)
     vendor = spec.resources.gpu.vendor
     candidates = [r for r in parsed.values() if r.spec.backend == spec.backend]
-    if vendor is not None and spec.resources.gpu.count > 0:
+    gpu = spec.resources.gpu.count > 0
+    if vendor is not None and gpu:
         candidates = [r for r in candidates if vendor in r.spec.gpuVendors]
+    elif gpu and any(r.spec.gpuVendors for r in candidates):
+        candidates = [r for r in candidates if r.spec.gpuVendors]  # never a CPU-only image for a GPU
     if not candidates:
-        raise RenderError("RuntimeNotFound", f"no InferenceRuntime serves backend {spec.backend!r} on {vendor}")
+        where = f"{vendor} GPUs" if vendor and gpu else ("GPUs" if gpu else "this cluster")
+        raise RenderError(
+            "RuntimeNotFound",
+            f"no InferenceRuntime serves backend {spec.backend!r} on {where}: "
+            "apply one of your own and name it in spec.runtimeRef",
+        )
 
-    def rank(runtime: InferenceRuntime) -> tuple[bool, bool, str]:
-        # A runtime naming the vendor beats a generic one; the shipped runtime is the default
-        # (a user's own runtime is chosen with runtimeRef); then by name, to be deterministic.
+    def rank(runtime: InferenceRuntime) -> tuple[bool, bool, bool, str]:
+        # A runtime naming the vendor beats a generic one; without a GPU a CPU image comes first;
+        # the shipped runtime is the default (a user's own runtime is chosen with runtimeRef);
+        # then by name, to be deterministic.
         names_vendor = vendor is not None and vendor in runtime.spec.gpuVendors
-        return (not names_vendor, runtime.metadata.labels.get(LABEL_SHIPPED) != "true", runtime.metadata.name)
+        return (
+            not names_vendor,
+            not gpu and bool(runtime.spec.gpuVendors),
+            runtime.metadata.labels.get(LABEL_SHIPPED) != "true",
+            runtime.metadata.name,
+        )
 
     return min(candidates, key=rank)
 
@@ -128,17 +144,36 @@ def _substitute(template: str, values: Mapping[str, str]) -> str:
 def _weights(model: Model) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """(model argument, volumes, volume mounts) from `spec.source`."""
     source = model.spec.source
+    needs_file = BACKENDS[model.spec.backend].needs_file
     if source is None:
         return model.served_name, [], []
     scheme, _, rest = source.partition("://")
     if scheme == "hf":
+        if needs_file:
+            raise RenderError(
+                "SourceUnsupported",
+                f"backend {model.spec.backend} loads one GGUF file; on a cluster give it with "
+                "file:// (a path on the node), pvc:// or oci://",
+            )
         return rest, [], []
+    if scheme == "file":
+        path = PurePosixPath(rest)
+        if not path.is_absolute():
+            raise RenderError("SourceUnsupported", f"{source}: a cluster needs an absolute file:// path on the node")
+        folder = str(path.parent)
+        volume = {"name": WEIGHTS_VOLUME, "hostPath": {"path": folder, "type": "Directory"}}
+        mount = f"{WEIGHTS_ROOT}/local"
+        return (
+            f"{mount}/{path.name}",
+            [volume],
+            [{"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}],
+        )
     if scheme == "pvc":
-        claim, _, path = rest.partition("/")
+        claim, _, path_in_claim = rest.partition("/")
         mount = f"{WEIGHTS_ROOT}/{claim}"
         volume = {"name": WEIGHTS_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         return (
-            (f"{mount}/{path}" if path else mount),
+            (f"{mount}/{path_in_claim}" if path_in_claim else mount),
             [volume],
             [{"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}],
         )
@@ -214,7 +249,7 @@ def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntim
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "readinessProbe": {
-            "httpGet": {"path": rt.readinessProbe.path, "port": "http"},
+            "httpGet": {"path": _substitute(rt.readinessProbe.path, values), "port": "http"},
             "initialDelaySeconds": rt.readinessProbe.initialDelaySeconds,
             "periodSeconds": rt.readinessProbe.periodSeconds,
             "timeoutSeconds": rt.readinessProbe.timeoutSeconds,

@@ -94,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         for backend in BACKENDS.values():
             vendors = ",".join(backend.gpu_vendors) or "none"
             print(f"{backend.name:10} port={backend.default_port:<6} gpu={vendors:12} {backend.description}")
+            print(f"{'':10} load signal: {backend.load_signal}")
         return 0
     return start(args, Settings.from_args, _check if args.check else run, "up")
 

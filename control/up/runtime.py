@@ -15,21 +15,29 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from wakegate.control.admin import free_port
-from wakegate.control.backends import BACKENDS
+from wakegate.control.backends import BACKENDS, LoadSignals
+from wakegate.control.delivery.errors import DeliveryError
+from wakegate.control.delivery.resolver import resolve
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.schema import Model
 from wakegate.control.up.children import Child
+from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
 
 log = logging.getLogger("wakegate.up")
+
+#: After routing a new replica, how long its first answer check waits before looking at the
+#: engine's load (held requests arrive within ~40 ms, docs/performance.md "Cold starts").
+ANSWER_AFTER = 0.1
 
 
 class ReplicaState(StrEnum):
@@ -59,6 +67,12 @@ class RuntimeSettings:
     #: Pause between taking a replica out of the routes and signalling it, so that no
     #: request is sent to a backend that stopped listening (Envoy applies the push in ms).
     unroute_delay: float = 0.5
+    #: Folder of engines' private state: one per model and replica slot (Ollama's model store).
+    engines_dir: Path = Path(".wakegate/engines")
+    #: Relative `file://` sources are found from here: the manifest's folder.
+    base_dir: Path | None = None
+    #: How often a ready replica's own load signals are read (for picking and draining).
+    load_interval: float = 0.5
 
 
 @dataclass
@@ -72,6 +86,21 @@ class Replica:
     restarts: int = 0
     task: asyncio.Task[None] | None = None
     gpu_owner: str = ""
+    #: Lowest number free among the model's replicas: names the engine's private folder, which
+    #: outlives the process (Ollama's store is reused on the next wake).
+    slot: int = 0
+    #: Cold-start timeline of the current process (monotonic seconds).
+    healthy_at: float | None = None
+    #: The plugin's load steps done (Ollama: the model created in its store).
+    prepared_at: float | None = None
+    loaded_at: float | None = None
+    first_byte: float | None = None
+    #: When that first byte came (monotonic), for the timeline.
+    first_byte_at: float | None = None
+    #: The engine's own load signals, last read.
+    load: LoadSignals | None = None
+    #: The first answer asked of a new process (runs beside the first requests).
+    probe: asyncio.Task[None] | None = None
 
 
 class ModelRuntime:
@@ -86,6 +115,7 @@ class ModelRuntime:
         self.settings = settings
         self._on_change = on_change
         self.replicas: list[Replica] = []
+        self.gpu_slots: dict[str, list[Slot]] = {}
         self._stopping = 0
         self._indexes = itertools.count()
         self.generation = 0
@@ -100,15 +130,33 @@ class ModelRuntime:
         self.on_ready: Callable[[ModelRuntime, Replica], None] | None = None
         self.on_exit: Callable[[ModelRuntime], None] | None = None
         self.on_activation_failed: Callable[[ModelRuntime, str], None] | None = None
+        #: A new process answered its first token (replica.first_byte is set).
+        self.on_answered: Callable[[ModelRuntime, Replica], None] | None = None
+        #: Requests in flight to this model over all gateways (drains engines without load signals).
+        self.in_flight: Callable[[], int] = lambda: 0
+        #: The weight file or folder the engine loads, once resolved from `spec.source`.
+        self.weights: Path | None = None
+        #: The last cold start's timeline: stage -> seconds since the activation signal.
+        self.last_timeline: dict[str, float] = {}
 
     @property
     def ready_endpoints(self) -> tuple[tuple[str, int], ...]:
         return tuple((self.settings.host, r.port) for r in self.replicas if r.state is ReplicaState.READY)
 
+    @property
+    def endpoint_loads(self) -> tuple[tuple[str, int, int], ...]:
+        """(host, port, requests the engine holds) of ready replicas whose engine reports load."""
+        return tuple(
+            (self.settings.host, r.port, r.load.queue)
+            for r in self.replicas
+            if r.state is ReplicaState.READY and r.load is not None
+        )
+
     def routed(self) -> RoutedModel:
         return routed_model(
             self.model,
             self.ready_endpoints,
+            loads=self.endpoint_loads,
             generation=self.generation,
             failed_activations=self.failed_activations,
             last_failure=self.last_failure,
@@ -142,24 +190,46 @@ class ModelRuntime:
             await self._stop_replica(replica)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(self._stop_replica(r) for r in self.replicas))
+        """Stop every replica; `up` calls this after Envoy and extproc are gone, so nothing is left
+        in flight through the gateway and no drain is waited for."""
+        await asyncio.gather(*(self._stop_replica(r, drain=False) for r in self.replicas))
         self.replicas.clear()
 
     # -- replicas ---------------------------------------------------------------------------------
 
-    def _argv(self, port: int) -> list[str]:
-        command = self.backend.render_command(
-            host=self.settings.host, port=port, model=self.model.name, served_name=self.model.served_name
-        )
-        return command + list(self.model.spec.args)
+    def _values(self, replica: Replica) -> dict[str, str]:
+        """What the plugin's templates are filled with for one replica."""
+        state = self.settings.engines_dir / self.model.name / str(replica.slot)
+        return {
+            "host": self.settings.host,
+            "port": str(replica.port),
+            # The engine gets the weights: the file (or folder) the source resolved to; without a
+            # source, the served name (a hub id vLLM fetches itself).
+            "model": str(self.weights) if self.weights is not None else self.model.served_name,
+            "served_name": self.model.served_name,
+            "state": str(state.resolve()),
+        }
 
-    def _env(self, port: int, gpus: list[Slot]) -> dict[str, str]:
+    def _argv(self, values: dict[str, str]) -> list[str]:
+        return self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
+
+    def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
         env = dict(os.environ)
-        values = {"host": self.settings.host, "port": str(port)}
-        env.update({k: v.format(**values) for k, v in self.backend.env.items()})
+        env.update(self.backend.environment(values))
         env.update(visible_devices_env(gpus))
         env.update(self.model.spec.env)
         return env
+
+    async def _resolve_weights(self) -> None:
+        """`spec.source` to a local path, once per runtime (relative file:// from the manifest's folder)."""
+        if self.weights is not None or self.model.spec.source is None:
+            return
+        resolved = await resolve(self.model.spec.source, None, base_dir=self.settings.base_dir)
+        self.weights = resolved.model_path
+        if self.backend.needs_file and not self.weights.is_file():
+            raise DeliveryError(
+                f"{self.model.spec.source}: backend {self.backend.name} needs one weight file", "bad_source"
+            )
 
     @property
     def capacity(self) -> int:
@@ -189,13 +259,17 @@ class ModelRuntime:
             return None
         port = free_port(self.settings.host)
         name = f"{self.model.name}-{index}"
-        child = Child(name, self._argv(port), self.settings.log_dir / f"{name}.log", self._env(port, slots))
-        replica = Replica(index=index, port=port, child=child, gpu_owner=owner)
+        used = {r.slot for r in self.replicas}
+        slot = next(n for n in itertools.count() if n not in used)
+        # argv and environment are filled in once the weights are resolved (_supervise).
+        child = Child(name, [], self.settings.log_dir / f"{name}.log", {})
+        replica = Replica(index=index, port=port, child=child, gpu_owner=owner, slot=slot)
+        self.gpu_slots[owner] = slots
         self.replicas.append(replica)
         replica.task = asyncio.create_task(self._supervise(replica), name=f"replica-{name}")
         return replica
 
-    async def _stop_replica(self, replica: Replica) -> None:
+    async def _stop_replica(self, replica: Replica, drain: bool = True) -> None:
         self._stopping += 1
         try:
             # Supervision ends first, so no health probe can mark the replica ready again.
@@ -208,12 +282,35 @@ class ModelRuntime:
             if was_ready:
                 self._changed()
                 await asyncio.sleep(self.settings.unroute_delay)
-            await replica.child.stop(self.settings.stop_grace)
+            if self.backend.drains_on_sigterm:
+                await replica.child.stop(self.settings.stop_grace)
+            else:
+                if was_ready and drain:
+                    await self._drain(replica)
+                await replica.child.stop(self.backend.term_grace)
         finally:
             self._stopping -= 1
             self.gpus.release(replica.gpu_owner)
+            self.gpu_slots.pop(replica.gpu_owner, None)
         replica.state = ReplicaState.STOPPED
         log.info("replica stopped model=%s replica=%d", self.model.key, replica.index)
+
+    async def _drain(self, replica: Replica) -> None:
+        """Wait (at most `stop_grace`) until the engine holds no request: its own load signals, or
+        for an engine without any (Ollama) the gateways' in-flight count of the model."""
+        deadline = time.monotonic() + self.settings.stop_grace
+        async with aiohttp.ClientSession() as session:
+            engine = Engine(self.backend, session, self.settings.host, replica.port, self._values(replica), None)
+            while time.monotonic() < deadline and replica.child.running:
+                if self.backend.load_metrics is not None:
+                    load = await engine.load()
+                    if load is None or load.queue == 0:
+                        return
+                elif self.in_flight() == 0:
+                    return
+                await asyncio.sleep(0.1)
+        log.warning("drain incomplete model=%s replica=%d after %.0fs", self.model.key, replica.index,
+                    self.settings.stop_grace)
 
     def publish(self) -> None:
         """Routing-relevant state changed outside a replica (admission, failures)."""
@@ -225,18 +322,29 @@ class ModelRuntime:
 
     async def _supervise(self, replica: Replica) -> None:
         backoff = self.settings.restart_backoff_min
-        url = f"http://{self.settings.host}:{replica.port}{self.backend.health_path}"
         load_timeout = float(self.model.spec.scaling.activationTimeout)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while True:
                 replica.state = ReplicaState.STARTING
                 replica.started_at = time.monotonic()
+                replica.healthy_at = replica.loaded_at = replica.first_byte = replica.first_byte_at = None
+                replica.load = None
+                try:
+                    await self._resolve_weights()
+                except DeliveryError as exc:
+                    self._gone(replica, None, f"weights unavailable: {exc}")
+                    return
+                values = self._values(replica)
+                await asyncio.to_thread(Path(values["state"]).mkdir, parents=True, exist_ok=True)
+                replica.child.argv = self._argv(values)
+                replica.child.env = self._env(values, self.gpu_slots.get(replica.gpu_owner, []))
                 await replica.child.start()
                 if self.on_spawned is not None:
                     self.on_spawned(self, replica)
+                engine = Engine(self.backend, session, self.settings.host, replica.port, values, self.weights)
                 exited = asyncio.ensure_future(replica.child.wait())
                 try:
-                    code, reason = await self._watch(replica, session, url, exited, load_timeout)
+                    code, reason = await self._watch(replica, engine, exited, load_timeout)
                 finally:
                     if not exited.done():
                         exited.cancel()
@@ -253,20 +361,7 @@ class ModelRuntime:
                 if self.model.spec.scaling.min == 0:
                     # Scale-from-zero models do not restart on their own: the scaler decides
                     # again from demand, and a failed load needs a new activation lease.
-                    log.warning(
-                        "replica exited model=%s replica=%d code=%s log=%s",
-                        self.model.key,
-                        replica.index,
-                        code,
-                        replica.child.log_path,
-                    )
-                    replica.state = ReplicaState.STOPPED
-                    self.gpus.release(replica.gpu_owner)
-                    if replica in self.replicas:
-                        self.replicas.remove(replica)
-                    self._changed()
-                    if self.on_exit is not None:
-                        self.on_exit(self)
+                    self._gone(replica, code, None)
                     return
                 self._changed()
                 log.warning(
@@ -280,6 +375,27 @@ class ModelRuntime:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.settings.restart_backoff_max)
 
+    def _gone(self, replica: Replica, code: int | None, failure: str | None) -> None:
+        """A replica of a scale-from-zero model ended for good (exit, or weights not found)."""
+        if failure is not None:
+            self._activation_failed(failure)
+        else:
+            log.warning(
+                "replica exited model=%s replica=%d code=%s log=%s",
+                self.model.key,
+                replica.index,
+                code,
+                replica.child.log_path,
+            )
+        replica.state = ReplicaState.STOPPED
+        self.gpus.release(replica.gpu_owner)
+        self.gpu_slots.pop(replica.gpu_owner, None)
+        if replica in self.replicas:
+            self.replicas.remove(replica)
+        self._changed()
+        if self.on_exit is not None:
+            self.on_exit(self)
+
     def _activation_failed(self, reason: str) -> None:
         self.failed_activations += 1
         self.last_failure = reason
@@ -287,42 +403,78 @@ class ModelRuntime:
         if self.on_activation_failed is not None:
             self.on_activation_failed(self, reason)
 
+    async def _bring_up(self, replica: Replica, engine: Engine) -> None:
+        """From "health passes" to "the model is loaded and answers" (raises EngineError)."""
+        replica.healthy_at = time.monotonic()
+        await engine.prepare()
+        replica.prepared_at = time.monotonic()
+        if self.backend.load_by_answering:
+            sent = time.monotonic()
+            replica.first_byte = await engine.answer()
+            replica.first_byte_at = sent + replica.first_byte
+        deadline = time.monotonic() + 30.0
+        while not await engine.loaded():
+            if time.monotonic() > deadline:
+                raise EngineError(f"the model was not loaded 30s after {self.backend.name}'s load steps")
+            await asyncio.sleep(self.settings.probe_interval_loading)
+        replica.loaded_at = time.monotonic()
+
     async def _watch(
         self,
         replica: Replica,
-        session: aiohttp.ClientSession,
-        url: str,
+        engine: Engine,
         exited: asyncio.Future[int],
         load_timeout: float,
     ) -> tuple[int | None, str | None]:
-        """Probe health until the process exits; returns its exit code and, for a load that
-        never passed health in time, the reason it was stopped."""
+        """Probe until the process exits; returns its exit code and, for a load that never
+        completed in time, the reason it was stopped."""
+        try:
+            return await self._watch_loop(replica, engine, exited, load_timeout)
+        finally:
+            if replica.probe is not None:
+                replica.probe.cancel()
+                replica.probe = None
+
+    async def _watch_loop(
+        self, replica: Replica, engine: Engine, exited: asyncio.Future[int], load_timeout: float
+    ) -> tuple[int | None, str | None]:
+        next_health = 0.0
         while not exited.done():
-            if replica.ready_at is None and time.monotonic() - replica.started_at > load_timeout:
-                await replica.child.stop(self.settings.stop_grace)
+            now = time.monotonic()
+            if replica.ready_at is None and now - replica.started_at > load_timeout:
+                await replica.child.stop(self.backend.term_grace)
                 return exited.result() if exited.done() else None, (
-                    f"health check {self.backend.health_path} did not pass within {load_timeout:.0f}s"
+                    f"the model was not loaded and answering within {load_timeout:.0f}s "
+                    f"(health {self.backend.health_path}; log: {replica.child.log_path})"
                 )
-            healthy = await _probe(session, url)
-            if healthy and replica.state is not ReplicaState.READY:
-                replica.state = ReplicaState.READY
-                replica.ready_at = time.monotonic()
-                log.info(
-                    "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
-                    self.model.key,
-                    replica.index,
-                    replica.port,
-                    replica.ready_at - replica.started_at,
-                )
-                if self.on_ready is not None:
-                    self.on_ready(self, replica)
-                self._changed()
-            elif not healthy and replica.state is ReplicaState.READY:
-                replica.state = ReplicaState.STARTING
-                log.warning("replica unhealthy model=%s replica=%d", self.model.key, replica.index)
-                self._changed()
+            if replica.state is not ReplicaState.READY:
+                if await engine.healthy():
+                    failure = await self._first_of(self._bring_up(replica, engine), exited)
+                    if failure is not None:
+                        await replica.child.stop(self.backend.term_grace)
+                        return exited.result() if exited.done() else None, (
+                            f"{failure} (log: {replica.child.log_path})"
+                        )
+                    if exited.done():
+                        break
+                    self._became_ready(replica)
+                    if self.backend.answer_probe and replica.first_byte is None:
+                        replica.probe = asyncio.create_task(self._first_answer(replica, engine))
+                    next_health = time.monotonic() + self.settings.probe_interval_ready
+            else:
+                if now >= next_health:
+                    next_health = now + self.settings.probe_interval_ready
+                    if not (await engine.healthy() and await engine.loaded()):
+                        replica.state = ReplicaState.STARTING
+                        replica.load = None
+                        log.warning("replica unhealthy model=%s replica=%d", self.model.key, replica.index)
+                        self._changed()
+                        continue
+                await self._read_load(replica, engine)
             interval = (
-                self.settings.probe_interval_ready
+                min(self.settings.load_interval, self.settings.probe_interval_ready)
+                if replica.state is ReplicaState.READY and self.backend.load_metrics is not None
+                else self.settings.probe_interval_ready
                 if replica.state is ReplicaState.READY
                 else self.settings.probe_interval_loading
             )
@@ -330,10 +482,70 @@ class ModelRuntime:
                 await asyncio.wait_for(asyncio.shield(exited), interval)
         return exited.result(), None
 
+    @staticmethod
+    async def _first_of(bring_up: Coroutine[Any, Any, None], exited: asyncio.Future[int]) -> str | None:
+        """Run the load steps unless the process exits first; their failure, or None."""
+        task: asyncio.Future[Any] = asyncio.ensure_future(bring_up)
+        await asyncio.wait([task, exited], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineError):
+                await task
+            return None
+        try:
+            task.result()
+        except EngineError as exc:
+            return str(exc)
+        return None
 
-async def _probe(session: aiohttp.ClientSession, url: str) -> bool:
-    try:
-        async with session.get(url) as response:
-            return response.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return False
+    async def _first_answer(self, replica: Replica, engine: Engine) -> None:
+        """One token through the OpenAI API once the replica is routed: the model answers (else
+        the replica goes back to loading), and its first byte is the cold start's last stage. It
+        waits for the requests held for this wake rather than going before them: on a 409 MB GGUF
+        a token asked first cost the held request 140-200 ms (docs/decisions.md)."""
+        if self.backend.load_metrics is not None:
+            # Requests held for this wake reach the engine within tens of ms of routing: let them
+            # have it first, and ask once the engine reports nothing running or waiting.
+            await asyncio.sleep(ANSWER_AFTER)
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                load = await engine.load()
+                if load is None or load.queue == 0:
+                    break
+                await asyncio.sleep(self.settings.probe_interval_loading)
+        try:
+            sent = time.monotonic()
+            replica.first_byte = await engine.answer()
+            replica.first_byte_at = sent + replica.first_byte
+        except EngineError as exc:
+            if replica.state is ReplicaState.READY:
+                log.warning("replica does not answer model=%s replica=%d: %s", self.model.key, replica.index, exc)
+                replica.state = ReplicaState.STARTING
+                replica.load = None
+                self._changed()
+            return
+        if self.on_answered is not None:
+            self.on_answered(self, replica)
+
+    def _became_ready(self, replica: Replica) -> None:
+        replica.state = ReplicaState.READY
+        replica.ready_at = time.monotonic()
+        log.info(
+            "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
+            self.model.key,
+            replica.index,
+            replica.port,
+            replica.ready_at - replica.started_at,
+        )
+        if self.on_ready is not None:
+            self.on_ready(self, replica)
+        self._changed()
+
+    async def _read_load(self, replica: Replica, engine: Engine) -> None:
+        if self.backend.load_metrics is None:
+            return
+        load = await engine.load()
+        before = replica.load.queue if replica.load is not None else None
+        replica.load = load
+        if (load.queue if load is not None else None) != before:
+            self._on_change()  # new load numbers for picking; not a new backend generation

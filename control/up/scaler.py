@@ -30,6 +30,8 @@ class _Applying:
     spawned: bool = False
     task: asyncio.Task[None] | None = None
     wanted: int = 0
+    #: The replica of the last wake and its activation time, until its first answer is timed.
+    answer_from: tuple[Replica, float] | None = None
 
 
 class LocalScaler:
@@ -53,6 +55,7 @@ class LocalScaler:
             runtime.on_spawned = self._spawned
             runtime.on_ready = self._ready
             runtime.on_exit = self._exited
+            runtime.on_answered = self._answered
         self.core.set_models([rt.model for rt in runtimes.values()], clock(), {key: 0 for key in runtimes})
         self._wake = asyncio.Event()
         self._timer_at: float | None = None
@@ -136,11 +139,37 @@ class LocalScaler:
             state.spawned = True
             self._on_cold_start(runtime.model.key, "process_start", replica.started_at - state.waking_since)
 
+    def _answered(self, runtime: ModelRuntime, replica: Replica) -> None:
+        state = self._applying[runtime.model.key]
+        if state.answer_from is None or state.answer_from[0] is not replica:
+            return
+        _, t0 = state.answer_from
+        state.answer_from = None
+        if replica.first_byte is not None and replica.first_byte_at is not None:
+            runtime.last_timeline["first_byte"] = replica.first_byte_at - t0
+            self._on_cold_start(runtime.model.key, "first_byte", replica.first_byte)
+
     def _ready(self, runtime: ModelRuntime, replica: Replica) -> None:
         state = self._applying[runtime.model.key]
         if state.waking_since is not None and replica.ready_at is not None:
-            self._on_cold_start(runtime.model.key, "health_pass", replica.ready_at - replica.started_at)
-            runtime.last_cold_start = replica.ready_at - state.waking_since
-            self._on_cold_start(runtime.model.key, "total", runtime.last_cold_start)
+            key, t0 = runtime.model.key, state.waking_since
+            healthy = replica.healthy_at or replica.ready_at
+            loaded = replica.loaded_at or replica.ready_at
+            # Seconds since the activation signal (the demand that woke the model) of each stage;
+            # first_byte follows when the engine's first answer comes (_answered).
+            runtime.last_timeline = {
+                "process_start": replica.started_at - t0,
+                "health_pass": healthy - t0,
+                **({"prepared": replica.prepared_at - t0} if replica.prepared_at and runtime.backend.prepare else {}),
+                "model_loaded": loaded - t0,
+                "ready": replica.ready_at - t0,
+            }
+            self._on_cold_start(key, "health_pass", healthy - replica.started_at)
+            self._on_cold_start(key, "model_loaded", loaded - replica.started_at)
+            runtime.last_cold_start = replica.ready_at - t0
+            self._on_cold_start(key, "total", runtime.last_cold_start)
             state.waking_since = None
+            state.answer_from = (replica, t0)
+            if replica.first_byte is not None:  # answered before routing (load_by_answering)
+                self._answered(runtime, replica)
         self.poke()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.schema import ManifestError, Model, parse_models
 from wakegate.control.up.children import Child
+from wakegate.control.up.engine import runnable
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
@@ -93,6 +95,10 @@ class Settings(ProcessSettings):
             raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
         except ManifestError as exc:
             raise ValueError(str(exc)) from None
+        for model in models:
+            problem = runnable(model, args.file.resolve().parent)
+            if problem is not None:
+                raise ValueError(f"{args.file}: Model {model.name!r}: {problem}")
         try:
             host, port = admin.host_port(args.listen)
             admin.host_port(args.admin_listen)
@@ -131,7 +137,11 @@ class Up:
             upstream_header=settings.upstream_header,
         )
         self.publisher = Publisher(SnapshotCache(), self.gateway, self._routed)
-        self.runtime_settings = RuntimeSettings(log_dir=self.state_dir / "logs")
+        self.runtime_settings = RuntimeSettings(
+            log_dir=self.state_dir / "logs",
+            engines_dir=self.state_dir / "engines",
+            base_dir=settings.file.resolve().parent,
+        )
         self.gpus = discover(settings.fake_gpus)
         publish = self.publisher.publish_soon
         self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in self.models}
@@ -141,12 +151,20 @@ class Up:
         self.demand_service = DemandService(self.book, self._demand_changed)
         self.scaler_hub: ScalerHub | None = None
         for runtime in self.runtimes.values():
+            runtime.in_flight = self._in_flight_of(runtime.model.key)
             runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
                 rt.model.key
             ).inc()
         self.children: list[Child] = []
         self._stop = asyncio.Event()
         self._failure: str | None = None
+
+    def _in_flight_of(self, key: str) -> Callable[[], int]:
+        def in_flight() -> int:
+            load = self.scaler.loads.get(key)
+            return load.in_flight if load is not None else 0
+
+        return in_flight
 
     def _demand_changed(self) -> None:
         self.scaler.poke()
@@ -274,7 +292,9 @@ class Up:
                 {
                     "key": rt.model.key,
                     "names": rt.model.client_names,
+                    "served_name": rt.model.served_name,
                     "backend": rt.model.spec.backend,
+                    "weights": str(rt.weights) if rt.weights is not None else None,
                     "replicas": [
                         {
                             "index": r.index,
@@ -282,6 +302,11 @@ class Up:
                             "state": r.state.value,
                             "pid": r.child.pid,
                             "restarts": r.restarts,
+                            "engine_load": (
+                                {"running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage}
+                                if r.load is not None
+                                else None
+                            ),
                             "gpus": self.gpus.owned(r.gpu_owner),
                             "log": str(r.child.log_path),
                         }
@@ -293,6 +318,7 @@ class Up:
                     "failed_activations": rt.failed_activations,
                     "last_failure": rt.last_failure,
                     "last_cold_start_seconds": rt.last_cold_start,
+                    "last_cold_start": dict(rt.last_timeline),
                     "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,
                     "in_flight": (
                         self.scaler.loads[rt.model.key].in_flight if rt.model.key in self.scaler.loads else 0

@@ -489,3 +489,31 @@ def test_picker_caches_ring_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     picker.forget("m")
     picker.pick("m", "session-affinity", [*EPS4, EP5], {"x-session-id": "s"}, None)
     assert len(built) == 4
+
+
+def test_least_loaded_counts_what_the_engine_reports_beyond_this_gateway() -> None:
+    inflight = InFlight()
+    picker = Picker()
+    eps = ["10.0.0.1:80", "10.0.0.2:80"]
+    # The gateway sent nothing, but the first engine reports 3 requests (other gateways, direct traffic).
+    for _ in range(4):
+        assert picker.pick("m", "least-loaded", eps, {}, None, {eps[0]: 3}) == eps[1]
+    # The gateway's own count still wins when it is higher than a report.
+    inflight.acquire(eps[1])
+    inflight.acquire(eps[1])
+    assert inflight.least_loaded(eps, {eps[0]: 1}) == eps[0]
+
+
+def test_a_stale_engine_report_fades_with_this_gateways_releases() -> None:
+    inflight = InFlight()
+    eps = ["10.0.0.1:80", "10.0.0.2:80"]
+    inflight.acquire(eps[0])
+    report = {eps[0]: 1}  # the engine's reading includes the request this gateway sent
+    assert inflight.least_loaded(eps, report) == eps[1]
+    inflight.release(eps[0])
+    # The request ended after the reading: the same (now stale) report no longer counts it.
+    assert inflight.engine_count(eps[0], 1) == 0
+    assert {inflight.least_loaded(eps, report) for _ in range(4)} == set(eps)
+    # A new reading starts over.
+    assert inflight.engine_count(eps[0], 2) == 2
+    assert inflight.engine_count(eps[0], 0) == 0

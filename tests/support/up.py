@@ -18,7 +18,7 @@ from wakegate.control.admin import free_port
 class UpProcess:
     """`wakegate up -f models.yaml` with its own ports and state dir."""
 
-    def __init__(self, tmp: Path, models_yaml: str, *extra: str) -> None:
+    def __init__(self, tmp: Path, models_yaml: str, *extra: str, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.admin_port = free_port()
@@ -49,7 +49,7 @@ class UpProcess:
             cwd=tmp,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         )
 
     def log(self) -> str:

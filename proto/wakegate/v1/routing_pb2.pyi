@@ -28,12 +28,14 @@ COLD_MODE_KEEPALIVE: ColdMode
 COLD_MODE_REJECT: ColdMode
 
 class Endpoint(_message.Message):
-    __slots__ = ("address", "port")
+    __slots__ = ("address", "port", "engine_load")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
     address: str
     port: int
-    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    engine_load: int
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., engine_load: _Optional[int] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("requests_per_second", "burst")

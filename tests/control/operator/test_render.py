@@ -166,9 +166,9 @@ def test_sources(source: str, arg: str, volume_key: str | None) -> None:
 
 def test_vllm_runtime_renders_its_command() -> None:
     body = model(backend="vllm", source="hf://org/x", resources={"gpu": {"count": 1}})
-    container = obj(render(body, shipped("vllm")), "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["vllm"]
-    assert container["args"][:2] == ["serve", "org/x"]
+    container = obj(render(body, shipped("vllm-cuda")), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["vllm", "serve"]
+    assert container["args"][:1] == ["org/x"]
     assert "0.0.0.0" in container["args"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
 
@@ -188,16 +188,27 @@ def test_select_explicit_runtime() -> None:
         rnd.select_runtime(model_from_object(model(runtimeRef={"name": "nope"})), [custom])
     assert missing.value.reason == "RuntimeNotFound"
     with pytest.raises(rnd.RenderError) as mismatch:
-        rnd.select_runtime(model_from_object(model(runtimeRef={"name": "vllm"})), [shipped("vllm")])
+        rnd.select_runtime(model_from_object(model(runtimeRef={"name": "vllm-cuda"})), [shipped("vllm-cuda")])
     assert mismatch.value.reason == "RuntimeMismatch"
 
 
 def test_select_best_match_prefers_vendor_then_shipped() -> None:
     body = model_from_object(model(backend="vllm", resources={"gpu": {"count": 1, "vendor": "amd"}}))
-    rocm = runtime("vllm-rocm", backend="vllm", gpuVendors=["amd"])
-    cuda = runtime("vllm-cuda", backend="vllm", gpuVendors=["nvidia"])
-    assert rnd.select_runtime(body, [cuda, rocm, *shipped_runtimes()]).metadata.name == "vllm"
-    assert rnd.select_runtime(body, [cuda]).metadata.name == "vllm"  # shipped fallback
+    rocm = runtime("my-vllm-rocm", backend="vllm", gpuVendors=["amd"])
+    cuda = runtime("my-vllm-cuda", backend="vllm", gpuVendors=["nvidia"])
+    assert rnd.select_runtime(body, [cuda, rocm, *shipped_runtimes()]).metadata.name == "vllm-rocm"
+    assert rnd.select_runtime(body, [cuda]).metadata.name == "vllm-rocm"  # shipped fallback
+    # The CUDA image never lands on an AMD request, and no GPU means the CPU image.
+    nvidia = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf",
+                                     resources={"gpu": {"count": 1, "vendor": "nvidia"}}))
+    assert rnd.select_runtime(nvidia, []).metadata.name == "llamacpp-cuda"
+    cpu = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf"))
+    assert rnd.select_runtime(cpu, []).metadata.name == "llamacpp"
+    any_gpu = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf", resources={"gpu": {"count": 1}}))
+    assert rnd.select_runtime(any_gpu, []).spec.gpuVendors  # a GPU image, not the CPU one
+    # An engine without a published image needs the user's own runtime, and says so.
+    with pytest.raises(rnd.RenderError, match=r"spec\.runtimeRef"):
+        rnd.select_runtime(model_from_object(model(backend="mlc-llm")), [])
     # A user's runtime is not picked over the shipped one without runtimeRef.
     assert rnd.select_runtime(model_from_object(model()), [runtime("custom")]).metadata.name == "sim"
     # Invalid runtime objects are ignored.
@@ -207,8 +218,47 @@ def test_select_best_match_prefers_vendor_then_shipped() -> None:
 
 def test_every_backend_ships_a_valid_runtime() -> None:
     runtimes = {r["metadata"]["name"]: runtime_from_object(r) for r in shipped_runtimes()}
-    assert set(runtimes) == set(BACKENDS)
-    for name, rt in runtimes.items():
-        assert rt.spec.port == BACKENDS[name].default_port
-        assert rt.spec.readinessProbe.path == BACKENDS[name].health_path
-        assert rt.spec.gpuVendors == list(BACKENDS[name].gpu_vendors)
+    # One runtime per published image; engines without one (MLC LLM, ComfyUI, diffusers) ship none.
+    assert {rt.spec.backend for rt in runtimes.values()} == {b.name for b in BACKENDS.values() if b.images}
+    for rt in runtimes.values():
+        backend = BACKENDS[rt.spec.backend]
+        image = next(i for i in backend.images if i.reference == rt.spec.image and
+                     (i.vendor == "cpu") == (not rt.spec.gpuVendors) and
+                     (not rt.spec.gpuVendors or rt.spec.gpuVendors == [i.vendor]))
+        assert rt.spec.port == backend.default_port
+        assert rt.spec.gpuVendors == ([] if image.vendor == "cpu" else [image.vendor])
+        assert len(rt.spec.gpuVendors) <= 1  # a runtime's image is built for one vendor
+
+
+def test_llamacpp_gets_the_file_from_a_host_path() -> None:
+    body = model(backend="llamacpp", servedName="org/tiny", source="file:///srv/models/tiny.gguf")
+    pod = obj(render(body, shipped("llamacpp")), "Deployment")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["volumes"] == [{"name": "weights", "hostPath": {"path": "/srv/models", "type": "Directory"}}]
+    mount = container["volumeMounts"][0]
+    assert mount["readOnly"] is True
+    args = container["args"]
+    # The engine loads the mounted file and serves the served name, never the Model's name.
+    assert args[args.index("--model") + 1] == f"{mount['mountPath']}/tiny.gguf"
+    assert args[args.index("--alias") + 1] == "org/tiny"
+    assert container["command"] == ["/app/llama-server"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_file_engines_refuse_what_they_cannot_load_on_a_cluster() -> None:
+    for source, words in (("hf://org/repo", "one GGUF file"), ("file://rel/x.gguf", "absolute")):
+        with pytest.raises(rnd.RenderError, match=words) as err:
+            render(model(backend="llamacpp", source=source), shipped("llamacpp"))
+        assert err.value.reason == "SourceUnsupported"
+
+
+def test_ollama_pod_creates_its_model_and_is_ready_once_it_exists() -> None:
+    body = model(backend="ollama", servedName="tiny", source="file:///srv/models/tiny.gguf")
+    container = obj(render(body, shipped("ollama")), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c"]
+    script, _, gguf, name = container["args"]
+    assert "ollama serve" in script and 'ollama create "$2"' in script
+    assert gguf.endswith("/tiny.gguf") and name == "tiny"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v1/models/tiny"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["OLLAMA_HOST"] == "0.0.0.0:11434" and env["OLLAMA_KEEP_ALIVE"] == "-1"

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.scheduler import node, pod
-from wakegate.control.backends import Backend
+from wakegate.control.backends import Backend, Image
 from wakegate.control.k8s import names
 from wakegate.control.placement.facts import (
     NODE_COST_PER_HOUR,
@@ -169,9 +169,9 @@ def test_arch_the_backend_does_not_support_is_rejected() -> None:
 def test_backend_vendor_and_unknown_arch() -> None:
     amd = node("n", vendor="amd", arch="gfx942")
     message, _ = check(pod(backend="vllm-omni", resource="amd.com/gpu"), amd) or ("", True)
-    assert message == "backend vllm-omni does not support GPU arch gfx942"
-    cuda_only = {"cuda": Backend(name="cuda", command=(), default_port=1, health_path="/",
-                                 gpu_vendors=("nvidia",), image="x")}
+    assert message == "backend vllm-omni does not support amd GPUs"  # its only image is CUDA's
+    cuda_only = {"cuda": Backend(name="cuda", description="", program=("x",), args=(), default_port=1,
+                                 health_path="/", images=(Image("nvidia", "x"),))}
     verdict = filter_node(pod_facts(pod(backend="cuda", resource="amd.com/gpu")), node_facts(amd), cuda_only)
     assert verdict is not None and verdict.message == "backend cuda does not support amd GPUs"
     message, _ = check(pod(backend="vllm"), node("n", arch=None)) or ("", True)

@@ -1,0 +1,36 @@
+"""llama.cpp's own server, `llama-server`: one GGUF file, OpenAI API under /v1, Prometheus metrics.
+
+- Start: `llama-server --model FILE --alias NAME --host H --port P --metrics`. The server serves
+  one model and answers whatever `model` a request names, so the gateway does the name check.
+- Health: `/health` refuses connections until the listener is up, answers 503 while the model
+  loads and 200 once it is loaded: 200 already means "loaded". One token through the API makes
+  sure it also answers (and warms the first request).
+- Load: `llamacpp:requests_processing` (busy slots) and `llamacpp:requests_deferred` (requests
+  waiting for a slot) are the running/waiting pair vLLM reports; this version has no KV-cache
+  usage series.
+- Stop: SIGTERM cuts streams in flight, so wakegate drains first (the load reaching zero).
+"""
+
+from __future__ import annotations
+
+from wakegate.control.backends.base import Backend, Image, LoadMetrics
+
+LLAMACPP = Backend(
+    name="llamacpp",
+    description="llama.cpp llama-server (one GGUF file)",
+    program=("llama-server",),
+    args=("--model", "{model}", "--alias", "{served_name}", "--host", "{host}", "--port", "{port}", "--metrics"),
+    default_port=8080,
+    health_path="/health",
+    images=(
+        Image("cpu", "ghcr.io/ggml-org/llama.cpp:server", program=("/app/llama-server",)),
+        Image("nvidia", "ghcr.io/ggml-org/llama.cpp:server-cuda", program=("/app/llama-server",), suffix="cuda"),
+        Image("amd", "ghcr.io/ggml-org/llama.cpp:server-rocm", program=("/app/llama-server",), suffix="rocm"),
+    ),
+    metrics_path="/metrics",
+    metrics_prefix="llamacpp:",
+    load_metrics=LoadMetrics(running=("llamacpp:requests_processing",), waiting=("llamacpp:requests_deferred",)),
+    answer_probe=True,
+    needs_file=True,
+    term_grace=5.0,
+)

@@ -1,0 +1,78 @@
+"""vLLM and vLLM-Omni: `vllm serve MODEL`, OpenAI API under /v1, `vllm:` Prometheus metrics.
+
+`/health` answers 200 once the engine has loaded the model. `vllm:num_requests_running` and
+`vllm:num_requests_waiting` are the load pair the other engines map onto; KV-cache usage is
+`vllm:kv_cache_usage_perc` (named `vllm:gpu_cache_usage_perc` before vLLM 0.10). vLLM drains
+on SIGTERM, but wakegate drains first anyway (the same path for every engine).
+
+Images: `vllm/vllm-openai` is built for CUDA; AMD publishes ROCm builds as `rocm/vllm`.
+vLLM-Omni is a plugin on top of vLLM (`--omni`); its images are tagged per release.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from wakegate.control.backends.base import Backend, Image, LoadMetrics
+
+NVIDIA_ARCH = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
+AMD_ARCH = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "gfx1201")
+
+#: `--host H --port P --served-model-name NAME`, as vLLM (and the simulator) take them.
+VLLM_FLAGS = ("--host", "{host}", "--port", "{port}", "--served-model-name", "{served_name}")
+
+VLLM_LOAD = LoadMetrics(
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+)
+
+VLLM = Backend(
+    name="vllm",
+    description="vLLM OpenAI-compatible server",
+    program=("vllm", "serve"),
+    args=("{model}", *VLLM_FLAGS),
+    default_port=8000,
+    health_path="/health",
+    images=(
+        Image("nvidia", "vllm/vllm-openai:latest", suffix="cuda"),
+        Image("amd", "rocm/vllm:latest", suffix="rocm"),
+    ),
+    gpu_arch=NVIDIA_ARCH[1:] + AMD_ARCH,
+    metrics_path="/metrics",
+    metrics_prefix="vllm:",
+    load_metrics=VLLM_LOAD,
+    drains_on_sigterm=True,
+    term_grace=30.0,
+)
+
+VLLM_OMNI = Backend(
+    name="vllm-omni",
+    description="vLLM-Omni multimodal server (vLLM with the --omni plugin)",
+    program=("vllm", "serve"),
+    args=("{model}", "--omni", *VLLM_FLAGS),
+    default_port=8000,
+    health_path="/health",
+    images=(Image("nvidia", "vllm/vllm-omni:v0.20.0", suffix="cuda"),),
+    gpu_arch=NVIDIA_ARCH[3:],
+    metrics_path="/metrics",
+    metrics_prefix="vllm:",
+    load_metrics=VLLM_LOAD,
+    drains_on_sigterm=True,
+    term_grace=30.0,
+)
+
+SIM = Backend(
+    name="sim",
+    description="wakegate's vLLM-like simulator (no GPU)",
+    program=(sys.executable, "-m", "wakegate", "sim"),
+    args=VLLM_FLAGS,
+    default_port=8000,
+    health_path="/health",
+    images=(Image("cpu", "ghcr.io/wakegate/sim:latest", program=()),),
+    metrics_path="/metrics",
+    metrics_prefix="vllm:",
+    load_metrics=VLLM_LOAD,
+    drains_on_sigterm=True,
+    term_grace=30.0,
+)

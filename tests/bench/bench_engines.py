@@ -1,0 +1,233 @@
+"""Cold start of real engines: through wakegate vs the same engine started by hand.
+
+Run from the repository root (not collected by `pytest tests`):
+
+    python -m tests.bench.bench_engines [--runs 10] [--engines llamacpp,ollama] [--json OUT]
+                                        [--dim 64 --layers 2]
+
+For each engine, on one generated GGUF (e2e/tinymodel.py; `--dim/--layers` for a bigger one),
+alternating run by run in one process so both sides see the same machine load:
+
+* by hand: the engine's own command (the same argv and environment the plugin renders, e.g.
+  `llama-server --model F --alias N --host 127.0.0.1 --port P --metrics --threads 1`), its
+  health polled every 5 ms, then the request sent straight to it. For Ollama the model was
+  created in its store once beforehand (as on a machine that has it), so by hand it is `ollama
+  serve`, `/api/version`, then the request, which loads the model.
+* through wakegate: one `wakegate up` with the engine as a `min: 0` Model (`idleTimeout: 1`);
+  each run waits until the engine process is gone, then sends the request to the gateway.
+
+The request is the same streamed chat completion (8 tokens, temperature 0) through the official
+openai client; time to first token (TTFT) is from the engine's spawn (by hand) or from the
+request's send (wakegate) to the first content chunk. wakegate's added cold start = p50 TTFT
+through wakegate - p50 TTFT by hand. /status's timeline of each wakegate run (activation ->
+process start -> health -> [Ollama: load steps, first answer] -> model loaded -> ready, then the
+engine's first answer to wakegate's own check for llama.cpp) says where it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+from e2e import engines
+from e2e.tinymodel import ModelSpec, write_model
+from tests.bench.common import git_state, loadavg
+from tests.support.up import UpProcess, pids_alive
+from wakegate.control.admin import free_port
+from wakegate.control.backends import BACKENDS
+
+PROMPT = [{"role": "user", "content": "tell me about the weather"}]
+ARGS = {"llamacpp": ["--threads", "1"], "ollama": []}
+ENV = {"llamacpp": {}, "ollama": {"OLLAMA_NUM_PARALLEL": "1"}}
+BINARY = {"llamacpp": "llama-server", "ollama": "ollama"}
+
+
+def ttft(base_url: str, model: str) -> tuple[float, int]:
+    """Seconds from now to the first content chunk of the streamed request; and the chunk count."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    started = time.monotonic()
+    first = None
+    chunks = 0
+    for chunk in client.chat.completions.create(model=model, messages=PROMPT, max_tokens=8,  # type: ignore[arg-type]
+                                                temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            if first is None:
+                first = time.monotonic() - started
+    if first is None:
+        raise RuntimeError("no content")
+    return first, chunks
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def prepare_ollama_store(binary: Path, model: Path, state: Path) -> None:
+    """Create `tiny` once in the store the by-hand runs use."""
+    port = free_port()
+    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny",
+              "state": str(state)}
+    env = dict(os.environ, **BACKENDS["ollama"].environment(values))
+    proc = subprocess.Popen([str(binary), "serve"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    try:
+        while not http_ok(f"http://127.0.0.1:{port}/api/version"):
+            time.sleep(0.02)
+        modelfile = state / "Modelfile"
+        modelfile.write_text(f"FROM {model}\n")
+        subprocess.run([str(binary), "create", "tiny", "-f", str(modelfile)], env=env, check=True,
+                       capture_output=True, timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "p50_ms": statistics.median(values) * 1000, "p90_ms": pct(values, 0.9) * 1000,
+            "min_ms": min(values) * 1000, "max_ms": max(values) * 1000}
+
+
+def bench_engine(name: str, binary: Path, model: Path, runs: int, tmp: Path) -> dict[str, Any]:
+    folder = tmp / name
+    folder.mkdir()
+    hand_state = folder / "hand"
+    hand_state.mkdir()
+    if name == "ollama":
+        prepare_ollama_store(binary, model, hand_state)
+    manifest = f"""apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {{name: tiny}}
+spec:
+  backend: {name}
+  source: file://{model}
+  args: {json.dumps(ARGS[name])}
+  env: {json.dumps(ENV[name])}
+  scaling: {{min: 0, max: 1, idleTimeout: 1}}
+"""
+    up = UpProcess(folder, manifest, env={"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}"})
+    hand: list[float] = []
+    gate: list[float] = []
+    timelines: list[dict[str, float]] = []
+    try:
+        up.wait_ready({"tiny": 0}, timeout=120)
+        pids: list[int] = []
+        for _ in range(runs):
+            hand.append(spawn_to_first_token(name, binary, model, hand_state))
+            # A cold start from idle: the previous engine process has exited (a request that
+            # arrives while it is still being stopped waits for that stop first).
+            deadline = time.monotonic() + 60
+            while True:
+                (status,) = [m for m in up.status()["models"] if m["key"] == "tiny"]
+                if not status["replicas"] and status["state"] == "idle" and not pids_alive(pids):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the engine did not go back to zero")
+                time.sleep(0.05)
+            first, _ = ttft(up.base_url, "tiny")
+            gate.append(first)
+            # The engine's first answer to wakegate's own check comes after the held request.
+            until = time.monotonic() + 10
+            while True:
+                (status,) = [m for m in up.status()["models"] if m["key"] == "tiny"]
+                if "first_byte" in status["last_cold_start"] or time.monotonic() > until:
+                    break
+                time.sleep(0.05)
+            timelines.append(dict(status["last_cold_start"]))
+            pids = [int(r["pid"]) for r in status["replicas"] if r["pid"]]
+    finally:
+        up.stop()
+    stages = sorted({k for t in timelines for k in t})
+    added = statistics.median(gate) - statistics.median(hand)
+    return {
+        "by_hand": summary(hand),
+        "wakegate": summary(gate),
+        "added_p50_ms": added * 1000,
+        "timeline_p50_ms": {k: statistics.median([t[k] for t in timelines if k in t]) * 1000 for k in stages},
+        "raw": {"by_hand": hand, "wakegate": gate},
+    }
+
+
+def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> float:
+    backend = BACKENDS[name]
+    port = free_port()
+    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny",
+              "state": str(state)}
+    argv = [str(binary), *backend.command(values)[1:], *ARGS[name]]
+    env = dict(os.environ, **backend.environment(values), **ENV[name])
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    try:
+        while not http_ok(f"http://127.0.0.1:{port}{backend.health_path}"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}")
+            time.sleep(0.005)
+        sent = time.monotonic()
+        first, _ = ttft(f"http://127.0.0.1:{port}/v1", "tiny")
+        return sent - started + first
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--engines", default="llamacpp,ollama")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    try:
+        model = write_model(tmp / "tiny.gguf", ModelSpec(dim=args.dim, layers=args.layers))
+        result: dict[str, Any] = {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "git": git_state(),
+            "loadavg_before": loadavg(),
+            "model_bytes": model.stat().st_size,
+            "engines": {},
+        }
+        for name in args.engines.split(","):
+            binary = engines.ensure(BINARY[name])
+            result["engines"][name] = bench_engine(name, binary, model, args.runs, tmp)
+            res = result["engines"][name]
+            stages = json.dumps({k: round(v) for k, v in res["timeline_p50_ms"].items()})
+            print(f"{name}: by hand p50 {res['by_hand']['p50_ms']:.0f} ms, through wakegate p50 "
+                  f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms; "
+                  f"timeline p50 (ms since activation) {stages}", flush=True)
+        result["loadavg_after"] = loadavg()
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
