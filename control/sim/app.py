@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -300,7 +301,7 @@ class Sim:
             return eos, "stop"
         return max_tokens, "length"
 
-    def _try_run(self, hashes: list[bytes] | None, prompt_tokens: int, total: int) -> Allocation | None | bool:
+    def _try_run(self, hashes: list[bytes] | None, prompt_tokens: int, total: int) -> Allocation | bool | None:
         """Start a request now if a slot and its blocks are free: its allocation (None: no blocks), or False."""
         if self.metrics.running >= self._limit:
             return False
@@ -328,10 +329,8 @@ class Sim:
             if fut.done() and not fut.cancelled():  # admitted, then cancelled before it resumed
                 self._finish(fut.result())
             else:
-                try:
+                with contextlib.suppress(ValueError):
                     self._waiters.remove(entry)
-                except ValueError:
-                    pass
                 self.metrics.waiting = len(self._waiters)
                 self._wake()
             raise
@@ -417,7 +416,7 @@ class Sim:
             prompt = prompt[0]  # the openai client sends one prompt as a list of one; more are not simulated
         if isinstance(prompt, str):
             tokens = prompt.split()
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        elif isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
             tokens = [str(p) for p in prompt]
         else:
             raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of those")
@@ -454,7 +453,9 @@ class Sim:
         run = _Run(alloc, delay)
         try:
             if stream:
-                return await self._stream(request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start, run)
+                return await self._stream(
+                    request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start, run
+                )
             return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start, run)
         finally:
             self._finish(alloc, _output_hashes(tokens, hashes, run.generated))

@@ -82,9 +82,7 @@ class SimMetrics(Collector):
         usage = self.kv.usage
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated alias).", usage)
-        yield counter(
-            "vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", self.kv.queries
-        )
+        yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", self.kv.queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.", self.kv.hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens)
