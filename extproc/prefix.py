@@ -111,16 +111,28 @@ class PrefixIndex:
         """
         owners = self._owners
         out: dict[str, int] = {}
-        alive: Iterable[str] | None = None
-        for depth, h in enumerate(hashes):
+        alive: list[str] = []
+        depth = 0
+        for h in hashes:
             holders = owners.get(h)
             if not holders:
                 break
-            alive = list(holders) if alive is None else [ep for ep in alive if ep in holders]
-            if not alive:
-                break
-            for ep in alive:
-                out[ep] = depth + 1
+            if not depth:
+                alive = list(holders)
+            elif len(alive) == 1:
+                if alive[0] not in holders:
+                    break
+            else:
+                still = [ep for ep in alive if ep in holders]
+                if not still:
+                    break
+                for ep in alive:
+                    if ep not in holders:
+                        out[ep] = depth
+                alive = still
+            depth += 1
+        for ep in alive:
+            out[ep] = depth
         return out
 
     def record(self, endpoint: str, hashes: Sequence[int]) -> None:

@@ -21,11 +21,7 @@ from wakegate.extproc.picking import STRATEGIES as PICKER_STRATEGIES
 from wakegate.v1 import routing_pb2
 
 #: Every string value the contract defines (the type URL included).
-SHARED = {
-    value
-    for name, value in vars(contract).items()
-    if name.isupper() and isinstance(value, str)
-}
+SHARED = {value for name, value in vars(contract).items() if name.isupper() and isinstance(value, str)}
 
 
 def copies(sources: Mapping[str, str]) -> list[str]:
