@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.demand import DemandReporter
+from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
     parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="time in-flight streams get to finish")
+    parser.add_argument(
+        "--engine-metrics-interval",
+        type=float,
+        default=0.5,
+        help="seconds between reads of /metrics of the endpoints of models picked by scoring (waiting "
+        "requests, KV-cache usage); 0 = never read them",
+    )
     add_log_level(parser)
 
 
@@ -95,6 +103,8 @@ class Settings(ProcessSettings):
     """SSE heartbeat interval while a keepalive request waits."""
     drain_seconds: float
     """How long in-flight streams may finish after the first signal."""
+    engine_metrics_interval: float
+    """Seconds between reads of scored endpoints' /metrics; 0: never."""
     gateway: service.Settings
     """How each request is decided."""
 
@@ -167,6 +177,9 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         asyncio.create_task(reporter.run()),
         asyncio.create_task(_expire_leases(gateway)),
     ]
+    if settings.engine_metrics_interval > 0:
+        watch = EngineWatch(gateway.picker.scored_endpoints, gateway.picker.engines, settings.engine_metrics_interval)
+        tasks.append(asyncio.create_task(watch.run()))
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")
     log.info(

@@ -279,6 +279,7 @@ class Picker:
         "_adapters",
         "_rings",
         "_rotation",
+        "_scored_endpoints",
         "_signals",
         "_weights",
         "engines",
@@ -304,6 +305,7 @@ class Picker:
         self._weights: dict[str, dict[str, float]] = {}  # model_key -> scorer weights
         self._adapters: dict[str, frozenset[str]] = {}  # model_key -> its LoRA adapter names
         self._rotation = Rotation()
+        self._scored_endpoints: set[str] = set()
         self._signals = Signals(self.inflight.count, self.engines)
 
     def configure(self, routes: Iterable[routing_pb2.ModelRoute]) -> None:
@@ -314,18 +316,26 @@ class Picker:
         weights: dict[str, dict[str, float]] = {}
         adapters: dict[str, frozenset[str]] = {}
         live: set[str] = set()
+        scored: set[str] = set()
         for route in routes:
+            endpoints = {f"{e.address}:{e.port}" for e in route.endpoints}
             chosen = weights_for(route.profile, route.weights)
             if chosen:
                 weights[route.key] = chosen
+                scored |= endpoints
                 if route.lora_adapters:
                     adapters[route.key] = frozenset(route.lora_adapters)
-            live.update(f"{e.address}:{e.port}" for e in route.endpoints)
+            live |= endpoints
         self._weights = weights
+        self._scored_endpoints = scored
         self._adapters = adapters
         self.index.retain(live)
         for ep in [ep for ep in self.engines if ep not in live]:
             del self.engines[ep]
+
+    def scored_endpoints(self) -> set[str]:
+        """Endpoints of the models picked by scoring (whose engine state is worth reading)."""
+        return self._scored_endpoints
 
     def weights(self, model_key: str) -> dict[str, float] | None:
         """The scorer weights a model is picked with, or None when its strategy decides."""

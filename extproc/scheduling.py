@@ -10,8 +10,9 @@ One decision (:func:`schedule`) over a model's ready endpoints:
    Readiness and draining are settled before picking: the route holds ready endpoints only, and
    an endpoint that drains leaves it.
 2. **Scorers** give each remaining candidate a score in [0, 1]; higher is better:
-   ``queue`` (fewest requests in flight from this gateway plus the engine's own waiting queue,
-   min-max normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
+   ``queue`` (fewest requests: the larger of what this gateway has in flight there and what the
+   engine reports running plus waiting, which includes other gateways' requests; min-max
+   normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
    ``prefix`` (the share of the prompt's leading blocks the endpoint was recently sent, from
    :class:`~wakegate.extproc.prefix.PrefixIndex`), ``session`` (1 for the endpoint the session
    key's consistent-hash ring names).
@@ -52,6 +53,7 @@ class EngineState:
     """What an endpoint's engine last said about itself (fields None until known)."""
 
     waiting: float | None = None
+    running: float | None = None
     kv_usage: float | None = None
     max_running: int | None = None
     adapters: frozenset[str] | None = None
@@ -127,8 +129,12 @@ def _queue(candidates: list[str], request: Request, signals: Signals) -> list[fl
     depth = []
     for ep in candidates:
         state = engines.get(ep)
-        waiting = state.waiting if state is not None and state.waiting is not None else 0.0
-        depth.append(inflight(ep) + waiting)
+        mine = float(inflight(ep))
+        if state is not None and (state.waiting is not None or state.running is not None):
+            held = (state.waiting or 0.0) + (state.running or 0.0)
+            depth.append(held if held > mine else mine)
+        else:
+            depth.append(mine)
     lo, hi = min(depth), max(depth)
     if hi - lo <= 0:
         return [1.0] * len(candidates)

@@ -113,9 +113,11 @@ def test_queue_scorer_is_min_max_normalised() -> None:
     assert SCORERS["queue"]([A, B], Request(), signals({A: 3, B: 3})) == [1.0, 1.0]
 
 
-def test_queue_scorer_adds_the_engines_waiting_queue() -> None:
-    scores = SCORERS["queue"]([A, B], Request(), signals({A: 1, B: 0}, {B: EngineState(waiting=3)}))
-    assert scores == [1.0, 0.0]
+def test_queue_scorer_takes_the_larger_of_own_in_flight_and_engine_held() -> None:
+    # B: nothing from this gateway, but its engine holds 3 (other gateways' requests)
+    engines = {B: EngineState(waiting=3), C: EngineState(waiting=0, running=1)}
+    scores = SCORERS["queue"]([A, B, C], Request(), signals({A: 1, B: 0, C: 2}, engines))
+    assert scores == [1.0, 0.0, 0.5]  # depths 1, 3, 2 (C's own 2 in flight beat its engine's stale 1)
 
 
 def test_kv_scorer_prefers_free_cache_and_is_neutral_when_unknown() -> None:
