@@ -1,7 +1,7 @@
 """Routing quality: the same workloads through the real gateway, once per routing strategy.
 
-    nice -n 10 .venv/bin/python -m tests.bench.bench_routing [--replicas 4] [--open-seconds 30]
-        [--closed-seconds 15] [--closed-clients 32] [--workloads shared-prefix,multi-turn,no-sharing]
+    nice -n 10 .venv/bin/python -m tests.bench.bench_routing [--replicas 4] [--open-seconds 20]
+        [--closed-seconds 10] [--closed-clients 32] [--workloads shared-prefix,multi-turn,no-sharing]
         [--json OUT]
 
 For each workload one `wakegate up` runs one sim model per strategy (`--replicas` replicas each;
@@ -41,6 +41,7 @@ import json
 import random
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -79,9 +80,9 @@ class Workload:
 
 
 WORKLOADS = {
-    "shared-prefix": Workload("shared-prefix", 32768, 2.6),
-    "multi-turn": Workload("multi-turn", 16384, 0.6),
-    "no-sharing": Workload("no-sharing", 32768, 8.0),
+    "shared-prefix": Workload("shared-prefix", 32768, 5.4),
+    "multi-turn": Workload("multi-turn", 16384, 2.5),
+    "no-sharing": Workload("no-sharing", 32768, 10.0),
 }
 
 
@@ -341,11 +342,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--open-seconds", type=float, default=30.0)
-    parser.add_argument("--closed-seconds", type=float, default=15.0)
+    parser.add_argument("--open-seconds", type=float, default=20.0)
+    parser.add_argument("--closed-seconds", type=float, default=10.0)
     parser.add_argument("--closed-clients", type=int, default=32)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -353,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply every workload's open-loop rate")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop `wakegate up` on the way out
     args.strategies = [s for s in args.strategies.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
     load_before = loadavg()
