@@ -3,8 +3,11 @@
 One decision (:func:`schedule`) over a model's ready endpoints:
 
 1. **Filters** narrow the candidates: :func:`adapter_present` (an endpoint known not to serve
-   the requested LoRA adapter is out), :func:`under_capacity` (an endpoint whose engine reports a
-   waiting queue, or whose gateway-side in-flight count reached its known concurrency, is out). A
+   the requested LoRA adapter is out), :func:`under_capacity` (an endpoint whose engine reports
+   :data:`QUEUE_LIMIT` or more waiting requests, or whose gateway-side in-flight count reached its
+   known concurrency, is out; a shorter queue is the queue scorer's business, because leaving a
+   replica that holds the prompt's prefix for one that must prefill it costs more than a short
+   wait, and every such spill copies the prefix into one more cache). A
    filter that would leave no candidate is skipped: when every endpoint is full the request still
    goes to the best of them and waits in its queue, which is what a full fleet does anyway.
    Readiness and draining are settled before picking: the route holds ready endpoints only, and
@@ -46,6 +49,9 @@ __all__ = [
 ]
 
 _TIE = 1e-9
+
+QUEUE_LIMIT = 5
+"""Waiting requests at which the capacity filter takes an endpoint out of the candidates."""
 
 
 @dataclass(slots=True)
@@ -108,14 +114,14 @@ def adapter_present(candidates: list[str], request: Request, signals: Signals) -
 
 
 def under_capacity(candidates: list[str], request: Request, signals: Signals) -> list[str]:
-    """Drop endpoints that queue: engine-reported waiting requests, or in flight at the known limit."""
+    """Drop saturated endpoints: :data:`QUEUE_LIMIT` waiting at the engine, or in flight at the known limit."""
     engines = signals.engines
     inflight = signals.inflight
     out = []
     for ep in candidates:
         state = engines.get(ep)
         if state is not None:
-            if state.waiting is not None and state.waiting > 0:
+            if state.waiting is not None and state.waiting >= QUEUE_LIMIT:
                 continue
             if state.max_running is not None and inflight(ep) >= state.max_running:
                 continue

@@ -9,6 +9,7 @@ import pytest
 from wakegate.extproc.picking import Picker
 from wakegate.extproc.prefix import BLOCK_CHARS, PrefixIndex, chain, prompt_text
 from wakegate.extproc.scheduling import (
+    QUEUE_LIMIT,
     SCORERS,
     EngineState,
     Request,
@@ -92,13 +93,17 @@ def test_adapter_filter_drops_only_endpoints_known_to_lack_it() -> None:
 
 
 def test_capacity_filter_uses_engine_queue_and_known_limits() -> None:
-    engines = {A: EngineState(waiting=2), B: EngineState(max_running=4)}
+    engines = {
+        A: EngineState(waiting=QUEUE_LIMIT),
+        B: EngineState(max_running=4),
+        C: EngineState(waiting=QUEUE_LIMIT - 1),
+    }
     assert under_capacity([A, B, C], Request(), signals({B: 4}, engines)) == [C]
     assert under_capacity([A, B, C], Request(), signals({B: 3}, engines)) == [B, C]
 
 
 def test_all_replicas_full_still_picks_the_least_loaded_of_them() -> None:
-    engines = {A: EngineState(waiting=5), B: EngineState(waiting=1), C: EngineState(waiting=3)}
+    engines = {A: EngineState(waiting=9), B: EngineState(waiting=5), C: EngineState(waiting=7)}
     decision = schedule([A, B, C], {"queue": 1.0}, Request(), signals(engines=engines), Rotation())
     assert decision.candidates == [A, B, C]  # the capacity filter would leave none: skipped
     assert decision.endpoint == B
@@ -202,7 +207,7 @@ def test_picker_trades_affinity_for_load_when_the_home_is_busy() -> None:
     other = B if home == A else A
     for _ in range(3):
         picker.inflight.acquire(home)
-    picker.engines[home] = EngineState(waiting=4)  # its engine queues: filtered out while B has room
+    picker.engines[home] = EngineState(waiting=5)  # its engine is saturated: filtered out while B has room
     assert picker.pick("m", "default", [A, B], {}, chat(system, "q2")) == other
 
 

@@ -80,6 +80,36 @@ def test_prefix_routes_shared_prompt_prefix_to_one_endpoint(gateway: UpProcess) 
     )
 
 
+def test_balanced_profile_sends_each_system_prompt_where_its_cache_is(gateway: UpProcess) -> None:
+    endpoints = gateway.endpoints("chat-s")
+    homes = {}
+    for k in range(4):
+        system = f"system prompt number {k} " * 300  # 1 200 sim tokens, ~7 kB: several prefix blocks
+        seen = {
+            served_by(
+                gateway,
+                {
+                    "model": "chat-s",
+                    "max_tokens": 1,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                },
+            )
+            for i in range(4)
+        }
+        assert len(seen) == 1, seen
+        homes[k] = seen.pop()
+    assert set(homes.values()) == set(endpoints)  # new prompts spread over the idle fleet
+    # the engines agree: every repeat found its 1 200-token system prompt (75 blocks) cached
+    hits = queries = 0.0
+    for ep in endpoints:
+        text = request("GET", f"http://{ep}/metrics").text
+        hits += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+        queries += sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_queries")
+        )
+    assert (hits, queries) == (4 * 3 * 1200, 16 * 1201)
+
+
 def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:
     endpoints = gateway.endpoints("chat-l")
     # Two long streams (50 tok/s x 150 tokens = 3 s) occupy two endpoints...
