@@ -20,6 +20,8 @@ wait). Workloads (seeded, identical for every strategy):
 
 * ``shared-prefix``  12 system prompts of 2k-8k tokens, each request one of them (uniform) plus a
   50-150 token user turn; 24 output tokens. Fleet cache 4 x 32k tokens < the 60k of prompts.
+* ``hot-prefix``     shared-prefix, but half the requests use the first system prompt: one prefix
+  is hot, so affinity alone would pile onto one replica.
 * ``multi-turn``     conversations (a 1.5k-token opening document, then 5 turns of 80-120 tokens,
   each re-sending the whole history with the sim's real answers); think time ~ Exp(2 s).
 * ``no-sharing``     unique random prompts of 500-2 500 tokens; 24 output tokens.
@@ -81,6 +83,7 @@ class Workload:
 
 WORKLOADS = {
     "shared-prefix": Workload("shared-prefix", 32768, 5.4),
+    "hot-prefix": Workload("hot-prefix", 32768, 5.4),
     "multi-turn": Workload("multi-turn", 16384, 2.5),
     "no-sharing": Workload("no-sharing", 32768, 10.0),
 }
@@ -151,8 +154,9 @@ class Generator:
         self.systems = [words(rng, rng.randint(2000, 8000)) for _ in range(12)]
 
     def single(self, rng: random.Random) -> list[dict[str, str]]:
-        if self.workload == "shared-prefix":
-            system = rng.choice(self.systems)
+        if self.workload in ("shared-prefix", "hot-prefix"):
+            hot = self.workload == "hot-prefix" and rng.random() < 0.5
+            system = self.systems[0] if hot else rng.choice(self.systems)
             return [
                 {"role": "system", "content": system},
                 {"role": "user", "content": words(rng, rng.randint(50, 150))},
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--open-seconds", type=float, default=20.0)
     parser.add_argument("--closed-seconds", type=float, default=10.0)
     parser.add_argument("--closed-clients", type=int, default=32)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default="shared-prefix,multi-turn,no-sharing,hot-prefix")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--modes", default="open,closed")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply every workload's open-loop rate")
