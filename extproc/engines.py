@@ -3,8 +3,10 @@
 For every endpoint of a model picked by scoring, :class:`EngineWatch` reads ``GET /metrics``
 every ``interval`` seconds (all endpoints concurrently, each with a timeout) and stores what it
 finds in the picker's engine book (:attr:`Picker.engines`): requests waiting and running, and
-KV-cache usage. vLLM's names (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-``vllm:kv_cache_usage_perc``, or the older ``vllm:gpu_cache_usage_perc``) and llama.cpp's
+KV-cache usage, with this gateway's own in-flight count at the moment of the read (what the
+engine holds beyond it is other gateways' traffic). vLLM's names (``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, or the older
+``vllm:gpu_cache_usage_perc``) and llama.cpp's
 (``llamacpp:requests_deferred``, ``llamacpp:requests_processing``,
 ``llamacpp:kv_cache_usage_ratio``) are understood; samples of one name are summed over their
 labels. An endpoint that does not answer, answers with an error, or exposes none of these loses
@@ -68,11 +70,13 @@ class EngineWatch:
         self,
         endpoints: Callable[[], set[str]],
         book: dict[str, EngineState],
+        inflight: Callable[[str], int] = lambda endpoint: 0,
         interval: float = 0.5,
         timeout: float = 1.0,
     ) -> None:
         self.endpoints = endpoints
         self.book = book
+        self.inflight = inflight
         self.interval = interval
         self.timeout = timeout
         self._failing: set[str] = set()
@@ -88,6 +92,7 @@ class EngineWatch:
 
     async def _read(self, session: aiohttp.ClientSession, endpoint: str) -> None:
         state = None
+        own = self.inflight(endpoint)
         try:
             async with session.get(f"http://{endpoint}/metrics") as resp:
                 if resp.status == 200:
@@ -102,4 +107,5 @@ class EngineWatch:
         if state is None or endpoint not in self.endpoints():
             self.book.pop(endpoint, None)
         else:
+            state.own = float(own)  # so the queue scorer can tell other gateways' requests from its own
             self.book[endpoint] = state

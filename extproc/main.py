@@ -178,7 +178,10 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         asyncio.create_task(_expire_leases(gateway)),
     ]
     if settings.engine_metrics_interval > 0:
-        watch = EngineWatch(gateway.picker.scored_endpoints, gateway.picker.engines, settings.engine_metrics_interval)
+        picker = gateway.picker
+        watch = EngineWatch(
+            picker.scored_endpoints, picker.engines, picker.inflight.count, settings.engine_metrics_interval
+        )
         tasks.append(asyncio.create_task(watch.run()))
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")

@@ -13,9 +13,9 @@ One decision (:func:`schedule`) over a model's ready endpoints:
    Readiness and draining are settled before picking: the route holds ready endpoints only, and
    an endpoint that drains leaves it.
 2. **Scorers** give each remaining candidate a score in [0, 1]; higher is better:
-   ``queue`` (fewest requests: the larger of what this gateway has in flight there and what the
-   engine reports running plus waiting, which includes other gateways' requests; min-max
-   normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
+   ``queue`` (fewest requests: this gateway's in-flight count now, plus what the engine last
+   reported running and waiting beyond this gateway's own count at that moment, i.e. other
+   gateways' requests; min-max normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
    ``prefix`` (the share of the prompt's leading blocks the endpoint was recently sent, from
    :class:`~wakegate.extproc.prefix.PrefixIndex`), ``session`` (1 for the endpoint the session
    key's consistent-hash ring names).
@@ -60,6 +60,8 @@ class EngineState:
 
     waiting: float | None = None
     running: float | None = None
+    own: float = 0.0
+    """This gateway's in-flight count for the endpoint when the numbers above were read."""
     kv_usage: float | None = None
     max_running: int | None = None
     adapters: frozenset[str] | None = None
@@ -137,8 +139,8 @@ def _queue(candidates: list[str], request: Request, signals: Signals) -> list[fl
         state = engines.get(ep)
         mine = float(inflight(ep))
         if state is not None and (state.waiting is not None or state.running is not None):
-            held = (state.waiting or 0.0) + (state.running or 0.0)
-            depth.append(held if held > mine else mine)
+            others = (state.waiting or 0.0) + (state.running or 0.0) - state.own
+            depth.append(mine + others if others > 0 else mine)
         else:
             depth.append(mine)
     lo, hi = min(depth), max(depth)

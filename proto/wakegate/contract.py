@@ -56,7 +56,7 @@ SCORERS = ("queue", "kv-cache", "prefix", "session")
 #: Named weight sets a Model's `routing.profile` chooses (docs/architecture.md, "picking").
 #: `balanced` is the default profile; its weights come from tests/bench/bench_routing.py.
 PROFILES: dict[str, dict[str, float]] = {
-    "balanced": {"prefix": 3.0, "queue": 2.0, "kv-cache": 1.0},
+    "balanced": {"prefix": 3.0, "queue": 1.0},
     "cache-first": {"prefix": 1.0},
     "load-first": {"queue": 2.0, "kv-cache": 1.0},
     "sticky-sessions": {"session": 3.0, "queue": 1.0},

@@ -118,11 +118,12 @@ def test_queue_scorer_is_min_max_normalised() -> None:
     assert SCORERS["queue"]([A, B], Request(), signals({A: 3, B: 3})) == [1.0, 1.0]
 
 
-def test_queue_scorer_takes_the_larger_of_own_in_flight_and_engine_held() -> None:
-    # B: nothing from this gateway, but its engine holds 3 (other gateways' requests)
-    engines = {B: EngineState(waiting=3), C: EngineState(waiting=0, running=1)}
-    scores = SCORERS["queue"]([A, B, C], Request(), signals({A: 1, B: 0, C: 2}, engines))
-    assert scores == [1.0, 0.0, 0.5]  # depths 1, 3, 2 (C's own 2 in flight beat its engine's stale 1)
+def test_queue_scorer_adds_other_gateways_requests_from_the_engine() -> None:
+    # B: nothing from this gateway, but its engine holds 3 (other gateways' requests);
+    # C: the engine's 2 were all this gateway's own when read, and 1 of them has ended since
+    engines = {B: EngineState(waiting=3), C: EngineState(waiting=0, running=2, own=2)}
+    scores = SCORERS["queue"]([A, B, C], Request(), signals({A: 2, B: 0, C: 1}, engines))
+    assert scores == [0.5, 0.0, 1.0]  # depths 2, 3, 1
 
 
 def test_kv_scorer_prefers_free_cache_and_is_neutral_when_unknown() -> None:
@@ -155,10 +156,13 @@ def test_ties_rotate_over_the_tied_endpoints_only() -> None:
 def test_weights_trade_prefix_against_load() -> None:
     req = Request(chain=[1, 2], prefix_matches={A: 2})
     busy_a = signals({A: 4, B: 0})
-    # prefix 3 vs queue 2: A's full match (3) beats B's idleness (2)
-    assert schedule([A, B], {"prefix": 3.0, "queue": 2.0}, req, busy_a, Rotation()).endpoint == A
-    # load-first weights send it to the idle endpoint instead
+    # balanced (prefix 3, queue 1): A's full match beats B's idleness
+    assert schedule([A, B], {"prefix": 3.0, "queue": 1.0}, req, busy_a, Rotation()).endpoint == A
+    # load-heavy weights send it to the idle endpoint instead
     assert schedule([A, B], {"prefix": 1.0, "queue": 2.0}, req, busy_a, Rotation()).endpoint == B
+    # a half match is worth less than a clearly idler endpoint under balanced weights
+    half = Request(chain=[1, 2, 3, 4], prefix_matches={A: 1})
+    assert schedule([A, B], {"prefix": 3.0, "queue": 1.0}, half, busy_a, Rotation()).endpoint == B
 
 
 def test_an_empty_fleet_picks_nothing() -> None:
@@ -166,7 +170,7 @@ def test_an_empty_fleet_picks_nothing() -> None:
 
 
 def test_weights_for_profiles_and_explicit_weights() -> None:
-    assert weights_for("balanced", {}) == {"prefix": 3.0, "queue": 2.0, "kv-cache": 1.0}
+    assert weights_for("balanced", {}) == {"prefix": 3.0, "queue": 1.0}
     assert weights_for("balanced", {"queue": 1.0, "bogus": 5.0, "session": 0.0}) == {"queue": 1.0}
     assert weights_for("", {}) == {} and weights_for("no-such", {}) == {}
 
