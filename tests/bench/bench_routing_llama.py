@@ -3,8 +3,8 @@
     nice -n 10 .venv/bin/python -m tests.bench.bench_routing_llama [--requests 40] [--json OUT]
 
 One `wakegate up` runs two models over the same generated GGUF (`e2e.tinymodel`, seed 0), two
-llama-server replicas each (one slot per replica, `--parallel 1`, so a replica's prompt cache is
-its last prompt): ``rr`` (strategy default, Envoy's round robin) and ``bal`` (profile balanced).
+llama-server replicas each (one slot per replica, `--parallel 1`, and no host-memory prompt
+cache, `--cache-ram 0`, so a replica's prompt cache is its last prompt): ``rr`` (strategy default, Envoy's round robin) and ``bal`` (profile balanced).
 The same sequence of chat requests (2 system prompts of ~600 tokens in a seeded random order,
 each with a short user turn, 4 output tokens) is sent to each model, one request at a time, so
 load plays no part. Reported per model: prompt tokens the replicas computed and took from their
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-routing-llama-"))
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"  # `wakegate up` starts `llama-server`
     gguf = write_model(tmp / "tiny.gguf", ModelSpec(seed=0))
-    engine_args = f'[--model, "{gguf}", --ctx-size, "2048", --parallel, "1", --threads, "1"]'
+    engine_args = f'[--model, "{gguf}", --ctx-size, "2048", --parallel, "1", --cache-ram, "0", --threads, "1"]'
     docs = "".join(
         model_doc(
             name,
