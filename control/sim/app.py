@@ -69,6 +69,12 @@ def generated_text(n: int) -> str:
     return " ".join([WORDS[i % _NW] for i in range(n)])
 
 
+@lru_cache(maxsize=4096)
+def generated_words(n: int) -> tuple[str, ...]:
+    """The tokens of :func:`generated_text` ``(n)``."""
+    return tuple(WORDS[i % _NW] for i in range(n))
+
+
 def count_words(text: str) -> int:
     return len(text.split())
 
@@ -126,7 +132,7 @@ def _output_hashes(tokens: list[str], hashes: list[bytes], generated: int) -> li
     start = len(hashes) * BLOCK_TOKENS
     if len(tokens) - start + generated < BLOCK_TOKENS:
         return []
-    tail = tokens[start:] + generated_text(generated).split()
+    tail = [*tokens[start:], *generated_words(generated)]
     return block_hashes(tail, hashes[-1] if hashes else ROOT)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 __all__ = ["BLOCK_TOKENS", "ROOT", "Allocation", "KVCache", "block_hashes", "blocks_for"]
 
@@ -60,18 +59,22 @@ def block_hashes(tokens: Sequence[str], parent: bytes = ROOT, start: int = 0) ->
     return out
 
 
-@dataclass(eq=False)
 class Allocation:
-    """The blocks one running request holds."""
+    """The blocks one running request holds.
 
-    hashed: list[bytes]
-    """Cached blocks it references, in chain order (prompt blocks; hits first)."""
-    total: int
-    """Blocks it holds in all (hashed ones included)."""
-    hit_tokens: int
-    """Prompt tokens found in the cache when it was admitted."""
-    extra: list[bytes] = field(default_factory=list)
-    """Output blocks hashed when the request ended (filled by :meth:`KVCache.release`)."""
+    ``hashed``: cached blocks it references, in chain order (prompt blocks; hits first);
+    ``total``: blocks it holds in all (hashed ones included); ``hit_tokens``: prompt tokens found
+    in the cache when it was admitted; ``extra``: output blocks hashed when it ended (filled by
+    :meth:`KVCache.release`).
+    """
+
+    __slots__ = ("extra", "hashed", "hit_tokens", "total")
+
+    def __init__(self, hashed: list[bytes], total: int, hit_tokens: int) -> None:
+        self.hashed = hashed
+        self.total = total
+        self.hit_tokens = hit_tokens
+        self.extra: list[bytes] = []
 
 
 class KVCache:
@@ -131,6 +134,14 @@ class KVCache:
         Returns None (and changes nothing) when the blocks cannot be found right now; counts the
         query only when it succeeds, so a waiting request is counted once, when it runs.
         """
+        if not hashes:  # a prompt shorter than one block: nothing to look up or store
+            if total > self.capacity - self.used:
+                if total > self.capacity - self.used + len(self._cached):
+                    return None
+            else:
+                self.used += total
+                self.queries += prompt_tokens
+                return Allocation([], total, 0)
         hits = self.match(hashes, prompt_tokens)
         hit_cached = sum(1 for h in hashes[:hits] if h in self._cached)
         new = total - hits
