@@ -13,7 +13,8 @@ labels. An endpoint that does not answer, answers with an error, or exposes none
 its entry, so scorers treat it as unknown rather than trusting an old number. Reading happens off
 the request path: a pick only looks up the book.
 
-Bounds: at most :data:`MAX_BYTES` of one response are read; one read per endpoint at a time.
+Bounds: a response longer than :data:`MAX_BYTES` is dropped unread past that point; one read per
+endpoint at a time.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class EngineWatch:
         try:
             async with session.get(f"http://{endpoint}/metrics") as resp:
                 if resp.status == 200:
-                    body = await resp.content.read(MAX_BYTES)
+                    body = bytearray()
+                    async for chunk in resp.content.iter_chunked(65536):
+                        body += chunk
+                        if len(body) > MAX_BYTES:
+                            raise ValueError("metrics page too large")
                     state = parse(body.decode("utf-8", "replace"))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             if endpoint not in self._failing:

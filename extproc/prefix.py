@@ -56,16 +56,24 @@ def _role(role: Any) -> str:
     return role if isinstance(role, str) else ""
 
 
-def prompt_text(body: Mapping[str, Any] | None) -> str:
+def prompt_text(body: Mapping[str, Any] | None, limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str:
     """The prompt as one string: chat messages as ``role \\x1f text`` joined by ``\\x1e``,
-    or a completion's ``prompt`` (a string, or the first of a list of strings). ``""`` if none."""
+    or a completion's ``prompt`` (a string, or the first of a list of strings). ``""`` if none.
+    Messages past the first ``limit`` characters are not read (the result may be longer)."""
     if body is None:
         return ""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "\x1e".join(
-            f"{_role(m.get('role'))}\x1f{_content_text(m.get('content'))}" for m in messages if isinstance(m, Mapping)
-        )
+        pieces: list[str] = []
+        size = 0
+        for m in messages:  # stop once the hashed part is covered: a huge history costs no more
+            if size >= limit:
+                break
+            if isinstance(m, Mapping):
+                piece = f"{_role(m.get('role'))}\x1f{_content_text(m.get('content'))}"
+                pieces.append(piece)
+                size += len(piece) + 1
+        return "\x1e".join(pieces)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]

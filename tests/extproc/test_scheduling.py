@@ -57,6 +57,13 @@ def test_prompt_text_of_chat_and_completions() -> None:
     assert prompt_text(turn2).startswith(prompt_text(chat))
 
 
+def test_prompt_text_stops_reading_a_long_history_once_the_hashed_part_is_covered() -> None:
+    history = {"messages": [{"role": "user", "content": "x" * 1000} for _ in range(10_000)]}
+    text = prompt_text(history, limit=5000)
+    assert 5000 <= len(text) < 7000
+    assert chain(prompt_text(history)) == chain(prompt_text(history, limit=10**9))  # same blocks hashed
+
+
 def test_index_matches_longest_leading_run_per_endpoint() -> None:
     index = PrefixIndex()
     index.record(A, [1, 2, 3])
