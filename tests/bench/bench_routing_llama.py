@@ -4,12 +4,13 @@
 
 One `wakegate up` runs two models over the same generated GGUF (`e2e.tinymodel`, seed 0), two
 llama-server replicas each (one slot per replica, `--parallel 1`, and no host-memory prompt
-cache, `--cache-ram 0`, so a replica's prompt cache is its last prompt): ``rr`` (strategy default, Envoy's round robin) and ``bal`` (profile balanced).
-The same sequence of chat requests (2 system prompts of ~600 tokens in a seeded random order,
+cache, `--cache-ram 0`, so a replica's prompt cache is its last prompt): ``rr`` (strategy
+default, Envoy's round robin) and ``bal`` (profile balanced). The same sequence of chat
+requests (2 system prompts of 450 words, ~1 600 tokens of the tiny vocabulary, in a seeded random order,
 each with a short user turn, 4 output tokens) is sent to each model, one request at a time, so
 load plays no part. Reported per model: prompt tokens the replicas computed and took from their
 cache (``llamacpp:prompt_tokens_total`` / ``llamacpp:prompt_tokens_cached_total`` deltas), and
-mean time to first token. Needs e2e/.bin/llama-server (`python -m e2e.build llama-server`, or
+mean time to first token. Needs e2e/.bin/llama-server (`python -m e2e.engines llama-server`, or
 copied from a finished CI build).
 """
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not (BIN / "llama-server").exists():
-        raise SystemExit(f"no {BIN / 'llama-server'}: build it with `python -m e2e.build llama-server`")
+        raise SystemExit(f"no {BIN / 'llama-server'}: build it with `python -m e2e.engines llama-server`")
     tmp = Path(tempfile.mkdtemp(prefix="bench-routing-llama-"))
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"  # `wakegate up` starts `llama-server`
     gguf = write_model(tmp / "tiny.gguf", ModelSpec(seed=0))
