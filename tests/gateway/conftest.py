@@ -44,7 +44,8 @@ FLEET = "".join(
         ),
         model_doc(
             "chat-s",
-            extra="""  routing: {profile: balanced}
+            extra="""  args: [--max-concurrency, "1", --tokens-per-second, "50"]
+  routing: {profile: balanced}
   scaling: {min: 2, max: 2}
 """,
         ),
