@@ -49,8 +49,58 @@ class ScalingEngine(StrEnum):
     BUILTIN = "builtin"
 
 
+class Profile(StrEnum):
+    BALANCED = "balanced"
+    CACHE_FIRST = "cache-first"
+    LOAD_FIRST = "load-first"
+    STICKY_SESSIONS = "sticky-sessions"
+
+
+class Weights(_Spec):
+    queue: float = Field(0, ge=0, le=100, description="Fewest requests queued or in flight.")
+    kvCache: float = Field(0, ge=0, le=100, description="Most free KV cache, as the engine reports it.")
+    prefix: float = Field(0, ge=0, le=100, description="Longest prompt prefix recently sent to the endpoint.")
+    session: float = Field(0, ge=0, le=100, description="The endpoint the session key hashes to.")
+
+    def scorers(self) -> dict[str, float]:
+        """Scorer name (as extproc knows it) -> weight, the zero ones left out."""
+        pairs = {"queue": self.queue, "kv-cache": self.kvCache, "prefix": self.prefix, "session": self.session}
+        return {name: w for name, w in pairs.items() if w > 0}
+
+
 class Routing(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.profile) || !has(self.weights)",
+                    "message": "routing takes a profile or weights, not both",
+                },
+                {
+                    "rule": "(!has(self.profile) && !has(self.weights)) || !has(self.strategy) "
+                    "|| self.strategy == 'default'",
+                    "message": "routing.strategy cannot be combined with a profile or weights",
+                },
+            ]
+        }
+    )
     strategy: Strategy = Field(Strategy.DEFAULT, description="How the gateway picks among ready endpoints.")
+    profile: Profile | None = Field(
+        None,
+        description="Scored picking with a named set of weights (balanced is the recommended default); "
+        "replaces strategy.",
+    )
+    weights: Weights | None = Field(None, description="Scored picking with these weights per scorer.")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Routing:
+        if self.profile is not None and self.weights is not None:
+            raise ValueError("routing takes a profile or weights, not both")
+        if (self.profile is not None or self.weights is not None) and self.strategy != Strategy.DEFAULT:
+            raise ValueError("routing.strategy cannot be combined with a profile or weights")
+        if self.weights is not None and not self.weights.scorers():
+            raise ValueError("routing.weights needs at least one weight above 0")
+        return self
 
 
 class Limits(_Spec):

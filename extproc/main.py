@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.demand import DemandReporter
+from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
@@ -78,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one limit of the HTTP/2 server Envoy connects to (repeatable; docs/decisions.md). "
         f"Defaults: {H2Limits.names()}",
     )
+    parser.add_argument(
+        "--engine-metrics-interval",
+        type=float,
+        default=0.5,
+        help="seconds between reads of /metrics of the endpoints of models picked by scoring (waiting "
+        "requests, KV-cache usage); 0 = never read them",
+    )
     add_log_level(parser)
 
 
@@ -114,6 +122,8 @@ class Settings(ProcessSettings):
     """SSE heartbeat interval while a keepalive request waits."""
     drain_seconds: float
     """How long in-flight streams may finish after the first signal."""
+    engine_metrics_interval: float
+    """Seconds between reads of scored endpoints' /metrics; 0: never."""
     gateway: service.Settings
     """How each request is decided."""
     h2_limits: H2Limits
@@ -191,6 +201,12 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         asyncio.create_task(reporter.run()),
         asyncio.create_task(_expire_leases(gateway)),
     ]
+    if settings.engine_metrics_interval > 0:
+        picker = gateway.picker
+        watch = EngineWatch(
+            picker.scored_endpoints, picker.engines, picker.inflight.count, settings.engine_metrics_interval
+        )
+        tasks.append(asyncio.create_task(watch.run()))
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")
     log.info(

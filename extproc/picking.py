@@ -15,6 +15,12 @@ Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
     (``engine_loads``: running + waiting from its metrics, which also sees other gateways' and
     direct traffic).
 
+A model whose route names a profile or weights is picked by scoring instead, whatever its
+strategy: :mod:`wakegate.extproc.scheduling` filters the endpoints, weighs its scorers and picks,
+reading in-flight counts from :attr:`Picker.inflight`, engine state from :attr:`Picker.engines`
+and prompt-prefix history from :attr:`Picker.index` (:mod:`wakegate.extproc.prefix`), which
+every scored pick adds to. :meth:`Picker.configure` takes the route table.
+
 In-flight contract: :attr:`Picker.inflight` is shared. :meth:`Picker.pick` only reads it; when
 ``pick`` returns an endpoint, the caller calls ``picker.inflight.acquire(endpoint)`` once it routes
 the request there, and exactly one ``release(endpoint)`` when that response ends, however it ends
@@ -30,10 +36,13 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from wakegate import contract
+from wakegate.extproc.prefix import PrefixIndex, chain, prompt_text
+from wakegate.extproc.scheduling import Decision, EngineState, Request, Rotation, Signals, schedule, weights_for
+from wakegate.v1 import routing_pb2
 
 __all__ = [
     "STRATEGIES",
@@ -296,7 +305,20 @@ class InFlight:
 class Picker:
     """Chooses an endpoint per request; keeps one :class:`HashRing` per model."""
 
-    __slots__ = ("_rings", "inflight", "prefix_chars", "vnodes")
+    __slots__ = (
+        "_adapters",
+        "_rings",
+        "_rotation",
+        "_scored_endpoints",
+        "_signals",
+        "_weights",
+        "engines",
+        "index",
+        "inflight",
+        "last",
+        "prefix_chars",
+        "vnodes",
+    )
 
     def __init__(self) -> None:
         self.inflight = InFlight()
@@ -304,6 +326,50 @@ class Picker:
         self.prefix_chars = 1024
         # model_key -> (sorted endpoint tuple, ring built from it)
         self._rings: dict[str, tuple[tuple[str, ...], HashRing]] = {}
+        #: endpoint -> what its engine last reported (filled by whoever reads engine metrics)
+        self.engines: dict[str, EngineState] = {}
+        #: which endpoint recently got which prompt prefix (scored picks add to it)
+        self.index = PrefixIndex()
+        #: the last scored decision (for debugging and tests)
+        self.last: Decision | None = None
+        self._weights: dict[str, dict[str, float]] = {}  # model_key -> scorer weights
+        self._adapters: dict[str, frozenset[str]] = {}  # model_key -> its LoRA adapter names
+        self._rotation = Rotation()
+        self._scored_endpoints: set[str] = set()
+        self._signals = Signals(self.inflight.count, self.engines)
+
+    def configure(self, routes: Iterable[routing_pb2.ModelRoute]) -> None:
+        """Take the route table: each model's profile or weights, its adapters, the live endpoints.
+
+        Endpoints no route lists any more are forgotten by the prefix index and engine state.
+        """
+        weights: dict[str, dict[str, float]] = {}
+        adapters: dict[str, frozenset[str]] = {}
+        live: set[str] = set()
+        scored: set[str] = set()
+        for route in routes:
+            endpoints = {f"{e.address}:{e.port}" for e in route.endpoints}
+            chosen = weights_for(route.profile, route.weights)
+            if chosen:
+                weights[route.key] = chosen
+                scored |= endpoints
+                if route.lora_adapters:
+                    adapters[route.key] = frozenset(route.lora_adapters)
+            live |= endpoints
+        self._weights = weights
+        self._scored_endpoints = scored
+        self._adapters = adapters
+        self.index.retain(live)
+        for ep in [ep for ep in self.engines if ep not in live]:
+            del self.engines[ep]
+
+    def scored_endpoints(self) -> set[str]:
+        """Endpoints of the models picked by scoring (whose engine state is worth reading)."""
+        return self._scored_endpoints
+
+    def weights(self, model_key: str) -> dict[str, float] | None:
+        """The scorer weights a model is picked with, or None when its strategy decides."""
+        return self._weights.get(model_key)
 
     def pick(
         self,
@@ -319,8 +385,14 @@ class Picker:
         Returns None for ``default``, unknown strategies and empty ``endpoints``. Reads but never
         changes :attr:`inflight` (see the module docstring for the acquire/release contract).
         ``engine_loads`` (endpoint -> requests its engine reports) weighs in on least-loaded picks.
+        A model configured for scored picking is scored whatever ``strategy`` says.
         """
-        if not endpoints or strategy not in STRATEGIES or strategy == "default":
+        if not endpoints:
+            return None
+        weights = self._weights.get(model_key)
+        if weights is not None:
+            return self._scored(model_key, weights, endpoints, headers, body)
+        if strategy not in STRATEGIES or strategy == "default":
             return None
         if strategy == "least-loaded":
             return self.inflight.least_loaded(endpoints, engine_loads)
@@ -331,6 +403,34 @@ class Picker:
         if key is None:
             return self.inflight.least_loaded(endpoints, engine_loads)
         return self._ring(model_key, endpoints).lookup(key)
+
+    def _scored(
+        self,
+        model_key: str,
+        weights: dict[str, float],
+        endpoints: Sequence[str],
+        headers: Mapping[str, str],
+        body: Mapping[str, Any] | None,
+    ) -> str | None:
+        request = Request()
+        if weights.get("prefix"):
+            request.chain = chain(prompt_text(body))
+            if request.chain:
+                request.prefix_matches = self.index.matches(request.chain)
+        if weights.get("session"):
+            key = session_key(headers, body)
+            if key is not None:
+                request.session_owner = self._ring(model_key, endpoints).lookup(key)
+        adapters = self._adapters.get(model_key)
+        if adapters and body is not None:
+            name = body.get("model")
+            if isinstance(name, str) and name in adapters:
+                request.adapter = name
+        decision = schedule(endpoints, weights, request, self._signals, self._rotation)
+        self.last = decision
+        if decision.endpoint is not None and request.chain:
+            self.index.record(decision.endpoint, request.chain)
+        return decision.endpoint
 
     def _ring(self, model_key: str, endpoints: Sequence[str]) -> HashRing:
         wanted = tuple(sorted(endpoints))

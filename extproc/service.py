@@ -103,6 +103,7 @@ class Gateway:
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
         gone = self.table.routes.keys() - {route.key for route in routes}
         self.table = RouteTable(routes)
+        self.picker.configure(routes)
         for key in gone:
             self.picker.forget(key)
         self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()

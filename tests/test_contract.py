@@ -16,16 +16,12 @@ from google.protobuf import descriptor_pb2
 
 from tests.support import REPO_ROOT
 from wakegate import contract
-from wakegate.control.schema import ColdMode, Strategy
+from wakegate.control.schema import ColdMode, Profile, Strategy, Weights
 from wakegate.extproc.picking import STRATEGIES as PICKER_STRATEGIES
 from wakegate.v1 import routing_pb2
 
 #: Every string value the contract defines (the type URL included).
-SHARED = {
-    value
-    for name, value in vars(contract).items()
-    if name.isupper() and isinstance(value, str)
-}
+SHARED = {value for name, value in vars(contract).items() if name.isupper() and isinstance(value, str)}
 
 
 def copies(sources: Mapping[str, str]) -> list[str]:
@@ -66,6 +62,13 @@ def test_schema_words_are_the_proto_enums() -> None:
     assert set(PICKER_STRATEGIES) == set(contract.STRATEGIES)
     assert contract.STRATEGIES["session-affinity"] == routing_pb2.STRATEGY_SESSION_AFFINITY
     assert contract.MODEL_ROUTE_TYPE == "type.googleapis.com/wakegate.v1.ModelRoute"
+
+
+def test_schema_profiles_and_weights_are_the_scorers() -> None:
+    assert {p.value for p in Profile} == set(contract.PROFILES)
+    every = Weights(queue=1, kvCache=1, prefix=1, session=1).scorers()
+    assert set(every) == set(contract.SCORERS)
+    assert all(set(weights) <= set(contract.SCORERS) for weights in contract.PROFILES.values())
 
 
 def test_an_enum_edited_on_either_side_is_caught() -> None:

@@ -58,6 +58,9 @@ class RoutedModel:
     served_name: str
     lora_adapters: tuple[str, ...] = ()
     strategy: str = "default"
+    #: scored picking: a named profile, or (scorer, weight) pairs; both empty: `strategy` decides
+    profile: str = ""
+    weights: tuple[tuple[str, float], ...] = ()
     requests_per_second: float = 0.0
     burst: float = 0.0
     cold_mode: str = "hold"
@@ -95,6 +98,8 @@ def routed_model(
         served_name=model.served_name,
         lora_adapters=tuple(spec.loraAdapters),
         strategy=spec.routing.strategy.value,
+        profile=spec.routing.profile.value if spec.routing.profile is not None else "",
+        weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
         requests_per_second=spec.limits.requestsPerSecond,
         burst=spec.limits.burst,
         cold_mode=spec.endpoint.coldMode.value,
@@ -491,6 +496,8 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         lora_adapters=list(model.lora_adapters),
         cluster=model.cluster,
         strategy=contract.STRATEGIES[model.strategy],
+        profile=model.profile,
+        weights=dict(model.weights),
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -30,6 +31,7 @@ import logging
 import os
 import struct
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -38,6 +40,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 
+from wakegate.control.sim.kvcache import BLOCK_TOKENS, ROOT, Allocation, KVCache, block_hashes, blocks_for
 from wakegate.control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wakegate.control.sim.metrics import SimMetrics
 
@@ -66,6 +69,12 @@ def generated_text(n: int) -> str:
     return " ".join([WORDS[i % _NW] for i in range(n)])
 
 
+@lru_cache(maxsize=4096)
+def generated_words(n: int) -> tuple[str, ...]:
+    """The tokens of :func:`generated_text` ``(n)``."""
+    return tuple(WORDS[i % _NW] for i in range(n))
+
+
 def count_words(text: str) -> int:
     return len(text.split())
 
@@ -88,6 +97,10 @@ class SimConfig:
     ttft_ms: float = 0.0
     tokens_per_second: float = 0.0
     max_concurrency: int = 0
+    #: prompt tokens prefilled per second, one prefill at a time; 0 = prefill is free
+    prefill_tokens_per_second: float = 0.0
+    #: each running request beyond the first slows every decode step by this fraction
+    batch_slowdown: float = 0.0
     max_tokens_default: int = 16
     max_model_len: int = 8192
     kv_cache_tokens: int = 32768
@@ -101,6 +114,26 @@ class SimConfig:
     @property
     def primary(self) -> str:
         return self.served_names[0]
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    """One admitted generation: its blocks, its prefill wait, the tokens it produced so far."""
+
+    alloc: Allocation
+    prefill: float
+    generated: int = 0
+
+
+def _output_hashes(tokens: list[str], hashes: list[bytes], generated: int) -> list[bytes]:
+    """Hashes of the full blocks that the prompt's tail and the first ``generated`` output tokens fill."""
+    if generated <= 0:
+        return []
+    start = len(hashes) * BLOCK_TOKENS
+    if len(tokens) - start + generated < BLOCK_TOKENS:
+        return []
+    tail = [*tokens[start:], *generated_words(generated)]
+    return block_hashes(tail, hashes[-1] if hashes else ROOT)
 
 
 class BadRequest(Exception):
@@ -124,11 +157,17 @@ class Sim:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.metrics = SimMetrics(cfg.primary, cfg.kv_cache_tokens)
+        self.kv = KVCache(max(1, cfg.kv_cache_tokens // BLOCK_TOKENS))
+        self.metrics = SimMetrics(cfg.primary, self.kv)
         self.ready = False
         self.draining = False
         self.names = frozenset(cfg.served_names) | frozenset(cfg.lora_modules)
-        self._sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency > 0 else None
+        self._limit = cfg.max_concurrency if cfg.max_concurrency > 0 else 1 << 60
+        # requests waiting to run, first come first served: (future, prompt block hashes or None
+        # for no KV blocks, prompt tokens, blocks needed)
+        self._waiters: deque[tuple[asyncio.Future[Allocation | None], list[bytes] | None, int, int]] = deque()
+        self._prefill_tps = cfg.prefill_tokens_per_second
+        self._prefill_free_at = 0.0  # loop time the one prefill lane is next free
         self._ttft = max(0.0, cfg.ttft_ms) / 1000.0
         self._tpot = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
         self._id_prefix = os.urandom(6).hex()
@@ -268,22 +307,73 @@ class Sim:
             return eos, "stop"
         return max_tokens, "length"
 
-    async def _acquire(self) -> None:
-        sem = self._sem
-        if sem is None:
-            return
-        if sem.locked():
-            self.metrics.waiting += 1
-            try:
-                await sem.acquire()
-            finally:
-                self.metrics.waiting -= 1
-        else:
-            await sem.acquire()
+    def _try_run(self, hashes: list[bytes] | None, prompt_tokens: int, total: int) -> Allocation | bool | None:
+        """Start a request now if a slot and its blocks are free: its allocation (None: no blocks), or False."""
+        if self.metrics.running >= self._limit:
+            return False
+        alloc = None
+        if hashes is not None:
+            alloc = self.kv.allocate(hashes, prompt_tokens, total)
+            if alloc is None:
+                return False
+        self.metrics.running += 1
+        return alloc
 
-    def _release(self) -> None:
-        if self._sem is not None:
-            self._sem.release()
+    async def _admit(self, hashes: list[bytes] | None, prompt_tokens: int, total: int) -> Allocation | None:
+        """Wait for a running slot (``--max-concurrency``) and the request's KV blocks, in arrival order."""
+        if not self._waiters:
+            got = self._try_run(hashes, prompt_tokens, total)
+            if got is not False:
+                return got  # type: ignore[return-value]
+        fut: asyncio.Future[Allocation | None] = asyncio.get_running_loop().create_future()
+        entry = (fut, hashes, prompt_tokens, total)
+        self._waiters.append(entry)
+        self.metrics.waiting = len(self._waiters)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # admitted, then cancelled before it resumed
+                self._finish(fut.result())
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self.metrics.waiting = len(self._waiters)
+                self._wake()
+            raise
+
+    def _wake(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            fut, hashes, prompt_tokens, total = waiters[0]
+            if fut.done():
+                waiters.popleft()
+                continue
+            got = self._try_run(hashes, prompt_tokens, total)
+            if got is False:
+                break  # the head waits; nobody overtakes it (vLLM's FCFS)
+            waiters.popleft()
+            fut.set_result(got)  # type: ignore[arg-type]
+        self.metrics.waiting = len(waiters)
+
+    def _finish(self, alloc: Allocation | None, output_hashes: list[bytes] | None = None) -> None:
+        """A running request ended: free its slot, cache its blocks, start who waits."""
+        if alloc is not None:
+            self.kv.release(alloc, output_hashes or ())
+        self.metrics.running -= 1
+        self._wake()
+
+    def _prefill_delay(self, uncached: int) -> float:
+        """Seconds until a prefill of ``uncached`` tokens queued now is done (one prefill at a time)."""
+        if self._prefill_tps <= 0 or uncached <= 0:
+            return 0.0
+        now = asyncio.get_running_loop().time()
+        done = max(now, self._prefill_free_at) + uncached / self._prefill_tps
+        self._prefill_free_at = done
+        return done - now
+
+    def _tpot_now(self) -> float:
+        """Seconds per output token at the current batch size."""
+        return self._tpot * (1.0 + self.cfg.batch_slowdown * max(0, self.metrics.running - 1))
 
     # ---- small endpoints ----------------------------------------------------------
 
@@ -311,40 +401,46 @@ class Sim:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
-        prompt_tokens = 0
+        tokens: list[str] = []
         for msg in messages:
             if not isinstance(msg, dict):
                 raise BadRequest("each message must be an object")
             content = msg.get("content")
             if isinstance(content, str):
-                prompt_tokens += count_words(content)
+                tokens += content.split()
             elif isinstance(content, list):
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        prompt_tokens += count_words(part["text"])
-        return await self._generate(request, body, model, prompt_tokens, chat=True)
+                        tokens += part["text"].split()
+        return await self._generate(request, body, model, tokens, chat=True)
 
     async def _completions(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await self._json_body(request)
         model = self._model(body)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # the openai client sends one prompt as a list of one; more are not simulated
         if isinstance(prompt, str):
-            prompt_tokens = count_words(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            prompt_tokens = len(prompt)
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            # the openai client sends one prompt as a list of one; more than one is not simulated
-            p0 = prompt[0]
-            prompt_tokens = count_words(p0) if isinstance(p0, str) else len(p0)
+            tokens = prompt.split()
+        elif isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
+            tokens = [str(p) for p in prompt]
         else:
             raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of those")
-        return await self._generate(request, body, model, prompt_tokens, chat=False)
+        return await self._generate(request, body, model, tokens, chat=False)
 
     async def _generate(
-        self, request: web.BaseRequest, body: dict[str, Any], model: str, prompt_tokens: int, chat: bool
+        self, request: web.BaseRequest, body: dict[str, Any], model: str, tokens: list[str], chat: bool
     ) -> web.StreamResponse:
+        prompt_tokens = len(tokens)
         max_tokens = self._max_tokens(body, prompt_tokens, chat)
         n_tokens, finish = self._plan(max_tokens)
+        total = blocks_for(prompt_tokens + n_tokens)
+        if not self.kv.fits(total):
+            raise BadRequest(
+                f"The request needs {total} KV-cache blocks of {BLOCK_TOKENS} tokens; the server has "
+                f"{self.kv.capacity} (--kv-cache-tokens)."
+            )
+        hashes = block_hashes(tokens)
         stream = body.get("stream") is True
         include_usage = False
         if stream:
@@ -354,39 +450,38 @@ class Sim:
         start = loop.time()
         m = self.metrics
         try:
-            await self._acquire()
+            alloc = await self._admit(hashes, prompt_tokens, total)
         except asyncio.CancelledError:
             m.success["abort"] += 1
             raise
-        m.running += 1
-        m.kv_tokens += prompt_tokens
+        assert alloc is not None
+        delay = self._ttft + self._prefill_delay(prompt_tokens - alloc.hit_tokens)
+        run = _Run(alloc, delay)
         try:
             if stream:
-                return await self._stream(request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start)
-            return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start)
+                return await self._stream(
+                    request, model, prompt_tokens, n_tokens, finish, chat, include_usage, start, run
+                )
+            return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start, run)
         finally:
-            m.running -= 1
-            m.kv_tokens -= prompt_tokens
-            self._release()
+            self._finish(alloc, _output_hashes(tokens, hashes, run.generated))
 
     async def _complete(
-        self, model: str, prompt_tokens: int, n: int, finish: str, chat: bool, start: float
+        self, model: str, prompt_tokens: int, n: int, finish: str, chat: bool, start: float, run: _Run
     ) -> web.StreamResponse:
         m = self.metrics
         loop = asyncio.get_running_loop()
-        m.kv_tokens += n  # a non-streamed answer holds its KV space for its whole life
         try:
-            if self._ttft:
-                await asyncio.sleep(self._ttft)
+            if run.prefill:
+                await asyncio.sleep(run.prefill)
             m.prompt_tokens += prompt_tokens
             m.ttft.observe(loop.time() - start)
             if self._tpot and n > 1:
-                await asyncio.sleep(self._tpot * (n - 1))
+                await asyncio.sleep(self._tpot_now() * (n - 1))
         except asyncio.CancelledError:
             m.success["abort"] += 1
             raise
-        finally:
-            m.kv_tokens -= n
+        run.generated = n
         m.generation_tokens += n
         text = generated_text(n)
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n}
@@ -427,6 +522,7 @@ class Sim:
         chat: bool,
         include_usage: bool,
         start: float,
+        run: _Run,
     ) -> web.StreamResponse:
         m = self.metrics
         loop = asyncio.get_running_loop()
@@ -450,27 +546,26 @@ class Sim:
             first = b""
 
         resp = web.StreamResponse(headers=_SSE_HEADERS)
-        generated = 0
         try:
             await resp.prepare(request)
-            if self._ttft:
-                await asyncio.sleep(self._ttft)
+            if run.prefill:
+                await asyncio.sleep(run.prefill)
             m.prompt_tokens += prompt_tokens
             tpot = self._tpot
-            t_first = loop.time()
+            due = loop.time()
             for i in range(n):
                 piece = _NEXT_JSON[i % _NW] if i else _FIRST_JSON[0]
                 chunk = head + piece + (last_tail if i == n - 1 else tail)
                 if i == 0:
                     chunk = first + chunk
                 elif tpot:
-                    delay = t_first + i * tpot - loop.time()
+                    due += self._tpot_now()
+                    delay = due - loop.time()
                     await asyncio.sleep(delay if delay > 0 else 0)
                 else:
                     await asyncio.sleep(0)  # let other requests (and cancellation) in
                 await resp.write(chunk)
-                generated += 1
-                m.kv_tokens += 1
+                run.generated += 1
                 m.generation_tokens += 1
                 if i == 0:
                     m.ttft.observe(loop.time() - start)
@@ -491,8 +586,6 @@ class Sim:
         except ConnectionResetError:  # the client went away: stop generating, free the slot
             m.success["abort"] += 1
             return resp
-        finally:
-            m.kv_tokens -= generated
         m.success[finish] += 1
         m.e2e.observe(loop.time() - start)
         return resp
@@ -529,16 +622,12 @@ class Sim:
             if fmt == "base64":
                 emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
             data.append({"index": idx, "object": "embedding", "embedding": emb})
-        await self._acquire()
-        m.running += 1
-        m.kv_tokens += tokens
+        await self._admit(None, tokens, 0)
         try:
             if self._ttft:
                 await asyncio.sleep(self._ttft)
         finally:
-            m.running -= 1
-            m.kv_tokens -= tokens
-            self._release()
+            self._finish(None)
         m.prompt_tokens += tokens
         m.success["stop"] += 1
         m.e2e.observe(loop.time() - start)

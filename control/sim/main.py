@@ -70,9 +70,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--ttft-ms", type=float, default=0.0, help="time to first token in milliseconds (default 0)")
     a("--tokens-per-second", type=float, default=0.0, help="per-request decode rate; 0 = as fast as possible")
     a("--max-concurrency", type=int, default=0, help="requests running at once; more wait (0 = unlimited)")
+    a(
+        "--prefill-tokens-per-second",
+        type=float,
+        default=0.0,
+        help="prompt tokens not found in the prefix cache are prefilled at this rate, one prompt at a time, "
+        "before the first token (added to --ttft-ms); 0 = prefill is free",
+    )
+    a(
+        "--batch-slowdown",
+        type=float,
+        default=0.0,
+        help="each running request beyond the first slows every decode step by this fraction (0.05: a batch "
+        "of 11 decodes at half speed); 0 = decode speed ignores the batch",
+    )
     a("--max-tokens-default", type=int, default=16, help="tokens generated when max_tokens is absent")
     a("--max-model-len", type=int, default=8192, help="context length: prompt + max_tokens above it is a 400")
-    a("--kv-cache-tokens", type=int, default=32768, help="simulated KV-cache capacity in tokens")
+    a(
+        "--kv-cache-tokens",
+        type=int,
+        default=32768,
+        help="simulated KV-cache capacity in tokens, kept as blocks of 16 with prefix reuse and LRU eviction",
+    )
     a("--eos-after-tokens", type=int, default=0, help="finish with 'stop' after N tokens (0 = never)")
     a("--embedding-dim", type=int, default=16, help="length of the embedding vectors (default 16)")
     a("--fail-after-seconds", type=float, default=None, help="exit abruptly after this many seconds")
@@ -114,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ttft_ms=args.ttft_ms,
         tokens_per_second=args.tokens_per_second,
         max_concurrency=args.max_concurrency,
+        prefill_tokens_per_second=max(0.0, args.prefill_tokens_per_second),
+        batch_slowdown=max(0.0, args.batch_slowdown),
         max_tokens_default=max(1, args.max_tokens_default),
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,

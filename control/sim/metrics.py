@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from wakegate.control.sim.kvcache import KVCache
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -36,12 +38,11 @@ FINISHED_REASONS = ("stop", "length", "abort")
 class SimMetrics(Collector):
     """Live counters of one simulator process; also its own collector."""
 
-    def __init__(self, model_name: str, kv_capacity_tokens: int) -> None:
+    def __init__(self, model_name: str, kv: KVCache) -> None:
         self.model_name = model_name
-        self.kv_capacity_tokens = max(1, kv_capacity_tokens)
+        self.kv = kv
         self.running = 0
         self.waiting = 0
-        self.kv_tokens = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
@@ -62,10 +63,6 @@ class SimMetrics(Collector):
             registry=self.registry,
         ).labels(model_name=model_name)
 
-    @property
-    def kv_usage(self) -> float:
-        return min(1.0, self.kv_tokens / self.kv_capacity_tokens)
-
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name"]
         value = [self.model_name]
@@ -82,9 +79,11 @@ class SimMetrics(Collector):
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting)
-        usage = self.kv_usage
+        usage = self.kv.usage
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated alias).", usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", self.kv.queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.", self.kv.hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens)
         success = CounterMetricFamily(

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from wakegate.control import crd
+from wakegate.control.feeder.resources import model_route, routed_model
 from wakegate.control.schema import ColdMode, ManifestError, parse_models
 
 MINIMAL = """
@@ -29,6 +30,19 @@ def test_defaults() -> None:
     assert model.served_name == "small" and model.client_names == ["small"]
 
 
+def test_routing_profile_and_weights_reach_the_route() -> None:
+    (by_profile,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {profile: balanced}}"))
+    route = model_route(routed_model(by_profile, []))
+    assert (route.profile, dict(route.weights)) == ("balanced", {})
+    (by_weights,) = parse_models(
+        MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {weights: {prefix: 2, kvCache: 0.5, queue: 0}}}")
+    )
+    route = model_route(routed_model(by_weights, []))
+    assert (route.profile, dict(route.weights)) == ("", {"prefix": 2.0, "kv-cache": 0.5})
+    (plain,) = parse_models(MINIMAL)
+    assert (model_route(routed_model(plain, [])).profile, plain.spec.routing.weights) == ("", None)
+
+
 def test_names_are_deduplicated_in_order() -> None:
     (model,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, servedName: org/s, aliases: [s, small]}"))
     assert model.client_names == ["small", "org/s", "s"]
@@ -42,6 +56,18 @@ def test_names_are_deduplicated_in_order() -> None:
         ("{backend: sim, scaling: {min: -1}}", "spec.scaling.min"),
         ("{backend: sim, endpoint: {coldMode: sometimes}}", "spec.endpoint.coldMode"),
         ("{backend: sim, routing: {strategy: random}}", "spec.routing.strategy"),
+        ("{backend: sim, routing: {profile: fastest}}", "spec.routing.profile"),
+        ("{backend: sim, routing: {weights: {prefix: -1}}}", "spec.routing.weights.prefix"),
+        ("{backend: sim, routing: {weights: {cache: 1}}}", "spec.routing.weights.cache: Extra inputs"),
+        ("{backend: sim, routing: {weights: {}}}", "routing.weights needs at least one weight above 0"),
+        (
+            "{backend: sim, routing: {profile: balanced, weights: {queue: 1}}}",
+            "routing takes a profile or weights, not both",
+        ),
+        (
+            "{backend: sim, routing: {strategy: prefix, profile: balanced}}",
+            "routing.strategy cannot be combined with a profile or weights",
+        ),
         ("{backend: sim, surprise: 1}", "spec.surprise: Extra inputs are not permitted"),
         ("{backend: sim, aliases: ['has space']}", "spec.aliases[0]"),
         ("{backend: sim, source: 'oci://img:latest'}", "spec.source"),

@@ -43,6 +43,13 @@ FLEET = "".join(
 """,
         ),
         model_doc(
+            "chat-s",
+            extra="""  args: [--max-concurrency, "1", --tokens-per-second, "50"]
+  routing: {profile: balanced}
+  scaling: {min: 2, max: 2}
+""",
+        ),
+        model_doc(
             "chat-r",
             extra="""  limits: {requestsPerSecond: 0.5, burst: 2}
 """,
@@ -64,7 +71,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     keys.write_text(f"# test keys\n{API_KEY}\n")
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
     try:
-        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-r": 1}, timeout=90)
+        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-r": 1}, timeout=90)
         yield up
     finally:
         code = up.stop()

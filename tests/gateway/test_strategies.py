@@ -80,6 +80,73 @@ def test_prefix_routes_shared_prompt_prefix_to_one_endpoint(gateway: UpProcess) 
     )
 
 
+def test_balanced_profile_sends_each_system_prompt_where_its_cache_is(gateway: UpProcess) -> None:
+    endpoints = gateway.endpoints("chat-s")
+    homes = {}
+    for k in range(4):
+        system = f"system prompt number {k} " * 300  # 1 200 sim tokens, ~7 kB: several prefix blocks
+        seen = {
+            served_by(
+                gateway,
+                {
+                    "model": "chat-s",
+                    "max_tokens": 1,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                },
+            )
+            for i in range(4)
+        }
+        assert len(seen) == 1, seen
+        homes[k] = seen.pop()
+    assert set(homes.values()) == set(endpoints)  # new prompts spread over the idle fleet
+    # the engines agree: every repeat found its 1 200-token system prompt (75 blocks) cached
+    hits = queries = 0.0
+    for ep in endpoints:
+        text = request("GET", f"http://{ep}/metrics").text
+        hits += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+        queries += sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_queries")
+        )
+    assert (hits, queries) == (4 * 3 * 1200, 16 * 1201)
+
+
+def test_balanced_profile_leaves_a_replica_whose_engine_reports_a_full_queue(gateway: UpProcess) -> None:
+    import http.client
+    import json
+
+    endpoints = gateway.endpoints("chat-s")
+    body = chat("chat-s", "q")
+    body["messages"] = [{"role": "system", "content": "saturation probe " * 300}, *body["messages"]]  # type: ignore[misc]
+    home = served_by(gateway, body)
+    assert served_by(gateway, body) == home
+    other = next(ep for ep in endpoints if ep != home)
+    # Six long requests straight to the home engine, unseen by the gateway: 1 runs, 5 wait
+    # (--max-concurrency 1). Only the engine's own metrics can tell the gateway.
+    host, port = home.split(":")
+    conns = []
+    try:
+        for i in range(6):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            long_body = {"prompt": f"busy {i}", "max_tokens": 500, "stream": True}
+            conn.request("POST", "/v1/completions", json.dumps(long_body), {"content-type": "application/json"})
+            conns.append(conn)
+        deadline = time.monotonic() + 15
+        while True:
+            text = request("GET", f"http://{home}/metrics").text
+            waiting = sum(
+                float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_waiting{")
+            )
+            if waiting >= 5:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.05)
+        time.sleep(2.0)  # a few of extproc's engine-metric reads (every 0.5 s)
+        assert served_by(gateway, body) == other  # the prefix's home is saturated: it goes elsewhere
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:
     endpoints = gateway.endpoints("chat-l")
     # Two long streams (50 tok/s x 150 tokens = 3 s) occupy two endpoints...

@@ -1,0 +1,230 @@
+"""Scored endpoint picking: filters, then weighted scorers, then a picker (*pure*).
+
+One decision (:func:`schedule`) over a model's ready endpoints:
+
+1. **Filters** narrow the candidates: :func:`adapter_present` (an endpoint known not to serve
+   the requested LoRA adapter is out), :func:`under_capacity` (an endpoint whose engine reports
+   :data:`QUEUE_LIMIT` or more waiting requests, or whose gateway-side in-flight count reached its
+   known concurrency, is out; a shorter queue is the queue scorer's business, because leaving a
+   replica that holds the prompt's prefix for one that must prefill it costs more than a short
+   wait, and every such spill copies the prefix into one more cache). A
+   filter that would leave no candidate is skipped: when every endpoint is full the request still
+   goes to the best of them and waits in its queue, which is what a full fleet does anyway.
+   Readiness and draining are settled before picking: the route holds ready endpoints only, and
+   an endpoint that drains leaves it.
+2. **Scorers** give each remaining candidate a score in [0, 1]; higher is better:
+   ``queue`` (fewest requests: this gateway's in-flight count now, plus what the engine last
+   reported running and waiting beyond this gateway's own count at that moment, i.e. other
+   gateways' requests; min-max normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
+   ``prefix`` (the share of the prompt's leading blocks the endpoint was recently sent, from
+   :class:`~wakegate.extproc.prefix.PrefixIndex`), ``session`` (1 for the endpoint the session
+   key's consistent-hash ring names).
+3. The **picker** takes the highest weighted sum; ties (within 1e-9) rotate, so equal endpoints
+   share traffic.
+
+Every step is O(candidates), except ``prefix``, which walks the prompt's block chain once
+(bounded by :data:`~wakegate.extproc.prefix.MAX_BLOCKS`). Scorers only read :class:`Signals`;
+where its numbers come from (the ext_proc stream's end, an access log, a metrics scrape) is
+the caller's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from wakegate import contract
+
+__all__ = [
+    "FILTERS",
+    "SCORERS",
+    "Decision",
+    "EngineState",
+    "Request",
+    "Signals",
+    "adapter_present",
+    "schedule",
+    "under_capacity",
+    "weights_for",
+]
+
+_TIE = 1e-9
+
+QUEUE_LIMIT = 5
+"""Waiting requests at which the capacity filter takes an endpoint out of the candidates."""
+
+
+@dataclass(slots=True)
+class EngineState:
+    """What an endpoint's engine last said about itself (fields None until known)."""
+
+    waiting: float | None = None
+    running: float | None = None
+    own: float = 0.0
+    """This gateway's in-flight count for the endpoint when the numbers above were read."""
+    kv_usage: float | None = None
+    max_running: int | None = None
+    adapters: frozenset[str] | None = None
+
+
+@dataclass(slots=True)
+class Signals:
+    """The load signals scorers read: in-flight counts, and engine state where it is known."""
+
+    inflight: Callable[[str], int]
+    engines: Mapping[str, EngineState] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Request:
+    """What the scorers need to know about one request."""
+
+    chain: Sequence[int] = ()
+    """The prompt's block-hash chain (:func:`~wakegate.extproc.prefix.chain`)."""
+    prefix_matches: Mapping[str, int] = field(default_factory=dict)
+    """Endpoint -> leading blocks of ``chain`` it holds (:meth:`PrefixIndex.matches`)."""
+    session_owner: str | None = None
+    """The endpoint the session key hashes to, or None when the request has no session."""
+    adapter: str | None = None
+    """The LoRA adapter asked for, or None."""
+
+
+@dataclass(slots=True)
+class Decision:
+    """The pick, and why (for tests and debug logs)."""
+
+    endpoint: str | None
+    candidates: list[str]
+    scores: dict[str, float]
+
+
+Filter = Callable[[list[str], Request, Signals], list[str]]
+Scorer = Callable[[list[str], Request, Signals], list[float]]
+
+
+def adapter_present(candidates: list[str], request: Request, signals: Signals) -> list[str]:
+    """Drop endpoints whose engine is known to lack the requested adapter."""
+    if request.adapter is None:
+        return candidates
+    engines = signals.engines
+    out = []
+    for ep in candidates:
+        state = engines.get(ep)
+        if state is None or state.adapters is None or request.adapter in state.adapters:
+            out.append(ep)
+    return out
+
+
+def under_capacity(candidates: list[str], request: Request, signals: Signals) -> list[str]:
+    """Drop saturated endpoints: :data:`QUEUE_LIMIT` waiting at the engine, or in flight at the known limit."""
+    engines = signals.engines
+    inflight = signals.inflight
+    out = []
+    for ep in candidates:
+        state = engines.get(ep)
+        if state is not None:
+            if state.waiting is not None and state.waiting >= QUEUE_LIMIT:
+                continue
+            if state.max_running is not None and inflight(ep) >= state.max_running:
+                continue
+        out.append(ep)
+    return out
+
+
+def _queue(candidates: list[str], request: Request, signals: Signals) -> list[float]:
+    engines = signals.engines
+    inflight = signals.inflight
+    depth = []
+    for ep in candidates:
+        state = engines.get(ep)
+        mine = float(inflight(ep))
+        if state is not None and (state.waiting is not None or state.running is not None):
+            others = (state.waiting or 0.0) + (state.running or 0.0) - state.own
+            depth.append(mine + others if others > 0 else mine)
+        else:
+            depth.append(mine)
+    lo, hi = min(depth), max(depth)
+    if hi - lo <= 0:
+        return [1.0] * len(candidates)
+    return [(hi - d) / (hi - lo) for d in depth]
+
+
+def _kv_cache(candidates: list[str], request: Request, signals: Signals) -> list[float]:
+    engines = signals.engines
+    out = []
+    for ep in candidates:
+        state = engines.get(ep)
+        usage = state.kv_usage if state is not None else None
+        out.append(0.5 if usage is None else 1.0 - min(1.0, max(0.0, usage)))
+    return out
+
+
+def _prefix(candidates: list[str], request: Request, signals: Signals) -> list[float]:
+    total = len(request.chain)
+    if not total:
+        return [0.0] * len(candidates)
+    matches = request.prefix_matches
+    return [matches.get(ep, 0) / total for ep in candidates]
+
+
+def _session(candidates: list[str], request: Request, signals: Signals) -> list[float]:
+    owner = request.session_owner
+    return [1.0 if ep == owner else 0.0 for ep in candidates]
+
+
+FILTERS: tuple[Filter, ...] = (adapter_present, under_capacity)
+"""The filters, in the order they run."""
+
+SCORERS: dict[str, Scorer] = {"queue": _queue, "kv-cache": _kv_cache, "prefix": _prefix, "session": _session}
+"""Scorer name -> scorer; the names are the keys of a Model's ``routing.weights``."""
+
+if set(SCORERS) != set(contract.SCORERS):  # pragma: no cover - caught by any import in the tests
+    raise ImportError("contract.SCORERS and extproc's scorers disagree")
+
+
+def weights_for(profile: str, weights: Mapping[str, float]) -> dict[str, float]:
+    """A Model's effective weights: explicit ``weights`` win, else the named profile's (unknown: {})."""
+    if weights:
+        return {name: float(w) for name, w in weights.items() if name in SCORERS and w > 0}
+    return dict(contract.PROFILES.get(profile, {}))
+
+
+class Rotation:
+    """The tie-breaker's turn counter (one per picker)."""
+
+    __slots__ = ("turn",)
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+
+def schedule(
+    endpoints: Sequence[str],
+    weights: Mapping[str, float],
+    request: Request,
+    signals: Signals,
+    rotation: Rotation,
+) -> Decision:
+    """Filter, score and pick one of ``endpoints`` (None only when there are none)."""
+    candidates = list(endpoints)
+    if not candidates:
+        return Decision(None, [], {})
+    for keep in FILTERS:
+        narrowed = keep(candidates, request, signals)
+        if narrowed:
+            candidates = narrowed
+    totals = [0.0] * len(candidates)
+    for name, weight in weights.items():
+        scorer = SCORERS.get(name)
+        if scorer is None or weight <= 0:
+            continue
+        for i, s in enumerate(scorer(candidates, request, signals)):
+            totals[i] += weight * s
+    best = max(totals)
+    tied = [ep for ep, t in zip(candidates, totals, strict=True) if best - t <= _TIE]
+    if len(tied) == 1:
+        pick = tied[0]
+    else:
+        rotation.turn += 1
+        pick = tied[rotation.turn % len(tied)]
+    return Decision(pick, candidates, dict(zip(candidates, totals, strict=True)))
