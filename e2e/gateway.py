@@ -27,6 +27,7 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from e2e.procs import Proc
+from wakegate import internal_token
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
 
@@ -196,6 +197,9 @@ class Gateway:
         self.activator_port = free_port()
         self.envoy_admin = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The internal token of this gateway and its feeder (owner-only, like `wakegate up`'s).
+        self.token = internal_token.generate(dir / "secrets" / "internal-token")
+        node_id = f"e2e-gateway-{os.getpid()}-{self.port}"
         env = python_env()
         gateway_env = {k: v for k, v in env.items() if k != "KUBECONFIG"}
         self.xds = Proc(
@@ -212,6 +216,8 @@ class Gateway:
                 "--gateway-listen",
                 f"127.0.0.1:{self.port}",
                 "--upstream-header",
+                "--internal-token-file",
+                str(self.token),
             ],
             dir / "xds.log",
             env=env,
@@ -228,6 +234,10 @@ class Gateway:
             f"127.0.0.1:{self.activator_port}",
             "--xds",
             f"127.0.0.1:{self.xds_port}",
+            "--internal-token-file",
+            str(self.token),
+            "--node-id",
+            node_id,
         ]
         if demand is not None:
             extproc_argv += ["--demand", demand]
@@ -235,13 +245,14 @@ class Gateway:
         config = dir / "envoy.yaml"
         config.write_text(
             bootstrap.render(
-                f"e2e-gateway-{os.getpid()}",
+                node_id,
                 bootstrap.GatewayPorts(
                     envoy_admin=self.envoy_admin,
                     xds=self.xds_port,
                     extproc=self.extproc_port,
                     activator=self.activator_port,
                 ),
+                bootstrap.TokenRef(file=str(self.token)),
             )
         )
         self.envoy = Proc(

@@ -18,6 +18,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from wakegate import internal_token
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.demand import DemandReporter
@@ -25,6 +26,7 @@ from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
+from wakegate.internal_token import TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
@@ -44,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP address of the activator (keepalive cold mode); loopback only",
     )
     parser.add_argument("--demand", default=None, help="address of the demand receiver (HOST:PORT); defaults to --xds")
-    parser.add_argument(
-        "--demand-token-file", type=Path, default=None, help="file holding the bearer token for demand reports"
-    )
+    internal_token.add_arguments(parser, server=False)
     parser.add_argument(
         "--keepalive-seconds",
         type=float,
@@ -85,8 +85,8 @@ class Settings(ProcessSettings):
     """The xDS feeder (HOST:PORT) the route table comes from."""
     demand: str
     """Where demand reports go (HOST:PORT)."""
-    demand_token_file: Path | None
-    """Bearer token of the demand reports; None: none."""
+    internal_token: TokenSource
+    """The internal token presented to the feeder and the demand service (a file, else the environment)."""
     node_id: str
     """This gateway's id in xDS and demand reports."""
     api_keys_file: Path | None
@@ -103,7 +103,9 @@ class Settings(ProcessSettings):
         gateway = service.Settings(
             max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
         )
-        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway)
+        token = internal_token.source_from(args, server=False)
+        assert token is not None  # a client always has a source; it may hold no token
+        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway, internal_token=token)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -146,13 +148,18 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", settings.listen, exc)
         return 2
-    feed = RouteFeed(settings.xds, settings.node_id, gateway.set_routes)
+    if settings.internal_token.value() is None:
+        log.warning(
+            "no internal token (%s): the feeder and the scaler will refuse this gateway unless they run without auth",
+            settings.internal_token.describe(),
+        )
+    feed = RouteFeed(settings.xds, settings.node_id, gateway.set_routes, token=settings.internal_token)
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,
         gateway.cold.snapshot,
         lambda: gateway.in_flight,
-        token_file=settings.demand_token_file,
+        token=settings.internal_token,
         on_delivered=gateway.demand_delivered,
     )
     gateway.on_demand_change = reporter.changed
