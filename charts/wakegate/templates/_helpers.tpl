@@ -73,11 +73,16 @@ capabilities: {drop: [ALL]}
 {{- printf "%s.%s.svc" (include "wakegate.component" (dict "root" . "component" "scaler")) .Release.Namespace -}}
 {{- end -}}
 
-{{- define "wakegate.demandTokenVolume" -}}
-{{- if .Values.demandToken.existingSecret }}
-- name: demand-token
-  secret:
-    secretName: {{ .Values.demandToken.existingSecret }}
-    items: [{key: {{ .Values.demandToken.key }}, path: token}]
-{{- end }}
+{{/* The Secret holding the internal token: the user's, or the one this chart creates. */}}
+{{- define "wakegate.internalTokenSecret" -}}
+{{- .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "wakegate.fullname" .)) -}}
+{{- end -}}
+
+{{/* WAKEGATE_INTERNAL_TOKEN from that Secret (an environment variable: never in args, and no volume). */}}
+{{- define "wakegate.internalTokenEnv" -}}
+- name: WAKEGATE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "wakegate.internalTokenSecret" . }}
+      key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.key }}{{ else }}token{{ end }}
 {{- end -}}
