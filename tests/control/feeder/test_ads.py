@@ -145,6 +145,15 @@ class Gateway:
     async def send(self, client: Client, **fields: object) -> None:
         await client.send(**fields)
 
+    async def ack(self, client: Client, response: discovery_pb2.DiscoveryResponse) -> None:
+        names = ["model.m"] if response.type_url == r.ENDPOINT else []
+        await client.send(
+            type_url=response.type_url,
+            resource_names=names,
+            response_nonce=response.nonce,
+            version_info=response.version_info,
+        )
+
 
 def route_ports(response: discovery_pb2.DiscoveryResponse) -> list[int]:
     route = r.routing_pb2.ModelRoute()
@@ -172,37 +181,21 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
                 await gw.send(gw.envoy, type_url=r.ENDPOINT, resource_names=["model.m"])
                 eds = await gw.envoy.receive()
                 assert eds_ports(eds) == [9000]
-                await gw.send(
-                    gw.envoy,
-                    type_url=r.ENDPOINT,
-                    resource_names=["model.m"],
-                    response_nonce=eds.nonce,
-                    version_info=eds.version_info,
-                )
+                await gw.ack(gw.envoy, eds)
                 await gw.send(gw.extproc, type_url=r.MODEL_ROUTE)
                 route = await gw.extproc.receive()
                 assert route_ports(route) == [9000]
-                await gw.send(
-                    gw.extproc, type_url=r.MODEL_ROUTE, response_nonce=route.nonce, version_info=route.version_info
-                )
+                await gw.ack(gw.extproc, route)
             # A new endpoint: both Envoys are told; only gw-a's Envoy acknowledges (gw-b hangs).
             models[0] = replace(models[0], endpoints=(("127.0.0.1", 9000), ("127.0.0.1", 9001)))
             publisher.publish_soon()
             eds_a, eds_b = await a.envoy.receive(), await b.envoy.receive()
             assert eds_ports(eds_a) == eds_ports(eds_b) == [9000, 9001]
-            await a.send(
-                a.envoy,
-                type_url=r.ENDPOINT,
-                resource_names=["model.m"],
-                response_nonce=eds_a.nonce,
-                version_info=eds_a.version_info,
-            )
+            await a.ack(a.envoy, eds_a)
             # gw-a's extproc gets it on its own Envoy's word; gw-b's waits for gw-b's Envoy.
             route_a = await a.extproc.receive()
             assert route_ports(route_a) == [9000, 9001]
-            await a.send(
-                a.extproc, type_url=r.MODEL_ROUTE, response_nonce=route_a.nonce, version_info=route_a.version_info
-            )
+            await a.ack(a.extproc, route_a)
             with pytest.raises(TimeoutError):
                 await b.extproc.receive(timeout=0.5)
             # gw-b's Envoy rejects it: gw-b stays where it was, gw-a is untouched.
@@ -223,9 +216,7 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
             assert route_ports(route_a) == [9001]
             with pytest.raises(TimeoutError):
                 await a.envoy.receive(timeout=0.3)  # gw-a's extproc has not acknowledged the removal yet
-            await a.send(
-                a.extproc, type_url=r.MODEL_ROUTE, response_nonce=route_a.nonce, version_info=route_a.version_info
-            )
+            await a.ack(a.extproc, route_a)
             assert eds_ports(await a.envoy.receive()) == [9001]
             assert publisher.ads is not None
             assert publisher.ads.retained("gw-b") == {"model.m": frozenset({("127.0.0.1", 9000)})}

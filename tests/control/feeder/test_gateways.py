@@ -90,28 +90,22 @@ class Subscriber:
     async def _read(self) -> None:
         async for response in self.call:
             self.responses.append(response)
-            names = [CLUSTER] if response.type_url == r.ENDPOINT else []
             if response.type_url not in self.acked:
                 self.acked.add(response.type_url)
-                self.outgoing.put_nowait(
-                    discovery_pb2.DiscoveryRequest(
-                        node=self.node,
-                        type_url=response.type_url,
-                        resource_names=names,
-                        version_info=response.version_info,
-                        response_nonce=response.nonce,
-                    )
-                )
+                self._answer(response, version_info=response.version_info)
             elif self.mode == "nack":
-                self.outgoing.put_nowait(
-                    discovery_pb2.DiscoveryRequest(
-                        node=self.node,
-                        type_url=response.type_url,
-                        resource_names=names,
-                        response_nonce=response.nonce,
-                        error_detail=status_pb2.Status(code=3, message="rejected by a test subscriber"),
-                    )
-                )
+                self._answer(response, error_detail=status_pb2.Status(code=3, message="rejected by a test subscriber"))
+
+    def _answer(self, response: discovery_pb2.DiscoveryResponse, **fields: object) -> None:
+        self.outgoing.put_nowait(
+            discovery_pb2.DiscoveryRequest(
+                node=self.node,
+                type_url=response.type_url,
+                resource_names=[CLUSTER] if response.type_url == r.ENDPOINT else [],
+                response_nonce=response.nonce,
+                **fields,  # type: ignore[arg-type]
+            )
+        )
 
     def endpoints_seen(self, type_url: str) -> list[int]:
         """How many endpoints of the model each response of this type carried."""
