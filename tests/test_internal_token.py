@@ -94,7 +94,7 @@ def test_authenticator_allows_the_token_and_counts_what_it_refuses(caplog: pytes
         assert not auth.allows(Context(("authorization", "Bearer nope")), "demand")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert lines[0] == "refused unauthenticated ads call from ipv4:127.0.0.1:5555: none token"
+    assert lines[0] == "refused unauthenticated ads call from ipv4:127.0.0.1:5555: no token"
     assert "demand call" in lines[1] and "(7 refused since the last line)" in lines[1]
     assert not any("s3cre" in line or "nope" in line for line in lines), "never a token in a log line"
 

@@ -172,7 +172,7 @@ class Authenticator:
         ok = hmac.compare_digest(_digest(token), _digest(expected or "")) and bool(expected) and bool(token)
         if not ok:
             self.refused[service] = self.refused.get(service, 0) + 1
-            self._log(context, service, "none" if not token else "wrong", expected is None)
+            self._log(context, service, "no" if not token else "wrong", expected is None)
         return ok
 
     def _log(self, context: _Context, service: str, kind: str, unconfigured: bool) -> None:
