@@ -239,7 +239,7 @@ class Gateway:
             f"127.0.0.1:{self.xds_port}",
             "--internal-token-file",
             str(self.token),
-            "--node-id",
+            "--gateway-id",
             node_id,
         ]
         if demand is not None:

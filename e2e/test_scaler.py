@@ -193,7 +193,7 @@ class Gateway:
                     self.demand,
                     "--internal-token-file",
                     str(self.token),
-                    "--node-id",
+                    "--gateway-id",
                     node_id,
                 ],
                 tmp / "extproc.log",

@@ -54,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="interval of SSE heartbeats while a keepalive request waits",
     )
     parser.add_argument(
-        "--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}", help="this gateway's id in xDS and demand"
+        "--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}", help="this process's id in demand reports"
+    )
+    parser.add_argument(
+        "--gateway-id",
+        default=None,
+        help="xDS node id: its Envoy's node id, whose acknowledgements gate this extproc's routes (default: --node-id)",
     )
     parser.add_argument(
         "--api-keys-file",
@@ -88,7 +93,9 @@ class Settings(ProcessSettings):
     internal_token: TokenSource
     """The internal token presented to the feeder and the demand service (a file, else the environment)."""
     node_id: str
-    """This gateway's id in xDS and demand reports."""
+    """This process's id in demand reports."""
+    gateway_id: str
+    """The xDS node id: the same as its Envoy's, so the feeder gates routes by that Envoy's acknowledgements."""
     api_keys_file: Path | None
     """API keys, one per line, re-read on change; None: no auth."""
     keepalive_seconds: float
@@ -105,7 +112,14 @@ class Settings(ProcessSettings):
         )
         token = internal_token.source_from(args, server=False)
         assert token is not None  # a client always has a source; it may hold no token
-        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway, internal_token=token)
+        return settings_from(
+            cls,
+            args,
+            demand=args.demand or args.xds,
+            gateway=gateway,
+            internal_token=token,
+            gateway_id=args.gateway_id or args.node_id,
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -153,7 +167,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             "no internal token (%s): the feeder and the scaler will refuse this gateway unless they run without auth",
             settings.internal_token.describe(),
         )
-    feed = RouteFeed(settings.xds, settings.node_id, gateway.set_routes, token=settings.internal_token)
+    feed = RouteFeed(settings.xds, settings.gateway_id, gateway.set_routes, token=settings.internal_token)
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,

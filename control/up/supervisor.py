@@ -135,8 +135,8 @@ class Up:
         self.token = TokenSource(internal_token.generate(self.state_dir / "secrets" / "internal-token"))
         self.authenticator = Authenticator(self.token)
         self.metrics.registry.register(admin.RefusedCalls(self.authenticator))
-        #: One node id for this gateway's Envoy and extproc: the feeder gates each gateway's
-        #: endpoints by the acknowledgements of its own pair.
+        #: This gateway's xDS node id, Envoy's and extproc's (`--gateway-id`): the feeder gates
+        #: each gateway's endpoints by the acknowledgements of its own Envoy and extproc.
         self.node_id = f"wakegate-up-{os.getpid()}"
         self.demand_service = DemandService(self.book, self._demand_changed, authenticator=self.authenticator)
         self.scaler_hub: ScalerHub | None = None
@@ -339,7 +339,7 @@ class Up:
             f"127.0.0.1:{ports.xds}",
             "--internal-token-file",
             str(self.token.file),
-            "--node-id",
+            "--gateway-id",
             self.node_id,
             "--max-body-bytes",
             str(self.settings.max_body_bytes),

@@ -181,6 +181,11 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await subscriber.reader
     assert "xds NACK node=nack-gateway" in up.log()
+    # The real gateway is one node: its Envoy and its extproc subscribed under one id, so its
+    # extproc was gated by its Envoy (not left ungated under an id no Envoy has).
+    opened = re.findall(r"xds stream opened node=(\S+)", up.log())
+    own = [node for node in opened if not node.endswith("-gateway")]
+    assert len(set(own)) == 1 and len(own) >= 2, opened
 
 
 def refused(up: UpProcess) -> dict[str, float]:
