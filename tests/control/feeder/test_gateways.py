@@ -62,7 +62,9 @@ def token_file(up: UpProcess) -> Path:
 class Subscriber:
     """A foreign ADS client: acknowledges its first response of each type, then behaves as told.
 
-    silent: never answers again (a hung or lagging gateway); nack: rejects every later response.
+    silent: never answers again (a hung gateway); nack: rejects every later response; lagging:
+    acknowledges everything until `frozen`, then nothing (a gateway that stalls mid-way, holding
+    an endpoint it was given).
     """
 
     def __init__(self, channel: grpc.aio.Channel, node: str, mode: str, token: str | None) -> None:
@@ -71,6 +73,7 @@ class Subscriber:
         self.outgoing: asyncio.Queue[discovery_pb2.DiscoveryRequest] = asyncio.Queue()
         self.responses: list[discovery_pb2.DiscoveryResponse] = []
         self.acked: set[str] = set()
+        self.frozen = False
         metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
 
         async def requests() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
@@ -90,7 +93,7 @@ class Subscriber:
     async def _read(self) -> None:
         async for response in self.call:
             self.responses.append(response)
-            if response.type_url not in self.acked:
+            if response.type_url not in self.acked or (self.mode == "lagging" and not self.frozen):
                 self.acked.add(response.type_url)
                 self._answer(response, version_info=response.version_info)
             elif self.mode == "nack":
@@ -146,6 +149,7 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
         foreign = [
             Subscriber(channel, "silent-gateway", "silent", token),
             Subscriber(channel, "nack-gateway", "nack", token),
+            Subscriber(channel, "lagging-gateway", "lagging", token),
         ]
         for subscriber in foreign:
             # An Envoy's subscriptions and an extproc's, on one stream: both directions of gating.
@@ -157,24 +161,35 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
             await asyncio.sleep(0.05)
         assert all(len(s.acked) == 3 for s in foreign), [s.responses for s in foreign]
 
-        # Both are on record with no endpoint acknowledged. A cold request wakes the model:
-        # its endpoint must reach this gateway's extproc on its own Envoy's word alone.
-        for _ in range(2):
+        # Two are on record with no endpoint acknowledged. A cold request wakes the model: its
+        # endpoint must reach this gateway's extproc on its own Envoy's word alone.
+        lagging = foreign[2]
+        for round in range(2):
             statuses = await asyncio.gather(*(asyncio.to_thread(chat, up) for _ in range(3)))
             assert statuses == [200, 200, 200], up.log()
-            assert [await asyncio.to_thread(chat, up) for _ in range(5)] == [200] * 5
-            # Back to zero: the removed endpoint leaves this gateway although the foreign
-            # "extprocs" never acknowledged its removal (their own views keep it).
+            assert [await asyncio.to_thread(chat, up) for _ in range(8)] == [200] * 8
+            if round == 0:
+                # The lagging "gateway" took the endpoint into its routes, then stalls: it will
+                # never acknowledge the endpoint's removal.
+                deadline = time.monotonic() + 20
+                while 1 not in lagging.endpoints_seen(r.MODEL_ROUTE) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert 1 in lagging.endpoints_seen(r.MODEL_ROUTE)
+                lagging.frozen = True
+            # Back to zero. The next wake gets a new backend port; had the old endpoint stayed in
+            # this gateway's Envoy for the lagging one's sake, some requests would hit it (503).
             await wait_idle(up)
 
         # The rejecting subscriber was sent the endpoint changes and refused each; the silent one
         # got one change it never answered, and nothing after. Both streams are still open, and
         # their own routes stay without the endpoint their "Envoy" never confirmed.
-        silent, nack = foreign
+        silent, nack, _ = foreign
         assert nack.endpoints_seen(r.ENDPOINT)[0] == 0 and max(nack.endpoints_seen(r.ENDPOINT)) == 1
         assert len(nack.endpoints_seen(r.ENDPOINT)) >= 3, nack.endpoints_seen(r.ENDPOINT)
         assert silent.endpoints_seen(r.ENDPOINT) in ([0], [0, 1]), silent.endpoints_seen(r.ENDPOINT)
         assert set(silent.endpoints_seen(r.MODEL_ROUTE)) == set(nack.endpoints_seen(r.MODEL_ROUTE)) == {0}
+        # The lagging one's own Envoy view kept the old endpoint beside the new one; ours did not.
+        assert max(lagging.endpoints_seen(r.ENDPOINT)) == 2, lagging.endpoints_seen(r.ENDPOINT)
         assert not any(s.reader.done() for s in foreign)
         for subscriber in foreign:
             subscriber.call.cancel()
