@@ -4,6 +4,7 @@ lint, template with defaults and with every documented option, the values schema
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import shutil
 import subprocess
@@ -190,6 +191,8 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
                for d in dashboards)
     assert "wg-wakegate-scheduler-extender-example" not in by_kind(docs, "ConfigMap")
     assert not by_kind(docs, "Secret"), "with a named Secret the chart creates none"
+    assert not any("checksum/internal-token" in (d["spec"]["template"]["metadata"].get("annotations") or {})
+                   for d in deployments.values())
     assert not by_kind(docs, "NetworkPolicy")
 
 
@@ -215,6 +218,11 @@ def test_internal_token_secret_and_network_policies_by_default(helm: Path, tmp_p
     again = by_kind(template(helm, tmp_path), "Secret")["wg-wakegate-internal-token"]["data"]["token"]
     assert again != secret["data"]["token"], "random per install (an upgrade reads the old one back)"
     deployments = by_kind(docs, "Deployment")
+    # The pods holding the token carry its digest: a changed generated token rolls them together.
+    digest = hashlib.sha256(secret["data"]["token"].encode()).hexdigest()[:16]
+    for component in ("xds", "scaler", "gateway"):
+        annotations = deployments[f"wg-wakegate-{component}"]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["checksum/internal-token"] == digest
     parties = _token_parties(deployments)
     assert [c["name"] for c in parties] == ["xds", "scaler", "envoy", "extproc"]
     for container in parties:
