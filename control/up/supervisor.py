@@ -132,7 +132,7 @@ class Up:
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
         # The internal channels (ADS, demand) are authenticated on loopback too: another local
         # user must not be able to subscribe to the routes or report fake demand.
-        self.token = TokenSource(internal_token.generate(self.state_dir / "secrets" / "internal-token"))
+        self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
         self.authenticator = Authenticator(self.token)
         self.metrics.registry.register(admin.RefusedCalls(self.authenticator))
         #: This gateway's xDS node id, Envoy's and extproc's (`--gateway-id`): the feeder gates
