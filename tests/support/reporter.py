@@ -18,7 +18,8 @@ from wakegate.internal_token import TokenSource
 
 
 async def main(target: str, gateway_id: str, model: str, in_flight: int, token_file: Path | None) -> None:
-    reporter = DemandReporter(target, gateway_id, dict, lambda: {model: in_flight}, token=TokenSource(token_file) if token_file else None)
+    token = TokenSource(token_file) if token_file else None
+    reporter = DemandReporter(target, gateway_id, dict, lambda: {model: in_flight}, token=token)
     task = asyncio.create_task(reporter.run())
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, task.cancel)
