@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from wakegate.internal_token import Authenticator
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -40,3 +43,23 @@ async def serve(routes: Mapping[str, Handler], host: str, port: int) -> web.AppR
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
+
+
+class RefusedCalls:
+    """A Prometheus collector of the calls an internal-token check refused, by service (ads, demand)."""
+
+    SERVICES = ("ads", "demand")
+
+    def __init__(self, authenticator: Authenticator) -> None:
+        self._authenticator = authenticator
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "wakegate_internal_auth_refused",
+            "Internal gRPC calls (ADS streams, demand reports) refused for a missing or wrong internal token.",
+            labels=["service"],
+        )
+        for service in self.SERVICES:
+            family.add_metric([service], self._authenticator.refused.get(service, 0))
+        yield family
+

@@ -6,10 +6,14 @@ fills it for one gateway on this machine; `chart_bootstrap()` fills it with Helm
 expressions instead of ports and hosts, for charts/wakegate/files/envoy-bootstrap.yaml,
 which `python -m wakegate.control.bootstrap` writes and tests/chart keeps in sync.
 
-Two things differ by where the gateway runs, decided here rather than in two copies: a
+Three things differ by where the gateway runs, decided here rather than in two copies: a
 feeder host that is not an IP literal (a Service name) makes the feeder's cluster
-STRICT_DNS, and a metrics port adds a listener serving only Envoy's /stats/prometheus on
-all addresses (the admin API itself stays on loopback).
+STRICT_DNS; a metrics port adds a listener serving only Envoy's /stats/prometheus on
+all addresses (the admin API itself stays on loopback); and the internal token Envoy
+presents to the feeder comes from a file (`wakegate up`) or an environment variable (the
+chart's Secret). The bootstrap never holds the token itself: an upstream credential
+injector on the feeder's cluster reads it through a static secret and sets it as the
+`x-wakegate-token` header of the ADS stream.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from wakegate import contract
+from wakegate import contract, internal_token
 from wakegate.control.feeder.resources import ROUTER_FILTER, http_listener
 
 _CANDIDATES = (
@@ -55,13 +59,34 @@ class GatewayPorts:
     metrics: int | str | None = None
 
 
+@dataclass(frozen=True)
+class TokenRef:
+    """Where Envoy reads the internal token: a file, or else an environment variable."""
+
+    file: str | None = None
+    env: str = internal_token.ENV
+
+    def data_source(self) -> dict[str, str]:
+        return {"filename": self.file} if self.file is not None else {"environment_variable": self.env}
+
+
+#: Name of the static secret holding the token (a name, not the secret).
+TOKEN_SECRET = "wakegate_internal_token"  # noqa: S105
+
+
 def config(
-    node_id: str, ports: GatewayPorts, template: str | None = None, *, extproc_streams: int | None = None
+    node_id: str,
+    ports: GatewayPorts,
+    template: str | None = None,
+    token: TokenRef | None = None,
+    *,
+    extproc_streams: int | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as data. Values that are not plain ports must be tokens YAML reads as scalars.
 
-    `extproc_streams`: extproc's own max_concurrent_streams when it is not the default the
-    template names (Envoy must never open more streams on one extproc connection than that)."""
+    With `token`, Envoy presents the internal token on its ADS stream. `extproc_streams`:
+    extproc's own max_concurrent_streams when it is not the default the template names (Envoy
+    must never open more streams on one extproc connection than that)."""
     text = template if template is not None else template_path().read_text(encoding="utf-8")
     filled = string.Template(text).substitute(
         node_id=node_id,
@@ -83,15 +108,46 @@ def config(
         extproc = next(c for c in clusters if c["name"] == contract.EXTPROC_CLUSTER)
         for options in extproc["typed_extension_protocol_options"].values():
             options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] = extproc_streams
+    if token is not None:
+        xds = next(c for c in clusters if c["name"] == contract.XDS_CLUSTER)
+        options = xds["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        options["http_filters"] = [_token_injector(), _UPSTREAM_CODEC]
+        secret = {"name": TOKEN_SECRET, "generic_secret": {"secret": token.data_source()}}
+        data["static_resources"]["secrets"] = [secret]
     if ports.metrics is not None:
         clusters.insert(0, _admin_cluster(ports.envoy_admin))
         data["static_resources"] = {"listeners": [_metrics_listener(ports.metrics)], **data["static_resources"]}
     return data
 
 
-def render(node_id: str, ports: GatewayPorts, *, extproc_streams: int | None = None) -> str:
+def render(
+    node_id: str, ports: GatewayPorts, token: TokenRef | None = None, *, extproc_streams: int | None = None
+) -> str:
     """The bootstrap of one gateway, as Envoy reads it (`-c FILE`)."""
-    return yaml.safe_dump(config(node_id, ports, extproc_streams=extproc_streams), sort_keys=False)
+    return yaml.safe_dump(config(node_id, ports, token=token, extproc_streams=extproc_streams), sort_keys=False)
+
+
+_UPSTREAM_CODEC = {
+    "name": "envoy.filters.http.upstream_codec",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"},
+}
+
+
+def _token_injector() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.credential_injector",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.credential_injector.v3.CredentialInjector",
+            "credential": {
+                "name": "envoy.http.injected_credentials.generic",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.http.injected_credentials.generic.v3.Generic",
+                    "credential": {"name": TOKEN_SECRET},
+                    "header": internal_token.HEADER,
+                },
+            },
+        },
+    }
 
 
 #: Helm expressions of the chart's bootstrap, by the field they fill.
@@ -107,7 +163,8 @@ def chart_bootstrap(template: str | None = None) -> str:
 
     The pod's extproc and activator listen on loopback ports 9002 and 9004 (the chart's
     gateway Deployment passes the same), the admin API on 9901; the node id is replaced by
-    the pod name (`--service-node`).
+    the pod name (`--service-node`); the internal token comes from the Envoy container's
+    environment (`WAKEGATE_INTERNAL_TOKEN`, from the chart's Secret).
     """
     # Helm expressions are not YAML scalars: stand-in tokens go through YAML, then are swapped.
     tokens = {name: f"HELM{i}VALUE" for i, name in enumerate(_CHART_VALUES)}
@@ -119,7 +176,7 @@ def chart_bootstrap(template: str | None = None) -> str:
         xds_host=tokens["xds_host"],
         metrics=tokens["metrics"],
     )
-    text = yaml.safe_dump(config(contract.GATEWAY_NODE_CLUSTER, ports, template), sort_keys=False)
+    text = yaml.safe_dump(config(contract.GATEWAY_NODE_CLUSTER, ports, template, TokenRef()), sort_keys=False)
     for name, token in tokens.items():
         text = text.replace(token, _CHART_VALUES[name])
     return _CHART_HEADER + text

@@ -85,7 +85,17 @@ ALERTS = (
         "warning",
         "The scaler refuses demand reports ({{ $labels.reason }})",
         "{{ $value | humanize }} demand reports were refused in 10 minutes for reason {{ $labels.reason }}: "
-        "a wrong demand-report token, or a gateway over the member or size limits.",
+        "a wrong internal token, or a gateway over the member or size limits.",
+    ),
+    Alert(
+        "WakegateInternalAuthRefused",
+        "sum by (service) (increase(wakegate_internal_auth_refused_total[10m])) > 0",
+        "0m",
+        "warning",
+        "Calls without the internal token refused ({{ $labels.service }})",
+        "{{ $value | humanize }} {{ $labels.service }} calls were refused in 10 minutes for a missing or wrong "
+        "internal token: a gateway with an old token after a rotation, or something else probing the port. "
+        "The feeder's log names the peer.",
     ),
     Alert(
         "WakegateGatewayErrorRatio",

@@ -27,6 +27,7 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from e2e.procs import Proc
+from wakegate import internal_token
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
 
@@ -191,11 +192,15 @@ class Gateway:
         self.dir = dir
         self.port = free_port()
         self.xds_port = free_port()
+        self.xds_admin = free_port()
         self.extproc_port = free_port()
         self.extproc_admin = free_port()
         self.activator_port = free_port()
         self.envoy_admin = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The internal token of this gateway and its feeder (owner-only, like `wakegate up`'s).
+        self.token = internal_token.generate(dir / "secrets" / "internal-token")
+        node_id = f"e2e-gateway-{os.getpid()}-{self.port}"
         env = python_env()
         gateway_env = {k: v for k, v in env.items() if k != "KUBECONFIG"}
         self.xds = Proc(
@@ -212,6 +217,10 @@ class Gateway:
                 "--gateway-listen",
                 f"127.0.0.1:{self.port}",
                 "--upstream-header",
+                "--internal-token-file",
+                str(self.token),
+                "--admin-listen",
+                f"127.0.0.1:{self.xds_admin}",
             ],
             dir / "xds.log",
             env=env,
@@ -228,6 +237,10 @@ class Gateway:
             f"127.0.0.1:{self.activator_port}",
             "--xds",
             f"127.0.0.1:{self.xds_port}",
+            "--internal-token-file",
+            str(self.token),
+            "--gateway-id",
+            node_id,
         ]
         if demand is not None:
             extproc_argv += ["--demand", demand]
@@ -235,13 +248,14 @@ class Gateway:
         config = dir / "envoy.yaml"
         config.write_text(
             bootstrap.render(
-                f"e2e-gateway-{os.getpid()}",
+                node_id,
                 bootstrap.GatewayPorts(
                     envoy_admin=self.envoy_admin,
                     xds=self.xds_port,
                     extproc=self.extproc_port,
                     activator=self.activator_port,
                 ),
+                bootstrap.TokenRef(file=str(self.token)),
             )
         )
         self.envoy = Proc(
@@ -292,6 +306,34 @@ class Gateway:
                 return err.code, json.loads(raw)
             except ValueError:
                 return err.code, {"raw": raw.decode(errors="replace")}
+
+
+def subscribe_without_token(address: str, token: str | None = None) -> str:
+    """Open an ADS stream as a stranger would (no token, or `token`); the status name it ends with."""
+    import grpc
+    from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+    from wakegate import contract
+
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+    with grpc.insecure_channel(address) as channel:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+        request = discovery_pb2.DiscoveryRequest(type_url=contract.MODEL_ROUTE_TYPE)
+        try:
+            for _ in stub.StreamAggregatedResources(iter([request]), metadata=metadata, timeout=10):
+                return "OK"  # routes were sent: the stranger got in
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+    return "OK"
+
+
+def refused_streams(admin: str) -> float:
+    """`wakegate_internal_auth_refused_total{service="ads"}` from a feeder's /metrics."""
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith('wakegate_internal_auth_refused_total{service="ads"}'):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no refused-calls metric")
 
 
 def _get(url: str) -> int:

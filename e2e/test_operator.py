@@ -107,6 +107,7 @@ def operator(kube: Kube, tmp: Path, name: str = "operator", *extra: str) -> Oper
 
 def test_model_applied_with_kubectl_becomes_ready_routes_and_wakes_from_zero(wg: Kube, tmp_path: Path) -> None:
     demand, keda, admin = free_port(), free_port(), free_port()
+    gateway = Gateway(tmp_path, wg.cluster.kubeconfig, demand=f"127.0.0.1:{demand}")
     scaler = Proc(
         "scaler",
         [
@@ -124,11 +125,12 @@ def test_model_applied_with_kubectl_becomes_ready_routes_and_wakes_from_zero(wg:
             f"127.0.0.1:{admin}",
             "--lease-namespace",
             wg.ns,
+            "--internal-token-file",
+            str(gateway.token),
         ],
         tmp_path / "scaler.log",
         env=python_env(),
     )
-    gateway = Gateway(tmp_path, wg.cluster.kubeconfig, demand=f"127.0.0.1:{demand}")
     spec = {"scaling": {"min": 1, "max": 1, "engine": "builtin", "idleTimeout": 2, "activationTimeout": 60}}
     with running(operator(wg, tmp_path), gateway):
         scaler.start()

@@ -117,7 +117,8 @@ class Gateway:
     def __init__(self, cluster: Cluster, ns: str, tmp: Path) -> None:
         self.tmp = tmp
         self.token = tmp / "token"
-        self.token.write_text("e2e-demand-token\n")
+        self.token.write_text("e2e-internal-token\n")
+        self.token.chmod(0o600)
         self.port = free_port()
         self.demand = f"127.0.0.1:{free_port()}"
         self.keda = f"127.0.0.1:{free_port()}"
@@ -126,9 +127,11 @@ class Gateway:
         extproc, extproc_admin, activator, envoy_admin = (free_port() for _ in range(4))
         kubeconfig = str(cluster.kubeconfig)
         py = [sys.executable, "-m"]
+        node_id = f"e2e-gateway-{ns}"
         rendered = bootstrap.render(
-            f"e2e-gateway-{ns}",
+            node_id,
             bootstrap.GatewayPorts(envoy_admin=envoy_admin, xds=xds, extproc=extproc, activator=activator),
+            bootstrap.TokenRef(file=str(self.token)),
         )
         (tmp / "envoy.yaml").write_text(rendered)
         self.scaler = Proc(
@@ -149,7 +152,7 @@ class Gateway:
                 self.keda,
                 "--admin-listen",
                 self.scaler_admin,
-                "--demand-token-file",
+                "--internal-token-file",
                 str(self.token),
             ],
             tmp / "scaler.log",
@@ -168,6 +171,8 @@ class Gateway:
                     f"127.0.0.1:{xds}",
                     "--gateway-listen",
                     f"127.0.0.1:{self.port}",
+                    "--internal-token-file",
+                    str(self.token),
                 ],
                 tmp / "xds.log",
             ),
@@ -186,8 +191,10 @@ class Gateway:
                     f"127.0.0.1:{xds}",
                     "--demand",
                     self.demand,
-                    "--demand-token-file",
+                    "--internal-token-file",
                     str(self.token),
+                    "--gateway-id",
+                    node_id,
                 ],
                 tmp / "extproc.log",
             ),

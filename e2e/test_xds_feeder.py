@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from e2e.gateway import XDS_RULES, Gateway, Operator, install_crds, running, scoped_kubeconfig
+from e2e.gateway import (
+    XDS_RULES,
+    Gateway,
+    Operator,
+    install_crds,
+    refused_streams,
+    running,
+    scoped_kubeconfig,
+    subscribe_without_token,
+)
 from e2e.helpers import Kube, wait_for
 from e2e.test_operator import apply, model_yaml, wait_phase
 
@@ -71,6 +80,11 @@ def test_feeder_replicas_route_ready_endpoints_with_read_only_credentials(
         wait_for(lambda: gateway.chat("pair-alias")[0] == 200, 30, "the alias to route")
         assert wait_for(lambda: _upstreams(gateway, "pair", 12) == ips, 30, "both pods to receive traffic")
         assert wait_for(lambda: _upstreams(second, "pair", 12) == ips, 30, "the second feeder's gateway too")
+        # A stranger without the internal token (or with another) is refused and counted.
+        feeder = f"127.0.0.1:{gateway.xds_port}"
+        assert subscribe_without_token(feeder) == "UNAUTHENTICATED"
+        assert subscribe_without_token(feeder, "not-the-token") == "UNAUTHENTICATED"
+        assert refused_streams(f"127.0.0.1:{gateway.xds_admin}") == 2
         # One pod gone: the feeder drops its address, requests keep being answered by the other.
         victim = next(p for p in kube.pods("wakegate.io/model=pair") if p.status.pod_ip in ips)
         kube.core.delete_namespaced_pod(victim.metadata.name, kube.ns)

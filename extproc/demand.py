@@ -13,10 +13,10 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 
+from wakegate.internal_token import TokenSource
 from wakegate.v1 import demand_pb2, demand_pb2_grpc
 
 log = logging.getLogger("wakegate.extproc.demand")
@@ -37,7 +37,7 @@ class DemandReporter:
         cold: ColdSnapshot,
         in_flight: InFlightSnapshot,
         *,
-        token_file: Path | None = None,
+        token: TokenSource | None = None,
         interval: float = 2.0,
         on_delivered: Callable[[], None] = lambda: None,
     ) -> None:
@@ -47,7 +47,7 @@ class DemandReporter:
         self._sequence = 0
         self._cold = cold
         self._in_flight = in_flight
-        self._token_file = token_file
+        self._token = token
         self._interval = interval
         self._on_delivered = on_delivered
         self._wake = asyncio.Event()
@@ -94,14 +94,7 @@ class DemandReporter:
         )
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        if self._token_file is None:
-            return ()
-        try:
-            token = self._token_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            log.warning("cannot read demand token file: %s", exc.strerror)
-            return ()
-        return (("authorization", f"Bearer {token}"),)
+        return self._token.metadata() if self._token is not None else ()
 
     async def run(self) -> None:
         # Reconnect fast and let a report wait for the connection: a restarted scaler then gets

@@ -2,7 +2,8 @@
 
 Pushed, never polled: the feeder sends a new set whenever anything routable
 changes. Invalid resources are NACKed with the reason and the previous table
-stays in force. Reconnects with capped exponential backoff.
+stays in force. Reconnects with capped exponential backoff. Every stream carries the
+internal token (read again at each connect, so a rotated token is picked up).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from wakegate import contract
+from wakegate.internal_token import TokenSource
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc.feed")
@@ -43,8 +45,10 @@ class RouteFeed:
         node_id: str,
         on_routes: Callable[[list[routing_pb2.ModelRoute]], None],
         *,
+        token: TokenSource | None = None,
         max_backoff: float = 5.0,
     ) -> None:
+        self._token = token
         self._target = target
         self._node = base_pb2.Node(id=node_id, cluster=contract.GATEWAY_NODE_CLUSTER)
         self._on_routes = on_routes
@@ -80,7 +84,8 @@ class RouteFeed:
             while True:
                 yield await outgoing.get()
 
-        call = stub.StreamAggregatedResources(requests())
+        metadata = self._token.metadata() if self._token is not None else ()
+        call = stub.StreamAggregatedResources(requests(), metadata=metadata)
         version = ""
         async for response in call:
             self.connected = True

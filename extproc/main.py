@@ -18,6 +18,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from wakegate import internal_token
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.demand import DemandReporter
@@ -27,6 +28,7 @@ from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError,
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
+from wakegate.internal_token import TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
@@ -46,9 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP address of the activator (keepalive cold mode); loopback only",
     )
     parser.add_argument("--demand", default=None, help="address of the demand receiver (HOST:PORT); defaults to --xds")
-    parser.add_argument(
-        "--demand-token-file", type=Path, default=None, help="file holding the bearer token for demand reports"
-    )
+    internal_token.add_arguments(parser, server=False)
     parser.add_argument(
         "--keepalive-seconds",
         type=float,
@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="interval of SSE heartbeats while a keepalive request waits",
     )
     parser.add_argument(
-        "--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}", help="this gateway's id in xDS and demand"
+        "--node-id", default=f"extproc-{socket.gethostname()}-{os.getpid()}", help="this process's id in demand reports"
+    )
+    parser.add_argument(
+        "--gateway-id",
+        default=None,
+        help="xDS node id: its Envoy's node id, whose acknowledgements gate this extproc's routes (default: --node-id)",
     )
     parser.add_argument(
         "--api-keys-file",
@@ -112,10 +117,12 @@ class Settings(ProcessSettings):
     """The xDS feeder (HOST:PORT) the route table comes from."""
     demand: str
     """Where demand reports go (HOST:PORT)."""
-    demand_token_file: Path | None
-    """Bearer token of the demand reports; None: none."""
+    internal_token: TokenSource
+    """The internal token presented to the feeder and the demand service (a file, else the environment)."""
     node_id: str
-    """This gateway's id in xDS and demand reports."""
+    """This process's id in demand reports."""
+    gateway_id: str
+    """The xDS node id: the same as its Envoy's, so the feeder gates routes by that Envoy's acknowledgements."""
     api_keys_file: Path | None
     """API keys, one per line, re-read on change; None: no auth."""
     keepalive_seconds: float
@@ -135,7 +142,17 @@ class Settings(ProcessSettings):
             max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
         )
         limits = H2Limits().with_overrides(getattr(args, "h2_limit", []))
-        return settings_from(cls, args, demand=args.demand or args.xds, gateway=gateway, h2_limits=limits)
+        token = internal_token.source_from(args, server=False)
+        assert token is not None  # a client always has a source; it may hold no token
+        return settings_from(
+            cls,
+            args,
+            demand=args.demand or args.xds,
+            gateway=gateway,
+            h2_limits=limits,
+            internal_token=token,
+            gateway_id=args.gateway_id or args.node_id,
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -180,13 +197,18 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", settings.listen, exc)
         return 2
-    feed = RouteFeed(settings.xds, settings.node_id, gateway.set_routes)
+    if settings.internal_token.value() is None:
+        log.warning(
+            "no internal token (%s): the feeder and the scaler will refuse this gateway unless they run without auth",
+            settings.internal_token.describe(),
+        )
+    feed = RouteFeed(settings.xds, settings.gateway_id, gateway.set_routes, token=settings.internal_token)
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,
         gateway.cold.snapshot,
         lambda: gateway.in_flight,
-        token_file=settings.demand_token_file,
+        token=settings.internal_token,
         on_delivered=gateway.demand_delivered,
     )
     gateway.on_demand_change = reporter.changed

@@ -4,6 +4,12 @@ ACK/NACK bookkeeping lives here and only here: per stream and type URL we keep
 the names watched, the nonce and version last sent, and whether the client is
 waiting for a response. A NACK is logged with the client's reason and leaves
 the stream waiting for the next change, so a bad config never wedges it.
+
+What each stream acknowledged is kept per stream and grouped by node id: a gateway is
+the Envoy and the extproc(s) that share one node id, and only a gateway's own
+acknowledgements gate what that gateway is sent (`confirmed`, `retained`). Each
+stream serves the view of its own node from the cache, so a silent or rejecting
+subscriber holds back nothing but itself.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import ENDPOINT, MODEL_ROUTE, WILDCARD_TYPES, pack, version_of
+from wakegate.control.feeder.resources import ENDPOINT, MODEL_ROUTE, WILDCARD_TYPES, Resources, pack, version_of
+from wakegate.internal_token import Authenticator
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.xds")
@@ -52,27 +59,44 @@ class StreamStats:
     nodes: dict[str, int] = field(default_factory=dict)
 
 
+Acked = dict[str, frozenset[tuple[str, int]]]
+"""cluster -> endpoints one stream acknowledged."""
+
+
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
-    def __init__(self, cache: SnapshotCache, on_endpoints_acked: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        on_endpoints_acked: Callable[[], None] = lambda: None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
         self._cache = cache
         self.stats = StreamStats()
         self._on_endpoints_acked = on_endpoints_acked
-        #: type URL -> node -> cluster -> endpoints that node acknowledged. Envoys
-        #: acknowledge EDS (ENDPOINT), extprocs acknowledge ModelRoutes.
-        self._acked: dict[str, dict[str, dict[str, frozenset[tuple[str, int]]]]] = {ENDPOINT: {}, MODEL_ROUTE: {}}
+        self._authenticator = authenticator
+        self._streams = itertools.count(1)
+        #: type URL -> stream -> (node, what that stream acknowledged). Envoys acknowledge
+        #: EDS (ENDPOINT), extprocs acknowledge ModelRoutes.
+        self._acked: dict[str, dict[int, tuple[str, Acked]]] = {ENDPOINT: {}, MODEL_ROUTE: {}}
 
-    def confirmed(self) -> dict[str, frozenset[tuple[str, int]]] | None:
-        """cluster -> endpoints every connected Envoy has acknowledged; None when no Envoy is connected."""
-        nodes = list(self._acked[ENDPOINT].values())
-        if not nodes:
+    def gateways(self) -> set[str]:
+        """Node ids with at least one acknowledgement on record: the gateways that get their own view."""
+        return {node for streams in self._acked.values() for node, _ in streams.values()}
+
+    def confirmed(self, node: str) -> Acked | None:
+        """cluster -> endpoints every Envoy stream of this node acknowledged; None when it has none."""
+        streams = [acked for n, acked in self._acked[ENDPOINT].values() if n == node]
+        if not streams:
             return None
-        clusters = set().union(*(set(n) for n in nodes))
-        return {c: frozenset.intersection(*(n.get(c, frozenset()) for n in nodes)) for c in clusters}
+        clusters = set().union(*(set(a) for a in streams))
+        return {c: frozenset.intersection(*(a.get(c, frozenset()) for a in streams)) for c in clusters}
 
-    def retained(self) -> dict[str, frozenset[tuple[str, int]]]:
-        """cluster -> endpoints some connected extproc may still pick (it has not acknowledged their removal)."""
-        out: dict[str, frozenset[tuple[str, int]]] = {}
-        for clusters in self._acked[MODEL_ROUTE].values():
+    def retained(self, node: str) -> Acked:
+        """cluster -> endpoints some extproc of this node may still pick (it has not acknowledged their removal)."""
+        out: Acked = {}
+        for n, clusters in self._acked[MODEL_ROUTE].values():
+            if n != node:
+                continue
             for cluster, endpoints in clusters.items():
                 out[cluster] = out.get(cluster, frozenset()) | endpoints
         return out
@@ -82,6 +106,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        if self._authenticator is not None and not self._authenticator.allows(context, "ads"):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid wakegate token")
+        stream = next(self._streams)
         watches: dict[str, _Watch] = {}
         requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
         node_id = ""
@@ -100,8 +127,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                 # Answer whatever is due, then wait for a request or a cache change.
                 if serial != self._cache.serial:
                     serial = self._cache.serial
+                view = self._cache.view(node_id)
                 for type_url, watch in watches.items():
-                    response = self._respond(type_url, watch)
+                    response = self._respond(view, type_url, watch)
                     if response is not None:
                         yield response
                 get = asyncio.ensure_future(requests.get())
@@ -119,17 +147,18 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                     node_id = request.node.id
                     self.stats.nodes[node_id] = self.stats.nodes.get(node_id, 0) + 1
                     log.info("xds stream opened node=%s", node_id)
-                self._on_request(node_id, request, watches.setdefault(request.type_url, _Watch()))
+                self._on_request(stream, node_id, request, watches.setdefault(request.type_url, _Watch()))
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             if node_id:
                 log.info("xds stream closed node=%s", node_id)
-                if any(acks.pop(node_id, None) is not None for acks in self._acked.values()):
-                    self._on_endpoints_acked()
+            removed = [acks.pop(stream, None) for acks in self._acked.values()]
+            if any(r is not None for r in removed):
+                self._on_endpoints_acked()
 
-    def _on_request(self, node_id: str, request: discovery_pb2.DiscoveryRequest, watch: _Watch) -> None:
+    def _on_request(self, stream: int, node_id: str, request: discovery_pb2.DiscoveryRequest, watch: _Watch) -> None:
         if request.response_nonce and request.response_nonce != watch.nonce:
             return  # answer to an older response; the newer one is still pending
         watch.names = frozenset(request.resource_names)
@@ -147,11 +176,11 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             self.stats.acks += 1
             watch.acked_version = request.version_info
             if request.type_url in self._acked:
-                self._record_endpoints(node_id, request.type_url, watch)
+                self._record_endpoints(stream, node_id, request.type_url, watch)
         watch.waiting = True
 
-    def _record_endpoints(self, node_id: str, type_url: str, watch: _Watch) -> None:
-        acked: dict[str, frozenset[tuple[str, int]]] = {}
+    def _record_endpoints(self, stream: int, node_id: str, type_url: str, watch: _Watch) -> None:
+        acked: Acked = {}
         for message in watch.sent.values():
             if isinstance(message, routing_pb2.ModelRoute):
                 acked[message.cluster] = frozenset((e.address, e.port) for e in message.endpoints)
@@ -161,17 +190,18 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                     for locality in message.endpoints
                     for lb in locality.lb_endpoints
                 )
-        if type_url == ENDPOINT:
+        earlier = self._acked[type_url].get(stream)
+        if type_url == ENDPOINT and earlier is not None:
             # EDS is per name: names not in this response keep their earlier acknowledgement.
-            acked = {**self._acked[type_url].get(node_id, {}), **acked}
-        if self._acked[type_url].get(node_id) != acked:
-            self._acked[type_url][node_id] = acked
+            acked = {**earlier[1], **acked}
+        if earlier != (node_id, acked):
+            self._acked[type_url][stream] = (node_id, acked)
             self._on_endpoints_acked()
 
-    def _respond(self, type_url: str, watch: _Watch) -> discovery_pb2.DiscoveryResponse | None:
+    def _respond(self, view: Resources, type_url: str, watch: _Watch) -> discovery_pb2.DiscoveryResponse | None:
         if not watch.waiting:
             return None
-        selected = self._cache.snapshot.select(type_url, watch.names)
+        selected = view.select(type_url, watch.names)
         if type_url not in WILDCARD_TYPES and not watch.names:
             return None  # a named type with nothing named yet: nothing to say
         version = version_of(selected)
@@ -196,15 +226,18 @@ async def start_server(
     listen: str,
     extra: Callable[[grpc.aio.Server], None] | None = None,
     on_endpoints_acked: Callable[[], None] = lambda: None,
+    authenticator: Authenticator | None = None,
 ) -> tuple[grpc.aio.Server, AdsServer, int]:
     """Start the ADS gRPC server with the standard health service; returns the bound port.
 
     `extra` registers more services on the same server (the demand service in `wakegate up`).
+    With an `authenticator`, every ADS stream must carry the internal token (the health
+    service stays open: it tells nothing but "serving").
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
     if extra is not None:
         extra(server)
-    ads = AdsServer(cache, on_endpoints_acked)
+    ads = AdsServer(cache, on_endpoints_acked, authenticator)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -3,9 +3,10 @@
 Both feeders (`wakegate up`'s, from its local runtime, and `wakegate xds`, from Kubernetes
 watches) call `publish_soon()` on every change of their source; a burst of changes becomes
 one snapshot, built on the next loop turn from the source's current `RoutedModel`s. Once the
-ADS server runs, each build also takes its record of which endpoints every Envoy confirmed
-and every extproc may still hold (docs/decisions.md, "Endpoint changes reach extproc only
-after Envoy acknowledged them").
+ADS server runs, each build also makes one view per gateway (node id) from that gateway's
+own record of which endpoints its Envoy confirmed and its extproc may still hold
+(docs/decisions.md, "Endpoint changes reach extproc only after its own Envoy acknowledged
+them").
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build, for_gateway
 
 
 class Publisher:
@@ -36,7 +37,11 @@ class Publisher:
     async def publish(self) -> None:
         self._pending = False
         routed = self._routed()
-        if self.ads is None:
-            await self.cache.set(build(routed, self.gateway))
-        else:
-            await self.cache.set(build(routed, self.gateway, self.ads.confirmed(), self.ads.retained()))
+        base = build(routed, self.gateway)
+        views = {}
+        if self.ads is not None:
+            views = {
+                node: for_gateway(base, routed, self.ads.confirmed(node), self.ads.retained(node))
+                for node in self.ads.gateways()
+            }
+        await self.cache.set(base, views)

@@ -526,38 +526,59 @@ def build(
     confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
     retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
 ) -> Resources:
-    """Every resource for one consistent view of the fleet.
+    """Every resource for one consistent view of the fleet, as one gateway should see it.
 
-    `confirmed` (cluster -> endpoints every gateway Envoy has acknowledged) gates what
-    extproc sees: a new endpoint reaches extproc's route only once Envoy can route to
-    it, so a held request is never flushed to a cluster that does not know the host
-    yet. Clusters missing from `confirmed` are not gated (no Envoy to wait for).
-
-    `retained` (cluster -> endpoints some extproc may still pick) keeps a removed
-    endpoint in Envoy's cluster until every extproc has dropped it, so the other
-    direction has no gap either. The backend is still draining meanwhile.
+    Without `confirmed` and `retained` this is the base snapshot: every ready endpoint,
+    ungated. With them it is `for_gateway(build(models, settings), ...)`.
     """
-    envoy_models = [
-        replace(m, endpoints=tuple(sorted(set(m.endpoints) | retained[m.cluster])))
-        if retained is not None and m.cluster in retained
-        else m
-        for m in models
-    ]
-    if confirmed is not None:
-        models_for_extproc = [
-            replace(m, endpoints=tuple(e for e in m.endpoints if e in confirmed[m.cluster]))
-            if m.cluster in confirmed
-            else m
-            for m in models
-        ]
-    else:
-        models_for_extproc = list(models)
-    return Resources(
+    base = Resources(
         by_type={
             LISTENER: {LISTENER_NAME: listener(settings)},
             ROUTE: {ROUTE_NAME: route_configuration(settings)},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
-            ENDPOINT: {m.cluster: load_assignment(m) for m in envoy_models},
-            MODEL_ROUTE: {m.key: model_route(m) for m in models_for_extproc},
+            ENDPOINT: {m.cluster: load_assignment(m) for m in models},
+            MODEL_ROUTE: {m.key: model_route(m) for m in models},
         }
     )
+    if confirmed is None and retained is None:
+        return base
+    return for_gateway(base, models, confirmed, retained)
+
+
+def for_gateway(
+    base: Resources,
+    models: Sequence[RoutedModel],
+    confirmed: Mapping[str, frozenset[tuple[str, int]]] | None,
+    retained: Mapping[str, frozenset[tuple[str, int]]] | None,
+) -> Resources:
+    """One gateway's view of `base` (built from the same `models`), gated by its own acknowledgements.
+
+    `confirmed` (cluster -> endpoints this gateway's Envoy has acknowledged) gates what its
+    extproc sees: a new endpoint reaches extproc's route only once Envoy can route to it, so
+    a held request is never flushed to a cluster that does not know the host yet. Clusters
+    missing from `confirmed`, or no `confirmed` at all, are not gated (no Envoy to wait for).
+
+    `retained` (cluster -> endpoints this gateway's extproc may still pick) keeps a removed
+    endpoint in its Envoy's cluster until that extproc has dropped it, so the other
+    direction has no gap either. The backend is still draining meanwhile.
+
+    Only the messages that differ from the base are rebuilt; in the steady state (every
+    acknowledgement current) the base itself is returned.
+    """
+    endpoints = dict(base.by_type[ENDPOINT])
+    routes = dict(base.by_type[MODEL_ROUTE])
+    changed = False
+    for m in models:
+        ready = set(m.endpoints)
+        kept = (retained or {}).get(m.cluster, frozenset()) - ready
+        if kept:
+            endpoints[m.cluster] = load_assignment(replace(m, endpoints=tuple(sorted(ready | kept))))
+            changed = True
+        if confirmed is not None and m.cluster in confirmed:
+            allowed = tuple(e for e in m.endpoints if e in confirmed[m.cluster])
+            if len(allowed) != len(m.endpoints):
+                routes[m.key] = model_route(replace(m, endpoints=allowed))
+                changed = True
+    if not changed:
+        return base
+    return Resources(by_type={**base.by_type, ENDPOINT: endpoints, MODEL_ROUTE: routes})

@@ -1,7 +1,7 @@
 """`wakegate scaler`: demand aggregation, KEDA external-push scaler and the builtin scaling engine.
 
-One process, three ports: the DemandService gateways report to (bearer token
-from a mounted Secret), KEDA's ExternalScaler service (optional mTLS) and an
+One process, three ports: the DemandService gateways report to (the internal
+token, wakegate.internal_token), KEDA's ExternalScaler service (optional mTLS) and an
 admin HTTP port (/metrics, /healthz). Models come from a read-only watch of
 the cluster's Model objects, or from a manifest file (``--models-file``) to
 run without a cluster. Models with ``spec.scaling.engine: builtin`` are scaled
@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
+from wakegate import internal_token
 from wakegate.control import admin
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
@@ -35,6 +36,7 @@ from wakegate.control.keda.service import TlsFiles, serve_external_scaler
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
 from wakegate.control.schema import ManifestError, Model, parse_models
+from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 from wakegate.v1 import demand_pb2_grpc
 
@@ -43,7 +45,7 @@ log = logging.getLogger("wakegate.scaler")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demand-listen", default="0.0.0.0:9090", help="DemandService address for gateways")
-    parser.add_argument("--demand-token-file", type=Path, default=None, help="bearer token gateways must present")
+    internal_token.add_arguments(parser, server=True)
     parser.add_argument("--keda-listen", default="0.0.0.0:9091", help="ExternalScaler address for KEDA")
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM) for the KEDA port")
     parser.add_argument("--tls-key", type=Path, default=None, help="server key (PEM) for the KEDA port")
@@ -68,8 +70,8 @@ class Settings(ProcessSettings):
 
     demand_listen: str
     """DemandService address gateways report to."""
-    demand_token_file: Path | None
-    """The bearer token gateways must present; None: none."""
+    internal_token: TokenSource | None
+    """The internal token gateways must present; None: none asked (`--no-internal-auth`)."""
     keda_listen: str
     """ExternalScaler address for KEDA."""
     tls: TlsFiles | None
@@ -107,6 +109,7 @@ class Settings(ProcessSettings):
             args,
             tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
             models=models,
+            internal_token=internal_token.source_from(args, server=True),
             identity=args.identity or f"{socket.gethostname()}-{os.getpid()}",
         )
 
@@ -137,7 +140,8 @@ class Scaler:
         return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
     async def _start_demand(self) -> grpc.aio.Server:
-        service = DemandService(self.book, self.hub.poke, token_file=self.settings.demand_token_file)
+        token = self.settings.internal_token
+        service = DemandService(self.book, self.hub.poke, authenticator=Authenticator(token) if token else None)
         limits = self.book.limits
         server = grpc.aio.server(
             maximum_concurrent_rpcs=limits.max_concurrent_reports,
@@ -168,8 +172,9 @@ class Scaler:
             keda, port = await serve_external_scaler(self.hub, self.settings.keda_listen, tls)
             servers.append(keda)
             log.info(
-                "wakegate scaler: demand=%s keda=%s (port %d, %s) admin=%s",
+                "wakegate scaler: demand=%s (%s) keda=%s (port %d, %s) admin=%s",
                 self.settings.demand_listen,
+                "internal token" if self.settings.internal_token else "no auth",
                 self.settings.keda_listen,
                 port,
                 "mTLS" if tls and tls.client_ca else "TLS" if tls else "plaintext",

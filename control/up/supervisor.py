@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from wakegate import internal_token
 from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.demand.book import DemandBook
@@ -39,6 +40,7 @@ from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
+from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, graceful_exit, settings_from
 from wakegate.v1 import demand_pb2_grpc
 
@@ -148,7 +150,15 @@ class Up:
         self.metrics = UpMetrics()
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
-        self.demand_service = DemandService(self.book, self._demand_changed)
+        # The internal channels (ADS, demand) are authenticated on loopback too: another local
+        # user must not be able to subscribe to the routes or report fake demand.
+        self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
+        self.authenticator = Authenticator(self.token)
+        self.metrics.registry.register(admin.RefusedCalls(self.authenticator))
+        #: This gateway's xDS node id, Envoy's and extproc's (`--gateway-id`): the feeder gates
+        #: each gateway's endpoints by the acknowledgements of its own Envoy and extproc.
+        self.node_id = f"wakegate-up-{os.getpid()}"
+        self.demand_service = DemandService(self.book, self._demand_changed, authenticator=self.authenticator)
         self.scaler_hub: ScalerHub | None = None
         for runtime in self.runtimes.values():
             runtime.in_flight = self._in_flight_of(runtime.model.key)
@@ -241,6 +251,7 @@ class Up:
                 "127.0.0.1:0",
                 lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
                 on_endpoints_acked=self.publisher.publish_soon,
+                authenticator=self.authenticator,
             )
             ports = Ports(
                 xds=xds_port,
@@ -362,6 +373,10 @@ class Up:
             str(self.settings.keepalive_seconds),
             "--xds",
             f"127.0.0.1:{ports.xds}",
+            "--internal-token-file",
+            str(self.token.file),
+            "--gateway-id",
+            self.node_id,
             "--max-body-bytes",
             str(self.settings.max_body_bytes),
             "--global-rps",
@@ -382,10 +397,11 @@ class Up:
 
     async def _start_envoy(self, ports: Ports) -> Child:
         rendered = bootstrap.render(
-            f"wakegate-up-{os.getpid()}",
+            self.node_id,
             bootstrap.GatewayPorts(
                 envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
             ),
+            bootstrap.TokenRef(file=str(self.token.file)),
             extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
         )
         config = self.state_dir / "envoy.yaml"

@@ -1,5 +1,7 @@
 """`wakegate xds`: the xDS feeder for a cluster — watches Models and EndpointSlices, serves ADS.
 
+Every ADS stream must carry the internal token (wakegate.internal_token) unless it runs
+with `--no-internal-auth`; a refused stream is counted on `--admin-listen`'s /metrics.
 Read-only on the cluster (list/watch Models and EndpointSlices; Kopf in
 standalone mode with event handlers only, so it never writes). Every watch
 event schedules one coalesced snapshot build (push on change, never poll); the
@@ -17,9 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from wakegate import internal_token
+from wakegate.control import admin
 from wakegate.control.admin import host_port
 from wakegate.control.feeder.resources import GatewaySettings
 from wakegate.control.k8s.client import add_kubeconfig
+from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.xds")
@@ -35,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest request body a gateway buffers, bytes"
     )
     parser.add_argument("--upstream-header", action="store_true", help="add x-wakegate-upstream to responses")
+    parser.add_argument(
+        "--admin-listen", default=None, help="HTTP address for /metrics and /healthz (HOST:PORT); none by default"
+    )
+    internal_token.add_arguments(parser, server=True)
     add_log_level(parser)
 
 
@@ -48,6 +60,10 @@ class Settings(ProcessSettings):
     """Where the cluster is (the seam's lookup order when None)."""
     gateway: GatewaySettings
     """The Envoy listener every gateway gets (address, body limit, debug header)."""
+    admin_listen: str | None
+    """HTTP address of /metrics and /healthz; None: not served."""
+    internal_token: TokenSource | None
+    """The token every ADS stream must carry; None: none asked (`--no-internal-auth`)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -59,7 +75,10 @@ class Settings(ProcessSettings):
             max_request_bytes=args.max_request_bytes,
             upstream_header=args.upstream_header,
         )
-        return settings_from(cls, args, gateway=gateway)
+        if args.admin_listen is not None:
+            host_port(args.admin_listen, "0.0.0.0")
+        token = internal_token.source_from(args, server=True)
+        return settings_from(cls, args, gateway=gateway, internal_token=token)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,11 +116,18 @@ async def run(settings: Settings) -> int:
     )(slice_event)
 
     await publisher.publish()
+    authenticator = Authenticator(settings.internal_token) if settings.internal_token is not None else None
     server, publisher.ads, bound = await start_server(
-        publisher.cache, settings.listen, on_endpoints_acked=publisher.publish_soon
+        publisher.cache, settings.listen, on_endpoints_acked=publisher.publish_soon, authenticator=authenticator
     )
-    log.info("wakegate xds: ADS on port %d, gateway listener %s:%d", bound, settings.gateway.listen_host,
-             settings.gateway.listen_port)
+    admin_runner = await _serve_admin(settings.admin_listen, authenticator)
+    log.info(
+        "wakegate xds: ADS on port %d (%s), gateway listener %s:%d",
+        bound,
+        f"internal token from {settings.internal_token.describe()}" if settings.internal_token else "no auth",
+        settings.gateway.listen_host,
+        settings.gateway.listen_port,
+    )
     print(f"wakegate xds: listening on port {bound}", flush=True)
     stop = asyncio.Event()
     graceful_exit(stop, "xds")
@@ -117,7 +143,27 @@ async def run(settings: Settings) -> int:
         # Kopf cancels the tasks started while it ran, the ADS streams' among them.
         with contextlib.suppress(asyncio.CancelledError):
             await server.stop(1)
+        if admin_runner is not None:
+            await admin_runner.cleanup()
     if operator.done() and not operator.cancelled() and operator.exception() is not None:
         log.error("watch failed: %r", operator.exception())
         return 1
     return 0
+
+
+async def _serve_admin(listen: str | None, authenticator: Authenticator | None) -> web.AppRunner | None:
+    if listen is None:
+        return None
+    registry = CollectorRegistry()
+    if authenticator is not None:
+        registry.register(admin.RefusedCalls(authenticator))
+
+    async def metrics(_: web.Request) -> web.Response:
+        return admin.metrics_response(registry)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    host, port = host_port(listen, "0.0.0.0")
+    return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
+

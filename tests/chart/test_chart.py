@@ -3,6 +3,9 @@ lint, template with defaults and with every documented option, the values schema
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,13 +26,14 @@ EVERY_OPTION: dict[str, Any] = {
     "image": {"repository": "registry.example/wakegate/wakegate", "tag": "1.2.3", "pullPolicy": "Always"},
     "imagePullSecrets": [{"name": "regcred"}],
     "commonLabels": {"team": "ml"},
-    "demandToken": {"existingSecret": "demand-token", "key": "tok"},
+    "internalToken": {"existingSecret": "internal-token", "key": "tok"},
+    "networkPolicy": {"enabled": False},
     "operator": {"replicas": 3, "workers": 8, "scalerHost": "10.0.0.9",
                  "installRuntimes": False, "leaseSeconds": 20, "logLevel": "debug",
                  "pdb": {"minAvailable": 2}, "resources": {"requests": {"cpu": "100m"}},
                  "nodeSelector": {"pool": "system"}, "tolerations": [{"key": "x", "operator": "Exists"}],
                  "affinity": {"nodeAffinity": {}}},
-    "xds": {"replicas": 2, "port": 18001, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
+    "xds": {"replicas": 2, "port": 18001, "adminPort": 9211, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
     "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls"},
     "gateway": {"replicas": 3, "port": 8000, "xdsHost": "10.0.0.7", "scalerHost": "10.0.0.8",
                 "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
@@ -103,7 +107,7 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     images = {c["image"] for d in [*deployments.values(), by_kind(docs, "DaemonSet")["wg-wakegate-agent"]]
               for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "envoy"}
     assert images == {"ghcr.io/wakegate/wakegate:0.1.0"}, "one image for every wakegate component"
-    assert not by_kind(docs, "Secret"), "secrets are referenced, never templated"
+    assert set(by_kind(docs, "Secret")) == {"wg-wakegate-internal-token"}, "only the generated internal token"
     assert "wg-wakegate-scheduler-extender-example" in by_kind(docs, "ConfigMap")
     dashboards = [n for n in by_kind(docs, "ConfigMap") if "-dashboard-" in n]
     assert len(dashboards) == 3
@@ -126,7 +130,8 @@ def test_gateway_bootstrap_is_valid_for_envoy(helm: Path, tmp_path: Path) -> Non
             assert config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 9912
         (tmp_path / "envoy.yaml").write_text(text)
         out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "WAKEGATE_INTERNAL_TOKEN": "t"})
         assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -165,7 +170,10 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     gateway = deployments["wg-wakegate-gateway"]["spec"]["template"]["spec"]
     extproc = next(c for c in gateway["containers"] if c["name"] == "extproc")
     assert "--api-keys-file=/var/run/wakegate/api-keys/keys" in extproc["args"]
-    assert "--demand-token-file=/var/run/wakegate/demand-token/token" in extproc["args"]
+    token_ref = {"secretKeyRef": {"name": "internal-token", "key": "tok"}}
+    assert all(_token_env(c) == token_ref for c in _token_parties(deployments)), "the user's Secret, by env"
+    assert "--admin-listen=$(POD_IP):9211" in deployments["wg-wakegate-xds"]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
     assert {v["name"]: v.get("secret", {}).get("secretName") for v in gateway["volumes"]}["api-keys"] == "api-keys"
     assert by_kind(docs, "PodDisruptionBudget")["wg-wakegate-gateway"]["spec"]["minAvailable"] == "50%"
     scaler = deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"]["containers"][0]
@@ -173,7 +181,7 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert "--no-install-runtimes" in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
     assert "--xds=10.0.0.7:18001" in extproc["args"] and "--demand=10.0.0.8:9190" in extproc["args"]
-    assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler"}, "xds has no /metrics"
+    assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler", "wg-wakegate-xds"}
     assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
     rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
     assert rule["metadata"]["labels"]["release"] == "prom"
@@ -182,7 +190,76 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert all(d["metadata"]["namespace"] == "monitoring" and d["metadata"]["labels"]["grafana_dashboard_x"] == "yes"
                for d in dashboards)
     assert "wg-wakegate-scheduler-extender-example" not in by_kind(docs, "ConfigMap")
-    assert not by_kind(docs, "Secret")
+    assert not by_kind(docs, "Secret"), "with a named Secret the chart creates none"
+    assert not any("checksum/internal-token" in (d["spec"]["template"]["metadata"].get("annotations") or {})
+                   for d in deployments.values())
+    assert not by_kind(docs, "NetworkPolicy")
+
+
+def _token_parties(deployments: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The containers that present or check the internal token: feeder, scaler, Envoy and extproc."""
+    pods = [deployments[f"wg-wakegate-{c}"]["spec"]["template"]["spec"] for c in ("xds", "scaler", "gateway")]
+    return [c for pod in pods for c in pod["containers"]]
+
+
+def _token_env(container: dict[str, Any]) -> dict[str, Any] | None:
+    for var in container.get("env", []):
+        if var["name"] == "WAKEGATE_INTERNAL_TOKEN":
+            return var["valueFrom"]  # type: ignore[no-any-return]
+    return None
+
+
+def test_internal_token_secret_and_network_policies_by_default(helm: Path, tmp_path: Path) -> None:
+    docs = template(helm, tmp_path)
+    (secret,) = by_kind(docs, "Secret").values()
+    assert secret["metadata"]["name"] == "wg-wakegate-internal-token"
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    again = by_kind(template(helm, tmp_path), "Secret")["wg-wakegate-internal-token"]["data"]["token"]
+    assert again != secret["data"]["token"], "random per install (an upgrade reads the old one back)"
+    deployments = by_kind(docs, "Deployment")
+    # The pods holding the token carry its digest: a changed generated token rolls them together.
+    digest = hashlib.sha256(secret["data"]["token"].encode()).hexdigest()[:16]
+    for component in ("xds", "scaler", "gateway"):
+        annotations = deployments[f"wg-wakegate-{component}"]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["checksum/internal-token"] == digest
+    parties = _token_parties(deployments)
+    assert [c["name"] for c in parties] == ["xds", "scaler", "envoy", "extproc"]
+    for container in parties:
+        assert _token_env(container) == {"secretKeyRef": {"name": "wg-wakegate-internal-token", "key": "token"}}
+        # The token travels only by environment: no argument names it, no flag turns auth off.
+        assert not any("token" in arg or "no-internal-auth" in arg for arg in container.get("args", []))
+    # Envoy's bootstrap (a ConfigMap: no secret in it) reads the variable and sends it to the feeder.
+    envoy = yaml.safe_load(by_kind(docs, "ConfigMap")["wg-wakegate-gateway-envoy"]["data"]["envoy.yaml"])
+    from_env = {"environment_variable": "WAKEGATE_INTERNAL_TOKEN"}
+    assert envoy["static_resources"]["secrets"] == [
+        {"name": "wakegate_internal_token", "generic_secret": {"secret": from_env}}
+    ]
+    (xds_cluster,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == "wakegate_xds"]
+    filters = xds_cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.credential_injector",
+        "envoy.filters.http.upstream_codec",
+    ]
+
+    policies = by_kind(docs, "NetworkPolicy")
+    gateway_pods = {"app.kubernetes.io/name": "wakegate", "app.kubernetes.io/instance": "wg",
+                    "app.kubernetes.io/component": "gateway"}
+    gateway_labels = deployments["wg-wakegate-gateway"]["spec"]["template"]["metadata"]["labels"]
+    assert gateway_pods.items() <= gateway_labels.items()
+    for name, guarded, open_ports in (("wg-wakegate-xds", 18000, {9201}), ("wg-wakegate-scaler", 9090, {9091, 8080})):
+        spec = policies[name]["spec"]
+        target = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= target.items()
+        assert spec["policyTypes"] == ["Ingress"]
+        restricted, unrestricted = spec["ingress"]
+        assert restricted["from"] == [{"podSelector": {"matchLabels": gateway_pods}}]
+        assert restricted["ports"] == [{"protocol": "TCP", "port": guarded}]
+        assert "from" not in unrestricted and {p["port"] for p in unrestricted["ports"]} == open_ports
+        container_ports = {p["containerPort"] for c in deployments[name]["spec"]["template"]["spec"]["containers"]
+                           for p in c["ports"]}
+        assert {guarded} | open_ports <= container_ports
 
 
 def test_components_can_be_disabled(helm: Path, tmp_path: Path) -> None:
@@ -201,6 +278,8 @@ def test_components_can_be_disabled(helm: Path, tmp_path: Path) -> None:
         ({"operator": {"replicas": "two"}}, "/operator/replicas"),
         ({"apiKey": "sk-in-clear"}, "additional properties 'apiKey'"),
         ({"gateway": {"apiKeys": {"value": "sk-in-clear"}}}, "additional properties 'value'"),
+        ({"internalToken": {"value": "in-clear"}}, "additional properties 'value'"),
+        ({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled"),
         ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ],

@@ -3,6 +3,8 @@ chart ships a rendering of it (charts/wakegate/files/envoy-bootstrap.yaml) that 
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 from pathlib import Path
 
@@ -10,6 +12,11 @@ import yaml
 
 from wakegate import contract
 from wakegate.control import bootstrap
+from wakegate.control.admin import free_port
+from wakegate.control.feeder import resources
+from wakegate.control.feeder.ads import start_server
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.internal_token import ENV, Authenticator, TokenSource
 
 PORTS = bootstrap.GatewayPorts(envoy_admin=19901, xds=18000, extproc=19002, activator=19004)
 
@@ -75,3 +82,48 @@ def test_envoy_validates_both_forms(tmp_path: Path) -> None:
             timeout=60,
         )
         assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
+
+
+async def test_a_real_envoy_presents_the_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    """The feeder accepts Envoy's ADS stream only with the token; both ways Envoy can read it work."""
+    cache = SnapshotCache()
+    await cache.set(resources.build([], resources.GatewaySettings(listen_port=free_port())))
+    auth = Authenticator(TokenSource(None, environ={ENV: "the-token"}))
+    server, ads, xds = await start_server(cache, "127.0.0.1:0", authenticator=auth)
+    token_file = tmp_path / "token"
+    token_file.write_text("the-token\n")
+    cases = {
+        "from-file": (bootstrap.TokenRef(file=str(token_file)), {}),
+        "from-env": (bootstrap.TokenRef(), {ENV: "the-token"}),
+        "wrong-env": (bootstrap.TokenRef(), {ENV: "another"}),
+        "none": (None, {}),
+    }
+    envoys = []
+    try:
+        for node, (token, env) in cases.items():
+            ports = bootstrap.GatewayPorts(envoy_admin=free_port(), xds=xds, extproc=free_port(), activator=free_port())
+            config = tmp_path / f"{node}.yaml"
+            config.write_text(bootstrap.render(node, ports, token))
+            argv = [bootstrap.envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "-l", "error"]
+            clean = {k: v for k, v in os.environ.items() if k != ENV}
+            envoys.append(subprocess.Popen(argv, env={**clean, **env}, stderr=subprocess.DEVNULL))
+        for _ in range(300):
+            if {"from-file", "from-env"} <= ads.stats.nodes.keys() and auth.refused.get("ads", 0) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert set(ads.stats.nodes) == {"from-file", "from-env"}, "only the Envoys with the token subscribed"
+        assert auth.refused["ads"] >= 2, "the two without it were refused (they retry with backoff)"
+        assert ads.stats.acks >= 4, "both accepted Envoys acknowledged their listener and clusters"
+    finally:
+        for envoy in envoys:
+            envoy.terminate()
+            envoy.wait(10)
+        await server.stop(0)
+
+
+def test_the_token_is_never_in_the_bootstrap(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-value\n")
+    rendered = bootstrap.render("up-1", PORTS, bootstrap.TokenRef(file=str(token)))
+    assert "s3cret-value" not in rendered and str(token) in rendered
+    assert "environment_variable: WAKEGATE_INTERNAL_TOKEN" in bootstrap.render("pod", PORTS, bootstrap.TokenRef())

@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 from wakegate.extproc.demand import DemandReporter
+from wakegate.internal_token import TokenSource
 
 
 async def main(target: str, gateway_id: str, model: str, in_flight: int, token_file: Path | None) -> None:
-    reporter = DemandReporter(target, gateway_id, dict, lambda: {model: in_flight}, token_file=token_file)
+    token = TokenSource(token_file) if token_file else None
+    reporter = DemandReporter(target, gateway_id, dict, lambda: {model: in_flight}, token=token)
     task = asyncio.create_task(reporter.run())
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, task.cancel)

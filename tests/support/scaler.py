@@ -99,7 +99,7 @@ class ScalerProcess:
                 self.keda,
                 "--admin-listen",
                 self.admin,
-                "--demand-token-file",
+                "--internal-token-file",
                 str(self.token_file),
                 *self.extra,
             ],

@@ -73,11 +73,38 @@ capabilities: {drop: [ALL]}
 {{- printf "%s.%s.svc" (include "wakegate.component" (dict "root" . "component" "scaler")) .Release.Namespace -}}
 {{- end -}}
 
-{{- define "wakegate.demandTokenVolume" -}}
-{{- if .Values.demandToken.existingSecret }}
-- name: demand-token
-  secret:
-    secretName: {{ .Values.demandToken.existingSecret }}
-    items: [{key: {{ .Values.demandToken.key }}, path: token}]
-{{- end }}
+{{/* The Secret holding the internal token: the user's, or the one this chart creates. */}}
+{{- define "wakegate.internalTokenSecret" -}}
+{{- .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "wakegate.fullname" .)) -}}
+{{- end -}}
+
+{{/* The generated token (base64), the same wherever it is included in one render: the existing
+Secret's on upgrade, else a random one made once and kept in .Values for the rest of the render. */}}
+{{- define "wakegate.internalTokenValue" -}}
+{{- if not (hasKey .Values "generatedInternalToken") -}}
+{{- $token := randAlphaNum 48 | b64enc -}}
+{{- with (lookup "v1" "Secret" .Release.Namespace (include "wakegate.internalTokenSecret" .)) -}}
+{{- with .data }}{{ with .token }}{{ $token = . }}{{ end }}{{ end -}}
+{{- end -}}
+{{- $_ := set .Values "generatedInternalToken" $token -}}
+{{- end -}}
+{{- .Values.generatedInternalToken -}}
+{{- end -}}
+
+{{/* Pods that hold the token restart together when a generated token changes (an upgrade that
+could not read the old Secret, or `helm template` rendered anew), so no two disagree. A digest,
+not the token. Nothing for a named Secret: the user rolls the pods when they rotate it. */}}
+{{- define "wakegate.internalTokenChecksum" -}}
+{{- if not .Values.internalToken.existingSecret -}}
+checksum/internal-token: {{ include "wakegate.internalTokenValue" . | sha256sum | trunc 16 }}
+{{- end -}}
+{{- end -}}
+
+{{/* WAKEGATE_INTERNAL_TOKEN from that Secret (an environment variable: never in args, and no volume). */}}
+{{- define "wakegate.internalTokenEnv" -}}
+- name: WAKEGATE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "wakegate.internalTokenSecret" . }}
+      key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.key }}{{ else }}token{{ end }}
 {{- end -}}

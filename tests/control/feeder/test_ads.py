@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ from google.rpc import status_pb2
 from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.publisher import Publisher
 from wakegate.extproc.feed import RouteFeed
 
 NODE = base_pb2.Node(id="test-envoy")
@@ -25,14 +27,19 @@ def snapshot(*ports: int) -> r.Resources:
 
 
 class Client:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, node: base_pb2.Node = NODE, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self.node = node
         self.outgoing: asyncio.Queue[discovery_pb2.DiscoveryRequest] = asyncio.Queue()
 
         async def requests() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
             while True:
                 yield await self.outgoing.get()
 
-        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(requests())
+        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(
+            requests(), metadata=metadata
+        )
         self.incoming: asyncio.Queue[discovery_pb2.DiscoveryResponse] = asyncio.Queue()
         # Cancelling a pending read would cancel the whole call, so one task reads for good.
         self.reader = asyncio.create_task(self._read())
@@ -42,7 +49,7 @@ class Client:
             await self.incoming.put(response)
 
     async def send(self, **fields: object) -> None:
-        await self.outgoing.put(discovery_pb2.DiscoveryRequest(node=NODE, **fields))  # type: ignore[arg-type]
+        await self.outgoing.put(discovery_pb2.DiscoveryRequest(node=self.node, **fields))  # type: ignore[arg-type]
 
     async def receive(self, timeout: float = 2.0) -> discovery_pb2.DiscoveryResponse:
         return await asyncio.wait_for(self.incoming.get(), timeout)
@@ -126,3 +133,100 @@ async def test_route_feed_receives_pushes(server) -> None:
         assert seen == [[9000], [9000, 9005]]
     finally:
         task.cancel()
+
+
+class Gateway:
+    """One node's two subscriptions over real gRPC: its Envoy's EDS and its extproc's ModelRoutes."""
+
+    def __init__(self, channel: grpc.aio.Channel, node: str) -> None:
+        self.envoy = Client(channel, base_pb2.Node(id=node))
+        self.extproc = Client(channel, base_pb2.Node(id=node))
+
+    async def send(self, client: Client, **fields: object) -> None:
+        await client.send(**fields)
+
+    async def ack(self, client: Client, response: discovery_pb2.DiscoveryResponse) -> None:
+        names = ["model.m"] if response.type_url == r.ENDPOINT else []
+        await client.send(
+            type_url=response.type_url,
+            resource_names=names,
+            response_nonce=response.nonce,
+            version_info=response.version_info,
+        )
+
+
+def route_ports(response: discovery_pb2.DiscoveryResponse) -> list[int]:
+    route = r.routing_pb2.ModelRoute()
+    response.resources[0].Unpack(route)
+    return [e.port for e in route.endpoints]
+
+
+def eds_ports(response: discovery_pb2.DiscoveryResponse) -> list[int]:
+    cla = r.endpoint_pb2.ClusterLoadAssignment()
+    response.resources[0].Unpack(cla)
+    return [lb.endpoint.address.socket_address.port_value for lb in cla.endpoints[0].lb_endpoints]
+
+
+async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
+    models = [r.RoutedModel(key="m", names=("m",), served_name="m", endpoints=(("127.0.0.1", 9000),))]
+    publisher = Publisher(SnapshotCache(), r.GatewaySettings(), lambda: models)
+    await publisher.publish()
+    srv, publisher.ads, port = await start_server(
+        publisher.cache, "127.0.0.1:0", on_endpoints_acked=publisher.publish_soon
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            a, b = Gateway(channel, "gw-a"), Gateway(channel, "gw-b")
+            for gw in (a, b):
+                await gw.send(gw.envoy, type_url=r.ENDPOINT, resource_names=["model.m"])
+                eds = await gw.envoy.receive()
+                assert eds_ports(eds) == [9000]
+                await gw.ack(gw.envoy, eds)
+                await gw.send(gw.extproc, type_url=r.MODEL_ROUTE)
+                route = await gw.extproc.receive()
+                assert route_ports(route) == [9000]
+                await gw.ack(gw.extproc, route)
+            # A new endpoint: both Envoys are told; only gw-a's Envoy acknowledges (gw-b hangs).
+            models[0] = replace(models[0], endpoints=(("127.0.0.1", 9000), ("127.0.0.1", 9001)))
+            publisher.publish_soon()
+            eds_a, eds_b = await a.envoy.receive(), await b.envoy.receive()
+            assert eds_ports(eds_a) == eds_ports(eds_b) == [9000, 9001]
+            await a.ack(a.envoy, eds_a)
+            # gw-a's extproc gets it on its own Envoy's word; gw-b's waits for gw-b's Envoy.
+            route_a = await a.extproc.receive()
+            assert route_ports(route_a) == [9000, 9001]
+            await a.ack(a.extproc, route_a)
+            with pytest.raises(TimeoutError):
+                await b.extproc.receive(timeout=0.5)
+            # gw-b's Envoy rejects it: gw-b stays where it was, gw-a is untouched.
+            await b.send(
+                b.envoy,
+                type_url=r.ENDPOINT,
+                resource_names=["model.m"],
+                response_nonce=eds_b.nonce,
+                error_detail=status_pb2.Status(code=3, message="no"),
+            )
+            with pytest.raises(TimeoutError):
+                await b.extproc.receive(timeout=0.5)
+            # The old endpoint goes: gw-b's extproc, which still holds it, keeps it in gw-b's Envoy
+            # only; gw-a's extproc dropped it... once it acknowledges, and gw-a's Envoy follows.
+            models[0] = replace(models[0], endpoints=(("127.0.0.1", 9001),))
+            publisher.publish_soon()
+            route_a = await a.extproc.receive()
+            assert route_ports(route_a) == [9001]
+            with pytest.raises(TimeoutError):
+                await a.envoy.receive(timeout=0.3)  # gw-a's extproc has not acknowledged the removal yet
+            await a.ack(a.extproc, route_a)
+            assert eds_ports(await a.envoy.receive()) == [9001]
+            assert publisher.ads is not None
+            assert publisher.ads.retained("gw-b") == {"model.m": frozenset({("127.0.0.1", 9000)})}
+            assert publisher.cache.view("gw-b").by_type[r.ENDPOINT]["model.m"] == r.load_assignment(
+                replace(models[0], endpoints=(("127.0.0.1", 9000), ("127.0.0.1", 9001)))
+            )
+            # A node never seen gets the ungated base.
+            assert publisher.cache.view("nobody") is publisher.cache.snapshot
+            for client in (a.envoy, a.extproc, b.envoy, b.extproc):
+                client.call.cancel()
+    finally:
+        await srv.stop(0)
+    assert publisher.ads.gateways() == set(), "closed streams leave no record"

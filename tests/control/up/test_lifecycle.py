@@ -79,7 +79,8 @@ def test_envoy_crash_stops_up_with_an_error_and_no_orphans(tmp_path: Path) -> No
     up = UpProcess(tmp_path, ONE)
     up.wait_ready({"solo": 1})
     children = child_pids(up)
-    envoy = [p for p in children if "envoy" in Path(f"/proc/{p}/cmdline").read_text()]
+    # The executable's name: every child's arguments name paths under tmp_path, which says "envoy".
+    envoy = [p for p in children if Path(Path(f"/proc/{p}/cmdline").read_text().split("\0")[0]).name == "envoy"]
     os.kill(envoy[0], signal.SIGKILL)
     up.proc.wait(30)
     assert up.proc.returncode == 1
