@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
+from wakegate.extproc.completions import STREAM_ACCESS_LOGS_METHOD, Completions
 from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
     parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="time in-flight streams get to finish")
+    parser.add_argument(
+        "--release-on",
+        choices=("access-log", "stream"),
+        default="access-log",
+        help="what ends a routed request's in-flight count: Envoy's access-log entry (the ext_proc stream "
+        "ends once the request is decided) or the end of its ext_proc stream (kept open meanwhile)",
+    )
     add_log_level(parser)
 
 
@@ -95,6 +103,8 @@ class Settings(ProcessSettings):
     """SSE heartbeat interval while a keepalive request waits."""
     drain_seconds: float
     """How long in-flight streams may finish after the first signal."""
+    release_on: str
+    """`access-log`: requests are released by Envoy's access-log entries; `stream`: by their ext_proc stream."""
     gateway: service.Settings
     """How each request is decided."""
 
@@ -137,8 +147,12 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
 
     processor = Processor(gateway)
+    methods = {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)}
+    if settings.release_on == "access-log":
+        gateway.completions = Completions(gateway.finished)
+        methods[STREAM_ACCESS_LOGS_METHOD] = gateway.completions.call
     server = GrpcServer(
-        {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
+        methods,
         max_message_bytes=settings.gateway.max_body_bytes + 1024 * 1024,
     )
     try:

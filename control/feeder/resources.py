@@ -18,12 +18,16 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
@@ -129,6 +133,9 @@ class GatewaySettings:
     #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
     upstream_header: bool = False
     extra_listener_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    #: Static clusters of the extproc processes' access-log services (the bootstrap's); every
+    #: finished request is logged to each, unbatched: extproc's in-flight counts end there.
+    access_log_clusters: tuple[str, ...] = (contract.access_log_cluster(0),)
 
 
 @dataclass(frozen=True)
@@ -213,13 +220,59 @@ def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) ->
     }
 
 
+def _completion_log(cluster: str) -> dict[str, Any]:
+    """Envoy's gRPC access logger to one extproc: every request extproc routed, sent as it ends."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"header_filter": {"header": {"name": contract.CLUSTER_HEADER, "present_match": True}}},
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "wakegate-completions",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                # Unbatched: a finished request releases its endpoint for least-loaded picking at once.
+                "buffer_size_bytes": 0,
+                "buffer_flush_interval": "0.05s",
+            },
+        },
+    }
+
+
 def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     http_filters: list[dict[str, Any]] = [
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": contract.EXTPROC_CLUSTER}, "timeout": "5s"},
+                "grpc_service": {
+                    "envoy_grpc": {"cluster_name": contract.EXTPROC_CLUSTER},
+                    "timeout": "5s",
+                    # A stream that cannot reach an extproc (it just died, before health checks
+                    # noticed) is opened again on another one: the standby is the next priority.
+                    "retry_policy": {
+                        "num_retries": 2,
+                        "retry_on": "connect-failure,refused-stream,reset",
+                        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+                        "retry_host_predicate": [
+                            {
+                                "name": "envoy.retry_host_predicates.previous_hosts",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+                                    ".PreviousHostsPredicate"
+                                },
+                            }
+                        ],
+                        "retry_priority": {
+                            "name": "envoy.retry_priorities.previous_priorities",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3"
+                                ".PreviousPrioritiesConfig",
+                                "update_frequency": 1,
+                            },
+                        },
+                    },
+                },
                 "failure_mode_allow": False,
                 # Bodies are buffered unless the route says the model is named in the request's
                 # headers (route_configuration): a body that arrives while extproc decides on the
@@ -247,6 +300,19 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
         "use_remote_address": True,
+        # Request ids are Envoy's own UUIDs: a client's x-request-id is dropped before Envoy assigns
+        # one, so extproc can key in-flight requests on it (extproc/completions.py).
+        "early_header_mutation_extensions": [
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3"
+                    ".HeaderMutation",
+                    "mutations": [{"remove": "x-request-id"}],
+                },
+            }
+        ],
+        "access_log": [_completion_log(cluster) for cluster in settings.access_log_clusters],
         "local_reply_config": {
             "mappers": [
                 _json_error(
@@ -270,7 +336,20 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                 },
                 # extproc itself never answers 500 or 504: these are the gateway failing to
                 # reach it (stream reset, message timeout). Upstream failures matched above.
-                _json_error(500, "gateway_error", "the gateway could not process the request", "server_error"),
+                # No extproc answered (none running yet, or the one holding the request died):
+                # a retriable 503 with Retry-After, never a 500 (docs/reliability.md).
+                {
+                    **_json_error(
+                        500,
+                        "gateway_unavailable",
+                        "the gateway is starting or restarting a component; retry shortly",
+                        "service_unavailable",
+                    ),
+                    "status_code": 503,
+                    "headers_to_add": [
+                        {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                    ],
+                },
                 _json_error(504, "gateway_timeout", "the gateway did not decide in time", "server_error"),
             ]
         },

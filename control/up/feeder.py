@@ -1,0 +1,177 @@
+"""`wakegate up`'s xDS feeder in its own process, restarted by `up` if it dies.
+
+`up` owns what is routable (its model runtimes); the feeder turns it into xDS for Envoy and
+extproc. Between them is a Unix socket in the state directory (owner-only): `up` writes one
+JSON line with every model's `RoutedModel` whenever routing changes, and the whole current
+state first to every feeder that connects. A feeder serves ADS only once it holds that first
+state, so a restarted feeder never pushes an empty configuration over a working one: Envoy
+and extproc keep their last configuration while no feeder runs, and resubscribe on their own.
+
+Run by `up` as `python -m wakegate.control.up.feeder --listen HOST:PORT --source PATH --gateway JSON`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from wakegate.control.feeder.ads import start_server
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.process import graceful_exit
+
+log = logging.getLogger("wakegate.feeder")
+
+
+def encode(models: list[RoutedModel]) -> bytes:
+    return json.dumps([dataclasses.asdict(m) for m in models], separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> list[RoutedModel]:
+    models = []
+    for raw in json.loads(line):
+        raw["names"] = tuple(raw["names"])
+        raw["lora_adapters"] = tuple(raw["lora_adapters"])
+        raw["endpoints"] = tuple((host, int(port)) for host, port in raw["endpoints"])
+        models.append(RoutedModel(**raw))
+    return models
+
+
+def gateway_json(gateway: GatewaySettings) -> str:
+    return json.dumps(dataclasses.asdict(gateway))
+
+
+def gateway_from_json(text: str) -> GatewaySettings:
+    raw: dict[str, Any] = json.loads(text)
+    raw["extra_listener_filters"] = tuple(raw["extra_listener_filters"])
+    raw["access_log_clusters"] = tuple(raw["access_log_clusters"])
+    return GatewaySettings(**raw)
+
+
+class RoutedSource:
+    """`up`'s side: a Unix socket that streams the routed models to the feeder process."""
+
+    def __init__(self, path: Path, routed: Callable[[], list[RoutedModel]]) -> None:
+        self.path = path
+        self._routed = routed
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self._pending = False
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._client, path=str(self.path))
+        finally:
+            os.umask(old)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(encode(self._routed()))
+        self._writers.add(writer)
+        try:
+            await reader.read()  # the feeder never writes; EOF: it is gone
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    def publish_soon(self) -> None:
+        """Coalesce a burst of changes into one line, written on the next loop turn."""
+        if not self._pending:
+            self._pending = True
+            asyncio.get_running_loop().call_soon(self._publish)
+
+    def _publish(self) -> None:
+        self._pending = False
+        if not self._writers:
+            return
+        line = encode(self._routed())
+        for writer in list(self._writers):
+            if writer.is_closing():
+                self._writers.discard(writer)
+                continue
+            writer.write(line)
+
+    async def close(self) -> None:
+        for writer in list(self._writers):
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+async def serve(listen: str, source: Path, gateway: GatewaySettings) -> int:
+    state: list[RoutedModel] = []
+    publisher = Publisher(SnapshotCache(), gateway, lambda: state)
+    reader = None
+    for _ in range(200):
+        try:
+            reader, _writer = await asyncio.open_unix_connection(str(source))
+            break
+        except OSError:
+            await asyncio.sleep(0.05)
+    if reader is None:
+        log.error("feeder: cannot reach wakegate up at %s", source)
+        return 2
+    first = await reader.readline()
+    if not first:
+        log.error("feeder: wakegate up closed %s before sending its models", source)
+        return 2
+    state[:] = decode(first)
+    await publisher.publish()
+    try:
+        server, publisher.ads, port = await start_server(
+            publisher.cache, listen, on_endpoints_acked=publisher.publish_soon
+        )
+    except (OSError, RuntimeError) as exc:
+        log.error("feeder: cannot listen on %s: %s", listen, exc)
+        return 2
+    log.info("feeder serving ADS on port %d", port)
+    stop = asyncio.Event()
+    graceful_exit(stop, "feeder")
+
+    async def follow() -> None:
+        assert reader is not None
+        while line := await reader.readline():
+            state[:] = decode(line)
+            publisher.publish_soon()
+        log.warning("feeder: wakegate up went away")
+        stop.set()
+
+    follower = asyncio.create_task(follow())
+    await stop.wait()
+    follower.cancel()
+    await server.stop(1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wakegate-up-feeder", description=__doc__)
+    parser.add_argument("--listen", required=True, help="ADS address HOST:PORT")
+    parser.add_argument("--source", required=True, type=Path, help="wakegate up's Unix socket of routed models")
+    parser.add_argument("--gateway", required=True, help="the GatewaySettings, as JSON")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(serve(args.listen, args.source, gateway_from_json(args.gateway)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
