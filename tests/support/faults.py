@@ -49,6 +49,11 @@ class Record:
     probes_failed: int = 0
     recovery_seconds: float = 0.0
     slowest_probe_seconds: float = 0.0
+    #: The last probes (after everything else ended) all succeeded.
+    last_probes_ok: bool = False
+    #: Backend fault: the killed replica was running again at the end.
+    restarted_backend: bool = False
+    exit_code: int | None = None
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -174,8 +179,12 @@ def run_scenario(
         fault_at = time.monotonic()
         FAULTS[fault](up)
         traffic.wait(timeout=stream_seconds + 90)
+        restarted = False
         if fault != "sigterm":
             time.sleep(settle)  # probes after everything else ended: did the gateway come back?
+            restarted = all(
+                r["state"] == "ready" for m in up.status()["models"] if m["key"] == "hot" for r in m["replicas"]
+            )
         traffic.stop()
         if fault == "sigterm":
             up.proc.wait(60)  # it stops by itself; a second signal would mean "exit at once"
@@ -195,7 +204,8 @@ def run_scenario(
         recovery_seconds=round(max(p[1] for p in failed) - fault_at, 3) if failed else 0.0,
         slowest_probe_seconds=round(max((p[1] - p[0] for p in after), default=0.0), 3),
         failures=sorted({p[3] for p in failed})[:5],
+        last_probes_ok=len(after) >= 3 and all(p[2] for p in after[-3:]),
+        restarted_backend=restarted,
+        exit_code=code,
     )
-    if fault == "sigterm" and code != 0:
-        record.failures.append(f"up exited with {code}")
     return record
