@@ -58,6 +58,8 @@ class Settings(ProcessSettings):
     """Port of the gateway's listener."""
     admin_listen: str
     """HTTP address of /status, /healthz and /metrics."""
+    envoy_admin_listen: str | None
+    """Envoy's admin API on this TCP address; None: an owner-only Unix socket in the state dir."""
     state_dir: Path
     """Logs and rendered configs (Envoy's bootstrap)."""
     api_keys_file: Path | None
@@ -95,6 +97,8 @@ class Settings(ProcessSettings):
         try:
             host, port = admin.host_port(args.listen)
             admin.host_port(args.admin_listen)
+            if args.envoy_admin_listen is not None:
+                admin.host_port(args.envoy_admin_listen)
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
         display = sys.stderr.isatty() if args.status_display is None else args.status_display
@@ -251,11 +255,11 @@ class Up:
                 names = ", ".join(m.key for m in self.models)
                 self.serving = True
                 log.info(
-                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=unix:%s (owner-only)",
+                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=%s",
                     self.gateway.listen_host,
                     self.gateway.listen_port,
                     names,
-                    self.envoy_admin,
+                    self.settings.envoy_admin_listen or f"unix:{self.envoy_admin} (owner-only)",
                 )
                 print(
                     f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
@@ -410,13 +414,13 @@ class Up:
         rendered = bootstrap.render(
             f"wakegate-up-{os.getpid()}",
             bootstrap.GatewayPorts(
-                envoy_admin=0,
+                envoy_admin=self._envoy_admin_port(),
                 xds=ports.xds,
                 extproc=ports.extproc[0],
                 extproc_standby=ports.extproc[1],
                 activator=ports.activator[0],
                 activator_standby=ports.activator[1],
-                admin_socket=str(self.envoy_admin),
+                admin_socket=None if self.settings.envoy_admin_listen else str(self.envoy_admin),
             ),
         )
         config = self.state_dir / "envoy.yaml"
@@ -450,14 +454,22 @@ class Up:
             self._failure = str(exc)
             self._stop.set()
 
+    def _envoy_admin_port(self) -> int:
+        if self.settings.envoy_admin_listen is None:
+            return 0
+        return admin.host_port(self.settings.envoy_admin_listen)[1]
+
     def _admin_session(self) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=str(self.envoy_admin)), timeout=aiohttp.ClientTimeout(total=2)
-        )
+        """A client of Envoy's admin API (paths relative to it)."""
+        timeout = aiohttp.ClientTimeout(total=2)
+        if self.settings.envoy_admin_listen is None:
+            connector = aiohttp.UnixConnector(path=str(self.envoy_admin))
+            return aiohttp.ClientSession(base_url="http://envoy", connector=connector, timeout=timeout)
+        return aiohttp.ClientSession(base_url=f"http://{self.settings.envoy_admin_listen}", timeout=timeout)
 
     async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            async with session.get(f"http://envoy/stats?filter=^{name}$&format=json") as response:
+            async with session.get(f"/stats?filter=^{name}$&format=json") as response:
                 stats = (await response.json()).get("stats", [])
                 return int(stats[0]["value"]) if stats else 0
         return None
@@ -502,7 +514,7 @@ class Up:
         deadline = loop.time() + self.drain_seconds
         async with self._admin_session() as session:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                async with session.post("http://envoy/drain_listeners") as response:
+                async with session.post("/drain_listeners") as response:
                     await response.read()
             while loop.time() < deadline:
                 active = await self._envoy_stat(session, "http.wakegate.downstream_rq_active")

@@ -424,8 +424,8 @@ class Stacks:
             cmd = cmdline(pid)
             if "envoy" in cmd.split(" ", 1)[0]:
                 self.cpu_pids["wg-envoy"] = pid
-            elif "-m wakegate.extproc" in cmd or "-m extproc" in cmd:
-                self.cpu_pids["wg-extproc"] = pid
+            elif ("-m wakegate.extproc" in cmd or "-m extproc" in cmd) and "extproc-1" not in cmd:
+                self.cpu_pids["wg-extproc"] = pid  # the active one; extproc-1 is the standby
             elif " sim " in cmd:
                 self.cpu_pids["wg-sim"] = pid
         missing = {"wg-envoy", "wg-extproc", "wg-sim"} - set(self.cpu_pids)

@@ -66,8 +66,13 @@ def _oversized_chunked(port: int) -> tuple[str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     chunks = [b'{"model": "a", "pad": "', *([b"y" * 16384] * 8), b'"}']
     try:
-        conn.request("POST", "/v1/chat/completions", body=iter(chunks), encode_chunked=True,
-                     headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=iter(chunks),
+            encode_chunked=True,
+            headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"},
+        )
         response = conn.getresponse()
         return str(response.status), response.read()
     except (ConnectionResetError, BrokenPipeError):
@@ -193,5 +198,6 @@ def test_gateway_still_serves_after_bad_input(gateway: UpProcess) -> None:
     r = post(gateway, GOOD)
     assert r.status == 200, (r.text, r.headers)
     log = gateway.log()
-    assert "Traceback" not in (gateway.state_dir / "logs" / "extproc.log").read_text()
+    for log in ("extproc-0.log", "extproc-1.log"):
+        assert "Traceback" not in (gateway.state_dir / "logs" / log).read_text()
     assert API_KEY not in log
