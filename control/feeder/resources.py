@@ -221,10 +221,10 @@ def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) ->
 
 
 def _completion_log(cluster: str) -> dict[str, Any]:
-    """Envoy's gRPC access logger to one extproc: every request extproc routed, sent as it ends."""
+    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. Unfiltered on
+    purpose: a request extproc counted whose routing mutation Envoy refused still ends here."""
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"header_filter": {"header": {"name": contract.CLUSTER_HEADER, "present_match": True}}},
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
