@@ -174,6 +174,9 @@ def _access_log_cluster(name: str, port: int | str) -> dict[str, Any]:
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
+        # Envoy drops access-log entries once this much is waiting to be written (extproc stalled):
+        # 64 MiB is ~100k entries, far more than a stall of seconds produces.
+        "per_connection_buffer_limit_bytes": 64 * 1024 * 1024,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
