@@ -39,6 +39,7 @@ class Completions:
     def __init__(self, on_end: Callable[[str, str | None], None]) -> None:
         self._on_end = on_end
         self._pending: dict[str, tuple[str, str | None]] = {}
+        self._streams: set[_LogStream] = set()
         self.entries = 0
         """Access-log entries received (all of them, ours or not)."""
 
@@ -66,7 +67,18 @@ class Completions:
                 self._on_end(*found)
 
     def call(self, call: Call) -> _LogStream:
-        return _LogStream(self, call)
+        stream = _LogStream(self, call)
+        self._streams.add(stream)
+        return stream
+
+    def forget(self, stream: _LogStream) -> None:
+        self._streams.discard(stream)
+
+    def close(self) -> None:
+        """End every access-log stream (shutting down): they never end on their own, and a
+        draining server waits for the calls it has."""
+        for stream in list(self._streams):
+            stream.end()
 
 
 class _LogStream:
@@ -86,8 +98,12 @@ class _LogStream:
             self._call.finish(INVALID_ARGUMENT, "not a StreamAccessLogsMessage")
 
     def on_half_close(self) -> None:
-        self._call.send(b"")  # StreamAccessLogsResponse is empty
-        self._call.finish()
+        self.end()
 
     def on_cancel(self) -> None:
-        pass
+        self._completions.forget(self)
+
+    def end(self) -> None:
+        self._completions.forget(self)
+        self._call.send(b"")  # StreamAccessLogsResponse is empty
+        self._call.finish()

@@ -193,6 +193,8 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", settings.drain_seconds)
     serving = False
+    if gateway.completions is not None:
+        gateway.completions.close()
     await server.stop(settings.drain_seconds)
     await activator_runner.cleanup()
     await keepalive.close()
