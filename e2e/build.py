@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -235,6 +235,29 @@ def _copy_keda_crds(log: Log) -> None:
 
 class BuildError(RuntimeError):
     pass
+
+
+def ensure_cli(prog: str, doc: str, kind: str, known: Sequence[str], ensure: Callable[..., Path], log: Log,
+               argv: list[str] | None = None) -> int:
+    """`python -m PROG [--force] [NAME...]`: build or reuse each named binary (all when none is
+    named) and print `NAME: PATH` for each; 1 when any build failed (the others still run)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"{kind}s to build (default: {', '.join(known)})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in known]
+    if unknown:
+        parser.error(f"unknown {kind} {', '.join(unknown)} (known: {', '.join(known)})")
+    failed = 0
+    for name in args.names or known:
+        try:
+            path = ensure(name, force=args.force)
+        except BuildError as exc:
+            log(f"building {name} failed:\n{exc}")
+            failed += 1
+            continue
+        print(f"{name}: {path}", flush=True)
+    return 1 if failed else 0
 
 
 def ensure_built(force: bool = False, log: Log = _log) -> Path:

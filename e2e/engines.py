@@ -20,7 +20,6 @@ recipe is reused; otherwise `ToolchainMissing` says what to install.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -38,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.build import BuildError, stamp_matches
+from e2e.build import BuildError, ensure_cli, stamp_matches
 
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE / ".bin"
@@ -369,24 +368,7 @@ def ensure_engines(force: bool = False, log: Log = _log) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.engines", description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"engines to build (default: {', '.join(ENGINES)})")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
-    args = parser.parse_args(argv)
-    unknown = [name for name in args.names if name not in ENGINES]
-    if unknown:
-        parser.error(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
-    failed = 0
-    for name in args.names or ENGINES:
-        try:
-            path = ensure(name, force=args.force)
-        except BuildError as exc:
-            _log(f"{name}: {exc}")
-            failed += 1
-            continue
-        print(f"{name}: {path}", flush=True)
-    return 1 if failed else 0
-
+    return ensure_cli("python -m e2e.engines", __doc__ or "", "engine", list(ENGINES), ensure, _log, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

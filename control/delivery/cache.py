@@ -286,6 +286,20 @@ class Cache:
         finally:
             os.close(fd)
 
+    @contextlib.asynccontextmanager
+    async def filling(self, key: str, total: int, on_wait: Callable[[int], None] | None = None
+                      ) -> AsyncIterator[Path | None]:
+        """The pull lock of `key` for a fetch of `total` bytes: yields None when another process
+        finished the entry meanwhile, else the staging directory with room made and its files
+        folder created; the caller fills it and commits."""
+        async with self.pull_lock(key, on_wait) as staging:
+            if self.record(key) is not None:
+                yield None
+                return
+            self.make_room(total, keep=[key])
+            (staging / FILES).mkdir(exist_ok=True)
+            yield staging
+
     def commit(self, staging: Path, record: EntryRecord) -> Path:
         """Make a fully verified staging directory the ready entry: marker written and synced,
         then one rename. The caller holds the pull lock."""

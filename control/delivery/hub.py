@@ -161,12 +161,10 @@ async def pull(src: HfSource, cache: Cache, token: str | None, endpoint: str | N
         return key
     total = sum(f.size or 0 for f in files)
 
-    async with cache.pull_lock(key, tracker.waiting(clock, total)) as staging:
-        if cache.record(key) is not None:
+    async with cache.filling(key, total, tracker.waiting(clock, total)) as staging:
+        if staging is None:
             return key
-        cache.make_room(total, keep=[key])
         root = staging / FILES
-        root.mkdir(exist_ok=True)
         tracker.phase(Phase.PULLING, clock(), f"{src.repo}@{commit[:12]}", total=total)
         task = asyncio.create_task(asyncio.to_thread(download, src, commit, files, root, token, endpoint))
         while not task.done():

@@ -248,12 +248,9 @@ async def _pull_oci(src: OciSource, cache: Cache, access: Access, tracker: Track
         files = media.files_of(manifest)
         total = sum(f.layer.size for f in files)
 
-        async with cache.pull_lock(key, tracker.waiting(clock, total)) as staging:
-            if cache.record(key) is not None:
+        async with cache.filling(key, total, tracker.waiting(clock, total)) as staging:
+            if staging is None:
                 return key
-            cache.make_room(total, keep=[key])
-            root = staging / FILES
-            root.mkdir(exist_ok=True)
             (staging / "manifest.json").write_bytes(body)
             if manifest.config.media_type != media.OCI_EMPTY and manifest.config.size <= 1024 * 1024:
                 config = await client.blob_bytes(src.repository, manifest.config)
