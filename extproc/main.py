@@ -143,7 +143,10 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             raise GrpcError(INVALID_ARGUMENT, "not a HealthCheckRequest") from None
         if request.service not in ("", EXT_PROC_SERVICE):
             raise GrpcError(NOT_FOUND, f"unknown service {request.service!r}")
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        # Serving once the first route table arrived: a standby that just restarted takes traffic
+        # back only when it can route it.
+        ready = serving and gateway.synced
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
 
     processor = Processor(gateway)

@@ -146,6 +146,7 @@ class Up:
                 rt.model.key
             ).inc()
         self.components: dict[str, Supervised] = {}
+        self.ports: Ports | None = None
         self.drain_seconds = DRAIN_SECONDS
         self._stop = asyncio.Event()
         self._failure: str | None = None
@@ -475,19 +476,26 @@ class Up:
         return None
 
     async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0) -> bool:
-        """Ready means a request would succeed: GET /healthz through Envoy and extproc answers 200.
+        """Ready means a request would succeed: extproc has its routes and GET /healthz through
+        Envoy and extproc answers 200.
         A listener Envoy cannot bind (the port was taken meanwhile) stops `up` with an error."""
         deadline = asyncio.get_running_loop().time() + timeout
-        url = f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz"
+        urls = [
+            f"http://127.0.0.1:{ports.extproc_admin[0]}/healthz",  # extproc has its route table
+            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",  # through Envoy
+        ]
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
             self._admin_session() as admin_session,
         ):
             while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                    async with session.get(url) as response:
-                        if response.status == 200:
-                            return True
+                ok = 0
+                for url in urls:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        async with session.get(url) as response:
+                            ok += response.status == 200
+                if ok == len(urls):
+                    return True
                 rejected = await self._envoy_stat(admin_session, "listener_manager.lds.update_rejected")
                 if rejected:
                     self._failure = (
