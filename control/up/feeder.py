@@ -7,6 +7,12 @@ state first to every feeder that connects. A feeder serves ADS only once it hold
 state, so a restarted feeder never pushes an empty configuration over a working one: Envoy
 and extproc keep their last configuration while no feeder runs, and resubscribe on their own.
 
+A restarted feeder does not know which endpoints Envoy has: a replica that became ready while
+no feeder ran is in `up`'s state but not in Envoy, and handing it to extproc would release held
+requests to a host Envoy cannot route to. So the first line also carries the *baseline*, the
+last state `up` delivered to a feeder before; until an Envoy has connected and acknowledged
+endpoints again, extproc gets only the endpoints of the baseline (Envoy has at most those).
+
 Run by `up` as `python -m wakegate.control.up.feeder --listen HOST:PORT --source PATH --gateway JSON`.
 """
 
@@ -27,19 +33,29 @@ from typing import Any
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build
 from wakegate.process import graceful_exit
 
 log = logging.getLogger("wakegate.feeder")
 
 
-def encode(models: list[RoutedModel]) -> bytes:
-    return json.dumps([dataclasses.asdict(m) for m in models], separators=(",", ":")).encode() + b"\n"
+def encode(models: list[RoutedModel], baseline: list[RoutedModel] | None = None) -> bytes:
+    message: dict[str, Any] = {"models": [dataclasses.asdict(m) for m in models]}
+    if baseline is not None:
+        message["baseline"] = [dataclasses.asdict(m) for m in baseline]
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
-def decode(line: bytes) -> list[RoutedModel]:
+def decode(line: bytes) -> tuple[list[RoutedModel], list[RoutedModel] | None]:
+    """The models of one line, and the baseline if the line has one."""
+    message = json.loads(line)
+    baseline = message.get("baseline")
+    return _models(message["models"]), None if baseline is None else _models(baseline)
+
+
+def _models(raws: list[dict[str, Any]]) -> list[RoutedModel]:
     models = []
-    for raw in json.loads(line):
+    for raw in raws:
         raw["names"] = tuple(raw["names"])
         raw["lora_adapters"] = tuple(raw["lora_adapters"])
         raw["endpoints"] = tuple((host, int(port)) for host, port in raw["endpoints"])
@@ -67,6 +83,8 @@ class RoutedSource:
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self._pending = False
+        #: The last state written to a feeder: what a restarted one may assume Envoy has at most.
+        self._delivered: list[RoutedModel] | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +97,9 @@ class RoutedSource:
             os.umask(old)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(encode(self._routed()))
+        current = self._routed()
+        writer.write(encode(current, self._delivered))
+        self._delivered = current
         self._writers.add(writer)
         try:
             await reader.read()  # the feeder never writes; EOF: it is gone
@@ -97,7 +117,9 @@ class RoutedSource:
         self._pending = False
         if not self._writers:
             return
-        line = encode(self._routed())
+        current = self._routed()
+        line = encode(current)
+        self._delivered = current
         for writer in list(self._writers):
             if writer.is_closing():
                 self._writers.discard(writer)
@@ -113,9 +135,28 @@ class RoutedSource:
             self.path.unlink()
 
 
+class _Publisher(Publisher):
+    """The feeder's publisher, gating extproc's endpoints by the baseline until Envoy is back."""
+
+    def __init__(self, gateway: GatewaySettings, state: list[RoutedModel]) -> None:
+        super().__init__(SnapshotCache(), gateway, lambda: state)
+        self.baseline: dict[str, frozenset[tuple[str, int]]] | None = None
+
+    async def publish(self) -> None:
+        if self.baseline is None:
+            await super().publish()
+            return
+        self._pending = False
+        confirmed = self.ads.confirmed() if self.ads is not None else None
+        retained = self.ads.retained() if self.ads is not None else None
+        if confirmed is not None:
+            self.baseline = None  # an Envoy acknowledged endpoints again: its word from now on
+        await self.cache.set(build(self._routed(), self.gateway, confirmed or self.baseline, retained))
+
+
 async def serve(listen: str, source: Path, gateway: GatewaySettings) -> int:
     state: list[RoutedModel] = []
-    publisher = Publisher(SnapshotCache(), gateway, lambda: state)
+    publisher = _Publisher(gateway, state)
     reader = None
     for _ in range(200):
         try:
@@ -130,8 +171,13 @@ async def serve(listen: str, source: Path, gateway: GatewaySettings) -> int:
     if not first:
         log.error("feeder: wakegate up closed %s before sending its models", source)
         return 2
-    state[:] = decode(first)
-    await publisher.publish()
+    state[:], baseline = decode(first)
+    if baseline is not None:
+        log.info("feeder: restarted; extproc gets only endpoints Envoy had until Envoy acknowledges again")
+        publisher.baseline = {m.cluster: frozenset(m.endpoints) for m in baseline}
+        for model in state:
+            publisher.baseline.setdefault(model.cluster, frozenset())
+    await publisher.publish()  # a snapshot before the first subscriber can ask
     try:
         server, publisher.ads, port = await start_server(
             publisher.cache, listen, on_endpoints_acked=publisher.publish_soon
@@ -146,7 +192,7 @@ async def serve(listen: str, source: Path, gateway: GatewaySettings) -> int:
     async def follow() -> None:
         assert reader is not None
         while line := await reader.readline():
-            state[:] = decode(line)
+            state[:], _ = decode(line)
             publisher.publish_soon()
         log.warning("feeder: wakegate up went away")
         stop.set()

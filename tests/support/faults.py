@@ -54,6 +54,8 @@ class Record:
     #: Backend fault: the killed replica was running again at the end.
     restarted_backend: bool = False
     exit_code: int | None = None
+    #: What each held request got: its status (0: no answer, with the error) and Retry-After.
+    held_outcomes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -207,5 +209,6 @@ def run_scenario(
         last_probes_ok=len(after) >= 3 and all(p[2] for p in after[-3:]),
         restarted_backend=restarted,
         exit_code=code,
+        held_outcomes=sorted(f"{status} {retry}".strip() for status, retry in traffic.held_results),
     )
     return record
