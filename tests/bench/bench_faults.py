@@ -64,7 +64,11 @@ def table(records: dict[str, list[Record]]) -> str:
         probes = int(statistics.median(r.probes_after_fault for r in runs))
         recover = _median_worst([r.recovery_seconds for r in runs], max(r.recovery_seconds for r in runs))
         held = f"{ok} got 200, {retriable} got 503 retriable (of {first.held})"
-        lines.append(f"| {WHAT[fault]} | {kept} / {first.streams} | {held} | {failed} of ~{probes} | {recover} |")
+        if fault == "sigterm":  # new connections are refused on purpose: the listener closed
+            failed, recover = f"all refused ({failed} of ~{probes}): draining", "-"
+        else:
+            failed = f"{failed} of ~{probes}"
+        lines.append(f"| {WHAT[fault]} | {kept} / {first.streams} | {held} | {failed} | {recover} |")
     return "\n".join(lines)
 
 
