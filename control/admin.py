@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import socket
+from typing import Protocol
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from wakegate.internal_token import Authenticator
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,13 +45,18 @@ async def serve(routes: Mapping[str, Handler], host: str, port: int) -> web.AppR
     return runner
 
 
+class _Counts(Protocol):
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+
+
 class RefusedCalls:
     """A Prometheus collector of the calls an internal-token check refused, by service (ads, demand)."""
 
     SERVICES = ("ads", "demand")
 
-    def __init__(self, authenticator: Authenticator) -> None:
-        self._authenticator = authenticator
+    def __init__(self, counts: _Counts) -> None:
+        self._authenticator = counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(

@@ -57,6 +57,13 @@ class GatewayPorts:
     xds_host: str = "127.0.0.1"
     #: Serve /stats/prometheus on this port of all addresses; None: only the loopback admin port.
     metrics: int | str | None = None
+    #: A second extproc, the standby: the extproc cluster's priority-1 endpoint, used while the
+    #: first fails its health checks; None: one extproc.
+    extproc_standby: int | str | None = None
+    #: The standby extproc's activator, the activator cluster's priority-1 endpoint.
+    activator_standby: int | str | None = None
+    #: The admin API on this Unix socket (owner-only) instead of the loopback port `envoy_admin`.
+    admin_socket: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,17 @@ def config(
     )
     data: dict[str, Any] = yaml.safe_load(filled)
     clusters: list[dict[str, Any]] = data["static_resources"]["clusters"]
+    extproc_ports = [ports.extproc] if ports.extproc_standby is None else [ports.extproc, ports.extproc_standby]
+    extproc = next(c for c in clusters if c["name"] == contract.EXTPROC_CLUSTER)
+    if ports.extproc_standby is not None:
+        _add_standby(extproc, ports.extproc_standby, grpc=True)
+    if ports.activator_standby is not None:
+        activator = next(c for c in clusters if c["name"] == contract.ACTIVATOR_CLUSTER)
+        _add_standby(activator, ports.activator_standby, grpc=False)
+    for index, port in enumerate(extproc_ports):
+        clusters.append(_access_log_cluster(contract.access_log_cluster(index), port))
+    if ports.admin_socket is not None:
+        data["admin"] = {"address": {"pipe": {"path": ports.admin_socket, "mode": 0o600}}}
     if not _is_ip(ports.xds_host):
         next(c for c in clusters if c["name"] == contract.XDS_CLUSTER)["type"] = "STRICT_DNS"
     if extproc_streams is not None:
@@ -188,6 +206,54 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _add_standby(cluster: dict[str, Any], port: int | str, *, grpc: bool) -> None:
+    """The second extproc as the priority-1 endpoint, and health checks that move traffic to it
+    while the first one is down (and back once it answers again)."""
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    cluster["load_assignment"]["endpoints"].append(
+        {"priority": 1, "lb_endpoints": [{"endpoint": {"address": address}}]}
+    )
+    cluster["health_checks"] = [
+        {
+            "timeout": "1s",
+            "interval": "0.25s",
+            "no_traffic_interval": "0.25s",
+            "unhealthy_threshold": 1,
+            "healthy_threshold": 1,
+            **({"grpc_health_check": {"service_name": ""}} if grpc else {"tcp_health_check": {}}),
+        }
+    ]
+    # A refused connection marks the host unhealthy before its next health check.
+    cluster["outlier_detection"] = {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "base_ejection_time": "1s",
+        "max_ejection_percent": 100,
+    }
+
+
+def _access_log_cluster(name: str, port: int | str) -> dict[str, Any]:
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        # Envoy drops access-log entries once this much is waiting to be written (extproc stalled):
+        # 64 MiB is ~100k entries, far more than a stall of seconds produces.
+        "per_connection_buffer_limit_bytes": 64 * 1024 * 1024,
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+        },
+    }
 
 
 def _admin_cluster(port: int | str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from wakegate import internal_token
 from wakegate.extproc import activator, admin, service
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
+from wakegate.extproc.completions import STREAM_ACCESS_LOGS_METHOD, Completions
 from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
@@ -91,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between reads of /metrics of the endpoints of models picked by scoring (waiting "
         "requests, KV-cache usage); 0 = never read them",
     )
+    parser.add_argument(
+        "--release-on",
+        choices=("access-log", "stream"),
+        default="access-log",
+        help="what ends a routed request's in-flight count: Envoy's access-log entry (the ext_proc stream "
+        "ends once the request is decided) or the end of its ext_proc stream (kept open meanwhile)",
+    )
     add_log_level(parser)
 
 
@@ -131,6 +139,8 @@ class Settings(ProcessSettings):
     """How long in-flight streams may finish after the first signal."""
     engine_metrics_interval: float
     """Seconds between reads of scored endpoints' /metrics; 0: never."""
+    release_on: str
+    """`access-log`: requests are released by Envoy's access-log entries; `stream`: by their ext_proc stream."""
     gateway: service.Settings
     """How each request is decided."""
     h2_limits: H2Limits
@@ -182,12 +192,19 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             raise GrpcError(INVALID_ARGUMENT, "not a HealthCheckRequest") from None
         if request.service not in ("", EXT_PROC_SERVICE):
             raise GrpcError(NOT_FOUND, f"unknown service {request.service!r}")
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        # Serving once the first route table arrived: a standby that just restarted takes traffic
+        # back only when it can route it.
+        ready = serving and gateway.synced
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
 
     processor = Processor(gateway)
+    methods = {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)}
+    if settings.release_on == "access-log":
+        gateway.completions = Completions(gateway.finished)
+        methods[STREAM_ACCESS_LOGS_METHOD] = gateway.completions.call
     server = GrpcServer(
-        {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)},
+        methods,
         max_message_bytes=settings.gateway.max_body_bytes + 1024 * 1024,
         limits=settings.h2_limits,
     )
@@ -241,6 +258,8 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", settings.drain_seconds)
     serving = False
+    if gateway.completions is not None:
+        gateway.completions.close()
     await server.stop(settings.drain_seconds)
     await activator_runner.cleanup()
     await keepalive.close()

@@ -35,6 +35,7 @@ from wakegate.contract import (
 )
 from wakegate.extproc.auth import ApiKeys
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
+from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
 from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
 from wakegate.extproc.metrics import Metrics
 from wakegate.extproc.naming import (
@@ -95,12 +96,18 @@ class Gateway:
         self.cold = ColdQueues(self._demand_changed)
         #: One line per refused request (no traceback), a few per second per error code at most.
         self.refusals = ThrottledLog(log)
+        #: Where routed requests are released when Envoy logs their end; None: when their
+        #: ext_proc stream ends (the stream then stays open for the request's whole life).
+        self.completions: Completions | None = None
+        #: The first route table arrived: before it, every model is "not known yet", not "unknown".
+        self.synced = False
         self._models_body = b'{"object":"list","data":[]}'
 
     def _demand_changed(self) -> None:
         self.on_demand_change()
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
+        self.synced = True
         gone = self.table.routes.keys() - {route.key for route in routes}
         self.table = RouteTable(routes)
         self.picker.configure(routes)
@@ -308,6 +315,10 @@ class Processor:
         assert ex.model_name is not None
         resolved = self.gw.table.resolve(ex.model_name)
         if resolved is None:
+            if not self.gw.synced:
+                return self._reject(
+                    None, 503, "gateway_starting", "the gateway is starting; retry shortly", retry_after="1"
+                )
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         route = resolved.route
         rate = route.rate_limit
@@ -427,6 +438,9 @@ class Processor:
         ex.model_key = route.key
         ex.endpoint = endpoint
         self.gw.routed(route.key, endpoint)
+        completions = self.gw.completions
+        if completions is not None and completions.track(ex.headers.get(REQUEST_ID_HEADER, ""), route.key, endpoint):
+            ex.model_key = None  # released by its access-log entry, not by this stream
         self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
@@ -516,6 +530,13 @@ class ProcessCall:
             held.cancel()
         self._close()
 
+    def _answer(self, decided: ep.ProcessingResponse) -> None:
+        """Send a decision; once the request needs nothing more from us, end the stream, so
+        that Envoy carries the rest of the request without this process."""
+        self._call.send(decided.SerializeToString())
+        if decided is not _BUFFER_BODY and self._exchange.model_key is None and self._proc.gw.completions is not None:
+            self._call.finish()
+
     def _handle(self, data: bytes) -> None:
         try:
             message = ep.ProcessingRequest.FromString(data)
@@ -537,7 +558,7 @@ class ProcessCall:
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))
             return
-        self._call.send(decided.SerializeToString())
+        self._answer(decided)
 
     async def _hold(self, cold: _Cold, deadline: float) -> None:
         try:
@@ -551,7 +572,7 @@ class ProcessCall:
             self._call.finish(INTERNAL, "internal error")
             return
         self._held = None
-        self._call.send(decided.SerializeToString())
+        self._answer(decided)
         while self._backlog and self._held is None and not self._call.finished:
             self._handle(self._backlog.pop(0))
 

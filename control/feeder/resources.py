@@ -19,12 +19,15 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
@@ -139,6 +142,9 @@ class GatewaySettings:
     #: Add `x-wakegate-upstream: ip:port` to responses (debugging; reveals backend addresses).
     upstream_header: bool = False
     extra_listener_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    #: Static clusters of the extproc processes' access-log services (the bootstrap's); every
+    #: finished request is logged to each, unbatched: extproc's in-flight counts end there.
+    access_log_clusters: tuple[str, ...] = (contract.access_log_cluster(0),)
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,20 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
         _mapper(_flags("UH", "UF", "UO", "URX", "UC", "NC"), "upstream_unavailable", "%LOCAL_REPLY_BODY%", _SERVER),
         # extproc itself never answers 500 or 504: these are the gateway failing to
         # reach it (stream reset, message timeout). Upstream failures matched above.
-        _mapper(_status(500), "gateway_error", "the gateway could not process the request", _SERVER),
+        # No extproc answered (none running yet, or the one holding the request died): a
+        # retriable 503 with Retry-After, never a 500 (docs/reliability.md).
+        {
+            **_mapper(
+                _status(500),
+                "gateway_unavailable",
+                "the gateway is starting or restarting a component; retry shortly",
+                _SERVER,
+            ),
+            "status_code": 503,
+            "headers_to_add": [
+                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            ],
+        },
         _mapper(_status(504), "gateway_timeout", "the gateway did not decide in time", _SERVER),
         _mapper(
             _status(400), "invalid_http_request", "the request is not valid HTTP: %RESPONSE_CODE_DETAILS%", _CLIENT
@@ -286,13 +305,52 @@ def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) ->
     }
 
 
+def _completion_log(cluster: str) -> dict[str, Any]:
+    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. Unfiltered on
+    purpose: a request extproc counted whose routing mutation Envoy refused still ends here."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "wakegate-completions",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                # Unbatched: a finished request releases its endpoint for least-loaded picking at once.
+                "buffer_size_bytes": 0,
+                "buffer_flush_interval": "0.05s",
+            },
+        },
+    }
+
+
 def listener(settings: GatewaySettings) -> listener_pb2.Listener:
     http_filters: list[dict[str, Any]] = [
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": contract.EXTPROC_CLUSTER}, "timeout": "5s"},
+                "grpc_service": {
+                    "envoy_grpc": {"cluster_name": contract.EXTPROC_CLUSTER},
+                    "timeout": "5s",
+                    # A stream that cannot reach an extproc (it just died, before health checks
+                    # noticed) is opened again on the next priority: the standby. (A host
+                    # predicate as well cost ~30 us of Envoy CPU per request and added nothing
+                    # with one host per priority; docs/performance.md.)
+                    "retry_policy": {
+                        "num_retries": 2,
+                        "retry_on": "connect-failure,refused-stream,reset",
+                        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+                        "retry_priority": {
+                            "name": "envoy.retry_priorities.previous_priorities",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3"
+                                ".PreviousPrioritiesConfig",
+                                "update_frequency": 1,
+                            },
+                        },
+                    },
+                },
                 "failure_mode_allow": False,
                 # Bodies are buffered unless the route says the model is named in the request's
                 # headers (route_configuration): a body that arrives while extproc decides on the
@@ -324,6 +382,19 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
         # A malformed HTTP/2 request resets its own stream (RFC 9113, 8.1.1), not the connection
         # with every other stream on it; HTTP/1 gets its shaped 400 and the connection closes.
         "http2_protocol_options": {"override_stream_error_on_invalid_http_message": True},
+        # Request ids are Envoy's own UUIDs: a client's x-request-id is dropped before Envoy assigns
+        # one, so extproc can key in-flight requests on it (extproc/completions.py).
+        "early_header_mutation_extensions": [
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3"
+                    ".HeaderMutation",
+                    "mutations": [{"remove": "x-request-id"}],
+                },
+            }
+        ],
+        "access_log": [_completion_log(cluster) for cluster in settings.access_log_clusters],
     }
     return _parse(
         listener_pb2.Listener(),

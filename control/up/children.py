@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger("wakegate.up")
@@ -91,3 +91,78 @@ class Child:
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+class CrashLoop(Exception):
+    """A supervised process kept crashing past its restart budget."""
+
+
+class Supervised:
+    """A child that is restarted whenever it exits on its own, with backoff.
+
+    The first restart is immediate (a gateway component that died is needed back now); each
+    further exit within `window` seconds doubles the pause, up to `backoff_max`. More than
+    `budget` exits within `window` is a crash loop: `run()` raises CrashLoop with the child's
+    last log lines, and only that stops `wakegate up`.
+    """
+
+    def __init__(
+        self,
+        child: Child,
+        *,
+        before_start: Callable[[], Awaitable[None]] | None = None,
+        budget: int = 5,
+        window: float = 60.0,
+        backoff_max: float = 5.0,
+    ) -> None:
+        self.child = child
+        self.before_start = before_start
+        self.budget = budget
+        self.window = window
+        self.backoff_max = backoff_max
+        self.restarts = 0
+        self.stopping = False
+        self._exits: list[float] = []
+        self.started = asyncio.Event()
+
+    async def start(self) -> None:
+        if self.before_start is not None:
+            await self.before_start()
+        await self.child.start()
+        self.started.set()
+
+    async def run(self) -> None:
+        """Watch the child (started with `start()`) and restart it until `stop()`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            code = await self.child.wait()
+            if self.stopping:
+                return
+            now = loop.time()
+            self._exits = [t for t in self._exits if now - t < self.window] + [now]
+            if len(self._exits) > self.budget:
+                raise CrashLoop(
+                    f"{self.child.name} exited {len(self._exits)} times within {self.window:.0f}s "
+                    f"(last code {code}); giving up. Last log lines of {self.child.log_path}:\n{self.child.tail()}"
+                )
+            pause = 0.0 if len(self._exits) == 1 else min(0.1 * 2 ** (len(self._exits) - 2), self.backoff_max)
+            log.warning(
+                "process exited name=%s pid=%s code=%s; restarting in %.2fs (%d/%d within %.0fs)",
+                self.child.name,
+                self.child.pid,
+                code,
+                pause,
+                len(self._exits),
+                self.budget,
+                self.window,
+            )
+            self.started.clear()
+            await asyncio.sleep(pause)
+            if self.stopping:
+                return
+            await self.start()
+            self.restarts += 1
+
+    async def stop(self, grace: float) -> int | None:
+        self.stopping = True
+        return await self.child.stop(grace)

@@ -1,10 +1,11 @@
 """`wakegate up -f FILE`: the whole gateway and its models on one machine.
 
-Starts, in order: the xDS feeder (in this process), extproc, Envoy, then one
-backend process per replica of every model with `spec.scaling.min >= 1`.
-Invalid files fail before anything starts. The first SIGINT/SIGTERM drains and
-stops every child (Envoy first, so no new request is admitted); a second one
-exits at once. Children die with this process even if it is SIGKILLed.
+Starts, in order: the xDS feeder, two extprocs (active and standby), Envoy (each its own
+process, restarted if it dies), then one backend process per replica of every model with
+`spec.scaling.min >= 1`. Invalid files and a taken gateway port fail before anything
+starts. The first SIGINT/SIGTERM drains (Envoy stops accepting, requests in flight finish)
+and stops every child; a second one exits at once. Children die with this process even if
+it is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-listen",
         default="127.0.0.1:8081",
         help="HTTP address for /status (models, replicas, ports) and /healthz",
+    )
+    parser.add_argument(
+        "--envoy-admin-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Envoy's admin API on this TCP address (anyone who can connect can stop the gateway); "
+        "default: an owner-only Unix socket in the state dir",
     )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")

@@ -13,29 +13,29 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
+import grpc
 from aiohttp import web
 
-from wakegate import internal_token
+from wakegate import contract, internal_token
 from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.ads import start_server
-from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.publisher import Publisher
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.control.up.children import Child
+from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.control.up.engine import runnable
+from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
@@ -61,6 +61,8 @@ class Settings(ProcessSettings):
     """Port of the gateway's listener."""
     admin_listen: str
     """HTTP address of /status, /healthz and /metrics."""
+    envoy_admin_listen: str | None
+    """Envoy's admin API on this TCP address; None: an owner-only Unix socket in the state dir."""
     state_dir: Path
     """Logs and rendered configs (Envoy's bootstrap)."""
     api_keys_file: Path | None
@@ -104,6 +106,8 @@ class Settings(ProcessSettings):
         try:
             host, port = admin.host_port(args.listen)
             admin.host_port(args.admin_listen)
+            if args.envoy_admin_listen is not None:
+                admin.host_port(args.envoy_admin_listen)
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
         display = sys.stderr.isatty() if args.status_display is None else args.status_display
@@ -121,10 +125,34 @@ class Settings(ProcessSettings):
 @dataclass
 class Ports:
     xds: int
-    extproc: int
-    extproc_admin: int
-    activator: int
-    envoy_admin: int
+    demand: int
+    extproc: tuple[int, int]
+    extproc_admin: tuple[int, int]
+    activator: tuple[int, int]
+
+
+#: Seconds in-flight requests and streams get to finish after the first SIGTERM/SIGINT.
+DRAIN_SECONDS = 30.0
+
+
+class _HasRefusals(Protocol):
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+
+
+class _Refusals:
+    """Refused internal calls of this process (demand) and of its feeder (ADS), summed."""
+
+    def __init__(self, *parts: _HasRefusals) -> None:
+        self._parts = parts
+
+    @property
+    def refused(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for part in self._parts:
+            for service, n in part.refused.items():
+                total[service] = total.get(service, 0) + n
+        return total
 
 
 class Up:
@@ -137,15 +165,17 @@ class Up:
             listen_port=settings.listen_port,
             max_request_bytes=settings.max_body_bytes,
             upstream_header=settings.upstream_header,
+            access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
         )
-        self.publisher = Publisher(SnapshotCache(), self.gateway, self._routed)
+        self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
+        self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
         self.runtime_settings = RuntimeSettings(
             log_dir=self.state_dir / "logs",
             engines_dir=self.state_dir / "engines",
             base_dir=settings.file.resolve().parent,
         )
         self.gpus = discover(settings.fake_gpus)
-        publish = self.publisher.publish_soon
+        publish = self.source.publish_soon
         self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in self.models}
         self.metrics = UpMetrics()
         self.book = DemandBook()
@@ -154,7 +184,7 @@ class Up:
         # user must not be able to subscribe to the routes or report fake demand.
         self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
         self.authenticator = Authenticator(self.token)
-        self.metrics.registry.register(admin.RefusedCalls(self.authenticator))
+        self.metrics.registry.register(admin.RefusedCalls(_Refusals(self.authenticator, self.source)))
         #: This gateway's xDS node id, Envoy's and extproc's (`--gateway-id`): the feeder gates
         #: each gateway's endpoints by the acknowledgements of its own Envoy and extproc.
         self.node_id = f"wakegate-up-{os.getpid()}"
@@ -165,9 +195,12 @@ class Up:
             runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
                 rt.model.key
             ).inc()
-        self.children: list[Child] = []
+        self.components: dict[str, Supervised] = {}
+        self.ports: Ports | None = None
+        self.drain_seconds = DRAIN_SECONDS
         self._stop = asyncio.Event()
         self._failure: str | None = None
+        self.serving = False
 
     def _in_flight_of(self, key: str) -> Callable[[], int]:
         def in_flight() -> int:
@@ -238,67 +271,91 @@ class Up:
 
     async def run(self) -> int:
         graceful_exit(self._stop, "wakegate up")
-        server = None
+        demand_server = None
         keda_server = None
         admin = None
+        watchers: list[asyncio.Task[None]] = []
         try:
+            problem = _cannot_bind(self.gateway.listen_host, self.gateway.listen_port)
+            if problem:
+                log.error(
+                    "wakegate up: cannot listen on %s:%d: %s",
+                    self.gateway.listen_host,
+                    self.gateway.listen_port,
+                    problem,
+                )
+                return 2
             admin = await self._start_admin()
             if self.settings.scaler_listen:
                 keda_server, self.scaler_hub, _ = await serve_local(self.book, self.models, self.settings.scaler_listen)
-            await self.publisher.publish()
-            server, self.publisher.ads, xds_port = await start_server(
-                self.publisher.cache,
-                "127.0.0.1:0",
-                lambda srv: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, srv),
-                on_endpoints_acked=self.publisher.publish_soon,
-                authenticator=self.authenticator,
-            )
+            demand_server, demand_port = await self._start_demand()
+            await self.source.start()
             ports = Ports(
-                xds=xds_port,
-                extproc=free_port(),
-                extproc_admin=free_port(),
-                activator=free_port(),
-                envoy_admin=free_port(),
+                xds=free_port(),
+                demand=demand_port,
+                extproc=(free_port(), free_port()),
+                extproc_admin=(free_port(), free_port()),
+                activator=(free_port(), free_port()),
             )
-            extproc = await self._start_extproc(ports)
-            envoy = await self._start_envoy(ports)
-            watchers = [asyncio.create_task(self._watch_critical(c)) for c in (extproc, envoy)]
+            self.ports = ports
+            self._add(self._feeder(ports))
+            self._add(self._extproc(ports, 0))
+            self._add(self._extproc(ports, 1))
+            self._add(self._envoy(ports))
+            for component in self.components.values():
+                await component.start()
+            watchers = [asyncio.create_task(self._watch(c)) for c in self.components.values()]
             watchers.append(asyncio.create_task(self.scaler.run()))
             self.scaler.poke()
             if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
             if await self._wait_gateway_ready(ports):
                 names = ", ".join(m.key for m in self.models)
+                self.serving = True
                 log.info(
-                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=127.0.0.1:%d",
+                    "wakegate up: gateway http://%s:%d models=[%s] envoy_admin=%s",
                     self.gateway.listen_host,
                     self.gateway.listen_port,
                     names,
-                    ports.envoy_admin,
+                    self.settings.envoy_admin_listen or f"unix:{self.envoy_admin} (owner-only)",
                 )
                 print(
                     f"wakegate up: serving on http://{self.gateway.listen_host}:{self.gateway.listen_port}",
                     flush=True,
                 )
             await self._stop.wait()
+            if self._failure is None:
+                await self._drain()
             for watcher in watchers:
                 watcher.cancel()
         finally:
             await self._shutdown()
-            if server is not None:
-                await server.stop(1)
+            if demand_server is not None:
+                await demand_server.stop(1)
             if keda_server is not None:
                 await keda_server.stop(1)
             if admin is not None:
                 await admin.cleanup()
+            await self.source.close()
         if self._failure:
             log.error("%s", self._failure)
+            print(f"wakegate up: stopped: {self._failure.splitlines()[0]}", file=sys.stderr, flush=True)
             return 1
         return 0
 
     def status(self) -> dict[str, Any]:
         return {
             "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+            "serving": self.serving,
+            "components": {
+                name: {
+                    "pid": c.child.pid,
+                    "running": c.child.running,
+                    "restarts": c.restarts,
+                    "log": str(c.child.log_path),
+                }
+                for name, c in self.components.items()
+            },
             "models": [
                 {
                     "key": rt.model.key,
@@ -358,21 +415,54 @@ class Up:
         host, port = admin.host_port(self.settings.admin_listen)
         return await admin.serve({"/metrics": metrics, "/status": status, "/healthz": healthz}, host, port)
 
-    async def _start_extproc(self, ports: Ports) -> Child:
+    async def _start_demand(self) -> tuple[grpc.aio.Server, int]:
+        """The demand receiver extproc reports to: here, beside the scaler that reads it."""
+        server = grpc.aio.server()
+        demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand_service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def _add(self, component: Supervised) -> None:
+        self.components[component.child.name] = component
+
+    def _feeder(self, ports: Ports) -> Supervised:
+        argv = [
+            sys.executable,
+            "-m",
+            "wakegate.control.up.feeder",
+            "--listen",
+            f"127.0.0.1:{ports.xds}",
+            "--source",
+            str(self.source.path),
+            "--gateway",
+            gateway_json(self.gateway),
+            "--internal-token-file",
+            str(self.token.file),
+            "--log-level",
+            self.settings.log_level,
+        ]
+        return Supervised(Child("feeder", argv, self.state_dir / "logs" / "feeder.log"))
+
+    def _extproc(self, ports: Ports, index: int) -> Supervised:
         argv = [
             sys.executable,
             "-m",
             "wakegate.extproc",
             "--listen",
-            f"127.0.0.1:{ports.extproc}",
+            f"127.0.0.1:{ports.extproc[index]}",
             "--admin-listen",
-            f"127.0.0.1:{ports.extproc_admin}",
+            f"127.0.0.1:{ports.extproc_admin[index]}",
             "--activator-listen",
-            f"127.0.0.1:{ports.activator}",
+            f"127.0.0.1:{ports.activator[index]}",
             "--keepalive-seconds",
             str(self.settings.keepalive_seconds),
             "--xds",
             f"127.0.0.1:{ports.xds}",
+            "--demand",
+            f"127.0.0.1:{ports.demand}",
+            "--node-id",
+            f"wakegate-up-{os.getpid()}-extproc-{index}",
             "--internal-token-file",
             str(self.token.file),
             "--gateway-id",
@@ -383,6 +473,8 @@ class Up:
             str(self.settings.global_rps),
             "--global-burst",
             str(self.settings.global_burst),
+            "--drain-seconds",
+            "1",
             "--log-level",
             self.settings.log_level,
         ]
@@ -390,16 +482,19 @@ class Up:
             argv += ["--h2-limit", limit]
         if self.settings.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
-        child = Child("extproc", argv, self.state_dir / "logs" / "extproc.log")
-        self.children.append(child)
-        await child.start()
-        return child
+        return Supervised(Child(f"extproc-{index}", argv, self.state_dir / "logs" / f"extproc-{index}.log"))
 
-    async def _start_envoy(self, ports: Ports) -> Child:
+    def _envoy(self, ports: Ports) -> Supervised:
         rendered = bootstrap.render(
             self.node_id,
             bootstrap.GatewayPorts(
-                envoy_admin=ports.envoy_admin, xds=ports.xds, extproc=ports.extproc, activator=ports.activator
+                envoy_admin=self._envoy_admin_port(),
+                xds=ports.xds,
+                extproc=ports.extproc[0],
+                extproc_standby=ports.extproc[1],
+                activator=ports.activator[0],
+                activator_standby=ports.activator[1],
+                admin_socket=None if self.settings.envoy_admin_listen else str(self.envoy_admin),
             ),
             bootstrap.TokenRef(file=str(self.token.file)),
             extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
@@ -417,57 +512,122 @@ class Up:
             "--log-level",
             "warn",
             "--drain-time-s",
-            "5",
+            "1",
             "--drain-strategy",
             "immediate",
         ]
-        child = Child("envoy", argv, self.state_dir / "logs" / "envoy.log")
-        self.children.append(child)
-        await child.start()
-        return child
 
-    async def _watch_critical(self, child: Child) -> None:
-        code = await child.wait()
-        self._failure = f"{child.name} exited with code {code}; last log lines:\n{child.tail()}"
-        self._stop.set()
+        async def clear_socket() -> None:  # a killed Envoy leaves its admin socket behind
+            with contextlib.suppress(FileNotFoundError):
+                self.envoy_admin.unlink()
 
-    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 30.0) -> bool:
-        """Envoy's listener is up and extproc has its routes."""
+        return Supervised(Child("envoy", argv, self.state_dir / "logs" / "envoy.log"), before_start=clear_socket)
+
+    async def _watch(self, component: Supervised) -> None:
+        try:
+            await component.run()
+        except CrashLoop as exc:
+            self._failure = str(exc)
+            self._stop.set()
+
+    def _envoy_admin_port(self) -> int:
+        if self.settings.envoy_admin_listen is None:
+            return 0
+        return admin.host_port(self.settings.envoy_admin_listen)[1]
+
+    def _admin_session(self) -> aiohttp.ClientSession:
+        """A client of Envoy's admin API (paths relative to it)."""
+        timeout = aiohttp.ClientTimeout(total=2)
+        if self.settings.envoy_admin_listen is None:
+            connector = aiohttp.UnixConnector(path=str(self.envoy_admin))
+            return aiohttp.ClientSession(base_url="http://envoy", connector=connector, timeout=timeout)
+        return aiohttp.ClientSession(base_url=f"http://{self.settings.envoy_admin_listen}", timeout=timeout)
+
+    async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            async with session.get(f"/stats?filter=^{name}$&format=json") as response:
+                stats = (await response.json()).get("stats", [])
+                return int(stats[0]["value"]) if stats else 0
+        return None
+
+    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0) -> bool:
+        """Ready means a request would succeed: extproc has its routes and GET /healthz through
+        Envoy and extproc answers 200.
+        A listener Envoy cannot bind (the port was taken meanwhile) stops `up` with an error."""
         deadline = asyncio.get_running_loop().time() + timeout
         urls = [
-            f"http://127.0.0.1:{ports.envoy_admin}/ready",
-            f"http://127.0.0.1:{ports.extproc_admin}/healthz",
+            f"http://127.0.0.1:{ports.extproc_admin[0]}/healthz",  # extproc has its route table
+            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",  # through Envoy
         ]
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
+            self._admin_session() as admin_session,
+        ):
             while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
                 ok = 0
                 for url in urls:
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                         async with session.get(url) as response:
                             ok += response.status == 200
-                if ok == len(urls) and await self._listener_bound():
+                if ok == len(urls):
                     return True
+                rejected = await self._envoy_stat(admin_session, "listener_manager.lds.update_rejected")
+                if rejected:
+                    self._failure = (
+                        f"Envoy cannot listen on {self.gateway.listen_host}:{self.gateway.listen_port} "
+                        f"(see {self.state_dir / 'logs' / 'envoy.log'})"
+                    )
+                    self._stop.set()
+                    return False
                 await asyncio.sleep(0.05)
         if not self._stop.is_set():
-            log.error("gateway did not become ready in %.0fs; see %s", timeout, self.state_dir / "logs")
+            self._failure = f"gateway did not become ready in {timeout:.0f}s; see {self.state_dir / 'logs'}"
+            self._stop.set()
         return False
 
-    async def _listener_bound(self) -> bool:
-        try:
-            _, writer = await asyncio.open_connection(self.gateway.listen_host, self.gateway.listen_port)
-        except OSError:
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
+    async def _drain(self) -> None:
+        """SIGTERM: Envoy stops accepting, in-flight requests and streams get up to the drain
+        time to finish (held cold requests too: the models keep loading), then whatever is
+        still held gets a retriable 503 from Envoy as extproc stops, then everything stops."""
+        envoy = self.components.get("envoy")
+        if envoy is None or not envoy.child.running:
+            return
+        log.info("wakegate up: draining (up to %.0fs): listener closed, in-flight requests finish", self.drain_seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_seconds
+        async with self._admin_session() as session:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with session.post("/drain_listeners") as response:
+                    await response.read()
+            while loop.time() < deadline:
+                active = await self._envoy_stat(session, "http.wakegate.downstream_rq_active")
+                if active is None or active == 0:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                log.warning("wakegate up: drain time over with requests still running")
+        log.info("wakegate up: drained in %.2fs", self.drain_seconds - (deadline - loop.time()))
 
     async def _shutdown(self) -> None:
-        log.info("wakegate up: draining")
-        for child in reversed(self.children):  # Envoy first: stop admitting, then extproc
-            await child.stop(10.0)
+        log.info("wakegate up: stopping")
+        order = ["extproc-0", "extproc-1", "envoy", "feeder"]  # held requests answered before Envoy goes
+        for name in order:
+            component = self.components.get(name)
+            if component is not None:
+                await component.stop(5.0)
         await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
         log.info("wakegate up: stopped")
+
+
+def _cannot_bind(host: str, port: int) -> str | None:
+    """Why the gateway's listener could not be bound now, or None."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _model_state(runtime: ModelRuntime) -> str:

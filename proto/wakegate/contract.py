@@ -32,6 +32,14 @@ ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 XDS_CLUSTER = "wakegate_xds"
 EXTPROC_CLUSTER = "wakegate_extproc"
 ACTIVATOR_CLUSTER = "wakegate_activator"
+#: One static cluster per extproc process, `wakegate_access_log_<i>`: where Envoy's access
+#: logger streams request completions (extproc releases in-flight counts from them).
+ACCESS_LOG_CLUSTER = "wakegate_access_log"
+
+
+def access_log_cluster(index: int) -> str:
+    return f"{ACCESS_LOG_CLUSTER}_{index}"
+
 #: `node.cluster` of the gateway's Envoy and extproc when they subscribe over ADS.
 GATEWAY_NODE_CLUSTER = "wakegate-gateway"
 

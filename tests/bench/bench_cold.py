@@ -64,6 +64,7 @@ from typing import Any
 from tests.bench.common import git_state, loadavg
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc, pids_alive
+from wakegate.control.admin import free_port
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -190,14 +191,19 @@ def open_fds(pid: int) -> int | None:
         return None
 
 
+def _up_args(args: argparse.Namespace) -> list[str]:
+    """Envoy's admin API on a loopback port, for `envoy_stats` (up's default is a Unix socket)."""
+    return ["--envoy-concurrency", str(args.envoy_concurrency), "--envoy-admin-listen", f"127.0.0.1:{free_port()}"]
+
+
 def gateway_pids(up: UpProcess) -> dict[str, int]:
     pids: dict[str, int] = {}
     for pid in children_of(up.proc.pid):
         cmd = cmdline(pid)
         if Path(cmd.split(" ")[0]).name == "envoy" or "envoy.yaml" in cmd:
             pids["envoy"] = pid
-        elif "extproc" in cmd:
-            pids["extproc"] = pid
+        elif "wakegate.extproc" in cmd and "extproc-1" not in cmd:
+            pids["extproc"] = pid  # the active one; extproc-1 is the standby
     return pids
 
 
@@ -214,13 +220,13 @@ def run_latency(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     scaling = "{min: 0, max: 1, idleTimeout: 1, activationTimeout: 60}"
     yaml_text = "".join(model_yaml(n, sim_args, scaling) for n in names)
     (tmp / "a").mkdir()
-    up = UpProcess(tmp / "a", yaml_text, "--envoy-concurrency", str(args.envoy_concurrency))
+    up = UpProcess(tmp / "a", yaml_text, *_up_args(args))
     samples: list[dict[str, Any]] = []
     try:
         up.wait_ready({n: 0 for n in names}, timeout=90)
         state_logs = up.state_dir / "logs"
         up_tail = LogTail(up.log_path)
-        ext_tail = LogTail(state_logs / "extproc.log")
+        ext_tail = LogTail(state_logs / "extproc-0.log")
         last_pid: dict[str, int] = {}
         started = time.monotonic()
         for i in range(args.starts):
@@ -457,9 +463,7 @@ def run_held(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     scaling = "{min: 0, max: 1, idleTimeout: 300, activationTimeout: 600}"
     endpoint = f"  endpoint: {{maxQueue: {min(max(n, 1), 100000)}, coldMode: hold}}\n"
     (tmp / "b").mkdir()
-    up = UpProcess(
-        tmp / "b", model_yaml("held", sim_args, scaling, endpoint), "--envoy-concurrency", str(args.envoy_concurrency)
-    )
+    up = UpProcess(tmp / "b", model_yaml("held", sim_args, scaling, endpoint), *_up_args(args))
     try:
         up.wait_ready({"held": 0}, timeout=90)
         pids = gateway_pids(up)
@@ -477,7 +481,7 @@ def run_held(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     break
         ext_release = None
         with contextlib.suppress(OSError):
-            for line in (up.state_dir / "logs" / "extproc.log").read_text(errors="replace").splitlines():
+            for line in (up.state_dir / "logs" / "extproc-0.log").read_text(errors="replace").splitlines():
                 if "model ready model=held" in line:
                     ext_release = log_time(line)
                     break
@@ -488,7 +492,7 @@ def run_held(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         envoy_log_tail = (up.state_dir / "logs" / "envoy.log").read_text(errors="replace")[-2000:]
         extproc_warnings = [
             ln
-            for ln in (up.state_dir / "logs" / "extproc.log").read_text(errors="replace").splitlines()
+            for ln in (up.state_dir / "logs" / "extproc-0.log").read_text(errors="replace").splitlines()
             if " WARNING " in ln or " ERROR " in ln
         ][-20:]
     finally:

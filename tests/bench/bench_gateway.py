@@ -424,8 +424,12 @@ class Stacks:
             cmd = cmdline(pid)
             if "envoy" in cmd.split(" ", 1)[0]:
                 self.cpu_pids["wg-envoy"] = pid
-            elif "-m wakegate.extproc" in cmd or "-m extproc" in cmd:
-                self.cpu_pids["wg-extproc"] = pid
+            elif ("-m wakegate.extproc" in cmd or "-m extproc" in cmd) and "extproc-1" not in cmd:
+                self.cpu_pids["wg-extproc"] = pid  # the active one
+            elif "-m wakegate.extproc" in cmd:
+                self.cpu_pids["wg-standby"] = pid  # the standby extproc: it reads every access-log entry too
+            elif "wakegate.control.up.feeder" in cmd:
+                self.cpu_pids["wg-feeder"] = pid
             elif " sim " in cmd:
                 self.cpu_pids["wg-sim"] = pid
         missing = {"wg-envoy", "wg-extproc", "wg-sim"} - set(self.cpu_pids)
@@ -499,7 +503,8 @@ def fmt_table(rows: list[dict[str, Any]]) -> str:
 
 
 def fmt_cpu(results: list[WrkResult]) -> str:
-    names = ["wrk", "sim(direct)", "plain-envoy", "wg-envoy", "wg-extproc", "wg-sim", "wg-up", "other_load"]
+    names = ["wrk", "sim(direct)", "plain-envoy", "wg-envoy", "wg-extproc", "wg-standby", "wg-feeder", "wg-sim"]
+    names += ["wg-up", "other_load"]
     head = f"{'run':<28}" + "".join(f"{n:>12}" for n in names) + f"{'machine':>10}"
     lines = [head, "-" * len(head)]
     for r in results:

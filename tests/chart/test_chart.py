@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
+import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,8 @@ import pytest
 import yaml
 
 from e2e.helm import HELM, BuildError, ensure_helm, is_current
+from tests.support.up import UpProcess, model_doc
+from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "wakegate"
@@ -294,3 +300,36 @@ def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: dict[str,
 def test_helm_binary_is_the_pinned_release(helm: Path) -> None:
     assert helm == HELM
     assert "v3.22.0" in run(helm, "version", "--short").stdout
+
+
+def test_gateway_prestop_drains_envoy_and_waits_for_streams(helm: Path, tmp_path: Path) -> None:
+    """The envoy container's preStop, run by bash against a real gateway's Envoy: the listener closes at
+    once, the hook returns only when the running stream has finished, and that stream completes."""
+    spec = by_kind(template(helm, tmp_path), "Deployment")["wg-wakegate-gateway"]["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 35  # drainSeconds (30) + 5
+    envoy = next(c for c in spec["containers"] if c["name"] == "envoy")
+    shell, flag, script = envoy["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("/bin/bash", "-c")
+    assert script.startswith("admin=9901; drain=30\n")
+    admin = free_port()
+    models = model_doc("solo", extra='  args: ["--tokens-per-second", "20"]\n')
+    up = UpProcess(tmp_path, models, "--envoy-admin-listen", f"127.0.0.1:{admin}")
+    try:
+        up.wait_ready({"solo": 1})
+        body = {"model": "solo", "stream": True, "max_tokens": 60, "messages": [{"role": "user", "content": "x"}]}
+        conn = http.client.HTTPConnection("127.0.0.1", up.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        response = conn.getresponse()  # a 3 s stream
+        assert response.status == 200
+        started = time.monotonic()
+        hook = subprocess.Popen([shell, flag, script.replace("admin=9901", f"admin={admin}")])
+        time.sleep(0.5)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", up.port), timeout=5).close()
+        assert hook.poll() is None  # still waiting: the stream runs
+        assert response.read().rstrip().endswith(b"data: [DONE]")
+        assert hook.wait(30) == 0
+        assert time.monotonic() - started >= 2.0
+        conn.close()
+    finally:
+        up.stop()

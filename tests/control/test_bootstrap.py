@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -39,21 +40,59 @@ def test_the_sync_check_fails_when_either_side_is_edited_alone() -> None:
     assert edited_chart != bootstrap.chart_bootstrap()
 
 
+UP_PORTS = bootstrap.GatewayPorts(
+    envoy_admin=0,
+    xds=18000,
+    extproc=19002,
+    activator=19004,
+    extproc_standby=19012,
+    activator_standby=19014,
+    admin_socket="/run/wakegate/envoy-admin.sock",
+)
+
+
+def _addresses(cluster: dict[str, Any]) -> list[tuple[int, int]]:
+    """(priority, port) of each endpoint of a cluster."""
+    return [
+        (group.get("priority", 0), lb["endpoint"]["address"]["socket_address"]["port_value"])
+        for group in cluster["load_assignment"]["endpoints"]
+        for lb in group["lb_endpoints"]
+    ]
+
+
 def test_up_rendering_names_the_shared_clusters_and_its_ports() -> None:
-    config = yaml.safe_load(bootstrap.render("up-1", PORTS))
+    config = yaml.safe_load(bootstrap.render("up-1", UP_PORTS))
     assert config["node"] == {"id": "up-1", "cluster": contract.GATEWAY_NODE_CLUSTER}
+    # The admin API is an owner-only Unix socket: no TCP port anyone on the host could POST /quitquitquit to.
+    assert config["admin"]["address"] == {"pipe": {"path": "/run/wakegate/envoy-admin.sock", "mode": 0o600}}
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert set(clusters) == {
+        contract.XDS_CLUSTER,
+        contract.EXTPROC_CLUSTER,
+        contract.ACTIVATOR_CLUSTER,
+        contract.access_log_cluster(0),
+        contract.access_log_cluster(1),
+    }
+    assert clusters[contract.XDS_CLUSTER]["type"] == "STATIC"  # an IP literal needs no DNS
+    assert _addresses(clusters[contract.XDS_CLUSTER]) == [(0, 18000)]
+    # Active and standby: the standby takes traffic only while the active one fails its health checks.
+    assert _addresses(clusters[contract.EXTPROC_CLUSTER]) == [(0, 19002), (1, 19012)]
+    assert clusters[contract.EXTPROC_CLUSTER]["health_checks"][0]["grpc_health_check"] == {"service_name": ""}
+    assert _addresses(clusters[contract.ACTIVATOR_CLUSTER]) == [(0, 19004), (1, 19014)]
+    # Each extproc hears of every finished request.
+    assert _addresses(clusters[contract.access_log_cluster(0)]) == [(0, 19002)]
+    assert _addresses(clusters[contract.access_log_cluster(1)]) == [(0, 19012)]
+    assert "listeners" not in config["static_resources"]
+
+
+def test_one_extproc_has_no_standby_and_one_access_log_cluster() -> None:
+    config = yaml.safe_load(bootstrap.render("up-1", PORTS))
     assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 19901}
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {contract.XDS_CLUSTER, contract.EXTPROC_CLUSTER, contract.ACTIVATOR_CLUSTER}
-    assert clusters[contract.XDS_CLUSTER]["type"] == "STATIC"  # an IP literal needs no DNS
-    ports = {
-        name: c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-        for name, c in clusters.items()
-    }
-    assert ports[contract.XDS_CLUSTER] == {"address": "127.0.0.1", "port_value": 18000}
-    assert ports[contract.EXTPROC_CLUSTER]["port_value"] == 19002
-    assert ports[contract.ACTIVATOR_CLUSTER]["port_value"] == 19004
-    assert "listeners" not in config["static_resources"]
+    assert _addresses(clusters[contract.EXTPROC_CLUSTER]) == [(0, 19002)]
+    assert "health_checks" not in clusters[contract.EXTPROC_CLUSTER]
+    assert _addresses(clusters[contract.access_log_cluster(0)]) == [(0, 19002)]
+    assert contract.access_log_cluster(1) not in clusters
 
 
 def test_a_service_name_and_a_metrics_port_shape_the_cluster_form() -> None:
@@ -72,7 +111,8 @@ def test_envoy_validates_both_forms(tmp_path: Path) -> None:
     cluster_form = bootstrap.GatewayPorts(
         envoy_admin=9901, xds=18000, extproc=9002, activator=9004, xds_host="localhost", metrics=9902
     )
-    for name, text in (("up", bootstrap.render("up-1", PORTS)), ("cluster", bootstrap.render("pod", cluster_form))):
+    forms = (("up", bootstrap.render("up-1", UP_PORTS)), ("cluster", bootstrap.render("pod", cluster_form)))
+    for name, text in forms:
         config = tmp_path / f"{name}.yaml"
         config.write_text(text)
         result = subprocess.run(

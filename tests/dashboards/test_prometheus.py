@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import subprocess
 import time
@@ -142,13 +141,13 @@ class Prometheus:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[UpProcess, Prometheus]]:
-    up = UpProcess(tmp_path, FLEET)
+    envoy_admin = f"127.0.0.1:{free_port()}"
+    up = UpProcess(tmp_path, FLEET, "--envoy-admin-listen", envoy_admin)
     prom: Prometheus | None = None
     try:
         up.wait_ready({"warm": 1}, timeout=60)
-        found = re.search(r"envoy_admin=(127\.0\.0\.1:\d+)", up.log())
-        assert found, up.log()
-        prom = Prometheus(tmp_path, up, found.group(1))
+        assert f"envoy_admin={envoy_admin}" in up.log(), up.log()
+        prom = Prometheus(tmp_path, up, envoy_admin)
         prom.wait_ready()
         prom.set_backends(up)
         yield up, prom

@@ -18,9 +18,11 @@ from wakegate.control.admin import free_port
 class UpProcess:
     """`wakegate up -f models.yaml` with its own ports and state dir."""
 
-    def __init__(self, tmp: Path, models_yaml: str, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, models_yaml: str, *extra: str, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
         self.tmp = tmp
-        self.port = free_port()
+        self.port = port or free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"

@@ -177,7 +177,7 @@ def get(port: int, name: str) -> tuple[int, str, dict[str, Any]]:
         ("refused", 503, "upstream_unavailable", "server_error"),  # connection refused (UF)
         ("empty", 503, "upstream_unavailable", "server_error"),  # no healthy upstream (UH)
         ("slow", 504, "upstream_timeout", "server_error"),  # route timeout (UT)
-        ("extproc-down", 500, "gateway_error", "server_error"),  # the ext_proc stream fails
+        ("extproc-down", 503, "gateway_unavailable", "server_error"),  # the ext_proc stream fails
         ("extproc-silent", 504, "gateway_timeout", "server_error"),  # extproc's message timeout
         ("direct", 404, "no_route", "invalid_request_error"),  # the route table's catch-all
     ],

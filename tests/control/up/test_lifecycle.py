@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ import pytest
 
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc, pids_alive
+from wakegate.control.admin import free_port
 
 ONE = model_doc("solo", extra="  aliases: [s]\n")
 
@@ -49,7 +52,7 @@ def test_sigterm_stops_every_child(tmp_path: Path) -> None:
     up.wait_ready({"solo": 1})
     assert chat(up) == 200
     children = child_pids(up)
-    assert len(children) == 3  # extproc, envoy, one backend
+    assert len(children) == 5  # feeder, two extprocs, envoy, one backend
     assert up.stop(signal.SIGTERM) == 0
     assert pids_alive(children) == []
     assert "wakegate up: stopped" in up.log()
@@ -75,18 +78,101 @@ def test_crashed_backend_is_restarted(tmp_path: Path) -> None:
         assert up.stop() == 0
 
 
-def test_envoy_crash_stops_up_with_an_error_and_no_orphans(tmp_path: Path) -> None:
+def test_killed_envoy_is_restarted_and_serves_again(tmp_path: Path) -> None:
+    up = UpProcess(tmp_path, ONE)
+    try:
+        up.wait_ready({"solo": 1})
+        os.kill(up.status()["components"]["envoy"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            envoy = up.status()["components"]["envoy"]
+            if envoy["restarts"] == 1 and envoy["running"]:
+                try:
+                    if chat(up) == 200:
+                        break
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"Envoy not back: {up.status()['components']}\n{up.log()}")
+        assert up.proc.poll() is None
+    finally:
+        assert up.stop() == 0
+
+
+def test_a_crash_loop_past_the_budget_stops_up_with_a_clear_message_and_no_orphans(tmp_path: Path) -> None:
     up = UpProcess(tmp_path, ONE)
     up.wait_ready({"solo": 1})
     children = child_pids(up)
-    # The executable's name: every child's arguments name paths under tmp_path, which says "envoy".
-    envoy = [p for p in children if Path(Path(f"/proc/{p}/cmdline").read_text().split("\0")[0]).name == "envoy"]
-    os.kill(envoy[0], signal.SIGKILL)
+    killed: set[int] = set()
+    deadline = time.monotonic() + 60
+    while up.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            pid = up.status()["components"]["extproc-1"]["pid"]
+        except OSError:
+            break
+        if pid not in killed:
+            killed.add(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
     up.proc.wait(30)
     assert up.proc.returncode == 1
-    assert "envoy exited with code" in up.log()
+    assert "extproc-1 exited 6 times within 60s" in up.log()
+    assert "wakegate up: stopped: extproc-1 exited 6 times" in up.log()
+    assert len(killed) == 6
     assert pids_alive(children) == []
     up.stop()
+
+
+def test_a_taken_port_is_an_error_and_a_non_zero_exit(tmp_path: Path) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text(ONE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["up", "-f", str(models), "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
+        result = subprocess.run(
+            [sys.executable, "-m", "wakegate", *argv, "--state-dir", str(tmp_path / "state")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "serving on" not in result.stdout
+
+
+def test_before_serving_requests_get_503_with_retry_after_never_500(tmp_path: Path) -> None:
+    port = free_port()
+    up = UpProcess(tmp_path, ONE, port=port)
+    seen: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while "serving on" not in up.log() and time.monotonic() < deadline:
+            try:
+                response = request(
+                    "POST",
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    body={"model": "s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+                    timeout=10,
+                )
+            except OSError:
+                continue  # nothing listens yet: refused, not an error page
+            seen[response.status] = seen.get(response.status, 0) + 1
+            if response.status == 503:
+                assert response.headers.get("retry-after"), response.headers
+                assert response.json()["error"]["code"] in (
+                    "gateway_unavailable",
+                    "gateway_starting",
+                    "model_not_ready",
+                )
+        assert "serving on" in up.log()
+        assert set(seen) <= {200, 503}, seen
+        assert chat(up) == 200  # announced: a request succeeds
+    finally:
+        assert up.stop() == 0
 
 
 def test_sigkilled_up_leaves_no_orphans(tmp_path: Path) -> None:
