@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import socket
-from typing import Protocol
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
-
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -153,9 +153,12 @@ class _Publisher(Publisher):
         self.baseline: dict[str, frozenset[tuple[str, int]]] | None = None
 
     async def publish(self) -> None:
-        if self.baseline is not None and self.ads is not None:
-            if any(self.ads.confirmed(node) is not None for node in self.ads.gateways()):
-                self.baseline = None  # an Envoy acknowledged endpoints again: its word from now on
+        if (
+            self.baseline is not None
+            and self.ads is not None
+            and any(self.ads.confirmed(node) is not None for node in self.ads.gateways())
+        ):
+            self.baseline = None  # an Envoy acknowledged endpoints again: its word from now on
         if self.baseline is None:
             await super().publish()
             return

@@ -55,6 +55,13 @@ def feeder_address(up: UpProcess) -> str:
     return f"{address['address']}:{address['port_value']}"
 
 
+def demand_address(up: UpProcess) -> str:
+    """The demand receiver's port, as `up` told its extproc (`--demand`)."""
+    pid = up.status()["components"]["extproc-0"]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    return argv[argv.index("--demand") + 1]
+
+
 def token_file(up: UpProcess) -> Path:
     return up.state_dir / "secrets" / "internal-token"
 
@@ -195,12 +202,18 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
             subscriber.call.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await subscriber.reader
-    assert "xds NACK node=nack-gateway" in up.log()
+    assert "xds NACK node=nack-gateway" in all_logs(up)
     # The real gateway is one node: its Envoy and its extproc subscribed under one id, so its
     # extproc was gated by its Envoy (not left ungated under an id no Envoy has).
-    opened = re.findall(r"xds stream opened node=(\S+)", up.log())
+    opened = re.findall(r"xds stream opened node=(\S+)", all_logs(up))
     own = [node for node in opened if not node.endswith("-gateway")]
     assert len(set(own)) == 1 and len(own) >= 2, opened
+
+
+def all_logs(up: UpProcess) -> str:
+    """`up`'s own log and its feeder's (the ADS server runs in the feeder process)."""
+    feeder = up.state_dir / "logs" / "feeder.log"
+    return up.log() + (feeder.read_text(errors="replace") if feeder.exists() else "")
 
 
 def refused(up: UpProcess) -> dict[str, float]:
@@ -221,6 +234,7 @@ async def test_subscribers_and_reporters_without_the_token_are_refused_and_count
                 await asyncio.wait_for(subscriber.reader, 10)
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert subscriber.responses == []
+    async with grpc.aio.insecure_channel(demand_address(up)) as channel:
         stub = demand_pb2_grpc.DemandServiceStub(channel)
         report = demand_pb2.DemandReport(
             gateway_id="stranger", instance="x", sequence=1, models=[demand_pb2.ModelDemand(model="sleepy", queued=50)]
@@ -228,14 +242,19 @@ async def test_subscribers_and_reporters_without_the_token_are_refused_and_count
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.Report(report, timeout=10)
         assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The feeder process reports its refusals to `up` within a fraction of a second.
+    deadline = time.monotonic() + 10
     after = refused(up)
+    while after["ads"] - before.get("ads", 0) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        after = refused(up)
     assert after["ads"] - before.get("ads", 0) == 2
     assert after["demand"] - before.get("demand", 0) == 1
     # The fake demand changed nothing: no replica was started for it.
     await asyncio.sleep(1)
     assert up.status()["models"][0]["replicas"] == []
     # One concise line per burst, never a traceback, never the token.
-    log = up.log()
+    log = all_logs(up)
     assert 1 <= log.count("refused unauthenticated") <= 2, log
     assert "Traceback" not in log
     token = token_file(up).read_text().strip()
