@@ -286,7 +286,11 @@ def cold_round_trip(kube: Kube, gateway: Gateway, idle_within: float) -> tuple[f
                 return False
 
         wait_for(scaler_knows_model, 60, f"scaler serving the Model\n{gateway.logs()}")
-        wait_for(lambda: _ok(f"http://127.0.0.1:{gateway.port}/v1/models"), 60, f"gateway up\n{gateway.logs()}")
+        # The gateway serves and its extproc knows the Model (its routes come from the feeder,
+        # which may learn of the Model after the scaler did): a request now holds and wakes it.
+        wait_for(
+            lambda: _lists(f"http://127.0.0.1:{gateway.port}/v1/models", model), 60, f"gateway up\n{gateway.logs()}"
+        )
         assert replicas(kube) == 0
 
         results: list[tuple[int, str, float]] = []
@@ -443,14 +447,17 @@ def _get(url: str) -> str:
         return ""
 
 
-def _ok(url: str) -> bool:
+def _lists(url: str, model: str) -> bool:
+    """Whether GET `url` (an OpenAI model list) answers 200 and names `model`."""
+    import json
     import urllib.request
 
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
+            return resp.status == 200 and model in {m.get("id") for m in json.load(resp).get("data", [])}
+    except (OSError, ValueError):
         return False
+
 
 
 def test_lease_elects_one_scaler_and_hands_over(kube: Kube) -> None:
