@@ -12,11 +12,11 @@ them").
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build, for_gateway
+from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedModel, build, for_gateway
 
 
 class Publisher:
@@ -41,7 +41,15 @@ class Publisher:
         views = {}
         if self.ads is not None:
             views = {
-                node: for_gateway(base, routed, self.ads.confirmed(node), self.ads.retained(node))
+                node: for_gateway(base, routed, self._confirmed(node), self.ads.retained(node))
                 for node in self.ads.gateways()
             }
-        await self.cache.set(base, views)
+        await self.cache.set(self._for_unknown(routed, base), views)
+
+    def _confirmed(self, node: str) -> Mapping[str, frozenset[tuple[str, int]]] | None:
+        """What gates `node`'s endpoints: what its own Envoy acknowledged."""
+        return self.ads.confirmed(node) if self.ads is not None else None
+
+    def _for_unknown(self, routed: list[RoutedModel], base: Resources) -> Resources:
+        """The snapshot of a gateway with no view of its own yet."""
+        return base

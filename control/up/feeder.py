@@ -26,14 +26,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, build, for_gateway
+from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedModel, build
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import graceful_exit
 
@@ -159,18 +159,13 @@ class _Publisher(Publisher):
             and any(self.ads.confirmed(node) is not None for node in self.ads.gateways())
         ):
             self.baseline = None  # an Envoy acknowledged endpoints again: its word from now on
-        if self.baseline is None:
-            await super().publish()
-            return
-        self._pending = False
-        routed = self._routed()
-        base = build(routed, self.gateway)
-        views = {}
-        if self.ads is not None:
-            views = {
-                node: for_gateway(base, routed, self.baseline, self.ads.retained(node)) for node in self.ads.gateways()
-            }
-        await self.cache.set(build(routed, self.gateway, self.baseline), views)
+        await super().publish()
+
+    def _confirmed(self, node: str) -> Mapping[str, frozenset[tuple[str, int]]] | None:
+        return self.baseline if self.baseline is not None else super()._confirmed(node)
+
+    def _for_unknown(self, routed: list[RoutedModel], base: Resources) -> Resources:
+        return base if self.baseline is None else build(routed, self.gateway, self.baseline)
 
 
 async def serve(listen: str, source: Path, gateway: GatewaySettings, token_file: Path) -> int:
