@@ -25,15 +25,16 @@ from collections.abc import Callable
 
 import aiohttp
 
+from wakegate import contract
 from wakegate.extproc.scheduling import EngineState
 
 log = logging.getLogger("wakegate.extproc.engines")
 
 MAX_BYTES = 1 << 20
 
-_WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
-_RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
-_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio")
+_WAITING = (contract.VLLM_WAITING, contract.LLAMACPP_WAITING)
+_RUNNING = (contract.VLLM_RUNNING, contract.LLAMACPP_RUNNING)
+_KV = (contract.VLLM_KV_USAGE, contract.VLLM_KV_USAGE_OLD, contract.LLAMACPP_KV_USAGE)
 _NAMES = {**dict.fromkeys(_WAITING, "waiting"), **dict.fromkeys(_RUNNING, "running"), **dict.fromkeys(_KV, "kv")}
 
 

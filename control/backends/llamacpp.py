@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from wakegate import contract
 from wakegate.control.backends.base import Backend, Image, LoadMetrics
 
 LLAMACPP = Backend(
@@ -29,7 +30,7 @@ LLAMACPP = Backend(
     ),
     metrics_path="/metrics",
     metrics_prefix="llamacpp:",
-    load_metrics=LoadMetrics(running=("llamacpp:requests_processing",), waiting=("llamacpp:requests_deferred",)),
+    load_metrics=LoadMetrics(running=(contract.LLAMACPP_RUNNING,), waiting=(contract.LLAMACPP_WAITING,)),
     answer_probe=True,
     needs_file=True,
     term_grace=5.0,

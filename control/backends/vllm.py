@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from wakegate import contract
 from wakegate.control.backends.base import Backend, Image, LoadMetrics
 
 NVIDIA_ARCH = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
@@ -22,9 +23,9 @@ AMD_ARCH = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "gfx1
 VLLM_FLAGS = ("--host", "{host}", "--port", "{port}", "--served-model-name", "{served_name}")
 
 VLLM_LOAD = LoadMetrics(
-    running=("vllm:num_requests_running",),
-    waiting=("vllm:num_requests_waiting",),
-    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    running=(contract.VLLM_RUNNING,),
+    waiting=(contract.VLLM_WAITING,),
+    kv_usage=(contract.VLLM_KV_USAGE, contract.VLLM_KV_USAGE_OLD),
 )
 
 VLLM = Backend(

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from wakegate import contract
 from wakegate.control.sim.kvcache import KVCache
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,11 +78,11 @@ class SimMetrics(Collector):
             c.add_metric(value, v)
             return c
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", self.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting)
+        yield gauge(contract.VLLM_RUNNING, "Number of requests in model execution batches.", self.running)
+        yield gauge(contract.VLLM_WAITING, "Number of requests waiting to be processed.", self.waiting)
         usage = self.kv.usage
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (deprecated alias).", usage)
+        yield gauge(contract.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield gauge(contract.VLLM_KV_USAGE_OLD, "GPU KV-cache usage (deprecated alias).", usage)
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", self.kv.queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.", self.kv.hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)

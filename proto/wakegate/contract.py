@@ -43,6 +43,17 @@ def access_log_cluster(index: int) -> str:
 #: `node.cluster` of the gateway's Envoy and extproc when they subscribe over ADS.
 GATEWAY_NODE_CLUSTER = "wakegate-gateway"
 
+#: Engine metrics both halves read from a backend's /metrics: `wakegate up` for each endpoint's
+#: load (control/backends, LoadMetrics), extproc for scored picking (extproc/engines.py). The
+#: sim exports vLLM's. vLLM before 0.10 named its KV-cache usage `gpu_cache_usage_perc`.
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+LLAMACPP_RUNNING = "llamacpp:requests_processing"
+LLAMACPP_WAITING = "llamacpp:requests_deferred"
+LLAMACPP_KV_USAGE = "llamacpp:kv_cache_usage_ratio"
+
 #: Type URL of the per-model resource the feeder serves extproc.
 MODEL_ROUTE_TYPE = "type.googleapis.com/" + routing_pb2.ModelRoute.DESCRIPTOR.full_name
 
