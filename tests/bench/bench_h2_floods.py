@@ -59,7 +59,7 @@ def _latency(values: list[float]) -> dict[str, Any]:
 
 def _refusals(up: UpProcess) -> dict[str, float]:
     try:
-        return h2attack.refusals(up.url)
+        return h2attack.refusals(up.child_arg("extproc-0", "--admin-listen"))
     except (OSError, ValueError):  # a checkout without the metric
         return {}
 

@@ -48,11 +48,16 @@ async def test_watch_follows_a_real_engine_and_forgets_it_when_it_dies() -> None
         assert book[endpoint].waiting == 0 and book[endpoint].kv_usage == 0
         async with aiohttp.ClientSession() as s:
             body = {"model": "m", "prompt": "a b c", "max_tokens": 100, "stream": True}
-            streams = [await s.post(f"{sim.url}/v1/completions", json=body) for _ in range(2)]
+            # Sent side by side: the queued request's response headers only come once it runs.
+            posts = [asyncio.create_task(s.post(f"{sim.url}/v1/completions", json=body)) for _ in range(2)]
             await until(lambda: book.get(endpoint) and book[endpoint].waiting == 1, "one running, one waiting")
             assert book[endpoint].running == 1 and (book[endpoint].kv_usage or 0) > 0
-            for r in streams:
-                r.close()
+            for post in posts:
+                if post.done():
+                    post.result().close()
+                else:
+                    post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
         sim.stop(timeout=5)
         await until(lambda: endpoint not in book, "dead engine forgotten")
     finally:

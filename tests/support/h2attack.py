@@ -305,9 +305,11 @@ class Prober:
         conn.close()
 
 
-def refusals(gateway_url: str) -> dict[str, float]:
-    """wakegate_gateway_h2_refused_total by reason, from extproc's /metrics through the gateway."""
-    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=10) as resp:
+def refusals(extproc_admin: str) -> dict[str, float]:
+    """wakegate_gateway_h2_refused_total by reason, from one extproc's own /metrics (HOST:PORT of its
+    admin port). Not through the gateway: with a standby beside it, the gateway's /metrics is
+    answered by whichever extproc Envoy picks for the request."""
+    with urllib.request.urlopen(f"http://{extproc_admin}/metrics", timeout=10) as resp:
         families = text_string_to_metric_families(resp.read().decode())
     refused = next((f for f in families if f.name == "wakegate_gateway_h2_refused"), None)
     if refused is None:
@@ -316,7 +318,8 @@ def refusals(gateway_url: str) -> dict[str, float]:
 
 
 def extproc_port(state_dir: Path) -> int:
-    """extproc's HTTP/2 port, read from the Envoy bootstrap `wakegate up` rendered into its state dir."""
+    """The active extproc's (`extproc-0`'s) HTTP/2 port, read from the Envoy bootstrap `wakegate up`
+    rendered into its state dir."""
     config = yaml.safe_load((state_dir / "envoy.yaml").read_text())
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == contract.EXTPROC_CLUSTER:

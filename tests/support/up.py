@@ -60,6 +60,12 @@ class UpProcess:
     def status(self) -> dict[str, Any]:
         return get_json(f"http://127.0.0.1:{self.admin_port}/status")  # type: ignore[no-any-return]
 
+    def child_arg(self, component: str, flag: str) -> str:
+        """The value `up` gave `flag` on the command line of its child `component` ("extproc-0", …)."""
+        pid = self.status()["components"][component]["pid"]
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        return argv[argv.index(flag) + 1]
+
     def wait_ready(self, ready: dict[str, int] | None = None, timeout: float = 60.0) -> None:
         """Wait for the gateway to serve and each model to have the given number of ready replicas."""
         deadline = time.monotonic() + timeout

@@ -48,10 +48,11 @@ def test_flood_ends_the_connection_and_the_gateway_keeps_serving(gateway, attack
     with h2attack.Prober(up.port, MODEL) as prober:
         time.sleep(0.2)
         served_before = len(prober.latencies)
-        before = h2attack.refusals(up.url)
+        admin = up.child_arg("extproc-0", "--admin-listen")  # the extproc attacked
+        before = h2attack.refusals(admin)
         outcome = h2attack.flood("127.0.0.1", port, attack, size, seconds=60, reconnect=False)
         time.sleep(0.3)
-        after = h2attack.refusals(up.url)
+        after = h2attack.refusals(admin)
     # The server ended the connection, for the limit this attack is about (the attacker may not
     # read the GOAWAY ENHANCE_YOUR_CALM: a close with unread input is a reset).
     assert outcome.cut == 1 and outcome.ended in ([h2attack.ENHANCE_YOUR_CALM], [None]), outcome
