@@ -44,7 +44,9 @@ async def serve(routes: Mapping[str, Handler], host: str, port: int) -> web.AppR
     return runner
 
 
-class _Counts(Protocol):
+class RefusalCounts(Protocol):
+    """Anything that counts refused internal calls by service (an Authenticator, a feeder's report)."""
+
     @property
     def refused(self) -> Mapping[str, int]: ...
 
@@ -54,7 +56,7 @@ class RefusedCalls:
 
     SERVICES = ("ads", "demand")
 
-    def __init__(self, counts: _Counts) -> None:
+    def __init__(self, counts: RefusalCounts) -> None:
         self._authenticator = counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:

@@ -15,10 +15,10 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import grpc
@@ -135,15 +135,10 @@ class Ports:
 DRAIN_SECONDS = 30.0
 
 
-class _HasRefusals(Protocol):
-    @property
-    def refused(self) -> Mapping[str, int]: ...
-
-
 class _Refusals:
     """Refused internal calls of this process (demand) and of its feeder (ADS), summed."""
 
-    def __init__(self, *parts: _HasRefusals) -> None:
+    def __init__(self, *parts: admin.RefusalCounts) -> None:
         self._parts = parts
 
     @property
