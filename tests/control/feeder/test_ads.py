@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -229,4 +230,8 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
                 client.call.cancel()
     finally:
         await srv.stop(0)
+    # Each stream's handler forgets its gateway as it unwinds, which may be just after stop().
+    deadline = time.monotonic() + 5
+    while publisher.ads.gateways() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert publisher.ads.gateways() == set(), "closed streams leave no record"
