@@ -36,6 +36,9 @@ log = logging.getLogger("wakegate.xds")
 
 _nonces = itertools.count(1)
 
+#: How long a refused ADS stream is kept open for its first request (see StreamAggregatedResources).
+REFUSAL_READ_SECONDS = 1.0
+
 
 @dataclass
 class _Watch:
@@ -107,6 +110,11 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         if self._authenticator is not None and not self._authenticator.allows(context, "ads"):
+            # Take the client's first request (waiting at most REFUSAL_READ_SECONDS) before ending
+            # the stream: a gRPC Python client whose first write races the refusal sees its own
+            # INTERNAL ("Failed execute_batch") instead of UNAUTHENTICATED.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(anext(aiter(request_iterator)), REFUSAL_READ_SECONDS)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid wakegate token")
         stream = next(self._streams)
         watches: dict[str, _Watch] = {}
