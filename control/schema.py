@@ -198,7 +198,28 @@ class Toleration(_Spec):
     tolerationSeconds: int | None = None
 
 
-SOURCE_PATTERN = r"^(file://[^\s]+|hf://[^\s]+|pvc://[a-z0-9][-a-z0-9]*(/[^\s]*)?|oci://[^\s@]+@sha256:[0-9a-f]{64})$"
+#: The CRD's coarse check of `spec.source` (scheme and no spaces); `ModelSpec` parses the rest
+#: with the delivery library's `parse_source`, so a manifest and a cluster object agree.
+SOURCE_PATTERN = r"^(file|hf|pvc|oci)://[^\s]+$"
+
+
+class CacheStrategy(StrEnum):
+    #: The engine reads the source itself (file:// and pvc:// in place; on a cluster an oci://
+    #: source is an image volume). `wakegate up` still pulls oci:// and hf:// into its cache.
+    NONE = "none"
+    #: The node's cache: a pod starts once this node's cache holds the weights (pulled first).
+    NODE = "node"
+    #: A ModelCache keeps the weights warm on the nodes where the Model may run.
+    PREWARM = "prewarm"
+
+
+class CacheSettings(_Spec):
+    strategy: CacheStrategy = Field(CacheStrategy.NONE, description="How the weights reach the engine.")
+    flash: bool = Field(
+        False,
+        description="Stage the cached weights into fast storage (tmpfs) before the engine starts, "
+        "checking every block on the way (`wakegate flash-load`).",
+    )
 
 
 def _backend_enum(schema: dict[str, Any]) -> None:
@@ -241,8 +262,10 @@ class ModelSpec(_Spec):
         None,
         pattern=SOURCE_PATTERN,
         description="Weights: file:// (a path on the machine; relative to the manifest's folder in "
-        "`wakegate up`), hf://, pvc:// or oci://…@sha256:…",
+        "`wakegate up`), hf://ORG/REPO[@REV][/PATH], pvc://CLAIM[/PATH], or oci://REGISTRY/REPO:TAG "
+        "or @sha256:…",
     )
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     resources: Resources = Field(default_factory=Resources)
     tolerations: list[Toleration] = Field(default_factory=list)
     nodeSelector: dict[str, str] = Field(default_factory=dict)
@@ -254,6 +277,19 @@ class ModelSpec(_Spec):
 
         if value not in BACKENDS:
             raise ValueError(f"unknown backend {value!r}; known: {', '.join(sorted(BACKENDS))}")
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _parsed_source(cls, value: str | None) -> str | None:
+        from wakegate.control.delivery.errors import SourceError
+        from wakegate.control.delivery.sources import parse_source
+
+        if value is not None:
+            try:
+                parse_source(value)
+            except SourceError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @model_validator(mode="after")

@@ -70,7 +70,10 @@ def test_names_are_deduplicated_in_order() -> None:
         ),
         ("{backend: sim, surprise: 1}", "spec.surprise: Extra inputs are not permitted"),
         ("{backend: sim, aliases: ['has space']}", "spec.aliases[0]"),
-        ("{backend: sim, source: 'oci://img:latest'}", "spec.source"),
+        ("{backend: sim, source: 'oci://img:latest'}", "oci://img:latest: name a registry and a repository"),
+        ("{backend: sim, source: 'oci://r.io/Models/x:v1'}", "spec.source"),
+        ("{backend: sim, source: 's3://bucket/model'}", "spec.source"),
+        ("{backend: sim, cache: {strategy: always}}", "spec.cache.strategy"),
     ],
 )
 def test_invalid_fields_are_named(patch: str, needle: str) -> None:
@@ -127,3 +130,22 @@ def test_crd_schema_is_structural() -> None:
     assert schema["properties"]["scaling"]["properties"]["idleTimeout"]["default"] == 300
     assert schema["properties"]["gpu"]["properties"]["shared"]["nullable"] is True
     yaml.safe_dump(schema)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "oci://127.0.0.1:5000/models/tiny:v1",
+        "oci://registry.example.com/models/tiny@sha256:" + "a" * 64,
+        "oci://localhost/models/tiny:v1@sha256:" + "b" * 64,
+        "hf://org/repo@main/model.gguf",
+        "pvc://weights/llama/model.gguf",
+        "file://models/tiny.gguf",
+    ],
+)
+def test_every_source_the_delivery_library_reads_is_a_valid_spec_source(source: str) -> None:
+    text = MINIMAL.replace("{backend: sim}", f"{{backend: sim, source: '{source}', cache: {{strategy: node}}}}")
+    (model,) = parse_models(text)
+    assert model.spec.source == source
+    assert model.spec.cache.strategy == "node"
+    assert not model.spec.cache.flash
