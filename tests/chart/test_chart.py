@@ -195,7 +195,8 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler", "wg-wakegate-xds"}
     scraped = by_kind(docs, "ServiceMonitor")["wg-wakegate-gateway"]["spec"]["endpoints"]
     # extproc's admin port and Envoy's stats, never the public port (whatever publicMetrics says).
-    assert {(e["port"], e["path"]) for e in scraped} == {("metrics", "/metrics"), ("envoy-metrics", "/stats/prometheus")}
+    expected = {("metrics", "/metrics"), ("envoy-metrics", "/stats/prometheus")}
+    assert {(e["port"], e["path"]) for e in scraped} == expected
     assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
     rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
     assert rule["metadata"]["labels"]["release"] == "prom"
