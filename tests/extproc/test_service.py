@@ -451,3 +451,20 @@ def test_a_failure_inside_extproc_is_a_shaped_500_and_one_line(caplog: pytest.Lo
     assert line.getMessage() == "request failed: KeyError" and line.exc_info is None
     stream.on_half_close()
     assert call.status == (0, "") and gw.in_flight == {}
+
+
+async def test_a_held_request_is_checked_again_against_its_keys_scope(tmp_path: Path) -> None:
+    """The alias a held request named moves to a model outside its key's scope: 404, not routed."""
+    keys = tmp_path / "keys"
+    keys.write_text("mine waiting\n")
+    gw = Gateway(Settings(), ApiKeys(keys))
+    gw.set_routes([route("waiting", names=("w",)), route("other", "10.0.0.8:8000")])
+    proc = Processor(gw)
+    exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "w", "authorization": "Bearer mine"}))
+    assert isinstance(cold, _Cold)
+    held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
+    await asyncio.sleep(0.01)
+    gw.set_routes([route("waiting", "10.0.0.9:8000"), route("other", "10.0.0.8:8000", names=("w",))])
+    status, _, payload = immediate(await asyncio.wait_for(held, 2))
+    assert status == 404 and payload["error"]["code"] == "model_not_found"
+    assert gw.in_flight == {}
