@@ -68,7 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file",
         type=Path,
         default=None,
-        help="file with one API key per line; re-read on change; omit to disable auth",
+        help="API keys, one per line, each optionally followed by the models it may use "
+        "(`KEY model-a,model-b`); re-read on change; omit to disable auth",
+    )
+    parser.add_argument(
+        "--public-metrics",
+        choices=service.PUBLIC_METRICS,
+        default="off",
+        help="GET /metrics on the public listener: off (404; scrape --admin-listen), open, or keys "
+        "(any valid API key)",
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body read to find `model`"
@@ -132,7 +140,9 @@ class Settings(ProcessSettings):
     gateway_id: str
     """The xDS node id: the same as its Envoy's, so the feeder gates routes by that Envoy's acknowledgements."""
     api_keys_file: Path | None
-    """API keys, one per line, re-read on change; None: no auth."""
+    """API keys, one per line with an optional scope of models, re-read on change; None: no auth."""
+    public_metrics: str
+    """`/metrics` on the public listener: off, open or keys (also in `gateway`)."""
     keepalive_seconds: float
     """SSE heartbeat interval while a keepalive request waits."""
     drain_seconds: float
@@ -149,7 +159,10 @@ class Settings(ProcessSettings):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         gateway = service.Settings(
-            max_body_bytes=args.max_body_bytes, global_rate=args.global_rps, global_burst=args.global_burst
+            max_body_bytes=args.max_body_bytes,
+            global_rate=args.global_rps,
+            global_burst=args.global_burst,
+            public_metrics=args.public_metrics,
         )
         limits = H2Limits().with_overrides(getattr(args, "h2_limit", []))
         token = internal_token.source_from(args, server=False)
@@ -249,11 +262,12 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")
     log.info(
-        "extproc ready listen=%s admin=%s xds=%s auth=%s",
+        "extproc ready listen=%s admin=%s xds=%s auth=%s public-metrics=%s",
         settings.listen,
         settings.admin_listen,
         settings.xds,
         "on" if gateway.keys.enabled else "off",
+        settings.gateway.public_metrics,
     )
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", settings.drain_seconds)

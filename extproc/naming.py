@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,9 +210,16 @@ class RouteTable:
     def resolve(self, name: str) -> Resolved | None:
         return self._by_name.get(name)
 
-    def listing(self) -> list[dict[str, Any]]:
-        """OpenAI `/v1/models` data: every served name and alias, adapters with their parent."""
-        return [_model_object(name, resolved.route) for name, resolved in sorted(self._by_name.items())]
+    def listing(self, include: Callable[[routing_pb2.ModelRoute], bool] | None = None) -> list[dict[str, Any]]:
+        """OpenAI `/v1/models` data: every served name and alias, adapters with their parent.
+
+        `include`: only the names of the routes it accepts (a scoped API key's models).
+        """
+        return [
+            _model_object(name, resolved.route)
+            for name, resolved in sorted(self._by_name.items())
+            if include is None or include(resolved.route)
+        ]
 
     def model_object(self, name: str) -> dict[str, Any] | None:
         """OpenAI `/v1/models/{name}`: the listing's entry for one name, None when no model has it."""

@@ -1,8 +1,9 @@
 """The ext_proc stream handler: one bidirectional stream per HTTP request.
 
 Order of decisions for each request, cheapest first, nothing queued before auth:
-open paths (/healthz, /metrics) -> auth -> model from header or path (else ask
-Envoy for the buffered body) -> resolve name -> rate limit -> ready endpoint?
+open paths (/healthz; /metrics as --public-metrics says) -> auth (the key's
+scope) -> model from header or path (else ask Envoy for the buffered body) ->
+resolve name -> in the key's scope? -> rate limit -> ready endpoint?
 -> pick + mutations (cluster header, endpoint header + envoy.lb metadata, body
 rewrite). A model with no ready endpoint takes the cold path: demand first,
 then its cold mode (hold here, keepalive via the activator, or reject).
@@ -33,7 +34,7 @@ from wakegate.contract import (
     LB_METADATA_NAMESPACE,
     STRATEGY_NAMES,
 )
-from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
 from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
@@ -77,6 +78,11 @@ class Settings:
     global_burst: float = 0.0
     #: Retry-After sent with cold-mode `reject` and failed activations, seconds.
     cold_retry_after: int = 5
+    #: `GET /metrics` on the public listener: `off` (404), `open`, or `keys` (any valid API key).
+    public_metrics: str = "off"
+
+
+PUBLIC_METRICS = ("off", "open", "keys")
 
 
 class Gateway:
@@ -102,6 +108,8 @@ class Gateway:
         #: The first route table arrived: before it, every model is "not known yet", not "unknown".
         self.synced = False
         self._models_body = b'{"object":"list","data":[]}'
+        #: `/v1/models` bodies of scoped keys, per scope, for the current routes.
+        self._scoped_bodies: dict[Scope, bytes] = {}
 
     def _demand_changed(self) -> None:
         self.on_demand_change()
@@ -114,6 +122,7 @@ class Gateway:
         for key in gone:
             self.picker.forget(key)
         self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
+        self._scoped_bodies = {}
         self.metrics.routes.set(len(self.table.routes))
         for key, route in self.table.routes.items():
             self.metrics.queue_limit.labels(key).set(route.cold.max_queue)
@@ -128,6 +137,18 @@ class Gateway:
     @property
     def models_body(self) -> bytes:
         return self._models_body
+
+    def models_body_for(self, scope: Scope) -> bytes:
+        """`/v1/models` as a key with this scope sees it: only the models it may use."""
+        if scope.models is None:
+            return self._models_body
+        body = self._scoped_bodies.get(scope)
+        if body is None:
+            if len(self._scoped_bodies) >= 256:  # scopes of keys since rotated away
+                self._scoped_bodies.clear()
+            listing = self.table.listing(lambda route: in_scope(scope, route))
+            body = self._scoped_bodies[scope] = json.dumps({"object": "list", "data": listing}).encode()
+        return body
 
     def queue_view(self) -> dict[str, Any]:
         """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
@@ -165,6 +186,11 @@ class Gateway:
             self.picker.inflight.release(endpoint)
 
 
+def in_scope(scope: Scope, route: routing_pb2.ModelRoute) -> bool:
+    """Whether a key with this scope may use the model of `route` (by its key or its own name)."""
+    return scope.allows(route.key, route.names[0] if route.names else route.key)
+
+
 def _headers(message: ep.HttpHeaders) -> dict[str, str]:
     return {
         h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
@@ -174,7 +200,7 @@ def _headers(message: ep.HttpHeaders) -> dict[str, str]:
 class _Exchange:
     """Per-request state between the headers and body phases."""
 
-    __slots__ = ("endpoint", "headers", "model_key", "model_name", "new_body", "new_path", "started")
+    __slots__ = ("endpoint", "headers", "model_key", "model_name", "new_body", "new_path", "scope", "started")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
@@ -184,6 +210,8 @@ class _Exchange:
         self.new_body: bytes | None = None
         self.endpoint: str | None = None
         self.model_key: str | None = None
+        #: The models the request's API key may use.
+        self.scope: Scope = ALL_MODELS
         self.started = time.monotonic()
 
 
@@ -231,12 +259,22 @@ class Processor:
         headers = _headers(message)
         ex.headers = headers
         path = headers.get(":path", "")
-        if path in ("/healthz", "/metrics") and headers.get(":method") == "GET":
-            return self._open_path(path)
-        if not self.gw.keys.check(headers.get("authorization")):
+        get = headers.get(":method") == "GET"
+        public_metrics = self.gw.settings.public_metrics
+        if get and path == "/healthz":
+            return immediate(200, b'{"status":"ok"}')
+        if get and path == "/metrics" and public_metrics != "keys":
+            if public_metrics == "open":
+                return self._metrics()
+            return self._reject(None, 404, "not_found", "/metrics is not served here; scrape the admin port")
+        scope = self.gw.keys.scope(headers.get("authorization"))
+        if scope is None:
             return self._reject(None, 401, "invalid_api_key", "missing or invalid API key")
-        if headers.get(":method") == "GET":
-            listed = self._models_api(path.split("?", 1)[0])
+        ex.scope = scope
+        if get:
+            if path == "/metrics":
+                return self._metrics()
+            listed = self._models_api(path.split("?", 1)[0], scope)
             if listed is not None:
                 return listed
         try:
@@ -294,15 +332,19 @@ class Processor:
             return self._reject(None, 400, exc.code, str(exc))
         return self._decide(ex, parsed, body, in_body=True)
 
-    def _models_api(self, path: str) -> ep.ProcessingResponse | None:
-        """OpenAI's model list and model retrieval, answered from the route table; None for other paths."""
+    def _models_api(self, path: str, scope: Scope) -> ep.ProcessingResponse | None:
+        """OpenAI's model list and model retrieval, answered from the route table; None for other paths.
+
+        A scoped key sees only its models: the others are "not found", as if they did not exist.
+        """
         if path in ("/v1/models", "/models"):
-            return self._done(None, immediate(200, self.gw.models_body))
+            return self._done(None, immediate(200, self.gw.models_body_for(scope)))
         prefix = "/v1/models/" if path.startswith("/v1/models/") else "/models/" if path.startswith("/models/") else ""
         if not prefix:
             return None
         name = unquote(path[len(prefix) :])
-        found = self.gw.table.model_object(name)
+        resolved = self.gw.table.resolve(name)
+        found = self.gw.table.model_object(name) if resolved is not None and in_scope(scope, resolved.route) else None
         if found is None:
             return self._reject(None, 404, "model_not_found", f"model {name!r} does not exist")
         return self._done(None, immediate(200, json.dumps(found).encode()))
@@ -321,6 +363,10 @@ class Processor:
                 )
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         route = resolved.route
+        if not in_scope(ex.scope, route):
+            # The same answer as for a model that does not exist: a key learns nothing about models
+            # outside its scope, and nothing else happens (no rate-limit token, no demand).
+            return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         rate = route.rate_limit
         wait = self.gw.limiter.admit(route.key, rate.requests_per_second or None, rate.burst or None)
         if wait > 0:
@@ -366,7 +412,7 @@ class Processor:
         finally:
             self.gw.metrics.queue_depth.labels(route.key).dec()
         resolved = self.gw.table.resolve(ex.model_name or "")
-        if resolved is None:
+        if resolved is None or not in_scope(ex.scope, resolved.route):
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
             return await self.hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
@@ -465,9 +511,7 @@ class Processor:
         self.gw.finished(ex.model_key, ex.endpoint)
         ex.model_key = None
 
-    def _open_path(self, path: str) -> ep.ProcessingResponse:
-        if path == "/healthz":
-            return immediate(200, b'{"status":"ok"}')
+    def _metrics(self) -> ep.ProcessingResponse:
         return immediate(
             200, generate_latest(self.gw.metrics.registry), content_type="text/plain; version=0.0.4; charset=utf-8"
         )

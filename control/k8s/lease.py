@@ -6,6 +6,10 @@ candidate takes the Lease over once it has seen the same record unchanged for
 not matter). Writes use the Lease's resourceVersion, so two candidates racing
 for an expired Lease cannot both win. Used by `wakegate operator` and reusable
 by any component that must run once per cluster (the builtin scaler).
+
+A Lease cannot be created in a namespace that does not exist: the first attempt raises
+:class:`LeaseNamespaceMissing` and :meth:`LeaderLease.acquire` gives up at once instead of
+retrying forever (the namespace will not appear by itself; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ log = logging.getLogger("wakegate.lease")
 
 def _now_micro() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaseNamespaceMissing(KubeError):
+    """The Lease's namespace does not exist (the API server answered 404 to creating the Lease)."""
+
+    def __init__(self, namespace: str, cause: KubeError) -> None:
+        super().__init__(cause.status, "NotFound", cause.message)
+        self.namespace = namespace
 
 
 @dataclass
@@ -74,6 +86,8 @@ class LeaderLease:
             except KubeError as exc:
                 if exc.status == 409:
                     return False
+                if exc.status == 404:  # the collection itself is missing: no such namespace
+                    raise LeaseNamespaceMissing(self.cfg.namespace, exc) from None
                 raise
             self._last_renew = time.monotonic()
             return True
@@ -102,12 +116,14 @@ class LeaderLease:
         return True
 
     async def acquire(self) -> None:
-        """Block until this identity holds the Lease."""
+        """Block until this identity holds the Lease; raises :class:`LeaseNamespaceMissing` at once."""
         while True:
             try:
                 if await asyncio.to_thread(self.try_acquire_or_renew):
                     log.info("lease %s/%s acquired by %s", self.cfg.namespace, self.cfg.name, self.cfg.identity)
                     return
+            except LeaseNamespaceMissing:
+                raise
             except (KubeError, OSError) as exc:
                 log.warning("lease: %s", exc)
             await asyncio.sleep(self.cfg.renew_seconds)

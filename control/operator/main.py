@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from wakegate.control.k8s import kopfing
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
-from wakegate.control.k8s.lease import LeaderLease, LeaseConfig
+from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler, keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
@@ -130,6 +130,15 @@ async def _main(args: Settings) -> int:
         acquire.cancel()
         return 0
     stopped.cancel()
+    try:
+        acquire.result()
+    except LeaseNamespaceMissing as exc:
+        log.error(
+            "lease namespace %r does not exist: create it, or pass --lease-namespace (or set $POD_NAMESPACE) "
+            "to a namespace that does (the chart's operator uses its release namespace)",
+            exc.namespace,
+        )
+        return 2
     log.info("operator %s is the leader", args.lease.identity)
     return await _lead(args, kube, lease, stop)
 

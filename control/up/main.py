@@ -39,7 +39,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: an owner-only Unix socket in the state dir",
     )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
-    parser.add_argument("--api-keys-file", type=Path, default=None, help="API keys, one per line (auth off if unset)")
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="API keys, one per line, each optionally followed by the models it may use (`KEY model-a,model-b`); "
+        "re-read on change (auth off if unset)",
+    )
+    parser.add_argument(
+        "--public-metrics",
+        choices=("off", "open", "keys"),
+        default="off",
+        help="GET /metrics on the gateway's listener: off (404), open, or keys (any valid API key); the "
+        "gateway's metrics are always on --admin-listen at /metrics/gateway",
+    )
     parser.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body the gateway reads, bytes"
     )

@@ -66,7 +66,9 @@ class Settings(ProcessSettings):
     state_dir: Path
     """Logs and rendered configs (Envoy's bootstrap)."""
     api_keys_file: Path | None
-    """API keys, one per line; None: no auth."""
+    """API keys, one per line with an optional scope of models; None: no auth."""
+    public_metrics: str
+    """`/metrics` on the gateway's listener: off, open or keys (any valid API key)."""
     max_body_bytes: int
     """Largest request body the gateway reads, bytes."""
     global_rps: float
@@ -407,8 +409,29 @@ class Up:
             self._refresh_gauges()
             return admin.metrics_response(self.metrics.registry)
 
+        async def gateway_metrics(_: web.Request) -> web.Response:
+            return await self._gateway_metrics()
+
         host, port = admin.host_port(self.settings.admin_listen)
-        return await admin.serve({"/metrics": metrics, "/status": status, "/healthz": healthz}, host, port)
+        routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz}
+        return await admin.serve(routes, host, port)
+
+    async def _gateway_metrics(self) -> web.Response:
+        """The serving extproc's /metrics (the primary, else the standby), as the gateway port served them.
+
+        The gateway's own listener keeps /metrics off by default (`--public-metrics`): this is the
+        stable address to scrape them from (extproc's admin ports are picked at start).
+        """
+        ports = self.ports
+        if ports is not None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                for port in ports.extproc_admin:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                            if resp.status == 200:
+                                body = await resp.read()
+                                return web.Response(body=body, headers={"Content-Type": resp.headers["Content-Type"]})
+        return web.json_response({"error": "no extproc answers yet"}, status=503)
 
     async def _start_demand(self) -> tuple[grpc.aio.Server, int]:
         """The demand receiver extproc reports to: here, beside the scaler that reads it."""
@@ -477,6 +500,7 @@ class Up:
             argv += ["--h2-limit", limit]
         if self.settings.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
+        argv += ["--public-metrics", self.settings.public_metrics]
         return Supervised(Child(f"extproc-{index}", argv, self.state_dir / "logs" / f"extproc-{index}.log"))
 
     def _envoy(self, ports: Ports) -> Supervised:

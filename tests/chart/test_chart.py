@@ -43,7 +43,8 @@ EVERY_OPTION: dict[str, Any] = {
     "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls"},
     "gateway": {"replicas": 3, "port": 8000, "xdsHost": "10.0.0.7", "scalerHost": "10.0.0.8",
                 "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
-                "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "maxBodyBytes": 1048576, "globalRps": 100,
+                "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "publicMetrics": "keys",
+                "maxBodyBytes": 1048576, "globalRps": 100,
                 "globalBurst": 200, "keepaliveSeconds": 1, "drainSeconds": 10, "pdb": {"minAvailable": "50%"},
                 "envoy": {"image": {"repository": "mirror/envoy", "tag": "v1.40.1", "pullPolicy": "Always"},
                           "concurrency": 4, "metricsPort": 9912, "resources": {"limits": {"cpu": "2"}}},
@@ -106,6 +107,9 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     assert "wg-wakegate-gateway" in pdbs, "two gateway replicas get a PDB"
     gateway = deployments["wg-wakegate-gateway"]["spec"]["template"]["spec"]
     assert [c["name"] for c in gateway["containers"]] == ["envoy", "extproc"]
+    extproc = gateway["containers"][1]
+    assert "--public-metrics=off" in extproc["args"], "/metrics is not on the public port by default"
+    assert not any(a.startswith("--api-keys-file") for a in extproc["args"])
     assert gateway["automountServiceAccountToken"] is False
     agent = by_kind(docs, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
     terms = agent["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -176,6 +180,7 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     gateway = deployments["wg-wakegate-gateway"]["spec"]["template"]["spec"]
     extproc = next(c for c in gateway["containers"] if c["name"] == "extproc")
     assert "--api-keys-file=/var/run/wakegate/api-keys/keys" in extproc["args"]
+    assert "--public-metrics=keys" in extproc["args"]
     token_ref = {"secretKeyRef": {"name": "internal-token", "key": "tok"}}
     assert all(_token_env(c) == token_ref for c in _token_parties(deployments)), "the user's Secret, by env"
     assert "--admin-listen=$(POD_IP):9211" in deployments["wg-wakegate-xds"]["spec"]["template"]["spec"][
@@ -188,6 +193,10 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
         "args"]
     assert "--xds=10.0.0.7:18001" in extproc["args"] and "--demand=10.0.0.8:9190" in extproc["args"]
     assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler", "wg-wakegate-xds"}
+    scraped = by_kind(docs, "ServiceMonitor")["wg-wakegate-gateway"]["spec"]["endpoints"]
+    # extproc's admin port and Envoy's stats, never the public port (whatever publicMetrics says).
+    expected = {("metrics", "/metrics"), ("envoy-metrics", "/stats/prometheus")}
+    assert {(e["port"], e["path"]) for e in scraped} == expected
     assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
     rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
     assert rule["metadata"]["labels"]["release"] == "prom"
@@ -288,6 +297,8 @@ def test_components_can_be_disabled(helm: Path, tmp_path: Path) -> None:
         ({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled"),
         ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"gateway": {"publicMetrics": False}}, "/gateway/publicMetrics"),  # a bare `off` in YAML
+        ({"gateway": {"publicMetrics": "public"}}, "/gateway/publicMetrics"),
     ],
 )
 def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: dict[str, Any], error: str) -> None:

@@ -132,7 +132,7 @@ def test_cold_start_stages_are_measured(cold_gateway: UpProcess) -> None:
     for stage in ("process_start", "health_pass", "total"):
         assert f'wakegate_cold_start_seconds_count{{model="cold-a",stage="{stage}"}}' in control
     assert "wakegate_cold_starts_total" in control
-    gateway = request("GET", f"{cold_gateway.url}/metrics").text
+    gateway = request("GET", f"http://127.0.0.1:{cold_gateway.admin_port}/metrics/gateway").text
     for stage in ("activation_signal", "first_byte"):
         assert f'wakegate_gateway_cold_start_seconds_count{{model="cold-a",stage="{stage}"}}' in gateway
 

@@ -79,7 +79,12 @@ class Prometheus:
             "rule_files": [str(ALERTS_FILE)],
             "scrape_configs": [
                 {"job_name": "wakegate-up", "static_configs": [{"targets": [f"127.0.0.1:{up.admin_port}"]}]},
-                {"job_name": "wakegate-gateway", "static_configs": [{"targets": [f"127.0.0.1:{up.port}"]}]},
+                {
+                    # The serving extproc's metrics (the gateway's own listener does not serve them).
+                    "job_name": "wakegate-gateway",
+                    "metrics_path": "/metrics/gateway",
+                    "static_configs": [{"targets": [f"127.0.0.1:{up.admin_port}"]}],
+                },
                 {
                     "job_name": "envoy",
                     "metrics_path": "/stats/prometheus",

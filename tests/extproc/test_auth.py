@@ -116,10 +116,10 @@ def test_comments_blank_lines_and_whitespace(tmp_path: Path, clock: FakeClock) -
     path = tmp_path / "keys"
     write_keys(
         path,
-        f"# team keys\n\n   \n  {KEY_A}  \n\t{KEY_B}\r\n  # {KEY_C}\n#{KEY_C}\n{KEY_A}\nbad key\n",
+        f"# team keys\n\n   \n  {KEY_A}  \n\t{KEY_B}\r\n  # {KEY_C}\n#{KEY_C}\n{KEY_A}\nbad key,\n",
     )
     keys = ApiKeys(path, clock=clock)
-    assert keys.key_count == 2  # duplicate collapsed, comments and the whitespace key skipped
+    assert keys.key_count == 2  # duplicate collapsed, comments and the line with a bad scope skipped
     assert keys.check(f"Bearer {KEY_A}")
     assert keys.check(f"Bearer {KEY_B}")
     assert not keys.check(f"Bearer {KEY_C}")
@@ -350,9 +350,9 @@ def test_logs_never_contain_keys_or_tokens(
     tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "keys"
-    secrets = [KEY_A, KEY_B, KEY_C, "sk-with space", "sk-token-never-valid"]
+    secrets = [KEY_A, KEY_B, KEY_C, "sk-bad-scope", "sk-token-never-valid"]
     with caplog.at_level(logging.DEBUG):
-        write_keys(path, f"{KEY_A}\nsk-with space\n")
+        write_keys(path, f"{KEY_A}\nsk-bad-scope chat,,other\n")
         keys = ApiKeys(path, clock=clock)
         keys.check(f"Bearer {KEY_A}")
         keys.check("Bearer sk-token-never-valid")
@@ -381,3 +381,97 @@ def test_logs_never_contain_keys_or_tokens(
 def test_negative_interval_rejected(key_file: Path) -> None:
     with pytest.raises(ValueError):
         ApiKeys(key_file, reload_interval=-1)
+
+
+# -- scoped keys -----------------------------------------------------------------------------------
+
+
+def test_parse_plain_and_scoped_lines() -> None:
+    entries, bad = auth.parse_keys(
+        f"{KEY_A}\n{KEY_B}  chat-a, ns/chat-b\n{KEY_C}\t*\nsk-d chat-a,chat-c\nsk-d chat-b\n"
+    )
+    scopes = {digest: scope for digest, scope in entries}
+    assert bad == []
+    assert scopes[auth._digest(KEY_A)] is auth.ALL_MODELS
+    assert scopes[auth._digest(KEY_B)] == auth.Scope(frozenset({"chat-a", "ns/chat-b"}))
+    assert scopes[auth._digest(KEY_C)] is auth.ALL_MODELS  # `*`: every model
+    assert scopes[auth._digest("sk-d")] == auth.Scope(frozenset({"chat-a", "chat-b", "chat-c"}))  # lines add up
+
+
+def test_a_plain_line_widens_a_scoped_key_to_every_model() -> None:
+    entries, _ = auth.parse_keys(f"{KEY_A} chat-a\n{KEY_A}\n")
+    assert entries == ((auth._digest(KEY_A), auth.ALL_MODELS),)
+
+
+@pytest.mark.parametrize("line", ["k a,,b", "k a,", "k ,a", "k a b", "k a, b c", "k ,"])
+def test_bad_scopes_are_reported_by_line_number(line: str) -> None:
+    entries, bad = auth.parse_keys(f"# header\n{KEY_A}\n\n{line}\n{KEY_B} ok\n")
+    assert bad == [4]
+    assert [digest for digest, _ in entries] == [auth._digest(KEY_A), auth._digest(KEY_B)]
+
+
+def test_bad_line_warning_names_the_line_not_the_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "keys"
+    write_keys(path, f"{KEY_A}\n{KEY_B} chat,,x\n")
+    with caplog.at_level(logging.INFO, logger="wakegate.extproc.auth"):
+        keys = ApiKeys(path)
+    assert not keys.check(f"Bearer {KEY_B}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "line 2" in warnings[0], warnings
+    assert KEY_B not in caplog.text and "chat,,x" not in caplog.text
+
+
+def test_scope_of_a_token(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "keys"
+    write_keys(path, f"{KEY_A}\n{KEY_B} chat-a,team/chat-b\n")
+    keys = ApiKeys(path, clock=clock)
+    assert keys.scope(f"Bearer {KEY_A}") is auth.ALL_MODELS
+    scoped = keys.scope(f"Bearer {KEY_B}")
+    assert scoped is not None
+    assert scoped.allows("chat-a", "chat-a")
+    assert scoped.allows("team/chat-b", "chat-b")  # by the model's key
+    assert not scoped.allows("other/chat-b", "chat-b-2")
+    assert not scoped.allows("chat-c", "chat-c")
+    assert keys.scope("Bearer sk-nope") is None
+    assert keys.scope(None) is None
+    assert ApiKeys(None).scope(None) is auth.ALL_MODELS
+
+
+def test_scoped_key_by_own_name_on_kubernetes() -> None:
+    scope = auth.Scope(frozenset({"chat-b"}))
+    assert scope.allows("team/chat-b", "chat-b")  # a Model's own name matches in any namespace
+    assert not scope.allows("team/chat-a", "chat-a")
+
+
+def test_scoped_rotation(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "keys"
+    write_keys(path, f"{KEY_A} chat-a\n")
+    keys = ApiKeys(path, clock=clock)
+    before = keys.scope(f"Bearer {KEY_A}")
+    assert before is not None and not before.allows("chat-b", "chat-b")
+    write_keys(path, f"{KEY_A} chat-a,chat-b\n")
+    clock.advance(1)
+    after = keys.scope(f"Bearer {KEY_A}")
+    assert after is not None and after.allows("chat-b", "chat-b")
+
+
+def test_scoped_keys_still_compare_every_digest(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "keys"
+    write_keys(path, "".join(f"sk-key-{i:04d} model-{i % 3}\n" for i in range(30)))
+    keys = ApiKeys(path, clock=clock)
+    calls: list[int] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    for token in ("sk-key-0000", "sk-key-0029", "sk-nope"):
+        calls.clear()
+        keys.scope(f"Bearer {token}")
+        assert len(calls) == 30, token
+    found = keys.scope("Bearer sk-key-0004")
+    assert found == auth.Scope(frozenset({"model-1"}))

@@ -100,14 +100,103 @@ def set_headers(common: ep.CommonResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
 
 
-def test_open_paths_answer_without_auth(tmp_path: Path) -> None:
+def test_healthz_answers_without_auth(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("k1\n")
     proc = Processor(gateway(ApiKeys(keys)))
     status, _, payload = immediate(decide(proc, headers("/healthz", method="GET", end=True))[1])
     assert (status, payload) == (200, {"status": "ok"})
-    status, sent, text = immediate(decide(proc, headers("/metrics", method="GET", end=True))[1])
-    assert status == 200 and sent["content-type"].startswith("text/plain") and b"wakegate_gateway_models" in text
+
+
+def metrics_status(proc: Processor, **extra: str) -> tuple[int, Any]:
+    status, sent, payload = immediate(decide(proc, headers("/metrics", method="GET", end=True, **extra))[1])
+    if status == 200:
+        assert sent["content-type"].startswith("text/plain") and b"wakegate_gateway_models" in payload
+    return status, payload
+
+
+def test_public_metrics_off_by_default(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    proc = Processor(gateway(ApiKeys(keys)))
+    for extra in ({}, {"authorization": "Bearer k1"}):
+        status, payload = metrics_status(proc, **extra)
+        assert status == 404 and payload["error"]["code"] == "not_found"
+
+
+def test_public_metrics_open_and_behind_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\nk2 chat\n")
+    assert metrics_status(Processor(gateway(ApiKeys(keys), public_metrics="open")))[0] == 200
+    behind = Processor(gateway(ApiKeys(keys), public_metrics="keys"))
+    assert metrics_status(behind)[0] == 401
+    assert metrics_status(behind, authorization="Bearer nope")[0] == 401
+    assert metrics_status(behind, authorization="Bearer k1")[0] == 200
+    assert metrics_status(behind, authorization="Bearer k2")[0] == 200  # any valid key, scoped or not
+
+
+def scoped(tmp_path: Path, text: str = "all\nmine chat,waiting\n") -> tuple[Gateway, Processor]:
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    gw = gateway(ApiKeys(keys))
+    return gw, Processor(gw)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        lambda: [headers("/v1/completions", **{"x-model-id": "limited", "authorization": "Bearer mine"})],
+        lambda: [headers("/model/limited/v1/completions", authorization="Bearer mine")],
+        lambda: [headers("/v1/completions", authorization="Bearer mine"), body({"model": "limited"})],
+        lambda: [headers("/v1/completions", **{"x-model-id": "sleepy", "authorization": "Bearer mine"})],
+    ],
+    ids=["header", "path", "body", "cold"],
+)
+def test_scoped_key_cannot_reach_another_model(tmp_path: Path, message: Any) -> None:
+    gw, proc = scoped(tmp_path)
+    status, _, payload = immediate(decide(proc, *message())[1])
+    assert status == 404 and payload["error"]["code"] == "model_not_found"
+    # Nothing else happened: no demand (the cold model is not woken), no rate-limit token taken.
+    assert gw.cold.snapshot() == {} and gw.in_flight == {}
+    limited = headers("/v1/completions", **{"x-model-id": "limited", "authorization": "Bearer all"})
+    assert decide(proc, limited)[1].WhichOneof("response") == "request_headers"
+
+
+def test_scoped_key_reaches_its_model_by_every_name(tmp_path: Path) -> None:
+    _, proc = scoped(tmp_path)
+    for name in ("chat", "small", "org/chat", "chat-sql"):  # own name, alias, served name, adapter
+        decided = decide(proc, headers("/v1/x", **{"x-model-id": name, "authorization": "Bearer mine"}))[1]
+        assert decided.WhichOneof("response") == "request_headers", name
+        assert set_headers(decided.request_headers.response)[contract.CLUSTER_HEADER] == "model.chat"
+
+
+def test_unknown_and_forbidden_models_look_the_same(tmp_path: Path) -> None:
+    _, proc = scoped(tmp_path)
+    mine = {"authorization": "Bearer mine"}
+    forbidden = immediate(decide(proc, headers("/v1/x", **{"x-model-id": "limited", **mine}))[1])
+    unknown = immediate(decide(proc, headers("/v1/x", **{"x-model-id": "nope", **mine}))[1])
+    assert forbidden[0] == unknown[0] == 404
+    assert forbidden[2]["error"]["message"].replace("limited", "nope") == unknown[2]["error"]["message"]
+
+
+def test_models_list_shows_only_the_keys_models(tmp_path: Path) -> None:
+    _, proc = scoped(tmp_path)
+    get = {"method": "GET", "end": True}
+    _, _, listing = immediate(decide(proc, headers("/v1/models", **get, authorization="Bearer mine"))[1])
+    assert {m["id"] for m in listing["data"]} == {"chat", "small", "org/chat", "chat-sql", "waiting"}
+    _, _, full = immediate(decide(proc, headers("/v1/models", **get, authorization="Bearer all"))[1])
+    assert {"limited", "sleepy", "streamer"} <= {m["id"] for m in full["data"]}
+    assert immediate(decide(proc, headers("/v1/models/small", **get, authorization="Bearer mine"))[1])[0] == 200
+    status, _, payload = immediate(decide(proc, headers("/v1/models/limited", **get, authorization="Bearer mine"))[1])
+    assert status == 404 and payload["error"]["code"] == "model_not_found"
+
+
+def test_scoped_listing_follows_route_changes(tmp_path: Path) -> None:
+    gw, proc = scoped(tmp_path)
+    listed = headers("/v1/models", method="GET", end=True, authorization="Bearer mine")
+    assert "waiting" in {m["id"] for m in immediate(decide(proc, listed)[1])[2]["data"]}
+    gw.set_routes([r for r in ROUTES if r.key != "waiting"])
+    assert "waiting" not in {m["id"] for m in immediate(decide(proc, listed)[1])[2]["data"]}
 
 
 def test_a_missing_or_wrong_key_is_401_and_a_good_one_passes(tmp_path: Path) -> None:
@@ -362,3 +451,20 @@ def test_a_failure_inside_extproc_is_a_shaped_500_and_one_line(caplog: pytest.Lo
     assert line.getMessage() == "request failed: KeyError" and line.exc_info is None
     stream.on_half_close()
     assert call.status == (0, "") and gw.in_flight == {}
+
+
+async def test_a_held_request_is_checked_again_against_its_keys_scope(tmp_path: Path) -> None:
+    """The alias a held request named moves to a model outside its key's scope: 404, not routed."""
+    keys = tmp_path / "keys"
+    keys.write_text("mine waiting\n")
+    gw = Gateway(Settings(), ApiKeys(keys))
+    gw.set_routes([route("waiting", names=("w",)), route("other", "10.0.0.8:8000")])
+    proc = Processor(gw)
+    exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "w", "authorization": "Bearer mine"}))
+    assert isinstance(cold, _Cold)
+    held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
+    await asyncio.sleep(0.01)
+    gw.set_routes([route("waiting", "10.0.0.9:8000"), route("other", "10.0.0.8:8000", names=("w",))])
+    status, _, payload = immediate(await asyncio.wait_for(held, 2))
+    assert status == 404 and payload["error"]["code"] == "model_not_found"
+    assert gw.in_flight == {}

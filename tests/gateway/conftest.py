@@ -10,6 +10,10 @@ import pytest
 from tests.support.up import UpProcess, model_doc
 
 API_KEY = "sk-test-gateway-0123456789"
+#: May use chat-a only (by any of its names).
+SCOPED_KEY = "sk-test-scoped-a-0123456789"
+#: The key file the shared gateway starts with; tests that rewrite it put this back.
+KEYS_TEXT = f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a\n"
 MAX_BODY = 64 * 1024
 
 FLEET = "".join(
@@ -55,6 +59,12 @@ FLEET = "".join(
 """,
         ),
         model_doc(
+            "chat-z",
+            extra="""  scaling: {min: 0, max: 1}
+  endpoint: {coldMode: reject}
+""",
+        ),
+        model_doc(
             "chat-cold",
             extra="""  scaling: {min: 0, max: 1}
   endpoint: {coldMode: reject}
@@ -68,7 +78,7 @@ FLEET = "".join(
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     tmp: Path = tmp_path_factory.mktemp("gateway")
     keys = tmp / "keys.txt"
-    keys.write_text(f"# test keys\n{API_KEY}\n")
+    keys.write_text(KEYS_TEXT)
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
     try:
         up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-r": 1}, timeout=90)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -80,3 +81,49 @@ def test_racing_writers_cannot_both_win(clock: list[float], monkeypatch: pytest.
     monkeypatch.setattr(kube, "get_or_none", lambda resource: seen_by_c)  # c read before b wrote
     assert not c.try_acquire_or_renew()
     assert kube.obj is not None and kube.obj["spec"]["holderIdentity"] == "b"
+
+
+class NoNamespaceKube(FakeKube):
+    """The API server's answers when the Lease's namespace does not exist."""
+
+    def get_or_none(self, resource: str) -> Any:
+        return None  # GET of the Lease: 404
+
+    def request(self, method: str, resource: str, body: Any = None) -> Any:
+        self.version += 1
+        raise KubeError(404, "Not Found", '{"message": "namespaces \\"ns\\" not found", "code": 404}')
+
+
+def test_a_missing_namespace_is_reported_not_retried(clock: list[float]) -> None:
+    kube = NoNamespaceKube()
+    with pytest.raises(lease_module.LeaseNamespaceMissing) as info:
+        candidate(kube, "a").try_acquire_or_renew()
+    assert info.value.namespace == "ns" and info.value.status == 404
+
+
+async def test_acquire_gives_up_at_once_when_the_namespace_is_missing(clock: list[float]) -> None:
+    kube = NoNamespaceKube()
+    with pytest.raises(lease_module.LeaseNamespaceMissing):
+        await asyncio.wait_for(candidate(kube, "a").acquire(), 30)  # retrying would sleep between tries
+    assert kube.version == 1  # one attempt
+
+
+async def test_acquire_still_retries_other_errors(clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = FakeKube()
+    failures = [KubeError(500, "Internal Server Error", "etcd"), KubeError(403, "Forbidden", "rbac")]
+    real = kube.request
+
+    def flaky(method: str, resource: str, body: Any = None) -> Any:
+        if failures:
+            raise failures.pop(0)
+        return real(method, resource, body)
+
+    monkeypatch.setattr(kube, "request", flaky)
+    monkeypatch.setattr(lease_module.asyncio, "sleep", _no_sleep)
+    lease = candidate(kube, "a")
+    await asyncio.wait_for(lease.acquire(), 30)
+    assert kube.obj is not None and kube.obj["spec"]["holderIdentity"] == "a"
+
+
+async def _no_sleep(seconds: float) -> None:
+    return None
