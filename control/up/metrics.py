@@ -18,7 +18,8 @@ class UpMetrics:
         r = self.registry
         self.cold_start = Histogram(
             "wakegate_cold_start_seconds",
-            "Cold start of a model from zero replicas, by stage: process_start (activation signal to "
+            "Cold start of a model from zero replicas, by stage: weights (activation signal to the "
+            "weights on disk: pulled, checked, staged; models with a source), process_start (activation signal to "
             "spawn), health_pass (spawn to health passing), model_loaded (spawn to the model loaded), "
             "total (activation signal to ready: routed), first_byte (routed to the first byte of the "
             "engine's first answer, a one-token request sent beside the first held requests).",

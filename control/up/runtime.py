@@ -93,6 +93,8 @@ class Replica:
     #: outlives the process (Ollama's store is reused on the next wake).
     slot: int = 0
     #: Cold-start timeline of the current process (monotonic seconds).
+    #: The weights were on disk (pulled, checked, staged) and the process about to start.
+    weights_at: float | None = None
     healthy_at: float | None = None
     #: The plugin's load steps done (Ollama: the model created in its store).
     prepared_at: float | None = None
@@ -362,9 +364,9 @@ class ModelRuntime:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while True:
                 replica.state = ReplicaState.STARTING
-                replica.started_at = time.monotonic()
+                began = replica.started_at = time.monotonic()
                 replica.healthy_at = replica.loaded_at = replica.first_byte = replica.first_byte_at = None
-                replica.load = None
+                replica.weights_at = replica.load = None
                 try:
                     await self._acquire_weights(replica)
                 except DeliveryError as exc:
@@ -374,15 +376,21 @@ class ModelRuntime:
                     if self.model.spec.scaling.min == 0:
                         self._gone(replica, None, failure, contract.WEIGHTS_UNAVAILABLE)
                         return
+                    # An always-on model tries again with backoff (the registry may come back).
                     self._activation_failed(failure, contract.WEIGHTS_UNAVAILABLE)
                     replica.state = ReplicaState.RESTARTING
+                    self._changed()
                     log.warning("weights unavailable model=%s replica=%d retry_in=%.1fs", self.model.key,
                                 replica.index, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.settings.restart_backoff_max)
                     continue
+                if self.model.spec.source is not None:
+                    # The process starts now: health and load are timed from here, and the
+                    # activation's time left is what the engine has to load.
+                    replica.weights_at = replica.started_at = time.monotonic()
                 try:
-                    code, reason = await self._run_engine(replica, session, load_timeout)
+                    code, reason = await self._run_engine(replica, session, load_timeout - (replica.started_at - began))
                 finally:
                     self._release_weights(replica)
                 was_ready = replica.ready_at is not None

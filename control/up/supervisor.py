@@ -295,10 +295,12 @@ class Up:
 
         def table() -> Table:
             view = Table(title=f"wakegate up — http://{self.gateway.listen_host}:{self.gateway.listen_port}")
-            for column in ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start"):
+            columns = ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start", "weights")
+            for column in columns:
                 view.add_column(column)
             for model in self.status()["models"]:
                 cold = model["last_cold_start_seconds"]
+                progress = (model["delivery"] or {}).get("progress")
                 view.add_row(
                     model["key"],
                     model["state"],
@@ -307,6 +309,7 @@ class Up:
                     str(model["queued"]),
                     str(model["in_flight"]),
                     f"{cold:.2f}s" if cold else "-",
+                    _weights_cell(progress),
                 )
             return view
 
@@ -698,6 +701,16 @@ def _model_state(runtime: ModelRuntime) -> str:
     if not runtime.admitted:
         return "waiting"
     return "idle"
+
+
+def _weights_cell(progress: dict[str, Any] | None) -> str:
+    """The status table's weights column: the phase, and how far a transfer is."""
+    if progress is None:
+        return "-"
+    total = progress["total_bytes"]
+    if progress["phase"] in ("pulling", "waiting", "verifying", "staging") and total:
+        return f"{progress['phase']} {100 * progress['done_bytes'] // total}%"
+    return str(progress["phase"])
 
 
 def _extproc_streams(limits: tuple[str, ...]) -> int | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from wakegate.control.delivery.cache import Cache
-from wakegate.control.delivery.errors import DeliveryError
+from wakegate.control.delivery.errors import DeliveryError, DigestMismatch
 from wakegate.control.delivery.flashload import files_of, stage
 from wakegate.control.delivery.index import dirname, key_of_dirname
 from wakegate.control.delivery.progress import Phase, Progress
@@ -145,6 +145,8 @@ class WeightsWatch:
 
     def failed(self, error: DeliveryError) -> None:
         self.error = error
+        if self.progress is None or self.progress.phase is not Phase.FAILED:  # cut short (a timeout)
+            self(Progress(Phase.FAILED, self.source, detail=str(error)))
 
     def status(self) -> dict[str, Any]:
         event = self.progress
@@ -191,27 +193,44 @@ class Delivery:
         assert model.spec.source is not None
         watch.started()
         try:
-            source = parse_source(model.spec.source)
-            cached = isinstance(source, OciSource | HfSource)
-            resolved = await resolve(source, self.cache if cached else None, access=self.access, progress=watch,
-                                     verify=self.config.verify, base_dir=base_dir, threads=self.config.threads)
-            try:
-                weights = Weights(resolved.model_path, resolved)
-                if model.spec.cache.flash and resolved.record is not None:
-                    weights.staged = await self._stage(resolved, watch)
-                    primary = resolved.record.primary
-                    weights.path = weights.staged / primary if primary else weights.staged
-                if needs_file and not weights.path.is_file():
-                    raise DeliveryError(f"{source}: the engine loads one weight file, and {weights.path} is a folder",
-                                        "bad_source")
-            except BaseException:
-                resolved.release()
-                raise
+            weights = await self._acquire(model.spec.source, model.spec.cache.flash, watch, base_dir)
+            if needs_file and not weights.path.is_file():
+                weights.release()
+                raise DeliveryError(f"{model.spec.source}: the engine loads one weight file, and {weights.path} "
+                                    "is a folder", "bad_source")
         except DeliveryError as exc:
             watch.failed(exc)
             raise
         watch.got(weights)
         return weights
+
+    async def _acquire(self, text: str, flash: bool, watch: WeightsWatch, base_dir: Path | None) -> Weights:
+        source = parse_source(text)
+        cache = self.cache if isinstance(source, OciSource | HfSource) else None
+        # Staging checks every block as it copies, so a flash start has resolve check sizes only;
+        # a block found corrupt there takes the entry out and fetches it again, once.
+        verify = Verify.SIZES if flash else self.config.verify
+        for last in (False, True):
+            resolved = await resolve(source, cache, access=self.access, progress=watch, verify=verify,
+                                     base_dir=base_dir, threads=self.config.threads)
+            record = resolved.record
+            if not flash or record is None:
+                return Weights(resolved.model_path, resolved)
+            try:
+                staged = await self._stage(resolved, watch)
+            except DigestMismatch as exc:
+                resolved.release()
+                if last:
+                    raise
+                watch(Progress(Phase.CORRUPT, str(source), detail=f"{record.key}: {exc}; fetching again"))
+                self.cache.quarantine(record.key, str(exc))
+                continue
+            except BaseException:
+                resolved.release()
+                raise
+            primary = record.primary
+            return Weights(staged / primary if primary else staged, resolved, staged)
+        raise AssertionError("unreachable")
 
     async def _stage(self, resolved: Resolved, watch: WeightsWatch) -> Path:
         """The entry's copy in the flash directory: staged (every block checked) unless a copy

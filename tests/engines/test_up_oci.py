@@ -138,6 +138,9 @@ def test_wakes_pulls_once_serves_sleeps_and_wakes_from_the_cache(fleet: Fleet) -
     assert after["progress"]["phase"] == "ready" and after["pulls"] == 1 and after["error"] is None
     entry = after["entry"]
     assert after["path"] == str(fleet.cache / "entries" / entry.replace(":", "-") / "files" / "tiny.gguf")
+    timeline = model_status(up, "tiny")["last_cold_start"]
+    assert isinstance(timeline, dict)
+    assert 2.0 < timeline["weights"] <= timeline["process_start"] < timeline["ready"]  # the throttled pull came first
     log = up.log()
     assert "weights model=tiny pulling oci://" in log and "weights model=tiny ready" in log
     assert "weights pulled model=tiny bytes=" in log

@@ -10,6 +10,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,25 @@ def delivery(tmp: Path) -> Delivery:
     return Delivery(DeliveryConfig(cache_dir=tmp / "cache", flash_dir=tmp / "flash"), Access())
 
 
+@dataclass
+class Published:
+    """A file of `size` random bytes in a registry, and one model's delivery of it."""
+
+    reg: Registry
+    file: Path
+    ref: str
+    up: Delivery
+    watch: WeightsWatch
+
+
+@contextmanager
+def published(tmp: Path, size: int) -> Iterator[Published]:
+    file = weights(tmp / "src", size)
+    with start_registry(tmp / "reg", access_log=True) as reg:
+        ref = publish(reg, file)
+        yield Published(reg, file, ref, delivery(tmp), WeightsWatch("m", ref))
+
+
 def test_models_naming_one_digest_share_one_entry_and_one_pull(tmp_path: Path) -> None:
     file = weights(tmp_path / "src", 6 * MB + 5)
     with start_registry(tmp_path / "reg", access_log=True) as reg:
@@ -81,11 +103,8 @@ def test_models_naming_one_digest_share_one_entry_and_one_pull(tmp_path: Path) -
 
 
 def test_a_corrupt_entry_is_counted_and_fetched_again_and_the_lease_goes_to_a_child(tmp_path: Path) -> None:
-    file = weights(tmp_path / "src", 5 * MB)
-    with start_registry(tmp_path / "reg", access_log=True) as reg:
-        ref = publish(reg, file)
-        up = delivery(tmp_path)
-        watch = WeightsWatch("m", ref)
+    with published(tmp_path, 5 * MB) as p:
+        reg, file, ref, up, watch = p.reg, p.file, p.ref, p.up, p.watch
         pulled: list[int] = []
         watch.on_pulled = lambda size, _seconds: pulled.append(size)
 
@@ -131,11 +150,8 @@ def test_a_registry_that_is_down_is_a_delivery_error_in_the_status(tmp_path: Pat
 
 
 def test_flash_stages_once_reuses_the_copy_and_sweeps_what_the_cache_dropped(tmp_path: Path) -> None:
-    file = weights(tmp_path / "src", 3 * MB + 1)
-    with start_registry(tmp_path / "reg") as reg:
-        ref = publish(reg, file)
-        up = delivery(tmp_path)
-        watch = WeightsWatch("m", ref)
+    with published(tmp_path, 3 * MB + 1) as p:
+        file, ref, up, watch = p.file, p.ref, p.up, p.watch
 
         async def start() -> Path:
             got = await up.acquire(model("m", ref, flash=True), watch, base_dir=None, needs_file=True)
@@ -176,3 +192,22 @@ def test_up_answers_held_requests_weights_unavailable_when_the_registry_is_down(
         assert "activation failed model=gone failures=1 code=weights_unavailable" in up.log()
     finally:
         assert up.stop() == 0, up.log()
+
+
+def test_flash_finds_a_corrupt_entry_while_staging_and_fetches_it_again(tmp_path: Path) -> None:
+    with published(tmp_path, 2 * MB) as p:
+        reg, file, ref, up, watch = p.reg, p.file, p.ref, p.up, p.watch
+        asyncio.run(up.acquire(model("m", ref, flash=True), watch, base_dir=None, needs_file=True)).release()
+        (key,) = up.cache.keys()
+        with open(up.cache.files_dir(key) / "tiny.gguf", "r+b") as f:
+            f.write(b"\xff" * 8)
+        staged = asyncio.run(up.acquire(model("m", ref, flash=True), watch, base_dir=None, needs_file=True))
+        staged.release()
+        assert watch.corrupt == 0  # the staged copy was good and is what the engine loads: nothing read
+        for child in (tmp_path / "flash").iterdir():
+            for f in child.iterdir():
+                f.unlink()
+        again = asyncio.run(up.acquire(model("m", ref, flash=True), watch, base_dir=None, needs_file=True))
+        again.release()
+        assert watch.corrupt == 1 and "does not match its digest" in watch.last_corrupt
+        assert again.path.read_bytes() == file.read_bytes() and blob_gets(reg, file) == 2
