@@ -214,28 +214,22 @@ def test_weights_that_cannot_be_had_fail_the_held_requests_before_their_timeout(
     assert status["delivery"]["error"]["message"] in str(status["last_failure"])  # type: ignore[index]
 
 
-CREDENTIALED = """---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: private}
-spec:
-  backend: llamacpp
-  source: oci://HOST/models/tiny:v1
-  args: [--threads, "1", --ctx-size, "512"]
-  scaling: {min: 0, max: 1, idleTimeout: 60, activationTimeout: 60}
-"""
-
-
+@pytest.mark.parametrize("backend", ["llamacpp", "sim"])
 def test_a_private_registry_with_credentials_from_a_docker_config_leaks_them_nowhere(
-    tmp_path: Path, tiny: TinyFiles, llama_server_bin: Path
+    tmp_path: Path, tiny: TinyFiles, backend: str, request: pytest.FixtureRequest
 ) -> None:
+    """With the simulator too, so that a machine without llama-server still checks it."""
+    path = engines_path(request.getfixturevalue("llama_server_bin")) if backend == "llamacpp" else {}
     with start_registry(tmp_path / "reg", auth=True, access_log=True) as reg:
         assert reg.credentials is not None and reg.docker_config is not None
         publish(reg, tiny.model, f"oci://{reg.host}/models/tiny:v1")
         secrets = {reg.credentials.password, reg.credentials.basic().removeprefix("Basic ")}
-        up = UpProcess(tmp_path, CREDENTIALED.replace("HOST", reg.host), "--cache-dir", str(tmp_path / "cache"),
+        doc = model_doc("private", f"oci://{reg.host}/models/tiny:v1").replace("llamacpp", backend)
+        if backend == "sim":
+            doc = doc.replace('  args: [--threads, "1", --ctx-size, "512"]\n', "")
+        up = UpProcess(tmp_path, doc, "--cache-dir", str(tmp_path / "cache"),
                        "--registry-config", str(reg.docker_config),
-                       env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(tmp_path / "no-docker")})
+                       env={**path, "DOCKER_CONFIG": str(tmp_path / "no-docker")})
         try:
             up.wait_ready({"private": 0})
             reply = chat(up, "private")
