@@ -170,11 +170,15 @@ def test_flash_stages_once_reuses_the_copy_and_sweeps_what_the_cache_dropped(tmp
         assert up.sweep_flash() == [key] and not staged.parent.exists()
 
 
-def test_up_answers_held_requests_weights_unavailable_when_the_registry_is_down(tmp_path: Path) -> None:
-    """Through the real gateway, with the simulator as the engine (it never reads the weights)."""
+@pytest.mark.parametrize("minimum", [0, 1])
+def test_up_answers_held_requests_weights_unavailable_when_the_registry_is_down(tmp_path: Path, minimum: int) -> None:
+    """Through the real gateway, with the simulator as the engine (it never reads the weights).
+    A scale-from-zero model fails the activation; an always-on one keeps trying, with backoff,
+    and fails the requests held meanwhile at its next try."""
     with start_registry(tmp_path / "reg") as reg:
         ref = publish(reg, weights(tmp_path / "src", MB))
-    doc = model_doc("gone", extra=f"  source: {ref}\n  scaling: {{min: 0, max: 1, activationTimeout: 30}}\n")
+    scaling = f"{{min: {minimum}, max: 1, activationTimeout: 30}}"
+    doc = model_doc("gone", extra=f"  source: {ref}\n  scaling: {scaling}\n")
     up = UpProcess(tmp_path, doc, "--cache-dir", str(tmp_path / "cache"))
     try:
         up.wait_ready({"gone": 0})
@@ -187,9 +191,10 @@ def test_up_answers_held_requests_weights_unavailable_when_the_registry_is_down(
         assert error["code"] == "weights_unavailable"
         assert error["message"].startswith(f"model 'gone' cannot get its weights: weights unavailable: {ref}")
         (status,) = up.status()["models"]
-        assert status["last_failure_code"] == "weights_unavailable" and status["failed_activations"] == 1
+        assert status["last_failure_code"] == "weights_unavailable" and status["failed_activations"] >= 1
         assert status["delivery"]["error"]["reason"] == "unreachable"
         assert "activation failed model=gone failures=1 code=weights_unavailable" in up.log()
+        assert [r["state"] for r in status["replicas"]] == (["restarting"] if minimum else [])
     finally:
         assert up.stop() == 0, up.log()
 
