@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("registry_bin")
 RATE = 256 * 1024
 
 
-def model_doc(name: str, source: str, activation_timeout: int = 60) -> str:
+def model_doc(name: str, source: str, activation_timeout: int = 60, extra: str = "") -> str:
     return f"""---
 apiVersion: wakegate.io/v1alpha1
 kind: Model
@@ -47,7 +47,7 @@ spec:
   source: {source}
   args: [--threads, "1", --ctx-size, "512"]
   scaling: {{min: 0, max: 1, idleTimeout: 2, activationTimeout: {activation_timeout}}}
-"""
+{extra}"""
 
 
 def publish(reg: Registry, path: Path, ref: str) -> str:
@@ -77,6 +77,7 @@ class Fleet:
     reg: Registry
     model: Path
     cache: Path
+    flash: Path
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +89,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: TinyFiles, llama_serve
             publish(gone, tiny.model, f"oci://{gone.host}/models/tiny:v1")
             down = gone.host
         stalled = socket.create_server(("127.0.0.1", 0))  # connects, never answers
-        fleet = (
+        fleet_doc = (
             model_doc("tiny", f"oci://{slow.host}/models/tiny:v1")
             + model_doc("pinned", f"oci://{slow.host}/models/tiny@{digest}")
+            + model_doc("flashy", f"oci://{slow.host}/models/tiny:v1", extra="  cache: {flash: true}\n")
             + model_doc("offline", f"oci://{down}/models/tiny:v1", activation_timeout=20)
             + model_doc("stalled", f"oci://127.0.0.1:{stalled.getsockname()[1]}/models/tiny:v1", activation_timeout=4)
         )
         cache = tmp / "cache"
-        up = UpProcess(tmp, fleet, "--cache-dir", str(cache), "--flash-dir", str(tmp / "flash"),
+        up = UpProcess(tmp, fleet_doc, "--cache-dir", str(cache), "--flash-dir", str(tmp / "flash"),
                        env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(tmp / "no-docker")})
         try:
             up.wait_ready({"tiny": 0, "pinned": 0}, timeout=60)
-            yield Fleet(up, reg, tiny.model, cache)
+            yield Fleet(up, reg, tiny.model, cache, tmp / "flash")
         finally:
             stalled.close()
             assert up.stop() == 0, up.log()
@@ -190,6 +192,19 @@ def test_a_corrupt_cached_file_is_found_and_fetched_again(fleet: Fleet) -> None:
     assert f"weights model=tiny corrupt oci://{up_source(up, 'tiny')} {entry}: tiny.gguf: block 0" in up.log()
     metrics = request("GET", f"http://127.0.0.1:{up.admin_port}/metrics").text
     assert 'wakegate_weights_corrupt_total{model="tiny"} 1.0' in metrics
+
+
+def test_a_flash_model_loads_its_staged_copy_from_tmpfs(fleet: Fleet) -> None:
+    reply = chat(fleet.up, "flashy")
+    assert reply.status == 200, reply.text
+    status = delivery(fleet.up, "flashy")
+    staged = fleet.flash / str(status["entry"]).replace(":", "-")
+    assert status["staged"] == str(staged) and status["path"] == str(staged / "tiny.gguf")
+    assert (staged / "tiny.gguf").read_bytes() == fleet.model.read_bytes()
+    (replica,) = model_status(fleet.up, "flashy")["replicas"]  # type: ignore[misc]
+    argv = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--model") + 1] == str(staged / "tiny.gguf").encode()
+    assert "weights model=flashy staging oci://" in fleet.up.log()
 
 
 def up_source(up: UpProcess, key: str) -> str:
