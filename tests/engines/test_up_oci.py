@@ -26,7 +26,7 @@ from tests.engines.test_up_engines import engines_path, model_status, wait_for
 from tests.support.http import Response, request
 from tests.support.throttle import Throttle
 from tests.support.tools import registry_bin
-from tests.support.up import UpProcess
+from tests.support.up import UpProcess, pids_alive
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
 
@@ -63,6 +63,17 @@ def blob_gets(reg: Registry, path: Path) -> int:
 def chat(up: UpProcess, model: str, timeout: float = 60) -> Response:
     body = {"model": model, "messages": PROMPT, "max_tokens": 4, "temperature": 0}
     return request("POST", f"{up.base_url}/chat/completions", body=body, timeout=timeout)
+
+
+def engine_pids(up: UpProcess, key: str) -> list[int]:
+    return [int(r["pid"]) for r in model_status(up, key)["replicas"] if r["pid"]]  # type: ignore[union-attr]
+
+
+def asleep(up: UpProcess, key: str, pids: list[int]) -> None:
+    """Wait until `key` scaled to zero and its engine processes `pids` are gone (a request sent
+    while one still runs could reach it)."""
+    assert pids
+    wait_for(lambda: model_status(up, key)["replicas"] == [] and pids_alive(pids) == [], 30, f"{key} to sleep")
 
 
 def delivery(up: UpProcess, key: str) -> dict[str, Any]:
@@ -128,6 +139,7 @@ def test_wakes_pulls_once_serves_sleeps_and_wakes_from_the_cache(fleet: Fleet) -
         watching.set()
         watcher.join()
     assert reply.status == 200, reply.text
+    pids = engine_pids(up, "tiny")
     assert reply.json()["choices"][0]["message"]["content"]
     assert blob_gets(reg, fleet.model) == 1
     # While it pulled, /status showed bytes, the total, a rate and an ETA; the source has no secret.
@@ -148,7 +160,7 @@ def test_wakes_pulls_once_serves_sleeps_and_wakes_from_the_cache(fleet: Fleet) -
     assert "weights pulled model=tiny bytes=" in log
 
     # Idle: the engine goes; the next request wakes it from the cache, checked, not pulled.
-    wait_for(lambda: model_status(up, "tiny")["replicas"] == [], 30, "tiny to scale to zero")
+    asleep(up, "tiny", pids)
     again = chat(up, "tiny")
     assert again.status == 200, again.text
     assert blob_gets(reg, fleet.model) == 1
@@ -173,9 +185,9 @@ def test_wakes_pulls_once_serves_sleeps_and_wakes_from_the_cache(fleet: Fleet) -
 def test_a_corrupt_cached_file_is_found_and_fetched_again(fleet: Fleet) -> None:
     up, reg = fleet.up, fleet.reg
     assert chat(up, "tiny").status == 200  # cached (by the test before, or now)
+    pids = engine_pids(up, "tiny")
     entry = delivery(up, "tiny")["entry"]
-    wait_for(lambda: model_status(up, "tiny")["replicas"] == [], 30, "tiny to scale to zero")
-    wait_for(lambda: model_status(up, "pinned")["replicas"] == [], 30, "pinned to scale to zero")
+    asleep(up, "tiny", pids)
     gets = blob_gets(reg, fleet.model)
     cached = fleet.cache / "entries" / entry.replace(":", "-") / "files" / "tiny.gguf"
     with open(cached, "r+b") as f:  # one byte flipped, the size unchanged
