@@ -89,7 +89,7 @@ class Activator:
             )
             return response
         except ActivationFailed as exc:
-            await response.write(_event("activation_failed", f"model {key!r} failed to start: {exc}"))
+            await response.write(_event(exc.code, exc.answer(key)))
             return response
         finally:
             self.gw.metrics.queue_depth.labels(key).dec()

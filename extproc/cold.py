@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from wakegate import contract
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc.cold")
@@ -34,7 +35,22 @@ class QueueFull(Exception):
 
 
 class ActivationFailed(Exception):
-    pass
+    """The activation the request waited for failed; `code` is the error code its answer carries."""
+
+    def __init__(self, message: str, failure_code: str = "") -> None:
+        super().__init__(message)
+        self.failure_code = failure_code
+
+    @property
+    def code(self) -> str:
+        weights = self.failure_code == contract.WEIGHTS_UNAVAILABLE
+        return contract.WEIGHTS_UNAVAILABLE if weights else "activation_failed"
+
+    def answer(self, model: str) -> str:
+        """The message a held request of `model` gets."""
+        if self.code == contract.WEIGHTS_UNAVAILABLE:
+            return f"model {model!r} cannot get its weights: {self}"
+        return f"model {model!r} failed to start: {self}"
 
 
 class ActivationTimeout(Exception):
@@ -144,7 +160,7 @@ class ColdQueues:
                 queue.failures_seen = route.failed_activations
                 if queue.lease is not None:
                     queue.lease = None
-                self._fail(queue, route.last_failure or "model failed to start")
+                self._fail(queue, route.last_failure or "model failed to start", route.failure_code)
             elif route.endpoints:
                 if queue.lease is not None and queue.lease.ready_at is None:
                     queue.lease.ready_at = now
@@ -160,12 +176,14 @@ class ColdQueues:
                 queue.lease = None
         self._on_demand_change()
 
-    def _fail(self, queue: ModelQueue, message: str) -> None:
+    def _fail(self, queue: ModelQueue, message: str, failure_code: str = "") -> None:
+        failed = ActivationFailed(message, failure_code)
         if not queue.ready.done():
-            queue.ready.set_exception(ActivationFailed(message))
+            queue.ready.set_exception(failed)
             queue.ready.exception()  # retrieved here: waiters may all be gone
         queue.ready = asyncio.get_running_loop().create_future()
-        log.warning("activation failed model=%s held=%d reason=%s", queue.key, queue.waiting, message)
+        log.warning("activation failed model=%s held=%d code=%s reason=%s", queue.key, queue.waiting, failed.code,
+                    message)
 
     def delivered(self) -> list[tuple[str, float]]:
         """Leases whose demand report just reached the scaler: (model, seconds since lease start)."""

@@ -408,7 +408,7 @@ class Processor:
                 f"model {ex.model_name!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
             )
         except ActivationFailed as exc:
-            return self._retry_later(route, 503, "activation_failed", f"model {ex.model_name!r} failed to start: {exc}")
+            return self._retry_later(route, 503, exc.code, exc.answer(ex.model_name or route.key))
         finally:
             self.gw.metrics.queue_depth.labels(route.key).dec()
         resolved = self.gw.table.resolve(ex.model_name or "")

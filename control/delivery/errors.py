@@ -2,8 +2,8 @@
 
 Pure. Every failure a caller can act on is a `DeliveryError` whose message names the source or
 file and what went wrong, and never carries a credential; `reason` is a short stable word that
-`wakegate up` and the operator put in status (e.g. `weights_unavailable` when it is
-`unreachable`).
+`wakegate up` and the operator put in status (`wakegate up` fails the activation of any of them
+with the code `weights_unavailable`, and keeps the reason next to it).
 """
 
 from __future__ import annotations

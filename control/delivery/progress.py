@@ -1,7 +1,7 @@
 """Progress of a pull, a push or a staging: the events, their rate and ETA, and their text.
 
 Pure: the caller passes the time. A delivery step reports `Progress` events to a sink (a
-callable); the CLI prints them, `wakegate up` will put the latest in `/status`. Events come at
+callable); the CLI prints them, `wakegate up` puts the latest in `/status`. Events come at
 every phase change and at most every `Tracker.interval` seconds in between, so a sink may log
 each one.
 """

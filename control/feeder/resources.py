@@ -74,6 +74,8 @@ class RoutedModel:
     generation: int = 0
     failed_activations: int = 0
     last_failure: str = ""
+    #: What kind of failure `last_failure` is ("weights_unavailable"; empty: any other).
+    failure_code: str = ""
     admitted: bool = True
     #: (ip, port, requests the engine holds) from the engine's own metrics, where it has them.
     loads: tuple[tuple[str, int, int], ...] = ()
@@ -90,6 +92,7 @@ def routed_model(
     generation: int = 0,
     failed_activations: int = 0,
     last_failure: str = "",
+    failure_code: str = "",
     admitted: bool = True,
     loads: Iterable[tuple[str, int, int]] = (),
 ) -> RoutedModel:
@@ -112,6 +115,7 @@ def routed_model(
         generation=generation,
         failed_activations=failed_activations,
         last_failure=last_failure,
+        failure_code=failure_code,
         admitted=admitted,
         loads=tuple(sorted(loads)),
     )
@@ -579,6 +583,7 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         generation=model.generation,
         failed_activations=model.failed_activations,
         last_failure=model.last_failure,
+        failure_code=model.failure_code,
         admitted=model.admitted,
     )
 

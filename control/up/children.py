@@ -35,6 +35,8 @@ class Child:
         self.argv = list(argv)
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
+        #: Descriptors the process inherits (a cache lease), besides stdin/stdout/stderr.
+        self.pass_fds: tuple[int, ...] = ()
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -54,6 +56,7 @@ class Child:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 env=self.env,
+                pass_fds=self.pass_fds,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

@@ -17,7 +17,11 @@ import logging
 from pathlib import Path
 
 from wakegate.control.backends import BACKENDS
+from wakegate.control.delivery.cache import default_cache_dir
+from wakegate.control.delivery.console import size_argument
+from wakegate.control.delivery.resolver import Verify
 from wakegate.control.up.supervisor import Settings, Up
+from wakegate.control.up.weights import default_flash_dir
 from wakegate.process import add_log_level, start
 
 log = logging.getLogger("wakegate.up")
@@ -92,6 +96,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fake-gpus", type=Path, default=None, help="JSON file of GPUs to pretend this machine has (tests and demos)"
+    )
+    weights = parser.add_argument_group(
+        "weights", "where oci:// and hf:// sources are cached, and how registries are reached"
+    )
+    weights.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="this machine's model cache, shared with `wakegate cache` "
+        "(default: $WAKEGATE_CACHE_DIR, else $XDG_CACHE_HOME/wakegate/models, else ~/.cache/wakegate/models)",
+    )
+    weights.add_argument(
+        "--cache-max-size",
+        type=size_argument,
+        default=None,
+        metavar="SIZE",
+        help="cache budget (e.g. 20G); least recently used entries no engine uses are evicted to stay under it "
+        "(default: the file system's free space)",
+    )
+    weights.add_argument(
+        "--cache-verify",
+        choices=[v.value for v in Verify],
+        default=Verify.BLOCKS.value,
+        help="check of a cached entry before each engine start: blocks (every block's digest, default) or sizes",
+    )
+    weights.add_argument(
+        "--registry-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="Docker config with registry credentials (`auths`); default $DOCKER_CONFIG/config.json, "
+        "then ~/.docker/config.json",
+    )
+    weights.add_argument(
+        "--ca-file", type=Path, default=None, metavar="PEM", help="extra CA certificates for registries"
+    )
+    weights.add_argument(
+        "--plain-http", action="store_true", help="plain HTTP to every registry (loopback ones need no flag)"
+    )
+    weights.add_argument(
+        "--flash-dir",
+        type=Path,
+        default=default_flash_dir(),
+        help="where `spec.cache.flash: true` stages weights (a tmpfs; default: a folder of yours in /dev/shm)",
     )
     parser.add_argument("--check", action="store_true", help="validate the file and exit")
     parser.add_argument("--list-backends", action="store_true", help="print the backend plugins and exit")

@@ -1,4 +1,5 @@
-"""The `wakegate up` process's one metrics registry: cold starts, swaps, replicas, activation failures."""
+"""The `wakegate up` process's one metrics registry: cold starts, swaps, replicas, activation failures,
+weights pulled."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ class UpMetrics:
         r = self.registry
         self.cold_start = Histogram(
             "wakegate_cold_start_seconds",
-            "Cold start of a model from zero replicas, by stage: process_start (activation signal to "
+            "Cold start of a model from zero replicas, by stage: weights (activation signal to the "
+            "weights on disk: pulled, checked, staged; models with a source), process_start (activation signal to "
             "spawn), health_pass (spawn to health passing), model_loaded (spawn to the model loaded), "
             "total (activation signal to ready: routed), first_byte (routed to the first byte of the "
             "engine's first answer, a one-token request sent beside the first held requests).",
@@ -28,6 +30,23 @@ class UpMetrics:
         self.cold_starts = Counter("wakegate_cold_starts", "Scale-from-zero activations.", ["model"], registry=r)
         self.activation_failures = Counter(
             "wakegate_activation_failures", "Loads that crashed or never passed health.", ["model"], registry=r
+        )
+        self.weights_pulled_bytes = Counter(
+            "wakegate_weights_pulled_bytes", "Bytes of weights pulled into the cache (oci://, hf://).", ["model"],
+            registry=r,
+        )
+        self.weights_pull_seconds = Histogram(
+            "wakegate_weights_pull_seconds",
+            "Duration of each pull of weights into the cache, from its first byte to the entry ready.",
+            ["model"],
+            buckets=COLD_START_BUCKETS,
+            registry=r,
+        )
+        self.weights_corrupt = Counter(
+            "wakegate_weights_corrupt",
+            "Cached entries found corrupt before an engine start (removed and fetched again).",
+            ["model"],
+            registry=r,
         )
         self.swaps = Counter("wakegate_gpu_swaps", "GPU-group hand-overs between models.", ["group"], registry=r)
         self.replicas = Gauge("wakegate_model_replicas", "Backend replicas (any state).", ["model"], registry=r)

@@ -23,15 +23,18 @@ from typing import Any
 
 import aiohttp
 
+from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS, LoadSignals
+from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
-from wakegate.control.delivery.resolver import resolve
+from wakegate.control.delivery.resolver import Access
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.schema import Model
 from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
+from wakegate.control.up.weights import Delivery, DeliveryConfig, Weights, WeightsWatch
 
 log = logging.getLogger("wakegate.up")
 
@@ -90,6 +93,8 @@ class Replica:
     #: outlives the process (Ollama's store is reused on the next wake).
     slot: int = 0
     #: Cold-start timeline of the current process (monotonic seconds).
+    #: The weights were on disk (pulled, checked, staged) and the process about to start.
+    weights_at: float | None = None
     healthy_at: float | None = None
     #: The plugin's load steps done (Ollama: the model created in its store).
     prepared_at: float | None = None
@@ -101,13 +106,20 @@ class Replica:
     load: LoadSignals | None = None
     #: The first answer asked of a new process (runs beside the first requests).
     probe: asyncio.Task[None] | None = None
+    #: The weights the current process loads, leased until it exits.
+    weights: Weights | None = None
 
 
 class ModelRuntime:
     """The replicas of one model."""
 
     def __init__(
-        self, model: Model, settings: RuntimeSettings, on_change: Callable[[], None], gpus: GpuPool | None = None
+        self,
+        model: Model,
+        settings: RuntimeSettings,
+        on_change: Callable[[], None],
+        gpus: GpuPool | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
         self.model = model
         self.gpus = gpus if gpus is not None else GpuPool()
@@ -121,6 +133,8 @@ class ModelRuntime:
         self.generation = 0
         self.failed_activations = 0
         self.last_failure = ""
+        #: What kind of failure the last one was (contract.WEIGHTS_UNAVAILABLE; empty: any other).
+        self.last_failure_code = ""
         #: False while a GPU-group peer holds the accelerator.
         self.admitted = True
         #: Seconds from the scale-from-zero decision to the first ready replica, last time.
@@ -134,8 +148,12 @@ class ModelRuntime:
         self.on_answered: Callable[[ModelRuntime, Replica], None] | None = None
         #: Requests in flight to this model over all gateways (drains engines without load signals).
         self.in_flight: Callable[[], int] = lambda: 0
-        #: The weight file or folder the engine loads, once resolved from `spec.source`.
+        #: Where weights come from: one per `up` process, shared by every model (one cache).
+        self.delivery = delivery or Delivery(DeliveryConfig(default_cache_dir()), Access())
+        #: The weight file or folder the last engine start loads, resolved from `spec.source`.
         self.weights: Path | None = None
+        #: The weights' progress, last result and failure, for the log and /status.
+        self.weights_watch = WeightsWatch(model.key, model.spec.source or "")
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
 
@@ -160,6 +178,7 @@ class ModelRuntime:
             generation=self.generation,
             failed_activations=self.failed_activations,
             last_failure=self.last_failure,
+            failure_code=self.last_failure_code,
             admitted=self.admitted,
         )
 
@@ -200,12 +219,13 @@ class ModelRuntime:
     def _values(self, replica: Replica) -> dict[str, str]:
         """What the plugin's templates are filled with for one replica."""
         state = self.settings.engines_dir / self.model.name / str(replica.slot)
+        weights = replica.weights.path if replica.weights is not None else self.weights
         return {
             "host": self.settings.host,
             "port": str(replica.port),
             # The engine gets the weights: the file (or folder) the source resolved to; without a
             # source, the served name (a hub id vLLM fetches itself).
-            "model": str(self.weights) if self.weights is not None else self.model.served_name,
+            "model": str(weights) if weights is not None else self.model.served_name,
             "served_name": self.model.served_name,
             "state": str(state.resolve()),
         }
@@ -220,16 +240,34 @@ class ModelRuntime:
         env.update(self.model.spec.env)
         return env
 
-    async def _resolve_weights(self) -> None:
-        """`spec.source` to a local path, once per runtime (relative file:// from the manifest's folder)."""
-        if self.weights is not None or self.model.spec.source is None:
+    async def _acquire_weights(self, replica: Replica) -> None:
+        """`spec.source` to a local path for this start of the replica's engine, leased (relative
+        file:// from the manifest's folder; oci:// and hf:// through the cache, checked). The
+        weights must be there within the activation's time less a margin, so that held requests
+        learn why before their own timeout; a pull cut short keeps its bytes for the next try."""
+        if self.model.spec.source is None:
             return
-        resolved = await resolve(self.model.spec.source, None, base_dir=self.settings.base_dir)
-        self.weights = resolved.model_path
-        if self.backend.needs_file and not self.weights.is_file():
-            raise DeliveryError(
-                f"{self.model.spec.source}: backend {self.backend.name} needs one weight file", "bad_source"
+        timeout = float(self.model.spec.scaling.activationTimeout)
+        budget = timeout - min(2.0, timeout / 4)
+        acquire = self.delivery.acquire(
+            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file
+        )
+        try:
+            replica.weights = await asyncio.wait_for(acquire, budget)
+        except TimeoutError:
+            error = DeliveryError(
+                f"{self.model.spec.source}: the weights were not ready within {budget:.0f}s of the "
+                f"{timeout:.0f}s activationTimeout (bytes pulled so far are kept for the next activation)",
+                "timeout",
             )
+            self.weights_watch.failed(error)
+            raise error from None
+        self.weights = replica.weights.path
+
+    def _release_weights(self, replica: Replica) -> None:
+        if replica.weights is not None:
+            replica.weights.release()
+            replica.weights = None
 
     @property
     def capacity(self) -> int:
@@ -326,28 +364,35 @@ class ModelRuntime:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while True:
                 replica.state = ReplicaState.STARTING
-                replica.started_at = time.monotonic()
+                began = replica.started_at = time.monotonic()
                 replica.healthy_at = replica.loaded_at = replica.first_byte = replica.first_byte_at = None
-                replica.load = None
+                replica.weights_at = replica.load = None
                 try:
-                    await self._resolve_weights()
+                    await self._acquire_weights(replica)
                 except DeliveryError as exc:
-                    self._gone(replica, None, f"weights unavailable: {exc}")
-                    return
-                values = self._values(replica)
-                await asyncio.to_thread(Path(values["state"]).mkdir, parents=True, exist_ok=True)
-                replica.child.argv = self._argv(values)
-                replica.child.env = self._env(values, self.gpu_slots.get(replica.gpu_owner, []))
-                await replica.child.start()
-                if self.on_spawned is not None:
-                    self.on_spawned(self, replica)
-                engine = Engine(self.backend, session, self.settings.host, replica.port, values, self.weights)
-                exited = asyncio.ensure_future(replica.child.wait())
+                    why = str(exc)
+                    source = self.model.spec.source or ""
+                    failure = f"weights unavailable: {why if source in why else f'{source}: {why}'}"
+                    if self.model.spec.scaling.min == 0:
+                        self._gone(replica, None, failure, contract.WEIGHTS_UNAVAILABLE)
+                        return
+                    # An always-on model tries again with backoff (the registry may come back).
+                    self._activation_failed(failure, contract.WEIGHTS_UNAVAILABLE)
+                    replica.state = ReplicaState.RESTARTING
+                    self._changed()
+                    log.warning("weights unavailable model=%s replica=%d retry_in=%.1fs", self.model.key,
+                                replica.index, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.settings.restart_backoff_max)
+                    continue
+                if self.model.spec.source is not None:
+                    # The process starts now: health and load are timed from here, and the
+                    # activation's time left is what the engine has to load.
+                    replica.weights_at = replica.started_at = time.monotonic()
                 try:
-                    code, reason = await self._watch(replica, engine, exited, load_timeout)
+                    code, reason = await self._run_engine(replica, session, load_timeout - (replica.started_at - began))
                 finally:
-                    if not exited.done():
-                        exited.cancel()
+                    self._release_weights(replica)
                 was_ready = replica.ready_at is not None
                 if was_ready:
                     backoff = self.settings.restart_backoff_min
@@ -375,10 +420,32 @@ class ModelRuntime:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.settings.restart_backoff_max)
 
-    def _gone(self, replica: Replica, code: int | None, failure: str | None) -> None:
-        """A replica of a scale-from-zero model ended for good (exit, or weights not found)."""
+    async def _run_engine(
+        self, replica: Replica, session: aiohttp.ClientSession, load_timeout: float
+    ) -> tuple[int | None, str | None]:
+        """Start the engine on the replica's weights (their lease goes to the process) and watch it
+        until it exits."""
+        values = self._values(replica)
+        await asyncio.to_thread(Path(values["state"]).mkdir, parents=True, exist_ok=True)
+        replica.child.argv = self._argv(values)
+        replica.child.env = self._env(values, self.gpu_slots.get(replica.gpu_owner, []))
+        replica.child.pass_fds = replica.weights.fds if replica.weights is not None else ()
+        await replica.child.start()
+        if self.on_spawned is not None:
+            self.on_spawned(self, replica)
+        weights = replica.weights.path if replica.weights is not None else None
+        engine = Engine(self.backend, session, self.settings.host, replica.port, values, weights)
+        exited = asyncio.ensure_future(replica.child.wait())
+        try:
+            return await self._watch(replica, engine, exited, load_timeout)
+        finally:
+            if not exited.done():
+                exited.cancel()
+
+    def _gone(self, replica: Replica, code: int | None, failure: str | None, failure_code: str = "") -> None:
+        """A replica of a scale-from-zero model ended for good (exit, or weights unavailable)."""
         if failure is not None:
-            self._activation_failed(failure)
+            self._activation_failed(failure, failure_code)
         else:
             log.warning(
                 "replica exited model=%s replica=%d code=%s log=%s",
@@ -396,10 +463,12 @@ class ModelRuntime:
         if self.on_exit is not None:
             self.on_exit(self)
 
-    def _activation_failed(self, reason: str) -> None:
+    def _activation_failed(self, reason: str, code: str = "") -> None:
         self.failed_activations += 1
         self.last_failure = reason
-        log.warning("activation failed model=%s failures=%d reason=%s", self.model.key, self.failed_activations, reason)
+        self.last_failure_code = code
+        log.warning("activation failed model=%s failures=%d code=%s reason=%s", self.model.key,
+                    self.failed_activations, code or "-", reason)
         if self.on_activation_failed is not None:
             self.on_activation_failed(self, reason)
 

@@ -158,12 +158,15 @@ class LocalScaler:
             # Seconds since the activation signal (the demand that woke the model) of each stage;
             # first_byte follows when the engine's first answer comes (_answered).
             runtime.last_timeline = {
+                **({"weights": replica.weights_at - t0} if replica.weights_at is not None else {}),
                 "process_start": replica.started_at - t0,
                 "health_pass": healthy - t0,
                 **({"prepared": replica.prepared_at - t0} if replica.prepared_at and runtime.backend.prepare else {}),
                 "model_loaded": loaded - t0,
                 "ready": replica.ready_at - t0,
             }
+            if replica.weights_at is not None:
+                self._on_cold_start(key, "weights", replica.weights_at - t0)
             self._on_cold_start(key, "health_pass", healthy - replica.started_at)
             self._on_cold_start(key, "model_loaded", loaded - replica.started_at)
             runtime.last_cold_start = replica.ready_at - t0

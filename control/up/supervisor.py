@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from aiohttp import web
 from wakegate import contract, internal_token
 from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
+from wakegate.control.delivery.errors import RegistryError
+from wakegate.control.delivery.progress import human_bytes
+from wakegate.control.delivery.registry import RegistrySettings, load_auths
+from wakegate.control.delivery.resolver import Access, Verify
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
@@ -40,6 +45,7 @@ from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
+from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, graceful_exit, settings_from
 from wakegate.v1 import demand_pb2_grpc
@@ -89,6 +95,20 @@ class Settings(ProcessSettings):
     """Also serve KEDA's ExternalScaler gRPC service here (HOST:PORT)."""
     fake_gpus: Path | None
     """JSON file of GPUs to pretend this machine has."""
+    cache_dir: Path
+    """This machine's model cache (oci:// and hf:// sources)."""
+    cache_max_size: int | None
+    """Cache budget in bytes; None: the file system's free space."""
+    cache_verify: str
+    """Check of a cached entry before each engine start: `blocks` or `sizes`."""
+    registry_config: Path | None
+    """Docker config with registry credentials; None: $DOCKER_CONFIG/config.json, ~/.docker/config.json."""
+    ca_file: Path | None
+    """Extra CA certificates trusted for registries."""
+    plain_http: bool
+    """Plain HTTP to every registry."""
+    flash_dir: Path
+    """Where `spec.cache.flash` stages weights (a tmpfs)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -113,6 +133,15 @@ class Settings(ProcessSettings):
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
         display = sys.stderr.isatty() if args.status_display is None else args.status_display
+        if args.registry_config is not None or args.ca_file is not None:
+            try:
+                load_auths(args.registry_config)  # unreadable or not a Docker config: say so now
+                if args.ca_file is not None:
+                    ssl.create_default_context().load_verify_locations(cafile=str(args.ca_file))
+            except RegistryError as exc:
+                raise ValueError(f"--registry-config: {exc}") from None
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"--ca-file {args.ca_file}: not a PEM file of certificates ({exc})") from None
         return settings_from(
             cls,
             args,
@@ -173,7 +202,24 @@ class Up:
         )
         self.gpus = discover(settings.fake_gpus)
         publish = self.source.publish_soon
-        self.runtimes = {m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus) for m in self.models}
+        # One cache and one registry access for every model: two Models naming one digest share
+        # one entry, and one pull.
+        self.delivery = Delivery(
+            DeliveryConfig(
+                cache_dir=settings.cache_dir,
+                max_size=settings.cache_max_size,
+                verify=Verify(settings.cache_verify),
+                flash_dir=settings.flash_dir,
+            ),
+            Access.from_env(
+                RegistrySettings(
+                    docker_config=settings.registry_config, ca_file=settings.ca_file, plain_http=settings.plain_http
+                )
+            ),
+        )
+        self.runtimes = {
+            m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus, self.delivery) for m in self.models
+        }
         self.metrics = UpMetrics()
         self.book = DemandBook()
         self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
@@ -192,12 +238,24 @@ class Up:
             runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
                 rt.model.key
             ).inc()
+            self._watch_weights(runtime)
         self.components: dict[str, Supervised] = {}
         self.ports: Ports | None = None
         self.drain_seconds = DRAIN_SECONDS
         self._stop = asyncio.Event()
         self._failure: str | None = None
         self.serving = False
+
+    def _watch_weights(self, runtime: ModelRuntime) -> None:
+        key = runtime.model.key
+
+        def pulled(size: int, seconds: float) -> None:
+            self.metrics.weights_pulled_bytes.labels(key).inc(size)
+            self.metrics.weights_pull_seconds.labels(key).observe(seconds)
+            log.info("weights pulled model=%s bytes=%d (%s) seconds=%.2f", key, size, human_bytes(size), seconds)
+
+        runtime.weights_watch.on_pulled = pulled
+        runtime.weights_watch.on_corrupt = lambda _problem: self.metrics.weights_corrupt.labels(key).inc()
 
     def _in_flight_of(self, key: str) -> Callable[[], int]:
         def in_flight() -> int:
@@ -239,10 +297,12 @@ class Up:
 
         def table() -> Table:
             view = Table(title=f"wakegate up — http://{self.gateway.listen_host}:{self.gateway.listen_port}")
-            for column in ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start"):
+            columns = ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start", "weights")
+            for column in columns:
                 view.add_column(column)
             for model in self.status()["models"]:
                 cold = model["last_cold_start_seconds"]
+                progress = (model["delivery"] or {}).get("progress")
                 view.add_row(
                     model["key"],
                     model["state"],
@@ -251,6 +311,7 @@ class Up:
                     str(model["queued"]),
                     str(model["in_flight"]),
                     f"{cold:.2f}s" if cold else "-",
+                    _weights_cell(progress),
                 )
             return view
 
@@ -360,6 +421,7 @@ class Up:
                     "served_name": rt.model.served_name,
                     "backend": rt.model.spec.backend,
                     "weights": str(rt.weights) if rt.weights is not None else None,
+                    "delivery": rt.weights_watch.status() if rt.model.spec.source is not None else None,
                     "replicas": [
                         {
                             "index": r.index,
@@ -382,6 +444,7 @@ class Up:
                     "admitted": rt.admitted,
                     "failed_activations": rt.failed_activations,
                     "last_failure": rt.last_failure,
+                    "last_failure_code": rt.last_failure_code,
                     "last_cold_start_seconds": rt.last_cold_start,
                     "last_cold_start": dict(rt.last_timeline),
                     "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,
@@ -392,6 +455,7 @@ class Up:
                 }
                 for rt in self.runtimes.values()
             ],
+            "cache": {"dir": str(self.delivery.config.cache_dir), "max_bytes": self.delivery.config.max_size},
             "gpu_groups": {
                 name: {"active": self.scaler.group_active(name), "swaps": swaps}
                 for name, swaps in self.scaler.swaps.items()
@@ -661,6 +725,16 @@ def _model_state(runtime: ModelRuntime) -> str:
     if not runtime.admitted:
         return "waiting"
     return "idle"
+
+
+def _weights_cell(progress: dict[str, Any] | None) -> str:
+    """The status table's weights column: the phase, and how far a transfer is."""
+    if progress is None:
+        return "-"
+    total = progress["total_bytes"]
+    if progress["phase"] in ("pulling", "waiting", "verifying", "staging") and total:
+        return f"{progress['phase']} {100 * progress['done_bytes'] // total}%"
+    return str(progress["phase"])
 
 
 def _extproc_streams(limits: tuple[str, ...]) -> int | None:

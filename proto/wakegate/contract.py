@@ -28,6 +28,11 @@ MODEL_PATH_PREFIX = "/model/"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 
+#: ModelRoute.failure_code of an activation that failed because its weights could not be had
+#: (fetched, checked, or fitted in the cache); the held requests' error code, instead of the
+#: generic `activation_failed`.
+WEIGHTS_UNAVAILABLE = "weights_unavailable"
+
 #: Envoy's static clusters (the bootstrap) that routes and the ext_proc filter refer to.
 XDS_CLUSTER = "wakegate_xds"
 EXTPROC_CLUSTER = "wakegate_extproc"

@@ -129,6 +129,25 @@ async def test_a_failed_activation_ends_the_stream_with_an_error_event(served: t
     assert done == "[DONE]"
 
 
+async def test_weights_that_cannot_be_had_end_the_stream_with_weights_unavailable(
+    served: tuple[Gateway, str, Backend],
+) -> None:
+    gateway, url, _ = served
+    reply = asyncio.create_task(post(url))
+    await asyncio.sleep(0.1)
+    failed = route(failed=1)
+    failed.last_failure = "weights unavailable: oci://127.0.0.1:1/models/tiny:v1: not found"
+    failed.failure_code = contract.WEIGHTS_UNAVAILABLE
+    gateway.set_routes([failed])
+    status, _, text = await asyncio.wait_for(reply, 5)
+    assert status == 200
+    error, done = events(text)
+    body = json.loads(error)["error"]
+    assert (body["code"], body["type"]) == ("weights_unavailable", "service_unavailable")
+    assert body["message"] == "model 'm' cannot get its weights: " + failed.last_failure
+    assert done == "[DONE]"
+
+
 async def test_a_backend_error_after_the_200_is_an_error_event(served: tuple[Gateway, str, Backend]) -> None:
     gateway, url, backend = served
     backend.status = 500

@@ -105,6 +105,31 @@ async def test_a_failed_activation_fails_every_held_request(queues: ColdQueues, 
     assert queues.snapshot() == {"m": (0, 1, 1)}  # a new lease knows that failure
 
 
+async def test_a_failure_for_want_of_weights_carries_its_code(queues: ColdQueues, clock: Clock) -> None:
+    queues.demand(route())
+    first = asyncio.create_task(queues.wait(route(), clock.now + 30))
+    await asyncio.sleep(0)
+    failed = route(failed=1)
+    failed.last_failure = "weights unavailable: registry 127.0.0.1:5000 is unreachable"
+    failed.failure_code = contract.WEIGHTS_UNAVAILABLE
+    queues.on_routes({"m": failed})
+    with pytest.raises(ActivationFailed) as weights:
+        await asyncio.wait_for(first, 1)
+    assert weights.value.code == "weights_unavailable"
+    assert weights.value.answer("m") == (
+        "model 'm' cannot get its weights: weights unavailable: registry 127.0.0.1:5000 is unreachable"
+    )
+    # The next failure is an engine that crashed: the generic code again.
+    queues.demand(failed)
+    second = asyncio.create_task(queues.wait(failed, clock.now + 30))
+    await asyncio.sleep(0)
+    queues.on_routes({"m": route(failed=2)})
+    with pytest.raises(ActivationFailed) as crashed:
+        await asyncio.wait_for(second, 1)
+    assert crashed.value.code == "activation_failed"
+    assert crashed.value.answer("m") == "model 'm' failed to start: model failed to start"
+
+
 async def test_a_removed_model_fails_its_requests(queues: ColdQueues, clock: Clock) -> None:
     waiter = asyncio.create_task(queues.wait(route(), clock.now + 30))
     await asyncio.sleep(0)
