@@ -66,7 +66,7 @@ def test_schema_words_are_the_proto_enums() -> None:
 
 def test_schema_profiles_and_weights_are_the_scorers() -> None:
     assert {p.value for p in Profile} == set(contract.PROFILES)
-    every = Weights(queue=1, kvCache=1, prefix=1, session=1).scorers()
+    every = Weights(queue=1, kvCache=1, prefix=1, precise=1, session=1).scorers()
     assert set(every) == set(contract.SCORERS)
     assert all(set(weights) <= set(contract.SCORERS) for weights in contract.PROFILES.values())
 

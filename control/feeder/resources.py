@@ -64,6 +64,9 @@ class RoutedModel:
     #: scored picking: a named profile, or (scorer, weight) pairs; both empty: `strategy` decides
     profile: str = ""
     weights: tuple[tuple[str, float], ...] = ()
+    #: the engines publish KV events on their HTTP port plus this (0: none), replay on plus the second
+    kv_events_offset: int = 0
+    kv_events_replay_offset: int = 0
     requests_per_second: float = 0.0
     burst: float = 0.0
     cold_mode: str = "hold"
@@ -95,6 +98,7 @@ def routed_model(
 ) -> RoutedModel:
     """What the gateway needs of a Model manifest plus its current ready endpoints."""
     spec = model.spec
+    kv = spec.routing.kvEvents
     return RoutedModel(
         key=model.key,
         names=tuple(model.client_names),
@@ -103,6 +107,8 @@ def routed_model(
         strategy=spec.routing.strategy.value,
         profile=spec.routing.profile.value if spec.routing.profile is not None else "",
         weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
+        kv_events_offset=kv.portOffset if kv is not None else 0,
+        kv_events_replay_offset=kv.replayPortOffset if kv is not None else 0,
         requests_per_second=spec.limits.requestsPerSecond,
         burst=spec.limits.burst,
         cold_mode=spec.endpoint.coldMode.value,
@@ -569,6 +575,8 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         strategy=contract.STRATEGIES[model.strategy],
         profile=model.profile,
         weights=dict(model.weights),
+        kv_events_offset=model.kv_events_offset,
+        kv_events_replay_offset=model.kv_events_replay_offset,
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(
