@@ -20,7 +20,7 @@ endpoint's blocks are dropped (:meth:`KVIndex.reset`) and knowledge rebuilds fro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +68,10 @@ class KVIndex:
     def blocks(self, endpoint: str) -> int:
         """How many blocks ``endpoint`` is known to hold."""
         return self._blocks.blocks(endpoint)
+
+    def held(self, endpoint: str) -> set[Hashable]:
+        """The blocks ``endpoint`` is known to hold (a copy)."""
+        return self._blocks.held(endpoint)
 
     def check(self, endpoint: str, seq: int) -> Verdict:
         """What batch ``seq`` is for ``endpoint``: its first, the next, past a gap, or a restart."""

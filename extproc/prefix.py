@@ -115,6 +115,10 @@ class PrefixIndex:
         lru = self._lru.get(endpoint)
         return len(lru) if lru is not None else 0
 
+    def held(self, endpoint: str) -> set[Hashable]:
+        """The block hashes ``endpoint`` is remembered to hold (a copy)."""
+        return set(self._lru.get(endpoint, ()))
+
     def matches(self, hashes: Sequence[Hashable]) -> dict[str, int]:
         """Endpoint -> how many leading blocks of ``hashes`` it holds (endpoints with none left out).
 
