@@ -6,11 +6,11 @@ to the engine's publisher, and feeds each batch into the picker's :class:`~wakeg
 It reconciles every ``interval`` seconds: new endpoints are subscribed, vanished ones closed and
 forgotten.
 
-Sequence numbers (vLLM's, one per batch): the first batch seen from an endpoint, and any batch
-past a gap, makes the subscriber ask the endpoint's replay socket (when it has one) for the
-batches it missed, from 0 on a first contact (so a gateway that starts late learns what the
-engine cached before); whatever still cannot be had resets the endpoint's blocks. A malformed
-message is a gap too. All of this runs off the request path; a pick only reads the index.
+Sequence numbers (vLLM's, one per batch): on subscribing, the subscriber asks the endpoint's
+replay socket (when it has one) for every batch it still buffers, so a gateway that starts late
+learns what the engine cached before; a batch past a gap (or the first one, without replay)
+makes it ask for the batches it missed; whatever still cannot be had resets the endpoint's
+blocks. A malformed message is a gap too; a sequence number that goes back is a restarted engine. All of this runs off the request path; a pick only reads the index.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ from wakegate.extproc.kvindex import KVIndex, Target
 from wakegate.kvevents import decode_batch, seq_of
 
 log = logging.getLogger("wakegate.extproc.kvevents")
+
+
+def _seq_or_none(frames: list[bytes]) -> int | None:
+    try:
+        return seq_of(frames[1]) if len(frames) == 3 else None
+    except ValueError:
+        return None
 
 
 class KVSubscriber:
@@ -80,8 +87,16 @@ class KVSubscriber:
         try:
             sub.connect(target.events)
             log.info("kv events subscribed endpoint=%s events=%s", endpoint, target.events)
+            # what the engine cached before this subscription: its replay buffer, from the start
+            replayed = await self._catch_up(endpoint, target, 0, None) if target.replay else None
             while True:
                 frames = await sub.recv_multipart()
+                if replayed is not None:
+                    # batches published during the replay arrive live as well: skip those taken
+                    seq = _seq_or_none(frames)
+                    if seq is not None and seq <= replayed:
+                        continue
+                    replayed = None
                 await self._take(endpoint, target, frames)
         except zmq.ZMQError as exc:
             log.warning("kv events unavailable endpoint=%s error=%s", endpoint, exc)
@@ -113,33 +128,38 @@ class KVSubscriber:
             await self._catch_up(endpoint, target, 0 if last is None else last + 1, seq)
         index.apply(endpoint, seq, events)
 
-    async def _catch_up(self, endpoint: str, target: Target, start: int, upto: int) -> None:
-        """Apply batches ``start`` .. ``upto - 1`` from the replay socket; reset what cannot be had."""
-        if start >= upto:
-            return
+    async def _catch_up(self, endpoint: str, target: Target, start: int, upto: int | None) -> int | None:
+        """Apply batches ``start`` .. ``upto - 1`` (None: all there are) from the replay socket.
+
+        What cannot be had resets the endpoint's blocks. Returns the last batch applied, if any.
+        """
+        if upto is not None and start >= upto:
+            return None
         batches = await self._replay(target, start) if target.replay else []
         expected = start
+        applied = None
         lost = False
         for seq, payload in batches:
             if seq < expected:
                 continue
-            if seq >= upto:
+            if upto is not None and seq >= upto:
                 break
             try:
                 _ts, events = decode_batch(payload)
             except ValueError:
                 continue  # the hole this leaves is found below
-            if seq > expected:  # older history is gone: keep only what follows
+            if seq > expected and (start > 0 or applied is not None):  # a hole: keep only what follows
                 self.index.reset(endpoint)
                 lost = True
             self.index.apply(endpoint, seq, events)
-            expected = seq + 1
-        if expected != upto:
+            applied = expected = seq + 1
+        if upto is not None and expected != upto:
             if self.index.last(endpoint) is not None or start > 0:
                 self.index.reset(endpoint)
             lost = True
         if lost and start > 0:
-            log.info("kv events gap endpoint=%s missed=%d..%d", endpoint, start, upto - 1)
+            log.info("kv events gap endpoint=%s missed=%d..%d", endpoint, start, (upto or expected) - 1)
+        return None if applied is None else applied - 1
 
     async def _replay(self, target: Target, start: int) -> list[tuple[int, bytes]]:
         """The batches the replay socket still holds from ``start`` on ([] when it does not answer)."""
