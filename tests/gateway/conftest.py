@@ -50,6 +50,14 @@ FLEET = "".join(
 """,
         ),
         model_doc(
+            "chat-k",
+            extra="""  args: [--kv-events-config, '{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://*:+1", "replay_endpoint": "tcp://*:+2", "topic": "kv-events"}']
+  routing: {profile: precise, kvEvents: {portOffset: 1, replayPortOffset: 2}}
+  scaling: {min: 3, max: 3}
+""",
+        ),
+        model_doc(
             "chat-r",
             extra="""  limits: {requestsPerSecond: 0.5, burst: 2}
 """,
@@ -71,7 +79,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     keys.write_text(f"# test keys\n{API_KEY}\n")
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
     try:
-        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-r": 1}, timeout=90)
+        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-k": 3, "chat-r": 1}, timeout=90)
         yield up
     finally:
         code = up.stop()

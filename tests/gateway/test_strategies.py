@@ -147,6 +147,32 @@ def test_balanced_profile_leaves_a_replica_whose_engine_reports_a_full_queue(gat
             conn.close()
 
 
+def test_precise_profile_follows_the_blocks_each_engine_reports(gateway: UpProcess) -> None:
+    endpoints = gateway.endpoints("chat-k")
+    systems = {ep: " ".join(f"k{n}w{i}" for i in range(600)) for n, ep in enumerate(endpoints)}
+    # each system prompt goes straight to one engine, unseen by the gateway: only that engine's KV
+    # events can tell the gateway where its blocks are
+    for ep, system in systems.items():
+        direct = {"model": "chat-k", "max_tokens": 1, "messages": [{"role": "system", "content": system}]}
+        assert request("POST", f"http://{ep}/v1/chat/completions", body=direct).status == 200
+    time.sleep(1.0)  # events take milliseconds on loopback; a subscription replays what came before it
+    homes = {
+        ep: {
+            served_by(
+                gateway,
+                {
+                    "model": "chat-k",
+                    "max_tokens": 1,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                },
+            )
+            for i in range(3)
+        }
+        for ep, system in systems.items()
+    }
+    assert all(seen == {ep} for ep, seen in homes.items()), homes
+
+
 def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:
     endpoints = gateway.endpoints("chat-l")
     # Two long streams (50 tok/s x 150 tokens = 3 s) occupy two endpoints...
