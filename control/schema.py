@@ -36,6 +36,7 @@ class Strategy(StrEnum):
     SESSION_AFFINITY = "session-affinity"
     PREFIX = "prefix"
     LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
 
 
 class ColdMode(StrEnum):
@@ -55,6 +56,11 @@ class Profile(StrEnum):
     LOAD_FIRST = "load-first"
     STICKY_SESSIONS = "sticky-sessions"
     PRECISE = "precise"
+
+
+DEFAULT_PROFILE = Profile.BALANCED
+"""What a Model that names no routing (strategy `default`, no profile, no weights) is picked with;
+chosen from tests/bench/bench_routing.py (docs/decisions.md, "The default picking")."""
 
 
 class Weights(_Spec):
@@ -111,7 +117,11 @@ class Routing(_Spec):
             ]
         }
     )
-    strategy: Strategy = Field(Strategy.DEFAULT, description="How the gateway picks among ready endpoints.")
+    strategy: Strategy = Field(
+        Strategy.DEFAULT,
+        description="How the gateway picks among ready endpoints; default: the balanced profile, "
+        "round-robin: Envoy's round robin.",
+    )
     profile: Profile | None = Field(
         None,
         description="Scored picking with a named set of weights (balanced is the recommended default); "

@@ -10,7 +10,8 @@ Sequence numbers (vLLM's, one per batch): on subscribing, the subscriber asks th
 replay socket (when it has one) for every batch it still buffers, so a gateway that starts late
 learns what the engine cached before; a batch past a gap (or the first one, without replay)
 makes it ask for the batches it missed; whatever still cannot be had resets the endpoint's
-blocks. A malformed message is a gap too; a sequence number that goes back is a restarted engine. All of this runs off the request path; a pick only reads the index.
+blocks. A malformed message is a gap too; a sequence number that goes back is a restarted
+engine. All of this runs off the request path; a pick only reads the index.
 """
 
 from __future__ import annotations

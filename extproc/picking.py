@@ -2,8 +2,10 @@
 
 Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
 
-``default``
-    None: Envoy's own load balancer chooses. Unknown strategy names behave the same.
+``round-robin``
+    None: Envoy's own load balancer (round robin) chooses. Unknown strategy names and ``default``
+    behave the same here, but the feeder sends a Model that names no routing with the default
+    profile (``balanced``, ``control.schema.DEFAULT_PROFILE``), so it is scored.
 ``session-affinity``
     Consistent-hash ring lookup of :func:`session_key`; requests without one go least-loaded.
 ``prefix``
@@ -413,7 +415,7 @@ class Picker:
         weights = self._weights.get(model_key)
         if weights is not None:
             return self._scored(model_key, weights, endpoints, headers, body)
-        if strategy not in STRATEGIES or strategy == "default":
+        if strategy not in STRATEGIES or strategy in ("default", "round-robin"):
             return None
         if strategy == "least-loaded":
             return self.inflight.least_loaded(endpoints, engine_loads)

@@ -33,7 +33,7 @@ from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
 from wakegate import contract
-from wakegate.control.schema import Model
+from wakegate.control.schema import DEFAULT_PROFILE, Model, Routing, Strategy
 from wakegate.v1 import routing_pb2
 
 _M = TypeVar("_M", bound=Message)
@@ -105,7 +105,7 @@ def routed_model(
         served_name=model.served_name,
         lora_adapters=tuple(spec.loraAdapters),
         strategy=spec.routing.strategy.value,
-        profile=spec.routing.profile.value if spec.routing.profile is not None else "",
+        profile=_profile(spec.routing),
         weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
         kv_events_offset=kv.portOffset if kv is not None else 0,
         kv_events_replay_offset=kv.replayPortOffset if kv is not None else 0,
@@ -121,6 +121,15 @@ def routed_model(
         admitted=admitted,
         loads=tuple(sorted(loads)),
     )
+
+
+def _profile(routing: Routing) -> str:
+    """The route's profile: the Model's, or the default profile when it names no routing at all."""
+    if routing.profile is not None:
+        return routing.profile.value
+    if routing.weights is None and routing.strategy == Strategy.DEFAULT:
+        return DEFAULT_PROFILE.value
+    return ""
 
 
 def cluster_name(model_key: str) -> str:

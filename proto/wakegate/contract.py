@@ -40,6 +40,7 @@ ACCESS_LOG_CLUSTER = "wakegate_access_log"
 def access_log_cluster(index: int) -> str:
     return f"{ACCESS_LOG_CLUSTER}_{index}"
 
+
 #: `node.cluster` of the gateway's Envoy and extproc when they subscribe over ADS.
 GATEWAY_NODE_CLUSTER = "wakegate-gateway"
 

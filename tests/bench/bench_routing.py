@@ -7,11 +7,13 @@
 For each workload one `wakegate up` runs one sim model per strategy (`--replicas` replicas each;
 the models differ only in `routing`), so every strategy meets identical, cold engines:
 
-* ``round-robin``    strategy default: Envoy's round robin
+* ``round-robin``    strategy round-robin: Envoy's round robin (before the default profile, what a
+  Model that named no routing got)
 * ``least-loaded``   strategy least-loaded: fewest requests in flight from the gateway
 * ``prefix-hash``    strategy prefix: consistent hash of the first 1 024 prompt characters
 * ``prefix-approx``  profile cache-first: the approximate prefix index alone (ties rotate)
-* ``balanced``       profile balanced: approximate prefix 3 + queue 1
+* ``balanced``       profile balanced: approximate prefix 3 + queue 1 (the default profile: what a
+  Model that names no routing gets)
 * ``precise``        profile precise: precise prefix 3 (the engines' own KV events over ZMQ) + queue 1
 
 Each sim is a small engine whose simulated time dwarfs the CPU it burns: a 16-token-block
@@ -60,7 +62,7 @@ from tests.bench.common import git_state, loadavg
 from tests.support.up import UpProcess, model_doc
 
 STRATEGIES: dict[str, str] = {
-    "round-robin": "{strategy: default}",
+    "round-robin": "{strategy: round-robin}",
     "least-loaded": "{strategy: least-loaded}",
     "prefix-hash": "{strategy: prefix}",
     "prefix-approx": "{profile: cache-first}",

@@ -23,6 +23,12 @@ FLEET = "".join(
 """,
         ),
         model_doc(
+            "chat-o",
+            extra="""  routing: {strategy: round-robin}
+  scaling: {min: 2, max: 2}
+""",
+        ),
+        model_doc(
             "chat-b",
             extra="""  aliases: [b]
   routing: {strategy: session-affinity}
@@ -79,7 +85,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     keys.write_text(f"# test keys\n{API_KEY}\n")
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
     try:
-        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-k": 3, "chat-r": 1}, timeout=90)
+        up.wait_ready(
+            {"chat-a": 2, "chat-o": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-k": 3, "chat-r": 1},
+            timeout=90,
+        )
         yield up
     finally:
         code = up.stop()

@@ -37,6 +37,16 @@ def test_default_spreads_over_all_endpoints(gateway: UpProcess) -> None:
     assert set(seen) == set(gateway.endpoints("chat-a"))
 
 
+def test_a_model_naming_no_routing_keeps_a_shared_prompt_where_its_cache_is(gateway: UpProcess) -> None:
+    system = "default profile system prompt " * 300  # several prefix blocks
+    # chat-a names no routing: the default profile (balanced) keeps the prompt on one replica
+    homes = {served_by(gateway, chat("chat-a", system, "ok", f"q{i}")) for i in range(6)}
+    assert len(homes) == 1
+    # chat-o asks for Envoy's round robin: the same prompt goes round every replica
+    seen = collections.Counter(served_by(gateway, chat("chat-o", system, "ok", f"q{i}")) for i in range(6))
+    assert set(seen) == set(gateway.endpoints("chat-o"))
+
+
 def test_session_affinity_keeps_each_session_on_one_endpoint(gateway: UpProcess) -> None:
     endpoints = set(gateway.endpoints("chat-b"))
     per_session: dict[str, set[str]] = collections.defaultdict(set)

@@ -13,6 +13,7 @@ class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STRATEGY_SESSION_AFFINITY: _ClassVar[Strategy]
     STRATEGY_PREFIX: _ClassVar[Strategy]
     STRATEGY_LEAST_LOADED: _ClassVar[Strategy]
+    STRATEGY_ROUND_ROBIN: _ClassVar[Strategy]
 
 class ColdMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ STRATEGY_DEFAULT: Strategy
 STRATEGY_SESSION_AFFINITY: Strategy
 STRATEGY_PREFIX: Strategy
 STRATEGY_LEAST_LOADED: Strategy
+STRATEGY_ROUND_ROBIN: Strategy
 COLD_MODE_HOLD: ColdMode
 COLD_MODE_KEEPALIVE: ColdMode
 COLD_MODE_REJECT: ColdMode
