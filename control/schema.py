@@ -36,6 +36,7 @@ class Strategy(StrEnum):
     SESSION_AFFINITY = "session-affinity"
     PREFIX = "prefix"
     LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
 
 
 class ColdMode(StrEnum):
@@ -54,18 +55,45 @@ class Profile(StrEnum):
     CACHE_FIRST = "cache-first"
     LOAD_FIRST = "load-first"
     STICKY_SESSIONS = "sticky-sessions"
+    PRECISE = "precise"
+
+
+DEFAULT_PROFILE = Profile.BALANCED
+"""What a Model that names no routing (strategy `default`, no profile, no weights) is picked with;
+chosen from tests/bench/bench_routing.py (docs/decisions.md, "The default picking")."""
 
 
 class Weights(_Spec):
     queue: float = Field(0, ge=0, le=100, description="Fewest requests queued or in flight.")
     kvCache: float = Field(0, ge=0, le=100, description="Most free KV cache, as the engine reports it.")
     prefix: float = Field(0, ge=0, le=100, description="Longest prompt prefix recently sent to the endpoint.")
+    precise: float = Field(
+        0, ge=0, le=100, description="Longest prompt prefix the engine holds, from its KV events (routing.kvEvents)."
+    )
     session: float = Field(0, ge=0, le=100, description="The endpoint the session key hashes to.")
 
     def scorers(self) -> dict[str, float]:
         """Scorer name (as extproc knows it) -> weight, the zero ones left out."""
-        pairs = {"queue": self.queue, "kv-cache": self.kvCache, "prefix": self.prefix, "session": self.session}
+        pairs = {
+            "queue": self.queue,
+            "kv-cache": self.kvCache,
+            "prefix": self.prefix,
+            "precise": self.precise,
+            "session": self.session,
+        }
         return {name: w for name, w in pairs.items() if w > 0}
+
+
+class KVEvents(_Spec):
+    portOffset: int = Field(
+        ge=1,
+        le=1000,
+        description="Each replica's engine publishes vLLM KV events over ZMQ on its HTTP port plus this "
+        "(vLLM: --kv-events-config endpoint tcp://*:PORT+OFFSET).",
+    )
+    replayPortOffset: int = Field(
+        0, ge=0, le=1000, description="Its replay socket is on its HTTP port plus this; 0: it has none."
+    )
 
 
 class Routing(_Spec):
@@ -81,16 +109,35 @@ class Routing(_Spec):
                     "|| self.strategy == 'default'",
                     "message": "routing.strategy cannot be combined with a profile or weights",
                 },
+                {
+                    "rule": "has(self.kvEvents) || !((has(self.profile) && self.profile == 'precise') "
+                    "|| (has(self.weights) && has(self.weights.precise) && self.weights.precise > 0))",
+                    "message": "the precise scorer needs routing.kvEvents (where the engines publish KV events)",
+                },
             ]
         }
     )
-    strategy: Strategy = Field(Strategy.DEFAULT, description="How the gateway picks among ready endpoints.")
+    strategy: Strategy = Field(
+        Strategy.DEFAULT,
+        description="How the gateway picks among ready endpoints; default: the balanced profile, "
+        "round-robin: Envoy's round robin.",
+    )
     profile: Profile | None = Field(
         None,
         description="Scored picking with a named set of weights (balanced is the recommended default); "
         "replaces strategy.",
     )
     weights: Weights | None = Field(None, description="Scored picking with these weights per scorer.")
+    kvEvents: KVEvents | None = Field(
+        None, description="Where the engines publish KV events, for the precise scorer (profile precise)."
+    )
+
+    @property
+    def uses_precise(self) -> bool:
+        """Whether picking weighs the precise scorer."""
+        if self.profile is not None:
+            return self.profile == Profile.PRECISE
+        return self.weights is not None and self.weights.precise > 0
 
     @model_validator(mode="after")
     def _one_form(self) -> Routing:
@@ -100,6 +147,8 @@ class Routing(_Spec):
             raise ValueError("routing.strategy cannot be combined with a profile or weights")
         if self.weights is not None and not self.weights.scorers():
             raise ValueError("routing.weights needs at least one weight above 0")
+        if self.uses_precise and self.kvEvents is None:
+            raise ValueError("the precise scorer needs routing.kvEvents (where the engines publish KV events)")
         return self
 
 

@@ -28,6 +28,7 @@ from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.h2grpc.limits import H2Limits
+from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
 from wakegate.internal_token import TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
@@ -259,6 +260,8 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             picker.scored_endpoints, picker.engines, picker.inflight.count, settings.engine_metrics_interval
         )
         tasks.append(asyncio.create_task(watch.run()))
+    kv = KVSubscriber(gateway.picker.kv_targets, gateway.picker.kv)
+    tasks.append(asyncio.create_task(kv.run()))
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")
     log.info(

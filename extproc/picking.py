@@ -2,8 +2,10 @@
 
 Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
 
-``default``
-    None: Envoy's own load balancer chooses. Unknown strategy names behave the same.
+``round-robin``
+    None: Envoy's own load balancer (round robin) chooses. Unknown strategy names and ``default``
+    behave the same here, but the feeder sends a Model that names no routing with the default
+    profile (``balanced``, ``control.schema.DEFAULT_PROFILE``), so it is scored.
 ``session-affinity``
     Consistent-hash ring lookup of :func:`session_key`; requests without one go least-loaded.
 ``prefix``
@@ -18,8 +20,10 @@ Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
 A model whose route names a profile or weights is picked by scoring instead, whatever its
 strategy: :mod:`wakegate.extproc.scheduling` filters the endpoints, weighs its scorers and picks,
 reading in-flight counts from :attr:`Picker.inflight`, engine state from :attr:`Picker.engines`
-and prompt-prefix history from :attr:`Picker.index` (:mod:`wakegate.extproc.prefix`), which
-every scored pick adds to. :meth:`Picker.configure` takes the route table.
+prompt-prefix history from :attr:`Picker.index` (:mod:`wakegate.extproc.prefix`), which
+every scored pick adds to, and the engines' own KV blocks from :attr:`Picker.kv`
+(:mod:`wakegate.extproc.kvindex`, fed by :mod:`wakegate.extproc.kvsubscriber` for the endpoints
+:meth:`Picker.kv_targets` names). :meth:`Picker.configure` takes the route table.
 
 In-flight contract: :attr:`Picker.inflight` is shared. :meth:`Picker.pick` only reads it; when
 ``pick`` returns an endpoint, the caller calls ``picker.inflight.acquire(endpoint)`` once it routes
@@ -40,8 +44,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from wakegate import contract
+from wakegate.extproc.kvindex import KVIndex, Target, target_for
 from wakegate.extproc.prefix import PrefixIndex, chain, prompt_text
 from wakegate.extproc.scheduling import Decision, EngineState, Request, Rotation, Signals, schedule, weights_for
+from wakegate.kvevents import body_blocks
 from wakegate.v1 import routing_pb2
 
 __all__ = [
@@ -307,6 +313,7 @@ class Picker:
 
     __slots__ = (
         "_adapters",
+        "_kv_targets",
         "_rings",
         "_rotation",
         "_scored_endpoints",
@@ -315,6 +322,7 @@ class Picker:
         "engines",
         "index",
         "inflight",
+        "kv",
         "last",
         "prefix_chars",
         "vnodes",
@@ -330,6 +338,9 @@ class Picker:
         self.engines: dict[str, EngineState] = {}
         #: which endpoint recently got which prompt prefix (scored picks add to it)
         self.index = PrefixIndex()
+        #: which KV blocks each engine says it holds (its KV events, for the precise scorer)
+        self.kv = KVIndex()
+        self._kv_targets: dict[str, Target] = {}  # endpoint -> where its engine publishes KV events
         #: the last scored decision (for debugging and tests)
         self.last: Decision | None = None
         self._weights: dict[str, dict[str, float]] = {}  # model_key -> scorer weights
@@ -347,6 +358,7 @@ class Picker:
         adapters: dict[str, frozenset[str]] = {}
         live: set[str] = set()
         scored: set[str] = set()
+        targets: dict[str, Target] = {}
         for route in routes:
             endpoints = {f"{e.address}:{e.port}" for e in route.endpoints}
             chosen = weights_for(route.profile, route.weights)
@@ -355,8 +367,15 @@ class Picker:
                 scored |= endpoints
                 if route.lora_adapters:
                     adapters[route.key] = frozenset(route.lora_adapters)
+                if chosen.get("precise") and route.kv_events_offset:
+                    for e in route.endpoints:
+                        targets[f"{e.address}:{e.port}"] = target_for(
+                            e.address, e.port, route.kv_events_offset, route.kv_events_replay_offset
+                        )
             live |= endpoints
         self._weights = weights
+        self._kv_targets = targets
+        self.kv.retain(targets)
         self._scored_endpoints = scored
         self._adapters = adapters
         self.index.retain(live)
@@ -366,6 +385,10 @@ class Picker:
     def scored_endpoints(self) -> set[str]:
         """Endpoints of the models picked by scoring (whose engine state is worth reading)."""
         return self._scored_endpoints
+
+    def kv_targets(self) -> dict[str, Target]:
+        """Endpoint -> where its engine publishes KV events, for the models weighing ``precise``."""
+        return self._kv_targets
 
     def weights(self, model_key: str) -> dict[str, float] | None:
         """The scorer weights a model is picked with, or None when its strategy decides."""
@@ -392,7 +415,7 @@ class Picker:
         weights = self._weights.get(model_key)
         if weights is not None:
             return self._scored(model_key, weights, endpoints, headers, body)
-        if strategy not in STRATEGIES or strategy == "default":
+        if strategy not in STRATEGIES or strategy in ("default", "round-robin"):
             return None
         if strategy == "least-loaded":
             return self.inflight.least_loaded(endpoints, engine_loads)
@@ -417,6 +440,10 @@ class Picker:
             request.chain = chain(prompt_text(body))
             if request.chain:
                 request.prefix_matches = self.index.matches(request.chain)
+        if weights.get("precise"):
+            request.blocks = body_blocks(body)
+            if request.blocks:
+                request.block_matches = self.kv.matches(request.blocks)
         if weights.get("session"):
             key = session_key(headers, body)
             if key is not None:

@@ -25,7 +25,7 @@ stable-within-a-process string hash CPython has.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["BLOCK_CHARS", "MAX_BLOCKS", "PrefixIndex", "chain", "prompt_text"]
@@ -92,7 +92,11 @@ def chain(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCK
 
 
 class PrefixIndex:
-    """Per-endpoint LRU sets of block hashes, and which endpoints hold each hash."""
+    """Per-endpoint LRU sets of block hashes, and which endpoints hold each hash.
+
+    Hashes are any hashable values: this module's integer chains, or the byte strings of an
+    engine's KV events (:mod:`wakegate.extproc.kvindex`).
+    """
 
     __slots__ = ("_lru", "_owners", "capacity")
 
@@ -100,8 +104,8 @@ class PrefixIndex:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._lru: dict[str, OrderedDict[int, None]] = {}
-        self._owners: dict[int, dict[str, None]] = {}
+        self._lru: dict[str, OrderedDict[Hashable, None]] = {}
+        self._owners: dict[Hashable, dict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -111,7 +115,11 @@ class PrefixIndex:
         lru = self._lru.get(endpoint)
         return len(lru) if lru is not None else 0
 
-    def matches(self, hashes: Sequence[int]) -> dict[str, int]:
+    def held(self, endpoint: str) -> set[Hashable]:
+        """The block hashes ``endpoint`` is remembered to hold (a copy)."""
+        return set(self._lru.get(endpoint, ()))
+
+    def matches(self, hashes: Sequence[Hashable]) -> dict[str, int]:
         """Endpoint -> how many leading blocks of ``hashes`` it holds (endpoints with none left out).
 
         Walks the chain once and stops when no endpoint holds the next block, so the cost is
@@ -143,7 +151,7 @@ class PrefixIndex:
             out[ep] = depth
         return out
 
-    def record(self, endpoint: str, hashes: Sequence[int]) -> None:
+    def record(self, endpoint: str, hashes: Sequence[Hashable]) -> None:
         """``endpoint`` got a request with this chain: remember its blocks (most recent last)."""
         if not hashes:
             return
@@ -166,7 +174,17 @@ class PrefixIndex:
             old, _none = lru.popitem(last=False)
             self._drop(old, endpoint)
 
-    def _drop(self, h: int, endpoint: str) -> None:
+    def discard(self, endpoint: str, hashes: Iterable[Hashable]) -> None:
+        """``endpoint`` no longer holds these blocks (unknown ones are ignored)."""
+        lru = self._lru.get(endpoint)
+        if lru is None:
+            return
+        for h in hashes:
+            if h in lru:
+                del lru[h]
+                self._drop(h, endpoint)
+
+    def _drop(self, h: Hashable, endpoint: str) -> None:
         holders = self._owners.get(h)
         if holders is not None:
             holders.pop(endpoint, None)

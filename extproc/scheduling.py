@@ -17,13 +17,16 @@ One decision (:func:`schedule`) over a model's ready endpoints:
    reported running and waiting beyond this gateway's own count at that moment, i.e. other
    gateways' requests; min-max normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
    ``prefix`` (the share of the prompt's leading blocks the endpoint was recently sent, from
-   :class:`~wakegate.extproc.prefix.PrefixIndex`), ``session`` (1 for the endpoint the session
-   key's consistent-hash ring names).
+   :class:`~wakegate.extproc.prefix.PrefixIndex`), ``precise`` (the share of the prompt's leading
+   KV blocks the endpoint's engine says it holds, from its KV events via
+   :class:`~wakegate.extproc.kvindex.KVIndex`; 0 for an endpoint the index knows nothing of),
+   ``session`` (1 for the endpoint the session key's consistent-hash ring names).
 3. The **picker** takes the highest weighted sum; ties (within 1e-9) rotate, so equal endpoints
    share traffic.
 
-Every step is O(candidates), except ``prefix``, which walks the prompt's block chain once
-(bounded by :data:`~wakegate.extproc.prefix.MAX_BLOCKS`). Scorers only read :class:`Signals`;
+Every step is O(candidates), except ``prefix`` and ``precise``, which walk the prompt's block
+chain once (bounded by :data:`~wakegate.extproc.prefix.MAX_BLOCKS` and
+:data:`~wakegate.kvevents.MAX_BLOCKS`). Scorers only read :class:`Signals`;
 where its numbers come from (the ext_proc stream's end, an access log, a metrics scrape) is
 the caller's business.
 """
@@ -83,6 +86,10 @@ class Request:
     """The prompt's block-hash chain (:func:`~wakegate.extproc.prefix.chain`)."""
     prefix_matches: Mapping[str, int] = field(default_factory=dict)
     """Endpoint -> leading blocks of ``chain`` it holds (:meth:`PrefixIndex.matches`)."""
+    blocks: Sequence[bytes] = ()
+    """The prompt's KV block-hash chain as the engine names it (:func:`~wakegate.kvevents.body_blocks`)."""
+    block_matches: Mapping[str, int] = field(default_factory=dict)
+    """Endpoint -> leading blocks of ``blocks`` its engine holds (:meth:`KVIndex.matches`)."""
     session_owner: str | None = None
     """The endpoint the session key hashes to, or None when the request has no session."""
     adapter: str | None = None
@@ -167,6 +174,14 @@ def _prefix(candidates: list[str], request: Request, signals: Signals) -> list[f
     return [matches.get(ep, 0) / total for ep in candidates]
 
 
+def _precise(candidates: list[str], request: Request, signals: Signals) -> list[float]:
+    total = len(request.blocks)
+    if not total:
+        return [0.0] * len(candidates)
+    matches = request.block_matches
+    return [matches.get(ep, 0) / total for ep in candidates]
+
+
 def _session(candidates: list[str], request: Request, signals: Signals) -> list[float]:
     owner = request.session_owner
     return [1.0 if ep == owner else 0.0 for ep in candidates]
@@ -175,7 +190,13 @@ def _session(candidates: list[str], request: Request, signals: Signals) -> list[
 FILTERS: tuple[Filter, ...] = (adapter_present, under_capacity)
 """The filters, in the order they run."""
 
-SCORERS: dict[str, Scorer] = {"queue": _queue, "kv-cache": _kv_cache, "prefix": _prefix, "session": _session}
+SCORERS: dict[str, Scorer] = {
+    "queue": _queue,
+    "kv-cache": _kv_cache,
+    "prefix": _prefix,
+    "precise": _precise,
+    "session": _session,
+}
 """Scorer name -> scorer; the names are the keys of a Model's ``routing.weights``."""
 
 if set(SCORERS) != set(contract.SCORERS):  # pragma: no cover - caught by any import in the tests

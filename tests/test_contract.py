@@ -66,7 +66,7 @@ def test_schema_words_are_the_proto_enums() -> None:
 
 def test_schema_profiles_and_weights_are_the_scorers() -> None:
     assert {p.value for p in Profile} == set(contract.PROFILES)
-    every = Weights(queue=1, kvCache=1, prefix=1, session=1).scorers()
+    every = Weights(queue=1, kvCache=1, prefix=1, precise=1, session=1).scorers()
     assert set(every) == set(contract.SCORERS)
     assert all(set(weights) <= set(contract.SCORERS) for weights in contract.PROFILES.values())
 
@@ -75,9 +75,9 @@ def test_an_enum_edited_on_either_side_is_caught() -> None:
     # The proto gains a strategy the schema does not offer.
     proto = descriptor_pb2.EnumDescriptorProto()
     routing_pb2.Strategy.DESCRIPTOR.CopyToProto(proto)
-    proto.value.add(name="STRATEGY_ROUND_ROBIN", number=9)
+    proto.value.add(name="STRATEGY_RANDOM", number=9)
     words = contract.enum_names(((value.name, value.number) for value in proto.value), "STRATEGY_")
-    assert mismatch((s.value for s in Strategy), words) == {"round-robin"}
+    assert mismatch((s.value for s in Strategy), words) == {"random"}
     # The schema renames a word the proto still spells the old way.
     renamed = [s.value for s in Strategy if s is not Strategy.LEAST_LOADED] + ["least-busy"]
     assert mismatch(renamed, contract.STRATEGIES) == {"least-busy", "least-loaded"}

@@ -33,7 +33,7 @@ from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
 from wakegate import contract
-from wakegate.control.schema import Model
+from wakegate.control.schema import DEFAULT_PROFILE, Model, Routing, Strategy
 from wakegate.v1 import routing_pb2
 
 _M = TypeVar("_M", bound=Message)
@@ -64,6 +64,9 @@ class RoutedModel:
     #: scored picking: a named profile, or (scorer, weight) pairs; both empty: `strategy` decides
     profile: str = ""
     weights: tuple[tuple[str, float], ...] = ()
+    #: the engines publish KV events on their HTTP port plus this (0: none), replay on plus the second
+    kv_events_offset: int = 0
+    kv_events_replay_offset: int = 0
     requests_per_second: float = 0.0
     burst: float = 0.0
     cold_mode: str = "hold"
@@ -98,14 +101,17 @@ def routed_model(
 ) -> RoutedModel:
     """What the gateway needs of a Model manifest plus its current ready endpoints."""
     spec = model.spec
+    kv = spec.routing.kvEvents
     return RoutedModel(
         key=model.key,
         names=tuple(model.client_names),
         served_name=model.served_name,
         lora_adapters=tuple(spec.loraAdapters),
         strategy=spec.routing.strategy.value,
-        profile=spec.routing.profile.value if spec.routing.profile is not None else "",
+        profile=_profile(spec.routing),
         weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
+        kv_events_offset=kv.portOffset if kv is not None else 0,
+        kv_events_replay_offset=kv.replayPortOffset if kv is not None else 0,
         requests_per_second=spec.limits.requestsPerSecond,
         burst=spec.limits.burst,
         cold_mode=spec.endpoint.coldMode.value,
@@ -119,6 +125,15 @@ def routed_model(
         admitted=admitted,
         loads=tuple(sorted(loads)),
     )
+
+
+def _profile(routing: Routing) -> str:
+    """The route's profile: the Model's, or the default profile when it names no routing at all."""
+    if routing.profile is not None:
+        return routing.profile.value
+    if routing.weights is None and routing.strategy == Strategy.DEFAULT:
+        return DEFAULT_PROFILE.value
+    return ""
 
 
 def cluster_name(model_key: str) -> str:
@@ -573,6 +588,8 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         strategy=contract.STRATEGIES[model.strategy],
         profile=model.profile,
         weights=dict(model.weights),
+        kv_events_offset=model.kv_events_offset,
+        kv_events_replay_offset=model.kv_events_replay_offset,
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(

@@ -43,6 +43,7 @@ from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from wakegate.control.sim.kvcache import BLOCK_TOKENS, ROOT, Allocation, KVCache, block_hashes, blocks_for
 from wakegate.control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wakegate.control.sim.metrics import SimMetrics
+from wakegate.kvevents import KVEventsConfig, chat_tokens, completion_tokens
 
 log = logging.getLogger("wakegate.sim")
 
@@ -110,6 +111,8 @@ class SimConfig:
     never_ready: bool = False
     #: log each /v1 request's arrival (``sim timing request t=<epoch seconds>``; benchmarks)
     log_requests: bool = False
+    #: vLLM's ``--kv-events-config``: publish the prefix cache's block events over ZMQ
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @property
     def primary(self) -> str:
@@ -401,30 +404,16 @@ class Sim:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
-        tokens: list[str] = []
-        for msg in messages:
-            if not isinstance(msg, dict):
-                raise BadRequest("each message must be an object")
-            content = msg.get("content")
-            if isinstance(content, str):
-                tokens += content.split()
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        tokens += part["text"].split()
+        if not all(isinstance(msg, dict) for msg in messages):
+            raise BadRequest("each message must be an object")
+        tokens = chat_tokens(messages)
         return await self._generate(request, body, model, tokens, chat=True)
 
     async def _completions(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await self._json_body(request)
         model = self._model(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # the openai client sends one prompt as a list of one; more are not simulated
-        if isinstance(prompt, str):
-            tokens = prompt.split()
-        elif isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
-            tokens = [str(p) for p in prompt]
-        else:
+        tokens = completion_tokens(body.get("prompt"))
+        if tokens is None:
             raise BadRequest("'prompt' must be a string, a list of token ids, or a list of one of those")
         return await self._generate(request, body, model, tokens, chat=False)
 

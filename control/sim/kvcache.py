@@ -5,7 +5,8 @@ Model (*pure*: no I/O, no clock)
 * A prompt is a list of tokens (the sim's tokens are whitespace-separated words, see
   :mod:`wakegate.control.sim.app`). Tokens are grouped into blocks of :data:`BLOCK_TOKENS`; each
   *full* block is identified by a chained hash: ``hash(parent hash, the block's tokens)``, so a
-  block hash names the whole prefix up to and including that block. A partial last block is
+  block hash names the whole prefix up to and including that block (:func:`block_hashes`, shared
+  with extproc's precise scorer through :mod:`wakegate.kvevents`). A partial last block is
   never shared.
 * The cache holds ``capacity`` blocks. A block is *in use* while a running request references it
   (``refs > 0``), *cached* when no request references it but its contents are kept for reuse, or
@@ -25,38 +26,17 @@ Model (*pure*: no I/O, no clock)
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from wakegate.kvevents import BLOCK_TOKENS, ROOT, block_hashes
+
 __all__ = ["BLOCK_TOKENS", "ROOT", "Allocation", "KVCache", "block_hashes", "blocks_for"]
-
-BLOCK_TOKENS = 16
-"""Tokens per KV block (vLLM's default block size)."""
-
-ROOT = b"\x00" * 8
-"""The parent hash of a prompt's first block."""
 
 
 def blocks_for(tokens: int) -> int:
     """Blocks needed to hold ``tokens`` tokens."""
     return -(-tokens // BLOCK_TOKENS)
-
-
-def block_hashes(tokens: Sequence[str], parent: bytes = ROOT, start: int = 0) -> list[bytes]:
-    """Chained hashes of the full blocks of ``tokens[start:]`` (``start`` a block boundary).
-
-    ``parent`` is the hash of the block before ``start`` (:data:`ROOT` at the beginning). Each
-    hash is BLAKE2b-64 of the parent hash followed by the block's tokens joined by ``"\\x1f"``.
-    """
-    out: list[bytes] = []
-    end = len(tokens) - (len(tokens) - start) % BLOCK_TOKENS
-    for i in range(start, end, BLOCK_TOKENS):
-        parent = hashlib.blake2b(
-            parent + "\x1f".join(tokens[i : i + BLOCK_TOKENS]).encode("utf-8", "surrogatepass"), digest_size=8
-        ).digest()
-        out.append(parent)
-    return out
 
 
 class Allocation:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
@@ -30,6 +31,8 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from wakegate.control.sim.app import Sim, SimConfig
+from wakegate.control.sim.events import Publisher
+from wakegate.kvevents import KVEventsConfig, parse_config
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.sim")
@@ -92,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=32768,
         help="simulated KV-cache capacity in tokens, kept as blocks of 16 with prefix reuse and LRU eviction",
     )
+    a(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV events: publish blocks stored and removed over ZMQ, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; a port written +N is the HTTP port plus N',
+    )
     a("--eos-after-tokens", type=int, default=0, help="finish with 'stop' after N tokens (0 = never)")
     a("--embedding-dim", type=int, default=16, help="length of the embedding vectors (default 16)")
     a("--fail-after-seconds", type=float, default=None, help="exit abruptly after this many seconds")
@@ -143,7 +154,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key or None,
         never_ready=args.never_ready,
         log_requests=args.log_requests,
+        kv_events=_kv_events(args.kv_events_config),
     )
+
+
+def _kv_events(text: str | None) -> KVEventsConfig:
+    if text is None:
+        return KVEventsConfig()
+    try:
+        return parse_config(text)
+    except ValueError as exc:
+        raise SystemExit(f"sim: {exc}") from None
 
 
 def _crash(code: int, after: float) -> None:
@@ -184,6 +205,16 @@ async def serve(
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{bound[1]}"
     log.info("sim listening url=%s names=%s", url, ",".join(sorted(sim.names)))
+    publisher = None
+    if cfg.kv_events.active:
+        publisher = Publisher(cfg.kv_events, bound[1])
+        try:
+            publisher.start()
+        except zmq.ZMQError as exc:
+            await runner.cleanup()
+            raise SystemExit(f"sim: cannot open the KV events endpoint {publisher.endpoint}: {exc}") from None
+        sim.kv.on_stored = publisher.stored
+        sim.kv.on_removed = publisher.removed
 
     stop = asyncio.Event()
     graceful_exit(stop, "sim")
@@ -214,6 +245,8 @@ async def serve(
     if cancelled:
         log.warning("sim drain timed out: cancelled %d in-flight requests", cancelled)
     await runner.cleanup()
+    if publisher is not None:
+        await publisher.close()
     log.info("sim stopped")
     return 0
 

@@ -45,6 +45,7 @@ ACCESS_LOG_CLUSTER = "wakegate_access_log"
 def access_log_cluster(index: int) -> str:
     return f"{ACCESS_LOG_CLUSTER}_{index}"
 
+
 #: `node.cluster` of the gateway's Envoy and extproc when they subscribe over ADS.
 GATEWAY_NODE_CLUSTER = "wakegate-gateway"
 
@@ -76,12 +77,13 @@ COLD_MODES = cast(dict[str, routing_pb2.ColdMode], enum_names(routing_pb2.ColdMo
 STRATEGY_NAMES: dict[int, str] = {value: name for name, value in STRATEGIES.items()}
 
 #: The scorers of extproc's scored picking, by the word a Model's `routing.weights` uses.
-SCORERS = ("queue", "kv-cache", "prefix", "session")
+SCORERS = ("queue", "kv-cache", "prefix", "precise", "session")
 #: Named weight sets a Model's `routing.profile` chooses (docs/architecture.md, "picking").
 #: `balanced` is the default profile; its weights come from tests/bench/bench_routing.py.
 PROFILES: dict[str, dict[str, float]] = {
     "balanced": {"prefix": 3.0, "queue": 1.0},
     "cache-first": {"prefix": 1.0},
     "load-first": {"queue": 2.0, "kv-cache": 1.0},
+    "precise": {"precise": 3.0, "queue": 1.0},
     "sticky-sessions": {"session": 3.0, "queue": 1.0},
 }

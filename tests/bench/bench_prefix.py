@@ -6,7 +6,9 @@ Prompts are chat bodies of English-like text at ~4 characters per token (a 32k-t
 ~128k characters), as the parsed JSON body extproc already holds. Reported per size: p50 and p90
 of (a) the chain alone (:func:`prompt_text` + :func:`chain`), (b) a whole scored pick with the
 ``balanced`` profile over 8 endpoints whose index already holds 2 000 other chains, and (c) the
-same pick with the ``load-first`` profile (no prefix work), so (b) - (c) is the prefix cost.
+same pick with the ``load-first`` profile (no prefix work), so (b) - (c) is the prefix cost, and
+(d) the precise scorer's block chain (:func:`wakegate.kvevents.body_blocks`) of a prompt of that
+many sim tokens (whitespace words, BLAKE2b per 16; at most 4 096 blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from tests.bench.common import git_state, loadavg
 from wakegate.extproc.picking import Picker
 from wakegate.extproc.prefix import chain, prompt_text
+from wakegate.kvevents import body_blocks
 from wakegate.v1 import routing_pb2
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 9)]
@@ -57,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for tokens in (1000, 8000, 32000):
         b = body(tokens, rng)
-        timings: dict[str, list[float]] = {"chain": [], "pick_balanced": [], "pick_load_first": []}
+        words = " ".join(rng.choice(("the", "model", "serves", "tokens")) for _ in range(tokens))
+        sim_body = {"model": "m", "messages": [{"role": "system", "content": words}]}
+        timings: dict[str, list[float]] = {name: [] for name in ("chain", "pick_balanced", "pick_load_first")}
+        timings["precise_blocks"] = []
         for _ in range(args.runs):
             t0 = time.perf_counter()
             chain(prompt_text(b))
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             timings["chain"].append(t1 - t0)
             timings["pick_balanced"].append(t2 - t1)
             timings["pick_load_first"].append(t3 - t2)
+            body_blocks(sim_body)
+            timings["precise_blocks"].append(time.perf_counter() - t3)
         row: dict[str, object] = {
             "prompt_tokens": tokens,
             "chars": len(prompt_text(b)),

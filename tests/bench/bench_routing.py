@@ -7,11 +7,14 @@
 For each workload one `wakegate up` runs one sim model per strategy (`--replicas` replicas each;
 the models differ only in `routing`), so every strategy meets identical, cold engines:
 
-* ``round-robin``    strategy default: Envoy's round robin
+* ``round-robin``    strategy round-robin: Envoy's round robin (before the default profile, what a
+  Model that named no routing got)
 * ``least-loaded``   strategy least-loaded: fewest requests in flight from the gateway
 * ``prefix-hash``    strategy prefix: consistent hash of the first 1 024 prompt characters
 * ``prefix-approx``  profile cache-first: the approximate prefix index alone (ties rotate)
-* ``balanced``       profile balanced: prefix + queue + KV-cache scorers (the default profile)
+* ``balanced``       profile balanced: approximate prefix 3 + queue 1 (the default profile: what a
+  Model that names no routing gets)
+* ``precise``        profile precise: precise prefix 3 (the engines' own KV events over ZMQ) + queue 1
 
 Each sim is a small engine whose simulated time dwarfs the CPU it burns: a 16-token-block
 prefix cache (``--kv-cache-tokens``), one prefill lane at ``--prefill-tokens-per-second``,
@@ -59,13 +62,26 @@ from tests.bench.common import git_state, loadavg
 from tests.support.up import UpProcess, model_doc
 
 STRATEGIES: dict[str, str] = {
-    "round-robin": "{strategy: default}",
+    "round-robin": "{strategy: round-robin}",
     "least-loaded": "{strategy: least-loaded}",
     "prefix-hash": "{strategy: prefix}",
     "prefix-approx": "{profile: cache-first}",
     "balanced": "{profile: balanced}",
+    "precise": "{profile: precise, kvEvents: {portOffset: 1, replayPortOffset: 2}}",
 }
-MODEL_OF = {"round-robin": "rr", "least-loaded": "ll", "prefix-hash": "ph", "prefix-approx": "pa", "balanced": "bal"}
+MODEL_OF = {
+    "round-robin": "rr",
+    "least-loaded": "ll",
+    "prefix-hash": "ph",
+    "prefix-approx": "pa",
+    "balanced": "bal",
+    "precise": "pre",
+}
+#: sim flags one strategy needs beyond the common ones (its engines publish KV events)
+EXTRA_ARGS = {
+    "precise": ', --kv-events-config, \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+    '"endpoint": "tcp://*:+1", "replay_endpoint": "tcp://*:+2", "topic": "kv-events"}\'',
+}
 
 OUTPUT_TOKENS = 24
 PREFILL_TPS = 5000.0
@@ -290,22 +306,23 @@ def summarize(run: Run, before: dict[str, dict[str, float]], after: dict[str, di
     }
 
 
-def models_yaml(wl: Workload, replicas: int) -> str:
+def models_yaml(wl: Workload, replicas: int, strategies: list[str] | None = None) -> str:
     args = (
-        f'[--prefill-tokens-per-second, "{PREFILL_TPS:g}", --tokens-per-second, "50", --batch-slowdown, "0.02", '
-        f'--max-concurrency, "8", --kv-cache-tokens, "{wl.kv_cache_tokens}", --ttft-ms, "5", --max-model-len, "32768"]'
+        f'--prefill-tokens-per-second, "{PREFILL_TPS:g}", --tokens-per-second, "50", --batch-slowdown, "0.02", '
+        f'--max-concurrency, "8", --kv-cache-tokens, "{wl.kv_cache_tokens}", --ttft-ms, "5", --max-model-len, "32768"'
     )
     return "".join(
         model_doc(
             MODEL_OF[name],
-            extra=f"  args: {args}\n  routing: {routing}\n  scaling: {{min: {replicas}, max: {replicas}}}\n",
+            extra=f"  args: [{args}{EXTRA_ARGS.get(name, '')}]\n  routing: {STRATEGIES[name]}\n"
+            f"  scaling: {{min: {replicas}, max: {replicas}}}\n",
         )
-        for name, routing in STRATEGIES.items()
+        for name in strategies or STRATEGIES
     )
 
 
 async def bench_workload(args: argparse.Namespace, wl: Workload, tmp: Path) -> list[dict[str, Any]]:
-    up = UpProcess(tmp, models_yaml(wl, args.replicas))
+    up = UpProcess(tmp, models_yaml(wl, args.replicas, args.strategies))
     rows: list[dict[str, Any]] = []
     try:
         up.wait_ready({MODEL_OF[s]: args.replicas for s in args.strategies}, timeout=180)

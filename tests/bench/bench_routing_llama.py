@@ -5,7 +5,7 @@
 One `wakegate up` runs two models over the same generated GGUF (`e2e.tinymodel`, seed 0), two
 llama-server replicas each (one slot per replica, `--parallel 1`, and no host-memory prompt
 cache, `--cache-ram 0`, so a replica's prompt cache is its last prompt): ``rr`` (strategy
-default, Envoy's round robin) and ``bal`` (profile balanced). The same sequence of chat
+round-robin, Envoy's round robin) and ``bal`` (profile balanced). The same sequence of chat
 requests (2 system prompts of 450 words, ~1 600 tokens of the tiny vocabulary, in a seeded random order,
 each with a short user turn, 4 output tokens) is sent to each model, one request at a time, so
 load plays no part. Reported per model: prompt tokens the replicas computed and took from their
@@ -33,7 +33,7 @@ from tests.bench.common import REPO_ROOT, git_state, loadavg
 from tests.support.up import UpProcess, model_doc
 
 BIN = REPO_ROOT / "e2e" / ".bin"
-MODELS = {"rr": "{strategy: default}", "bal": "{profile: balanced}"}
+MODELS = {"rr": "{strategy: round-robin}", "bal": "{profile: balanced}"}
 WORDS = ("the", "model", "serves", "tokens", "fast", "from", "a", "cache", "near", "each", "prefix", "of", "every")
 
 

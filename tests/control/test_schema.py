@@ -8,6 +8,7 @@ import yaml
 from wakegate.control import crd
 from wakegate.control.feeder.resources import model_route, routed_model
 from wakegate.control.schema import ColdMode, ManifestError, parse_models
+from wakegate.v1 import routing_pb2
 
 MINIMAL = """
 apiVersion: wakegate.io/v1alpha1
@@ -40,7 +41,40 @@ def test_routing_profile_and_weights_reach_the_route() -> None:
     route = model_route(routed_model(by_weights, []))
     assert (route.profile, dict(route.weights)) == ("", {"prefix": 2.0, "kv-cache": 0.5})
     (plain,) = parse_models(MINIMAL)
-    assert (model_route(routed_model(plain, [])).profile, plain.spec.routing.weights) == ("", None)
+    assert (model_route(routed_model(plain, [])).profile, plain.spec.routing.weights) == ("balanced", None)
+
+
+def test_a_model_naming_no_routing_gets_the_default_profile_and_round_robin_is_asked_for() -> None:
+    (plain,) = parse_models(MINIMAL)
+    (explicit,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {strategy: default}}"))
+    (rr,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {strategy: round-robin}}"))
+    (ll,) = parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {strategy: least-loaded}}"))
+    routes = [model_route(routed_model(m, [])) for m in (plain, explicit, rr, ll)]
+    # the CRD fills in strategy default, so naming it is the same as naming nothing
+    assert [(r.profile, r.strategy) for r in routes] == [
+        ("balanced", routing_pb2.STRATEGY_DEFAULT),
+        ("balanced", routing_pb2.STRATEGY_DEFAULT),
+        ("", routing_pb2.STRATEGY_ROUND_ROBIN),
+        ("", routing_pb2.STRATEGY_LEAST_LOADED),
+    ]
+    with pytest.raises(ValueError, match=r"routing\.strategy cannot be combined"):
+        parse_models(
+            MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {strategy: round-robin, profile: balanced}}")
+        )
+
+
+def test_precise_needs_to_know_where_the_engines_publish() -> None:
+    with pytest.raises(ValueError, match=r"routing\.kvEvents"):
+        parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {profile: precise}}"))
+    with pytest.raises(ValueError, match=r"routing\.kvEvents"):
+        parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {weights: {precise: 1}}}"))
+    (model,) = parse_models(
+        MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {profile: precise, kvEvents: {portOffset: 1}}}")
+    )
+    route = model_route(routed_model(model, []))
+    assert (route.profile, route.kv_events_offset, route.kv_events_replay_offset) == ("precise", 1, 0)
+    with pytest.raises(ValueError, match="portOffset"):
+        parse_models(MINIMAL.replace("{backend: sim}", "{backend: sim, routing: {kvEvents: {portOffset: 0}}}"))
 
 
 def test_names_are_deduplicated_in_order() -> None:

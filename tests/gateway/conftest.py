@@ -27,6 +27,12 @@ FLEET = "".join(
 """,
         ),
         model_doc(
+            "chat-o",
+            extra="""  routing: {strategy: round-robin}
+  scaling: {min: 2, max: 2}
+""",
+        ),
+        model_doc(
             "chat-b",
             extra="""  aliases: [b]
   routing: {strategy: session-affinity}
@@ -51,6 +57,14 @@ FLEET = "".join(
             extra="""  args: [--max-concurrency, "1", --tokens-per-second, "50"]
   routing: {profile: balanced}
   scaling: {min: 2, max: 2}
+""",
+        ),
+        model_doc(
+            "chat-k",
+            extra="""  args: [--kv-events-config, '{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://*:+1", "replay_endpoint": "tcp://*:+2", "topic": "kv-events"}']
+  routing: {profile: precise, kvEvents: {portOffset: 1, replayPortOffset: 2}}
+  scaling: {min: 3, max: 3}
 """,
         ),
         model_doc(
@@ -81,7 +95,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     keys.write_text(KEYS_TEXT)
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--max-body-bytes", str(MAX_BODY))
     try:
-        up.wait_ready({"chat-a": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-r": 1}, timeout=90)
+        up.wait_ready(
+            {"chat-a": 2, "chat-o": 2, "chat-b": 3, "chat-p": 3, "chat-l": 3, "chat-s": 2, "chat-k": 3, "chat-r": 1},
+            timeout=90,
+        )
         yield up
     finally:
         code = up.stop()

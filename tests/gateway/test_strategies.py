@@ -37,6 +37,16 @@ def test_default_spreads_over_all_endpoints(gateway: UpProcess) -> None:
     assert set(seen) == set(gateway.endpoints("chat-a"))
 
 
+def test_a_model_naming_no_routing_keeps_a_shared_prompt_where_its_cache_is(gateway: UpProcess) -> None:
+    system = "default profile system prompt " * 300  # several prefix blocks
+    # chat-a names no routing: the default profile (balanced) keeps the prompt on one replica
+    homes = {served_by(gateway, chat("chat-a", system, "ok", f"q{i}")) for i in range(6)}
+    assert len(homes) == 1
+    # chat-o asks for Envoy's round robin: the same prompt goes round every replica
+    seen = collections.Counter(served_by(gateway, chat("chat-o", system, "ok", f"q{i}")) for i in range(6))
+    assert set(seen) == set(gateway.endpoints("chat-o"))
+
+
 def test_session_affinity_keeps_each_session_on_one_endpoint(gateway: UpProcess) -> None:
     endpoints = set(gateway.endpoints("chat-b"))
     per_session: dict[str, set[str]] = collections.defaultdict(set)
@@ -145,6 +155,32 @@ def test_balanced_profile_leaves_a_replica_whose_engine_reports_a_full_queue(gat
     finally:
         for conn in conns:
             conn.close()
+
+
+def test_precise_profile_follows_the_blocks_each_engine_reports(gateway: UpProcess) -> None:
+    endpoints = gateway.endpoints("chat-k")
+    systems = {ep: " ".join(f"k{n}w{i}" for i in range(600)) for n, ep in enumerate(endpoints)}
+    # each system prompt goes straight to one engine, unseen by the gateway: only that engine's KV
+    # events can tell the gateway where its blocks are
+    for ep, system in systems.items():
+        direct = {"model": "chat-k", "max_tokens": 1, "messages": [{"role": "system", "content": system}]}
+        assert request("POST", f"http://{ep}/v1/chat/completions", body=direct).status == 200
+    time.sleep(1.0)  # events take milliseconds on loopback; a subscription replays what came before it
+    homes = {
+        ep: {
+            served_by(
+                gateway,
+                {
+                    "model": "chat-k",
+                    "max_tokens": 1,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                },
+            )
+            for i in range(3)
+        }
+        for ep, system in systems.items()
+    }
+    assert all(seen == {ep} for ep, seen in homes.items()), homes
 
 
 def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:

@@ -13,6 +13,7 @@ class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STRATEGY_SESSION_AFFINITY: _ClassVar[Strategy]
     STRATEGY_PREFIX: _ClassVar[Strategy]
     STRATEGY_LEAST_LOADED: _ClassVar[Strategy]
+    STRATEGY_ROUND_ROBIN: _ClassVar[Strategy]
 
 class ColdMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ STRATEGY_DEFAULT: Strategy
 STRATEGY_SESSION_AFFINITY: Strategy
 STRATEGY_PREFIX: Strategy
 STRATEGY_LEAST_LOADED: Strategy
+STRATEGY_ROUND_ROBIN: Strategy
 COLD_MODE_HOLD: ColdMode
 COLD_MODE_KEEPALIVE: ColdMode
 COLD_MODE_REJECT: ColdMode
@@ -56,7 +58,7 @@ class ColdPolicy(_message.Message):
     def __init__(self, mode: _Optional[_Union[ColdMode, str]] = ..., max_queue: _Optional[int] = ..., activation_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ModelRoute(_message.Message):
-    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code")
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +82,8 @@ class ModelRoute(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_CODE_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
@@ -96,4 +100,6 @@ class ModelRoute(_message.Message):
     profile: str
     weights: _containers.ScalarMap[str, float]
     failure_code: str
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ...) -> None: ...
+    kv_events_offset: int
+    kv_events_replay_offset: int
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ...) -> None: ...
