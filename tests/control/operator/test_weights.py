@@ -106,7 +106,9 @@ def test_ready_weights_mount_the_newest_entry_and_pin_pods_to_the_nodes_holding_
     weights = state(body, caches)
     assert weights.state is State.READY and weights.digest == NEW and weights.ready_nodes == ("n2", "n3")
     assert "ready on 2/4 node(s)" in weights.message
-    assert conditions(weights) == {"WeightsPulling": ("False", "WeightsReady"), "PrewarmFailed": ("False", "NoFailures")}
+    assert conditions(weights) == {
+        "WeightsPulling": ("False", "WeightsReady"), "PrewarmFailed": ("False", "NoFailures"),
+    }
     out = render(body, weights)
     pod = obj(out, "Deployment")["spec"]["template"]
     spec = pod["spec"]
