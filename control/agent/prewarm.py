@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -107,7 +107,7 @@ class Prewarmer:
         *,
         interval: float = 15.0,
         retry_seconds: float = 60.0,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
         self.node = node
@@ -228,6 +228,10 @@ class Prewarmer:
             return
         except OSError as exc:
             self._failed(pull, "cache_error", f"{pull.source}: {exc}")
+            return
+        except Exception as exc:  # a bug must not leave the entry Pulling forever
+            log.exception("prewarm of %s on node %s crashed", pull.source, self.node)
+            self._failed(pull, "failed", f"{pull.source}: {type(exc).__name__}")
             return
         record = resolved.record
         if record is None:  # file:// or pvc://: never in a ModelCache (the schema refuses them)
