@@ -95,8 +95,6 @@ def _push(registry: Registry, work: Path, ref: str, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def prewarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prewarm]:
-    if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     work = tmp_path_factory.mktemp("prewarm")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -137,13 +135,15 @@ def prewarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prewarm]:
                     operator = Operator(work, operator_config, SYSTEM, "operator",
                                         ["--renew-seconds", "1", "--node-cache-dir", str(caches[WARM])])
                     procs.append(operator.proc)
-                    for proc in procs:
-                        proc.start()
-                    wait_for(lambda: _ok(f"{url}/readyz"), 30, "extender caches synced")
-                    yield Prewarm(cluster, registry, secure, url, caches, procs, work)
+                    try:
+                        for proc in procs:
+                            proc.start()
+                        wait_for(lambda: _ok(f"{url}/readyz"), 30, "extender caches synced")
+                        yield Prewarm(cluster, registry, secure, url, caches, procs, work)
+                    finally:  # before the tokens' roles go
+                        for proc in procs:
+                            proc.stop(5.0)
         finally:
-            for proc in procs:
-                proc.stop(5.0)
             cluster.stop()
 
 
@@ -221,6 +221,8 @@ def llama_model(source: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_modelcache_prewarms_the_node_and_the_model_serves_from_it(prewarm: Prewarm, pkube: Kube) -> None:
+    if not LLAMA_SERVER.exists():
+        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     create(pkube, "models", "tiny", llama_model(source, nodeSelector={"pool": "warm"}))
     cache = names.owned_cache_name("tiny")

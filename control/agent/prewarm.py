@@ -251,8 +251,11 @@ class Prewarmer:
 
     def _failed(self, pull: Pull, reason: str, message: str) -> None:
         pull.failed_at = self.clock()
+        again = pull.entry.phase is EntryPhase.FAILED and pull.entry.message == message
         pull.entry = Entry(EntryPhase.FAILED, reason=reason, message=message)
-        log.warning("node %s cannot prewarm %s: %s (%s)", self.node, pull.source, message, reason)
+        # One warning per failure; the same failure on every retry is only a debug line.
+        log.log(logging.DEBUG if again else logging.WARNING, "node %s cannot prewarm %s: %s (%s)",
+                self.node, pull.source, message, reason)
 
     @contextlib.asynccontextmanager
     async def _access(self, namespace: str, secret: str | None) -> AsyncIterator[Access]:

@@ -168,3 +168,26 @@ def test_a_missing_secret_is_failed_and_a_deleted_modelcache_gives_its_entries_u
         assert kube.status["d"] == [] and kube.status["c"] == []
         assert not Cache(tmp_path / "cache").in_use(digest), "the lease went with the ModelCache"
         assert kube.labels[names.cache_label(digest)] == "ready", "the node still holds the entry"
+
+
+def test_progress_is_reported_as_pulling_with_bytes(tmp_path: Path) -> None:
+    size = 96 * 1024 * 1024
+    with start_registry(tmp_path / "reg") as reg:
+        source = f"oci://{reg.host}/models/big:v1"
+        asyncio.run(push(weights(tmp_path / "w", size=size, name="big.gguf"), source))
+        kube = FakeKube()
+        agent = prewarmer(kube, tmp_path / "cache", Clock(), modelcache("big", source))
+
+        async def run() -> None:
+            await agent.round()
+            while kube.status["big"][0]["phase"] != "Ready":
+                await asyncio.sleep(0.02)
+                await agent.round()
+
+        asyncio.run(run())
+        seen = [body["status"]["nodes"][0] for body, _ in kube.applied]
+        pulling = [e for e in seen if e["phase"] == "Pulling"]
+        assert pulling and all(e["bytesTotal"] == size for e in pulling), seen
+        done = [e["bytesDone"] for e in pulling]
+        assert done == sorted(done), "bytes only grow"
+        assert seen[-1]["phase"] == "Ready" and seen[-1]["size"] == size
