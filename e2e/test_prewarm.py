@@ -337,6 +337,15 @@ def test_a_bad_reference_is_prewarm_failed_with_the_reason(prewarm: Prewarm, pku
     assert missing.value.status == 404, "no Deployment, so no pod claims a GPU for weights that never come"
     _, *rows = kubectl_get(pkube, "modelcaches")
     assert rows[0][2:4] == ["0/2", "not_found"]
+    # A source the API server lets through (its pattern is coarse) but no node cache holds.
+    create(pkube, "modelcaches", "in-place", {"sources": ["file:///models/tiny.gguf"]})
+
+    def invalid() -> str | None:
+        conds = (get(pkube, "modelcaches", "in-place").get("status") or {}).get("conditions") or []
+        return next((c["message"] for c in conds if c["reason"] == "InvalidSpec"), None)
+
+    assert "a node cache holds oci:// and hf:// sources" in str(wait_for(invalid, 30, "InvalidSpec on in-place"))
+    assert not entries(pkube, "in-place"), "no agent acts on it"
 
 
 def test_registry_credentials_come_from_the_secret_and_stay_secret(prewarm: Prewarm, pkube: Kube) -> None:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
-from wakegate.control.k8s.objects import model_from_object
+from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.status import Observed, compute, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
@@ -217,7 +217,12 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         previous = body.get("status") or {}
-        summary = cache_summary(body, previous, _rfc3339())
+        invalid = None
+        try:
+            modelcache_from_object(body)
+        except ValidationError as exc:
+            invalid = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        summary = cache_summary(body, previous, _rfc3339(), invalid)
         if all(previous.get(k) == v for k, v in summary.items()):
             return
         try:

@@ -19,7 +19,7 @@ from typing import Any
 from wakegate.control.delivery.progress import human_bytes
 from wakegate.control.k8s import names
 from wakegate.control.operator.render import Condition
-from wakegate.control.schema import CacheStrategy, Model
+from wakegate.control.schema import CACHED_SCHEMES, CacheStrategy, Model
 
 
 class State(StrEnum):
@@ -84,6 +84,12 @@ def weights_for(body: Mapping[str, Any], model: Model, caches: Iterable[Mapping[
     source = model.spec.source
     if strategy is CacheStrategy.NONE or source is None:
         return None
+    if source.partition("://")[0] not in CACHED_SCHEMES:
+        message = (f"cache strategy {strategy.value} needs an oci:// or hf:// source; {source} is read in place "
+                   "(use strategy none)")
+        failed = Condition("PrewarmFailed", "True", "bad_source", message)
+        return Weights(State.FAILED, message=message, reason="bad_source",
+                       conditions=(Condition("WeightsPulling", "False", "bad_source", message), failed))
     uid = (body.get("metadata") or {}).get("uid")
     relevant = []
     named = False
@@ -144,11 +150,14 @@ def _state(model: Model, entries: list[Mapping[str, Any]], any_cache: bool, owni
                                     reason, message), prewarm_failed))
 
 
-def cache_summary(cache: Mapping[str, Any], previous: Mapping[str, Any], now: str) -> dict[str, Any]:
+def cache_summary(
+    cache: Mapping[str, Any], previous: Mapping[str, Any], now: str, invalid: str | None = None
+) -> dict[str, Any]:
     """The operator's part of a ModelCache's status: ready/wanted nodes and a Ready condition.
 
-    A node is ready when every source of the ModelCache is Ready there. Conditions keep their
-    `lastTransitionTime` while their status holds, so an unchanged world writes nothing.
+    A node is ready when every source of the ModelCache is Ready there; `invalid` says why the
+    spec cannot be used (no agent acts on it then). Conditions keep their `lastTransitionTime`
+    while their status holds, so an unchanged world writes nothing.
     """
     sources = list((cache.get("spec") or {}).get("sources") or [])
     by_node: dict[str, dict[str, Mapping[str, Any]]] = {}
@@ -157,7 +166,9 @@ def cache_summary(cache: Mapping[str, Any], previous: Mapping[str, Any], now: st
     ready = sorted(n for n, got in by_node.items() if all((got.get(s) or {}).get("phase") == "Ready" for s in sources))
     failed = [(n, e) for n, got in sorted(by_node.items()) for e in got.values() if e.get("phase") == "Failed"]
     wanted = len(by_node)
-    if failed:
+    if invalid is not None:
+        cond = Condition("Ready", "False", "InvalidSpec", invalid)
+    elif failed:
         node, entry = failed[0]
         reason = str(entry.get("reason") or "failed")
         cond = Condition("Ready", "False", reason, f"node {node}: {entry.get('message', '')}")

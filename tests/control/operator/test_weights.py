@@ -160,3 +160,18 @@ def test_cache_summary_counts_nodes_ready_for_every_source() -> None:
     bad = cache_summary(modelcache("c", entry("n1", "Failed", reason="not_found", message="no tag")), {}, NOW)
     assert bad["conditions"][0]["reason"] == "not_found" and bad["ready"] == "0/1"
     assert cache_summary(modelcache("c"), {}, NOW)["conditions"][0]["reason"] == "NoNodes"
+
+
+def test_a_source_read_in_place_cannot_be_cached() -> None:
+    body = model(backend="llamacpp", source="file:///models/tiny.gguf", cache={"strategy": "prewarm"})
+    weights = state(body)
+    assert weights.state is State.FAILED and weights.owned_cache is None
+    assert conditions(weights)["PrewarmFailed"] == ("True", "bad_source")
+    assert "needs an oci:// or hf:// source" in weights.message
+    assert [o["kind"] for o in render(body, weights).objects] == ["Service"]
+
+
+def test_an_invalid_modelcache_says_so_in_its_summary() -> None:
+    summary = cache_summary(modelcache("c"), {}, NOW, invalid="spec.sources: a node cache holds oci:// and hf://")
+    assert summary["conditions"][0]["reason"] == "InvalidSpec"
+    assert "a node cache holds" in summary["conditions"][0]["message"]
