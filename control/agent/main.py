@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="size budget of the node cache, e.g. 200G (least recently used entries not in use are evicted)")
     a("--registry-ca-file", type=Path, default=None, metavar="PEM", help="extra CA certificates for registries")
     a("--retry-seconds", type=float, default=60.0, help="a failed prewarm pull is tried again after this long")
+    a("--prepare-cache", type=int, default=None, metavar="UID",
+      help="create --cache-dir, give it to UID (user and group, mode 0750), and exit: the DaemonSet's "
+           "init container, which runs as root so the agent itself need not")
     add_log_level(parser)
 
 
@@ -133,11 +136,15 @@ class Settings(ProcessSettings):
     """Extra CA certificates trusted for registries."""
     retry_seconds: float = 60.0
     """A failed prewarm pull is tried again after this long."""
+    prepare_cache: int | None = None
+    """Create the cache directory for this UID and exit."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         if not args.node_name:
             raise ValueError("no node name: pass --node-name or set NODE_NAME")
+        if args.prepare_cache is not None and args.cache_dir is None:
+            raise ValueError("--prepare-cache needs --cache-dir")
         if args.cache_max_size is not None:
             from wakegate.control.delivery.cache import parse_size
 
@@ -149,8 +156,25 @@ def main(args: argparse.Namespace) -> int:
     return start(args, Settings.from_args, run, "agent")
 
 
+def prepare_cache(directory: Path, uid: int) -> int:
+    """The node cache directory, made and handed to `uid` (the kubelet creates a hostPath as root)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chown(directory, uid, uid)
+        directory.chmod(0o750)
+    except OSError as exc:
+        log.error("cannot prepare the node cache %s for uid %d: %s", directory, uid, exc.strerror)
+        return 1
+    log.info("node cache %s belongs to uid %d", directory, uid)
+    return 0
+
+
 def run(settings: Settings) -> int:
     from kubernetes.config import ConfigException
+
+    if settings.prepare_cache is not None:
+        assert settings.cache_dir is not None
+        return prepare_cache(settings.cache_dir, settings.prepare_cache)
 
     from wakegate.control.gpu.fake import FakeDiscovery
 

@@ -232,6 +232,7 @@ def test_agent_node_cache_by_default(helm: Path, tmp_path: Path) -> None:
     assert {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in agent["volumes"]
     (init,) = agent["initContainers"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["args"][-2:] == ["--cache-dir=/var/lib/wakegate/cache", "--prepare-cache=10001"]
     off = template(helm, tmp_path, {"agent": {"cache": {"enabled": False}}})
     plain = by_kind(off, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
     assert "volumes" not in plain and "initContainers" not in plain

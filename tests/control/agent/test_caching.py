@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,3 +97,15 @@ def test_labels_follow_what_the_cache_holds() -> None:
     assert label_patch([DIGEST], {label: "ready"}) is None
     moved = label_patch([OTHER], {label: "ready", "zone": "a"})
     assert moved == {"metadata": {"labels": {names.cache_label(OTHER): "ready", label: None}}}
+
+
+def test_prepare_cache_makes_the_directory_and_hands_it_over(tmp_path: Path) -> None:
+    import os
+
+    from wakegate.control.agent.main import prepare_cache
+
+    target = tmp_path / "node" / "cache"
+    assert prepare_cache(target, os.getuid()) == 0
+    assert target.is_dir() and target.stat().st_uid == os.getuid() and target.stat().st_mode & 0o777 == 0o750
+    (tmp_path / "file").write_text("x")
+    assert prepare_cache(tmp_path / "file" / "below", os.getuid()) == 1  # one log line, status 1
