@@ -148,8 +148,7 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
     elif weights is not None and weights.state is State.FAILED:
         phase, why = "Failed", Condition("Ready", "False", "PrewarmFailed", weights.message)
     elif weights is not None and weights.digest is None and dep is None:
-        reason = "NoModelCache" if weights.state is State.NO_CACHE else "WeightsPulling"
-        phase, why = "Pending", Condition("Ready", "False", reason, weights.message)
+        phase, why = "Pending", Condition("Ready", "False", "WeightsPulling", weights.message)
     elif observed.preempted_by is not None:
         phase, why = "Preempted", Condition("Ready", "False", "Preempted", f"GPU group held by {observed.preempted_by}")
     elif dep is None and observed.autoscaling.status != "True":

@@ -4,8 +4,9 @@ For `spec.cache.strategy` `node` and `prewarm` the operator renders the backend 
 weights are Ready in some node's cache, and then only for nodes that hold them (see render.py).
 `weights_for` reads the ModelCaches of the Model's namespace that name the Model (`modelRef`)
 or its source, and answers with the state, the entry to mount (digest and file), the
-conditions `WeightsPulling` and `PrewarmFailed`, and, for `prewarm` when no ModelCache names
-the Model, the ModelCache the operator keeps for it. `cache_summary` is the ModelCache's own
+conditions `WeightsPulling` and `PrewarmFailed`, and the ModelCache the operator keeps for the
+Model when it needs one: for `prewarm` when no other ModelCache names the Model, for `node`
+when no other ModelCache has its source (so the weights are always asked for). `cache_summary` is the ModelCache's own
 summary status (ready nodes over wanted nodes, a Ready condition), from its per-node entries.
 """
 
@@ -27,7 +28,6 @@ class State(StrEnum):
     PULLING = "pulling"
     PENDING = "pending"
     FAILED = "failed"
-    NO_CACHE = "no_cache"
 
 
 @dataclass(frozen=True)
@@ -92,20 +92,24 @@ def weights_for(body: Mapping[str, Any], model: Model, caches: Iterable[Mapping[
                        conditions=(Condition("WeightsPulling", "False", "bad_source", message), failed))
     uid = (body.get("metadata") or {}).get("uid")
     relevant = []
-    named = False
+    named = covered = False
     for cache in caches:
         spec = cache.get("spec") or {}
         names_model = (spec.get("modelRef") or {}).get("name") == model.name
-        if names_model or source in (spec.get("sources") or []):
+        has_source = source in (spec.get("sources") or [])
+        if names_model or has_source:
             relevant.append(cache)
-        named = named or (names_model and not _owned_by(cache, uid))
-    own = owned_cache(body, model) if strategy is CacheStrategy.PREWARM and not named else None
+        if not _owned_by(cache, uid):
+            named = named or names_model
+            covered = covered or names_model or has_source
+    # prewarm: unless a ModelCache names the Model; node: unless any ModelCache has its weights.
+    wants_own = not named if strategy is CacheStrategy.PREWARM else not covered
+    own = owned_cache(body, model) if wants_own else None
     entries = [e for cache in relevant for e in _entries(cache) if e.get("source") == source]
-    weights = _state(model, entries, bool(relevant), own is not None)
-    return replace(weights, owned_cache=own)
+    return replace(_state(entries), owned_cache=own)
 
 
-def _state(model: Model, entries: list[Mapping[str, Any]], any_cache: bool, owning: bool) -> Weights:
+def _state(entries: list[Mapping[str, Any]]) -> Weights:
     ready = [e for e in entries if e.get("phase") == "Ready" and e.get("digest")]
     failed = sorted((e for e in entries if e.get("phase") == "Failed"), key=lambda e: str(e.get("node")))
     pulling = [e for e in entries if e.get("phase") == "Pulling"]
@@ -138,16 +142,11 @@ def _state(model: Model, entries: list[Mapping[str, Any]], any_cache: bool, owni
     elif entries:
         state, reason = State.PENDING, "Pending"
         message = f"{len(nodes)} node(s) are to pull the weights"
-    elif any_cache or owning:
+    else:
         state, reason = State.PENDING, "WaitingForNodes"
         message = "no node reports the weights yet (a node agent with a cache must run where the Model may run)"
-    else:
-        state, reason = State.NO_CACHE, "NoModelCache"
-        message = (f"cache strategy node: no ModelCache names Model {model.name} or {model.spec.source}; "
-                   "create one (or use strategy prewarm)")
     return Weights(state, message=message, reason=reason,
-                   conditions=(Condition("WeightsPulling", "True" if state is not State.NO_CACHE else "False",
-                                    reason, message), prewarm_failed))
+                   conditions=(Condition("WeightsPulling", "True", reason, message), prewarm_failed))
 
 
 def cache_summary(

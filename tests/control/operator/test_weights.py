@@ -81,16 +81,16 @@ def test_a_modelcache_naming_the_model_replaces_the_owned_one() -> None:
     assert state(body, ours).owned_cache is not None
 
 
-def test_strategy_node_waits_for_someone_elses_modelcache() -> None:
+def test_strategy_node_uses_any_modelcache_with_the_weights_or_asks_for_them() -> None:
     body = cached_model("node")
     weights = state(body)
-    assert weights.state is State.NO_CACHE and weights.owned_cache is None
-    assert "no ModelCache names Model m" in weights.message
-    status = compute(Observed(1, None, [], render(body, weights).autoscaling, weights=weights), {}, NOW)
-    assert next(c for c in status["conditions"] if c["type"] == "Ready")["reason"] == "NoModelCache"
-    # a ModelCache with the same source (any node selector) is where the weights come from
+    assert weights.state is State.PENDING and weights.owned_cache is not None, "nobody has them: ask"
+    # a ModelCache with the same source (any node selector) is enough; no ModelCache of ours then
     by_source = modelcache("zone-a", entry("n1", "Ready", digest=NEW, file="tiny.gguf"), nodeSelector={"z": "a"})
-    assert state(body, by_source).state is State.READY
+    covered = state(body, by_source)
+    assert covered.state is State.READY and covered.owned_cache is None
+    # prewarm is stricter: only a ModelCache naming the Model replaces its own
+    assert state(cached_model("prewarm"), by_source).owned_cache is not None
 
 
 def test_ready_weights_mount_the_newest_entry_and_pin_pods_to_the_nodes_holding_it() -> None:
