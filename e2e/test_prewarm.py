@@ -306,6 +306,23 @@ def test_the_extender_prefers_the_node_holding_the_weights(prewarm: Prewarm, pku
     assert f"score {pkube.ns}/reads-weights" in log
 
 
+def test_cache_node_runs_where_a_modelcache_of_yours_has_the_weights(prewarm: Prewarm, pkube: Kube) -> None:
+    if not LLAMA_SERVER.exists():
+        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+    source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
+    create(pkube, "modelcaches", "warm-pool", {"sources": [source], "nodeSelector": {"pool": "warm"}})
+    create(pkube, "models", "nodal", {**llama_model(source), "cache": {"strategy": "node"}})
+
+    def ready_pod() -> Any:
+        pods = [p for p in pkube.pods(f"{names.LABEL_MODEL}=nodal") if is_ready(p)]
+        return pods[0] if pods else None
+
+    pod = wait_for(ready_pod, 90, f"the backend pod Ready\n{prewarm.logs()}")
+    assert pod.spec.node_name == WARM, "no node selector on the Model: the weights decide"
+    assert get(pkube, "modelcaches", names.owned_cache_name("nodal")) == {}, "yours covers it: none of ours"
+    assert condition(pkube, "nodal", "WeightsPulling")["reason"] == "WeightsReady"
+
+
 def test_a_bad_reference_is_prewarm_failed_with_the_reason(prewarm: Prewarm, pkube: Kube) -> None:
     _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     source = f"oci://{prewarm.registry.host}/models/tiny:nope"
