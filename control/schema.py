@@ -510,3 +510,61 @@ class InferenceRuntime(_Spec):
     kind: Literal["InferenceRuntime"] = "InferenceRuntime"
     metadata: Metadata
     spec: InferenceRuntimeSpec
+
+
+# -- ModelCache (namespaced, Kubernetes only) ------------------------------------------------------
+
+#: The schemes a node cache holds; file:// and pvc:// are read in place and never cached.
+CACHED_SCHEMES = ("oci", "hf")
+
+
+class ModelRef(_Spec):
+    name: str = Field(pattern=NAME_PATTERN, max_length=60, description="A Model in the same namespace.")
+
+
+class SecretRef(_Spec):
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        max_length=253,
+        description="A Secret in the same namespace holding a Docker config (`.dockerconfigjson`, as "
+        "imagePullSecrets do) with the registry's credentials.",
+    )
+
+
+class ModelCacheSpec(_Spec):
+    sources: list[Annotated[str, Field(pattern=SOURCE_PATTERN, max_length=2048)]] = Field(
+        min_length=1,
+        max_length=16,
+        description="Weights to keep in the node caches: oci://REGISTRY/REPO:TAG or @sha256:…, or hf://…",
+    )
+    nodeSelector: dict[str, str] = Field(
+        default_factory=dict, description="Only nodes with all of these labels; with modelRef, both apply."
+    )
+    modelRef: ModelRef | None = Field(
+        None, description="Every node the Model may run on (its node selector and GPU vendor and arch)."
+    )
+    credentials: SecretRef | None = Field(None, description="Registry credentials; never logged or shown.")
+
+    @field_validator("sources")
+    @classmethod
+    def _cached_sources(cls, values: list[str]) -> list[str]:
+        from wakegate.control.delivery.errors import SourceError
+        from wakegate.control.delivery.sources import parse_source
+
+        for value in values:
+            try:
+                parse_source(value)
+            except SourceError as exc:
+                raise ValueError(str(exc)) from None
+            if value.partition("://")[0] not in CACHED_SCHEMES:
+                raise ValueError(f"{value}: a node cache holds oci:// and hf:// sources (the others are read in place)")
+        if len(set(values)) != len(values):
+            raise ValueError("sources lists a source twice")
+        return values
+
+
+class ModelCache(_Spec):
+    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+    kind: Literal["ModelCache"] = "ModelCache"
+    metadata: Metadata
+    spec: ModelCacheSpec

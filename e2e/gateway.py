@@ -72,6 +72,12 @@ OPERATOR_RULES: list[dict[str, Any]] = [
         "resources": ["inferenceruntimes"],
         "verbs": ["get", "list", "watch", "create", "patch"],
     },
+    {
+        "apiGroups": ["wakegate.io"],
+        "resources": ["modelcaches"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
@@ -82,6 +88,13 @@ OPERATOR_RULES: list[dict[str, Any]] = [
         "resources": ["customresourcedefinitions"],
         "verbs": ["get", "list", "watch"],
     },
+]
+#: The node agent with its model cache (prewarm): the chart's agent ClusterRole, exactly.
+AGENT_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["models", "modelcaches"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ]
 LEASE_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},

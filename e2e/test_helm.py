@@ -200,7 +200,9 @@ def test_helm_install_runs_every_component_with_its_own_rbac_and_serves_a_model(
         with diagnostics(cluster, core):
             # 1. Install: every component but the gateway starts (the gateway waits, Pending, for
             #    the feeder's and the scaler's addresses, which a cluster with DNS would resolve).
-            held = merged(BASE_VALUES, {"gateway": {"nodeSelector": {"wakegate.io/e2e": "after-upgrade"}}})
+            # The node cache in this test's folder (pods share this machine's file system).
+            cache = {"agent": {"cache": {"hostPath": str(tmp_path / "node-cache")}}}
+            held = merged(BASE_VALUES, {"gateway": {"nodeSelector": {"wakegate.io/e2e": "after-upgrade"}}, **cache})
             run_helm(helm, cluster, "install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
                      "-f", values_file(tmp_path, "install.yaml", held))
             for component in COMPONENTS:
@@ -214,7 +216,7 @@ def test_helm_install_runs_every_component_with_its_own_rbac_and_serves_a_model(
             # 2. Upgrade with the addresses a cluster without DNS needs; --wait: the gateway is Ready.
             xds_ip = ready_pod(core, "xds").status.pod_ip
             scaler_ip = ready_pod(core, "scaler").status.pod_ip
-            addressed = merged(BASE_VALUES, {"gateway": {"xdsHost": xds_ip, "scalerHost": scaler_ip}})
+            addressed = merged(BASE_VALUES, {"gateway": {"xdsHost": xds_ip, "scalerHost": scaler_ip}, **cache})
             run_helm(helm, cluster, "upgrade", RELEASE, str(CHART), "--namespace", NS, "--wait", "--timeout", "120s",
                      "-f", values_file(tmp_path, "upgrade.yaml", addressed))
             gateway_pod = wait_for(lambda: ready_pod(core, "gateway"), 30, "a ready gateway pod")

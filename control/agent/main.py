@@ -10,6 +10,10 @@ tests) and writes what the scheduler extender reads onto the Node:
 It patches only keys whose value changed (one merge patch, never the whole Node). No GPU, no
 library or a library that fails: the wakegate labels are removed (if present), one log line
 says why, and the agent keeps running, so a driver that appears later is picked up.
+
+With `--cache-dir` (the node's model cache, a hostPath in the DaemonSet) it also prewarms:
+:mod:`wakegate.control.agent.prewarm` pulls what the ModelCaches want on this node into that
+cache, reports per-node status into them and labels the Node with what the cache holds.
 """
 
 from __future__ import annotations
@@ -98,6 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fake-gpus", type=Path, default=None, metavar="FILE",
       help="read GPUs from a JSON file instead of NVML/amdsmi (tests, demos; see control/gpu/fake.py)")
     a("--once", action="store_true", help="one round, then exit")
+    a("--cache-dir", type=Path, default=None, metavar="DIR",
+      help="the node's model cache (a hostPath): prewarm what ModelCaches want here; default: no prewarming")
+    a("--cache-max-size", default=None, metavar="SIZE",
+      help="size budget of the node cache, e.g. 200G (least recently used entries not in use are evicted)")
+    a("--registry-ca-file", type=Path, default=None, metavar="PEM", help="extra CA certificates for registries")
+    a("--retry-seconds", type=float, default=60.0, help="a failed prewarm pull is tried again after this long")
+    a("--prepare-cache", type=int, default=None, metavar="UID",
+      help="create --cache-dir, give it to UID (user and group, mode 0750), and exit: the DaemonSet's "
+           "init container, which runs as root so the agent itself need not")
     add_log_level(parser)
 
 
@@ -115,11 +128,27 @@ class Settings(ProcessSettings):
     """Read GPUs from this JSON file instead of NVML/amdsmi."""
     once: bool
     """One round, then exit (status 1 when it failed)."""
+    cache_dir: Path | None = None
+    """The node's model cache; None: no prewarming."""
+    cache_max_size: str | None = None
+    """Size budget of the node cache (`parse_size` syntax)."""
+    registry_ca_file: Path | None = None
+    """Extra CA certificates trusted for registries."""
+    retry_seconds: float = 60.0
+    """A failed prewarm pull is tried again after this long."""
+    prepare_cache: int | None = None
+    """Create the cache directory for this UID and exit."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         if not args.node_name:
             raise ValueError("no node name: pass --node-name or set NODE_NAME")
+        if args.prepare_cache is not None and args.cache_dir is None:
+            raise ValueError("--prepare-cache needs --cache-dir")
+        if args.cache_max_size is not None:
+            from wakegate.control.delivery.cache import parse_size
+
+            parse_size(args.cache_max_size)
         return settings_from(cls, args)
 
 
@@ -127,8 +156,25 @@ def main(args: argparse.Namespace) -> int:
     return start(args, Settings.from_args, run, "agent")
 
 
+def prepare_cache(directory: Path, uid: int) -> int:
+    """The node cache directory, made and handed to `uid` (the kubelet creates a hostPath as root)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chown(directory, uid, uid)
+        directory.chmod(0o750)
+    except OSError as exc:
+        log.error("cannot prepare the node cache %s for uid %d: %s", directory, uid, exc.strerror)
+        return 1
+    log.info("node cache %s belongs to uid %d", directory, uid)
+    return 0
+
+
 def run(settings: Settings) -> int:
     from kubernetes.config import ConfigException
+
+    if settings.prepare_cache is not None:
+        assert settings.cache_dir is not None
+        return prepare_cache(settings.cache_dir, settings.prepare_cache)
 
     from wakegate.control.gpu.fake import FakeDiscovery
 
@@ -145,6 +191,9 @@ def run(settings: Settings) -> int:
     agent = NodeAgent(kube, settings.node_name, discoveries, problems)
     stop = threading.Event()
     graceful_exit(stop, "agent")
+    prewarm = None
+    if settings.cache_dir is not None and not settings.once:
+        prewarm = _start_prewarm(settings, kube, stop)
     try:
         while True:
             failed = False
@@ -160,5 +209,26 @@ def run(settings: Settings) -> int:
             if stop.wait(settings.interval):
                 return 0
     finally:
+        stop.set()
+        if prewarm is not None:
+            prewarm.join(10)
         for discovery in discoveries:
             discovery.close()
+
+
+def _start_prewarm(settings: Settings, kube: Kube, stop: threading.Event) -> threading.Thread:
+    from wakegate.control.agent.prewarm import Prewarmer
+    from wakegate.control.delivery.cache import Cache, parse_size
+    from wakegate.control.delivery.registry import RegistrySettings
+    from wakegate.control.delivery.resolver import Access
+
+    assert settings.cache_dir is not None
+    budget = parse_size(settings.cache_max_size) if settings.cache_max_size else None
+    cache = Cache(settings.cache_dir, budget)
+    access = Access.from_env(RegistrySettings(ca_file=settings.registry_ca_file))
+    prewarmer = Prewarmer(kube, settings.node_name, cache, access, interval=min(settings.interval, 5.0),
+                          retry_seconds=settings.retry_seconds)
+    log.info("node %s: prewarming into %s", settings.node_name, settings.cache_dir)
+    thread = threading.Thread(target=prewarmer.run, args=(stop,), name="prewarm", daemon=True)
+    thread.start()
+    return thread

@@ -32,12 +32,14 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
     ("v1", "Node"): "nodes",
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("coordination.k8s.io/v1", "Lease"): "leases",
     (names.API_VERSION, "Model"): names.MODEL_PLURAL,
     (names.API_VERSION, "InferenceRuntime"): names.RUNTIME_PLURAL,
+    (names.API_VERSION, "ModelCache"): names.MODELCACHE_PLURAL,
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
 }
 CLUSTER_SCOPED = frozenset({"InferenceRuntime", "CustomResourceDefinition", "Node"})
@@ -198,6 +200,13 @@ class Kube:
         """Server-side apply (PATCH application/apply-patch+yaml; JSON is YAML)."""
         query = {"fieldManager": field_manager, "force": "true" if force else "false"}
         return self.request("PATCH", object_path(obj), obj, query, "application/apply-patch+yaml")
+
+    def apply_status(self, obj: Mapping[str, Any], field_manager: str) -> Any:
+        """Server-side apply of `obj["status"]` (the status subresource) as `field_manager`: list
+        entries keyed in the schema (`x-kubernetes-list-map-keys`) are merged per key, so managers
+        that each apply their own entries never overwrite one another."""
+        query = {"fieldManager": field_manager, "force": "true"}
+        return self.request("PATCH", object_path(obj) + "/status", obj, query, "application/apply-patch+yaml")
 
     def merge_patch(self, resource: str, patch: Mapping[str, Any], field_manager: str = names.FIELD_MANAGER) -> Any:
         return self.request(

@@ -15,6 +15,7 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 MODEL_PLURAL = "models"
 RUNTIME_PLURAL = "inferenceruntimes"
+MODELCACHE_PLURAL = "modelcaches"
 
 #: Server-side apply field manager of the operator (one manager for everything it applies).
 FIELD_MANAGER = "wakegate-operator"
@@ -43,6 +44,14 @@ NODE_GPU_COUNT = "wakegate.io/gpu.count"
 NODE_GPU_VRAM = "wakegate.io/gpu.vram-mb"
 NODE_GPU_FREE = "wakegate.io/gpu-free-memory-mb"
 NODE_GPU_UTIL = "wakegate.io/gpu-utilization"
+
+#: Node label prefix: one label per cache entry the node's cache holds ready (`cache_label`).
+NODE_CACHE_PREFIX = "cache.wakegate.io/"
+#: Pod annotation: the cache key (digest) of the weights the pod reads from its node's cache;
+#: the scheduler extender scores nodes holding it higher.
+ANNOTATION_WEIGHTS = "wakegate.io/weights"
+#: Where the node agent keeps each node's model cache (a hostPath), unless configured otherwise.
+NODE_CACHE_DIR = "/var/lib/wakegate/cache"
 
 #: Longest Model name: "wg-" + name must stay a valid 63-character Service name.
 MAX_MODEL_NAME = 60
@@ -76,3 +85,22 @@ def backend_labels(model_name: str) -> dict[str, str]:
 
 def selector_labels(model_name: str) -> dict[str, str]:
     return {LABEL_MODEL: model_name, LABEL_NAME: "wakegate-backend"}
+
+
+def cache_label(key: str) -> str:
+    """The Node label saying the node's cache holds entry `key` (`sha256:HEX`) ready.
+
+    `cache.wakegate.io/sha256-` and the first 56 hex digits: a label name has at most 63
+    characters, and 224 bits still name one entry.
+    """
+    return NODE_CACHE_PREFIX + key.replace(":", "-", 1)[:63]
+
+
+def agent_cache_manager(node: str) -> str:
+    """The field manager of one node's agent in ModelCache status: each owns only its node's entries."""
+    return f"wakegate-agent/{node}"[:128]
+
+
+def owned_cache_name(model_name: str) -> str:
+    """The ModelCache the operator keeps for a `cache: prewarm` Model no other ModelCache names."""
+    return backend_name(model_name)

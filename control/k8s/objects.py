@@ -1,4 +1,4 @@
-"""Typed objects from Kubernetes JSON: the one way a Model or an InferenceRuntime is read from a cluster.
+"""Typed objects from Kubernetes JSON: the one way a Model, an InferenceRuntime or a ModelCache is read from a cluster.
 
 Whoever reads a Model from the API server (the operator, the xDS feeder, the scaler) gets it
 here, with one set of defaults: `status` and the server's metadata bookkeeping (uid,
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from wakegate.control.schema import InferenceRuntime, Model
+from wakegate.control.schema import InferenceRuntime, Model, ModelCache
 
-_T = TypeVar("_T", Model, InferenceRuntime)
+_T = TypeVar("_T", Model, InferenceRuntime, ModelCache)
 
 
 def _typed(kind: type[_T], body: Mapping[str, Any]) -> _T:
@@ -34,3 +34,7 @@ def model_from_object(body: Mapping[str, Any]) -> Model:
 
 def runtime_from_object(body: Mapping[str, Any]) -> InferenceRuntime:
     return _typed(InferenceRuntime, body)
+
+
+def modelcache_from_object(body: Mapping[str, Any]) -> ModelCache:
+    return _typed(ModelCache, body)

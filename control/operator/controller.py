@@ -1,10 +1,12 @@
 """The operator's I/O: Kopf watches feed a coalescing work queue; each reconcile renders and applies.
 
-Kopf watches Models, InferenceRuntimes, the backend Deployments and Pods (by
+Kopf watches Models, InferenceRuntimes, ModelCaches, the backend Deployments and Pods (by
 label) and the ScaledObject CRD. Handlers only record and enqueue the Model's
 key; a few workers reconcile one key at a time: render (pure), server-side apply
 when the rendering changed, delete owned kinds no longer rendered, compute the
-status (pure) and patch it only when it differs. Kopf's on-event handlers keep
+status (pure) and patch it only when it differs. A ModelCache event re-reconciles the
+Models of its namespace that read the node caches, and the ModelCache's own summary status
+(ready/wanted nodes; the per-node entries are the agents'). Kopf's on-event handlers keep
 no state on the objects (no annotations, no finalizers), so an unchanged world
 causes no writes at all.
 """
@@ -24,15 +26,18 @@ from pydantic import ValidationError
 
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
-from wakegate.control.k8s.objects import model_from_object
+from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.status import Observed, compute, swap_holder
+from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime
 
 log = logging.getLogger("wakegate.operator")
 
 SCALEDOBJECT_CRD = "scaledobjects.keda.sh"
 BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY}
+#: Queue keys of ModelCaches (their summary status) carry this prefix; Model keys carry none.
+CACHE_KEY = "ModelCache:"
 
 
 def _rfc3339() -> str:
@@ -57,6 +62,8 @@ class Reconciler:
         self.runtimes: dict[str, dict[str, Any]] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, dict[str, Any]]] = {}
+        #: ModelCaches by namespace, then name
+        self.caches: dict[str, dict[str, dict[str, Any]]] = {}
         self.applied: dict[str, str] = {}
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
@@ -111,6 +118,17 @@ class Reconciler:
             if spec.get("backend") == backend or (spec.get("runtimeRef") or {}).get("name") == name:
                 self.poke(key)
 
+    def on_cache(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        namespace = meta["namespace"]
+        _record(self.caches.setdefault(namespace, {}), meta["name"], event_type, body)
+        if event_type != "DELETED":
+            self.poke(CACHE_KEY + names.model_key(namespace, meta["name"]))
+        for key, model in self.models.items():
+            cache = ((model.get("spec") or {}).get("cache") or {}).get("strategy", "none")
+            if model["metadata"]["namespace"] == namespace and cache != "none":
+                self.poke(key)
+
     def on_deployment(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         key = names.owning_model_key(body["metadata"])
         if key is not None:
@@ -144,6 +162,9 @@ class Reconciler:
     # -- reconcile ------------------------------------------------------------------------------
 
     async def reconcile(self, key: str) -> None:
+        if key.startswith(CACHE_KEY):
+            await self._reconcile_cache(key.removeprefix(CACHE_KEY))
+            return
         body = self.models.get(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Owner references cascade the deletion; only our memory needs forgetting.
@@ -153,10 +174,13 @@ class Reconciler:
         generation = int(body["metadata"].get("generation", 0))
         autoscaling = rnd.Condition("AutoscalingReady", "Unknown", "NotRendered")
         render_error: rnd.Condition | None = None
+        weights = None
         try:
             model = model_from_object(body)
+            caches = self.caches.get(body["metadata"]["namespace"], {}).values()
+            weights = weights_for(body, model, caches)
             runtime = rnd.select_runtime(model, self.runtimes.values())
-            autoscaling = (await self._apply(key, body, runtime)).autoscaling
+            autoscaling = (await self._apply(key, body, runtime, weights)).autoscaling
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
@@ -169,6 +193,7 @@ class Reconciler:
             autoscaling=autoscaling,
             render_error=render_error,
             preempted_by=self._preempted_by(key),
+            weights=weights,
         )
         previous = body.get("status") or {}
         status = compute(observed, previous, _rfc3339())
@@ -185,7 +210,44 @@ class Reconciler:
             if current is not None and current["metadata"].get("uid") == meta.get("uid"):
                 current["status"] = updated.get("status", status)
 
-    async def _apply(self, key: str, body: dict[str, Any], runtime: InferenceRuntime) -> rnd.Rendered:
+    async def _reconcile_cache(self, key: str) -> None:
+        """A ModelCache's summary status from its per-node entries, patched only when it differs."""
+        namespace, _, name = key.partition("/")
+        body = self.caches.get(namespace, {}).get(name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        previous = body.get("status") or {}
+        invalid = None
+        try:
+            modelcache_from_object(body)
+        except ValidationError as exc:
+            invalid = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        summary = cache_summary(body, previous, _rfc3339(), invalid)
+        if all(previous.get(k) == v for k, v in summary.items()):
+            return
+        try:
+            updated = await asyncio.to_thread(
+                self.kube.patch_status, path(names.API_VERSION, "ModelCache", namespace, name), summary
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return
+            raise
+        current = self.caches.get(namespace, {}).get(name)
+        if current is not None and current["metadata"].get("uid") == body["metadata"].get("uid"):
+            current["status"] = updated.get("status", {**previous, **summary})
+
+    def _prunable(self, namespace: str, api_version: str, kind: str, name: str, owner: str | None) -> bool:
+        """A ModelCache is deleted only when this Model owns it (a person's may carry the same name)."""
+        if kind != "ModelCache":
+            return True
+        cache = self.caches.get(namespace, {}).get(name)
+        refs = (cache or {}).get("metadata", {}).get("ownerReferences") or []
+        return cache is not None and any(ref.get("uid") == owner for ref in refs)
+
+    async def _apply(
+        self, key: str, body: dict[str, Any], runtime: InferenceRuntime, weights: Any = None
+    ) -> rnd.Rendered:
         """Apply what the Model renders to, when that changed; seed replicas once for a new Deployment."""
         deployment = self.deployments.get(key)
         if deployment is None and key not in self.applied:
@@ -194,14 +256,14 @@ class Reconciler:
                 self.kube.get_or_none,
                 path("apps/v1", "Deployment", meta["namespace"], names.backend_name(meta["name"])),
             )
-        rendered = rnd.render(body, runtime, self.settings)
+        rendered = rnd.render(body, runtime, self.settings, weights=weights)
         if self.applied.get(key) == rendered.digest():
             return rendered
         seed: int | None = None
         if deployment is None or not _replicas_owned_elsewhere(deployment):
             current = ((deployment or {}).get("spec") or {}).get("replicas")
             seed = int(current) if current is not None else model_from_object(body).spec.scaling.min
-            rendered_with_seed = rnd.render(body, runtime, self.settings, initial_replicas=seed)
+            rendered_with_seed = rnd.render(body, runtime, self.settings, initial_replicas=seed, weights=weights)
         else:
             rendered_with_seed = rendered
         kinds = {(obj["apiVersion"], obj["kind"]) for obj in rendered.objects}
@@ -226,7 +288,10 @@ class Reconciler:
         for api_version, kind in rnd.PRUNABLE_KINDS:
             if (api_version, kind) in kinds or (kind == "ScaledObject" and not self.settings.keda_available):
                 continue
-            target = path(api_version, kind, meta["namespace"], names.backend_name(meta["name"]))
+            name = names.backend_name(meta["name"])
+            if not self._prunable(meta["namespace"], api_version, kind, name, meta.get("uid")):
+                continue
+            target = path(api_version, kind, meta["namespace"], name)
             if await asyncio.to_thread(self.kube.delete, target):
                 log.info("deleted %s %s (no longer rendered)", kind, target)
         self.applied[key] = rendered.digest()
@@ -292,12 +357,16 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     async def pod_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         reconciler.on_pod(event.get("type"), body)
 
+    async def cache_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_cache(event.get("type"), body)
+
     async def crd_event(event: Mapping[str, Any], **_: Any) -> None:
         reconciler.on_keda_crd(event.get("type") != "DELETED")
 
     on_event = kopf.on.event
     on_event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
     on_event(names.GROUP, names.VERSION, names.RUNTIME_PLURAL, registry=registry)(runtime_event)
+    on_event(names.GROUP, names.VERSION, names.MODELCACHE_PLURAL, registry=registry)(cache_event)
     on_event("apps", "v1", "deployments", labels=BACKEND_LABELS, registry=registry)(deployment_event)
     on_event("", "v1", "pods", labels=BACKEND_LABELS, registry=registry)(pod_event)
     on_event(

@@ -15,7 +15,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from wakegate.control.k8s import kopfing
+from wakegate.control.k8s import kopfing, names
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
 from wakegate.control.operator import render as rnd
@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=4, help="Models reconciled concurrently")
     parser.add_argument(
+        "--node-cache-dir",
+        default=names.NODE_CACHE_DIR,
+        help="the node agents' model cache on every node (their --cache-dir), mounted into "
+        "`cache: node|prewarm` pods",
+    )
+    parser.add_argument(
         "--install-runtimes",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -70,6 +76,8 @@ class Settings(ProcessSettings):
     """Models reconciled concurrently."""
     install_runtimes: bool
     """Apply the InferenceRuntimes shipped for each backend plugin when leading."""
+    node_cache_dir: str = names.NODE_CACHE_DIR
+    """The node agents' model cache directory on every node."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -88,7 +96,7 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
         for runtime in shipped_runtimes():
             await asyncio.to_thread(kube.apply, runtime)
     keda = await asyncio.to_thread(keda_installed, kube)
-    settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda)
+    settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda, node_cache_dir=args.node_cache_dir)
     reconciler = Reconciler(kube, settings, workers=args.workers)
     registry = kopfing.registry(args.kubeconfig)
     register(registry, reconciler)

@@ -14,15 +14,19 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from wakegate.control.backends import BACKENDS
+from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.schema import InferenceRuntime, Model, ScalingEngine
+
+if TYPE_CHECKING:
+    from wakegate.control.operator.weights import Weights
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 #: Owned kinds that come and go with the spec (`max`, `engine`); the operator deletes them when
@@ -31,9 +35,12 @@ KEDA_API_VERSION = "keda.sh/v1alpha1"
 PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     (KEDA_API_VERSION, "ScaledObject"),
+    (names.API_VERSION, "ModelCache"),
 )
 WEIGHTS_VOLUME = "weights"
 WEIGHTS_ROOT = "/models"
+#: Where a pod sees its node-cache entry (read-only): `files/` holds the model's files.
+CACHE_MOUNT = f"{WEIGHTS_ROOT}/cache"
 
 
 class RenderError(ValueError):
@@ -52,6 +59,8 @@ class Settings:
     scaler_address: str = "wakegate-scaler.wakegate-system.svc:9091"
     #: Whether the ScaledObject CRD is installed (observed, not configured).
     keda_available: bool = True
+    #: The node agents' model cache directory on every node (the agent DaemonSet's hostPath).
+    node_cache_dir: str = names.NODE_CACHE_DIR
 
 
 @dataclass(frozen=True)
@@ -141,8 +150,27 @@ def _substitute(template: str, values: Mapping[str, str]) -> str:
     return out
 
 
-def _weights(model: Model) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """(model argument, volumes, volume mounts) from `spec.source`."""
+def _cached_weights(
+    weights: Weights, settings: Settings
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The node-cache entry of `weights.digest`, read-only: only that entry, not the whole cache."""
+    assert weights.digest is not None
+    entry = f"{settings.node_cache_dir.rstrip('/')}/entries/{dirname(weights.digest)}"
+    volume = {"name": WEIGHTS_VOLUME, "hostPath": {"path": entry, "type": "Directory"}}
+    files = f"{CACHE_MOUNT}/files"
+    return (
+        f"{files}/{weights.file}" if weights.file else files,
+        [volume],
+        [{"name": WEIGHTS_VOLUME, "mountPath": CACHE_MOUNT, "readOnly": True}],
+    )
+
+
+def _weights(
+    model: Model, weights: Weights | None = None, settings: Settings | None = None
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(model argument, volumes, volume mounts) from `spec.source`, or from the node cache."""
+    if weights is not None and weights.digest is not None:
+        return _cached_weights(weights, settings or Settings())
     source = model.spec.source
     needs_file = BACKENDS[model.spec.backend].needs_file
     if source is None:
@@ -221,17 +249,30 @@ def _tolerations(model: Model, runtime: InferenceRuntime) -> list[dict[str, Any]
     return [t.model_dump(exclude_none=True) for t in items]
 
 
-def _affinity(model: Model) -> dict[str, Any] | None:
+def _affinity(model: Model, cached: str | None = None) -> dict[str, Any] | None:
+    """Required node affinity: the GPU architectures, and the node cache holding entry `cached`."""
+    expressions: list[dict[str, Any]] = []
     arch = model.spec.resources.gpu.arch
-    if not arch or model.spec.resources.gpu.count == 0:
+    if arch and model.spec.resources.gpu.count > 0:
+        expressions.append({"key": names.NODE_GPU_ARCH, "operator": "In", "values": list(arch)})
+    if cached is not None:
+        expressions.append({"key": names.cache_label(cached), "operator": "Exists"})
+    if not expressions:
         return None
-    term = {"matchExpressions": [{"key": names.NODE_GPU_ARCH, "operator": "In", "values": list(arch)}]}
+    term = {"matchExpressions": expressions}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
-def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntime) -> dict[str, Any]:
+def pod_template(
+    body: Mapping[str, Any],
+    model: Model,
+    runtime: InferenceRuntime,
+    weights_state: Weights | None = None,
+    settings: Settings | None = None,
+) -> dict[str, Any]:
     rt = runtime.spec
-    weights, volumes, mounts = _weights(model)
+    cached = weights_state.digest if weights_state is not None else None
+    weights, volumes, mounts = _weights(model, weights_state, settings)
     values = {"model": weights, "served_name": model.served_name, "port": str(rt.port), "host": "0.0.0.0"}
     env = {k: _substitute(v, values) for k, v in rt.env.items()} | dict(model.spec.env)
     resources: dict[str, dict[str, str]] = {}
@@ -265,6 +306,8 @@ def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntim
     annotations = {names.ANNOTATION_BACKEND: model.spec.backend}
     if model.spec.resources.gpu.minVramMb:
         annotations[names.ANNOTATION_VRAM_ESTIMATE] = str(model.spec.resources.gpu.minVramMb)
+    if cached is not None:
+        annotations[names.ANNOTATION_WEIGHTS] = cached
     spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": max(
@@ -277,7 +320,7 @@ def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntim
     tolerations = _tolerations(model, runtime)
     if tolerations:
         spec["tolerations"] = tolerations
-    affinity = _affinity(model)
+    affinity = _affinity(model, cached)
     if affinity:
         spec["affinity"] = affinity
     if volumes:
@@ -290,14 +333,19 @@ def pod_template(body: Mapping[str, Any], model: Model, runtime: InferenceRuntim
 
 
 def deployment(
-    body: Mapping[str, Any], model: Model, runtime: InferenceRuntime, initial_replicas: int | None
+    body: Mapping[str, Any],
+    model: Model,
+    runtime: InferenceRuntime,
+    initial_replicas: int | None,
+    weights: Weights | None = None,
+    settings: Settings | None = None,
 ) -> dict[str, Any]:
     """The backend Deployment. `replicas` only when given: the scaler (KEDA or builtin) owns it."""
     spec: dict[str, Any] = {
         "selector": {"matchLabels": names.selector_labels(model.name)},
         "progressDeadlineSeconds": runtime.spec.lifecycle.progressDeadlineSeconds,
         "revisionHistoryLimit": 2,
-        "template": pod_template(body, model, runtime),
+        "template": pod_template(body, model, runtime, weights, settings),
     }
     if model.spec.resources.gpu.count > 0:
         # An accelerator cannot host old and new replica at once: replace, never surge.
@@ -359,11 +407,24 @@ def render(
     runtime: InferenceRuntime,
     settings: Settings,
     initial_replicas: int | None = None,
+    weights: Weights | None = None,
 ) -> Rendered:
-    """Everything a Model owns. `body` is the Model object (metadata with namespace and uid)."""
+    """Everything a Model owns. `body` is the Model object (metadata with namespace and uid).
+
+    `weights` is where the weights stand in the node caches (`operator.weights.weights_for`)
+    for `cache: node|prewarm` Models: until they are Ready on some node only the Service (and
+    the ModelCache the operator keeps for a `prewarm` Model) is rendered, so no pod exists to
+    claim a GPU; then the pods mount the cache entry and go only to nodes that hold it.
+    """
     model = model_from_object(body)
     engine = model.spec.scaling.engine
     objects: list[dict[str, Any]] = [service(body, model, runtime)]
+    conditions = list(weights.conditions) if weights is not None else []
+    if weights is not None and weights.owned_cache is not None:
+        objects.append(weights.owned_cache)
+    if weights is not None and weights.digest is None:
+        autoscaling = Condition("AutoscalingReady", "False", "WaitingForWeights", weights.message)
+        return Rendered(objects, autoscaling, runtime.metadata.name, conditions)
     if engine is ScalingEngine.KEDA and not settings.keda_available:
         autoscaling = Condition(
             "AutoscalingReady",
@@ -372,8 +433,8 @@ def render(
             "scaling.engine is keda but the ScaledObject CRD (keda.sh) is not installed; "
             "install KEDA or set spec.scaling.engine: builtin",
         )
-        return Rendered(objects, autoscaling, runtime.metadata.name)
-    objects.append(deployment(body, model, runtime, initial_replicas))
+        return Rendered(objects, autoscaling, runtime.metadata.name, conditions)
+    objects.append(deployment(body, model, runtime, initial_replicas, weights, settings))
     if model.spec.scaling.max > 1:
         objects.append(pod_disruption_budget(body, model))
     if engine is ScalingEngine.KEDA:
@@ -381,4 +442,4 @@ def render(
         autoscaling = Condition("AutoscalingReady", "True", "ScaledObjectApplied", "KEDA external-push")
     else:
         autoscaling = Condition("AutoscalingReady", "True", "BuiltinScaler", "replicas owned by wakegate scaler")
-    return Rendered(objects, autoscaling, runtime.metadata.name)
+    return Rendered(objects, autoscaling, runtime.metadata.name, conditions)

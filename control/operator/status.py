@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from wakegate.control.operator.render import Condition
+from wakegate.control.operator.weights import State, Weights, condition_dict
 
 PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
 
@@ -34,6 +35,8 @@ class Observed:
     render_error: Condition | None = None
     #: GPU group member that holds the group, when it is not this Model.
     preempted_by: str | None = None
+    #: Where the weights stand in the node caches (`cache: node|prewarm` only).
+    weights: Weights | None = None
 
 
 def _time(text: str | None) -> datetime | None:
@@ -139,8 +142,13 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
     elif deadline is not None:
         healthy = Condition("BackendHealthy", "False", "ProgressDeadlineExceeded", deadline)
 
+    weights = observed.weights
     if observed.render_error is not None:
         phase, why = "Failed", observed.render_error
+    elif weights is not None and weights.state is State.FAILED:
+        phase, why = "Failed", Condition("Ready", "False", "PrewarmFailed", weights.message)
+    elif weights is not None and weights.digest is None and dep is None:
+        phase, why = "Pending", Condition("Ready", "False", "WeightsPulling", weights.message)
     elif observed.preempted_by is not None:
         phase, why = "Preempted", Condition("Ready", "False", "Preempted", f"GPU group held by {observed.preempted_by}")
     elif dep is None and observed.autoscaling.status != "True":
@@ -162,21 +170,11 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
         phase, why = "Pending", Condition("Ready", "False", "Pending", "waiting for a backend pod")
     ready_cond = Condition("Ready", why.status if why.type == "Ready" else "False", why.reason, why.message)
 
-    old_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
-    conditions = []
-    for cond in (ready_cond, schedulable, observed.autoscaling, healthy):
-        old = old_conditions.get(cond.type) or {}
-        since = old.get("lastTransitionTime") if old.get("status") == cond.status else None
-        conditions.append(
-            {
-                "type": cond.type,
-                "status": cond.status,
-                "reason": cond.reason,
-                "message": cond.message,
-                "lastTransitionTime": since or now,
-                "observedGeneration": observed.generation,
-            }
-        )
+    extra = weights.conditions if weights is not None else ()
+    conditions = [
+        condition_dict(cond, previous, now, observed.generation)
+        for cond in (ready_cond, schedulable, observed.autoscaling, healthy, *extra)
+    ]
     status: dict[str, Any] = {
         "phase": phase,
         "readyReplicas": ready,

@@ -76,6 +76,12 @@ class NodeFacts:
     #: fraction 0..1
     kv_cache_usage: float | None = None
     tenant_share: Mapping[str, float] = field(default_factory=dict)
+    #: `cache.wakegate.io/…` labels: the entries the node's model cache holds ready (agent)
+    cached: frozenset[str] = frozenset()
+
+    def holds(self, key: str | None) -> bool:
+        """Whether the node's cache holds the entry `key` (a digest) ready."""
+        return key is not None and names.cache_label(key) in self.cached
 
     @property
     def device_class(self) -> str | None:
@@ -123,6 +129,7 @@ def node_facts(node: Mapping[str, Any]) -> NodeFacts:
         cost_per_hour=number(annotations.get(NODE_COST_PER_HOUR)),
         kv_cache_usage=number(annotations.get(NODE_KV_CACHE_USAGE), high=1.0),
         tenant_share=_tenant_share(annotations.get(NODE_TENANT_SHARE)),
+        cached=frozenset(k for k in labels if k.startswith(names.NODE_CACHE_PREFIX)),
     )
 
 
@@ -140,6 +147,8 @@ class PodFacts:
     #: the Model's name (label wakegate.io/model)
     model: str | None = None
     tenant: str | None = None
+    #: the cache entry (digest) of the weights the pod reads from its node's cache
+    weights: str | None = None
 
     @property
     def vram_needed_mb(self) -> float:
@@ -197,4 +206,5 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
         backend=annotations.get(names.ANNOTATION_BACKEND) or None,
         model=labels.get(names.LABEL_MODEL) or None,
         tenant=labels.get(POD_TENANT) or None,
+        weights=annotations.get(names.ANNOTATION_WEIGHTS) or None,
     )

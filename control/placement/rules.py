@@ -8,7 +8,9 @@ kube-scheduler copies it into the pod's FailedScheduling event.
 Score, per node (the issue's formula; units in docs/placement.md)::
 
     tps*w_tps - util*w_util - cost*w_cost - kvCache*w_cache + freeRatio*w_free
-        - kvPenalty + tenantAdjustment
+        - kvPenalty + tenantAdjustment + weightsCached*w_cached
+
+(weightsCached is 1 on a node whose model cache holds the pod's weights, else 0)
 
 then min-max normalised over the candidate nodes to 0..100 (kube-scheduler's MaxNodeScore)
 and sent as 0..10 (MaxExtenderPriority), which kube-scheduler multiplies back by
@@ -95,6 +97,7 @@ class Weights:
     cache: float = 0.3
     vram_free: float = 10.0
     fairshare: float = 5.0
+    cached: float = 50.0
 
     #: field -> environment variable
     ENV = {
@@ -104,6 +107,7 @@ class Weights:
         "cache": "SCHED_CACHE_WEIGHT",
         "vram_free": "SCHED_VRAM_FREE_WEIGHT",
         "fairshare": "SCHED_TENANT_FAIRSHARE_WEIGHT",
+        "cached": "SCHED_WEIGHTS_CACHED_WEIGHT",
     }
 
     @classmethod
@@ -151,6 +155,7 @@ def raw_score(pod: PodFacts, node: NodeFacts, tps: float, weights: Weights) -> f
         + (node.free_ratio or 0.0) * weights.vram_free
         - kv_penalty(node.kv_cache_usage)
         + tenant_adjustment(pod, node, weights.fairshare)
+        + (weights.cached if node.holds(pod.weights) else 0.0)
     )
     return score if math.isfinite(score) else 0.0
 

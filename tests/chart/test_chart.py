@@ -49,7 +49,9 @@ EVERY_OPTION: dict[str, Any] = {
                 "envoy": {"image": {"repository": "mirror/envoy", "tag": "v1.40.1", "pullPolicy": "Always"},
                           "concurrency": 4, "metricsPort": 9912, "resources": {"limits": {"cpu": "2"}}},
                 "extproc": {"resources": {"limits": {"cpu": "1"}}}},
-    "agent": {"interval": 30, "gpuNodeLabels": ["custom/gpu"], "logLevel": "DEBUG", "tolerations": []},
+    "agent": {"interval": 30, "gpuNodeLabels": ["custom/gpu"], "logLevel": "DEBUG", "tolerations": [],
+              "cache": {"enabled": True, "hostPath": "/mnt/nvme/wakegate", "maxSize": "500G", "retrySeconds": 30,
+                        "readCredentials": False}},
     "schedulerExtender": {"replicas": 2, "port": 8899, "benchConfigMap": "bench", "exampleSchedulerConfig": False},
     "metrics": {"serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}},
                 "prometheusRule": {"labels": {"release": "prom"}}},
@@ -157,7 +159,13 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
         return {(g, r, v) for rule in roles[name]["rules"] for g in rule["apiGroups"]
                 for r in rule["resources"] for v in rule["verbs"]}
 
-    assert rules("wg-wakegate-agent") == {("", "nodes", "get"), ("", "nodes", "patch")}
+    # The agent gets exactly the rules its e2e test (prewarm into the node cache) runs with.
+    from e2e.gateway import AGENT_RULES
+
+    assert rules("wg-wakegate-agent") == {(g, r, v) for rule in AGENT_RULES for g in rule["apiGroups"]
+                                          for r in rule["resources"] for v in rule["verbs"]}
+    assert {(g, r, v) for g, r, v in rules("wg-wakegate-agent") if v in writes} == {
+        ("", "nodes", "patch"), ("wakegate.io", "modelcaches/status", "patch")}
     assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
                                                              ("discovery.k8s.io", "endpointslices"))
                                         for v in ("get", "list", "watch")} | {
@@ -166,7 +174,8 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
                                                                                       "patch")}
-    assert not any(r == "secrets" for name in roles for _, r, _ in rules(name))
+    # Secrets: only the agent, only `get` (the registry credentials a ModelCache names), never list.
+    assert {(name, v) for name in roles for _, r, v in rules(name) if r == "secrets"} == {("wg-wakegate-agent", "get")}
     # The operator gets exactly the rules its e2e test proves enough (docs/operator.md).
     from e2e.gateway import OPERATOR_RULES
 
@@ -209,6 +218,35 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert not any("checksum/internal-token" in (d["spec"]["template"]["metadata"].get("annotations") or {})
                    for d in deployments.values())
     assert not by_kind(docs, "NetworkPolicy")
+    agent = by_kind(docs, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
+    args = agent["containers"][0]["args"]
+    assert {"--cache-dir=/mnt/nvme/wakegate", "--cache-max-size=500G", "--retry-seconds=30"} <= set(args)
+    host = {"path": "/mnt/nvme/wakegate", "type": "DirectoryOrCreate"}
+    assert agent["volumes"][0] == {"name": "cache", "hostPath": host}
+    operator_args = deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--node-cache-dir=/mnt/nvme/wakegate" in operator_args
+    agent_role = by_kind(docs, "ClusterRole")["wg-wakegate-agent"]
+    assert not any("secrets" in rule["resources"] for rule in agent_role["rules"]), "readCredentials: false"
+
+
+def test_agent_node_cache_by_default(helm: Path, tmp_path: Path) -> None:
+    """The node cache as a hostPath the agent owns (an init container hands it over) and writes as
+    its own non-root user; credentials only in a memory-backed TMPDIR."""
+    agent = by_kind(template(helm, tmp_path), "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
+    container = agent["containers"][0]
+    assert "--cache-dir=/var/lib/wakegate/cache" in container["args"]
+    assert {"name": "cache", "mountPath": "/var/lib/wakegate/cache"} in container["volumeMounts"]
+    assert container["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "TMPDIR", "value": "/run/wakegate/tmp"} in container["env"]
+    assert {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in agent["volumes"]
+    (init,) = agent["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["args"][-2:] == ["--cache-dir=/var/lib/wakegate/cache", "--prepare-cache=10001"]
+    off = template(helm, tmp_path, {"agent": {"cache": {"enabled": False}}})
+    plain = by_kind(off, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
+    assert "volumes" not in plain and "initContainers" not in plain
+    assert not any(a.startswith("--cache-dir") for a in plain["containers"][0]["args"])
+    assert [r["resources"] for r in by_kind(off, "ClusterRole")["wg-wakegate-agent"]["rules"]] == [["nodes"]]
 
 
 def _token_parties(deployments: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

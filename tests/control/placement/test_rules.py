@@ -279,3 +279,27 @@ def test_normalised_scores_are_always_in_range(raw: dict[str, float]) -> None:
     assert set(scores) == set(raw)
     assert all(0 <= s <= 100 for s in scores.values())
     assert all(0 <= extender_priority(s) <= 10 for s in scores.values())
+
+
+# -- weights in the node cache ------------------------------------------------
+
+WEIGHTS = "sha256:" + "ef" * 32
+
+
+def test_a_node_holding_the_pods_weights_scores_higher() -> None:
+    warm = node("warm", free=100000)
+    warm["metadata"]["labels"][names.cache_label(WEIGHTS)] = "ready"
+    cold = node("cold", free=300000)  # more free VRAM: better on every other term
+    wants = pod()
+    wants["metadata"]["annotations"][names.ANNOTATION_WEIGHTS] = WEIGHTS
+    facts = pod_facts(wants)
+    assert facts.weights == WEIGHTS and node_facts(warm).holds(WEIGHTS) and not node_facts(cold).holds(WEIGHTS)
+    scores = normalise({n: raw_score(facts, node_facts(body), 0.0, Weights()) for n, body in
+                        (("warm", warm), ("cold", cold))})
+    assert scores == {"warm": 100, "cold": 0}
+    # without the annotation the cache label means nothing, and the free VRAM decides
+    plain = pod_facts(pod())
+    assert raw_score(plain, node_facts(cold), 0.0, Weights()) > raw_score(plain, node_facts(warm), 0.0, Weights())
+    # the weight is a knob: 0 turns it off
+    off = Weights.from_env({"SCHED_WEIGHTS_CACHED_WEIGHT": "0"})
+    assert raw_score(facts, node_facts(cold), 0.0, off) > raw_score(facts, node_facts(warm), 0.0, off)
