@@ -83,6 +83,10 @@ class LoadMetrics:
         kv = _first(values, self.kv_usage)
         return LoadSignals(int(running), int(waiting), kv)
 
+    def kv(self, text: str) -> float | None:
+        """The KV-cache usage (0..1) in a Prometheus text exposition; None when it has none."""
+        return _first(_samples(text), self.kv_usage)
+
 
 def _samples(text: str) -> dict[str, float]:
     """Metric name -> value summed over its label sets; unparsable lines are skipped."""

@@ -288,7 +288,7 @@ def test_secret_env_is_a_secret_key_ref_and_the_value_appears_nowhere() -> None:
         {"name": "B", "value": "2"},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": False}}},
     ]
-    assert not any("hf" == a or "token" in a for a in container["args"])
+    assert not any(a == "hf" or "token" in a for a in container["args"])
 
 
 @pytest.mark.parametrize(
@@ -359,7 +359,10 @@ def test_gpu_pods_tolerate_their_vendors_taint_once() -> None:
         model(resources={"gpu": {"count": 1, "vendor": "nvidia"}}, tolerations=own),
         runtime(gpuVendors=["nvidia"], scheduling={"tolerations": [{"key": "spot", "operator": "Exists"}]}),
     )
-    assert merged["tolerations"] == [{"key": "spot", "operator": "Exists"}, {"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert merged["tolerations"] == [
+        {"key": "spot", "operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists"},
+    ]
     assert "tolerations" not in pod_spec(model())
 
 
