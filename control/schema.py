@@ -240,7 +240,7 @@ class RuntimeRef(_Spec):
 
 
 #: A Secret's name (a DNS subdomain) and a key in it.
-SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # noqa: S105 - a name pattern, no secret
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: A Kubernetes memory quantity, as `resources.memory` takes it.
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$"
@@ -394,9 +394,12 @@ class ModelSpec(_Spec):
                 f"backend {self.backend} loads one GGUF file: set spec.source (file://, oci:// or hf://…/FILE.gguf)"
             )
         secret_names = [item.name for item in self.secretEnv]
-        twice = sorted({name for name in secret_names if secret_names.count(name) > 1} | (set(secret_names) & set(self.env)))
+        repeated = {name for name in secret_names if secret_names.count(name) > 1}
+        twice = sorted(repeated | (set(secret_names) & set(self.env)))
         if twice:
-            raise ValueError(f"environment variable set twice (env and secretEnv, or secretEnv twice): {', '.join(twice)}")
+            raise ValueError(
+                f"environment variable set twice (env and secretEnv, or secretEnv twice): {', '.join(twice)}"
+            )
         return self
 
 

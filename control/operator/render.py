@@ -323,7 +323,7 @@ def _shm(runtime: InferenceRuntime) -> tuple[list[dict[str, Any]], list[dict[str
         return [], []
     return (
         [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": size}}],
-        [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],  # noqa: S108 - the pod's own memory volume
     )
 
 

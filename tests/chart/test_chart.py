@@ -168,7 +168,8 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-agent") if v in writes} == {
         ("", "nodes", "patch"), ("wakegate.io", "modelcaches/status", "patch")}
     assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
-                                                             ("discovery.k8s.io", "endpointslices"))
+                                                             ("discovery.k8s.io", "endpointslices"),
+                                                             ("", "nodes"))
                                         for v in ("get", "list", "watch")} | {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
     writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
