@@ -68,6 +68,8 @@ class Reconciler:
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
         self._stopped_at: dict[str, float] = {}
+        #: Failed pods whose deletion was refused (said once, not tried again).
+        self._unprunable: set[str] = set()
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
@@ -212,11 +214,25 @@ class Reconciler:
                 current["status"] = updated.get("status", status)
 
     async def _prune_failed_pods(self, key: str, namespace: str) -> None:
-        """Delete the Model's pods that ended Failed (evicted, node shut down), one log line each."""
+        """Delete the Model's pods that ended Failed (evicted, node shut down), one log line each.
+
+        A refusal (an install whose role lacks `delete` on pods) is said once per pod and does not
+        stop the reconcile: the pod only lingers, as it would without the operator.
+        """
         pods = self.pods.get(key, {})
         for name, why in failed_pods(list(pods.values())):
+            if name in self._unprunable:
+                continue
             target = path("v1", "Pod", namespace, name)
-            if await asyncio.to_thread(self.kube.delete, target):
+            try:
+                deleted = await asyncio.to_thread(self.kube.delete, target)
+            except KubeError as exc:
+                if exc.status != 403:
+                    raise
+                self._unprunable.add(name)
+                log.warning("cannot delete failed backend pod %s/%s: %s", namespace, name, exc)
+                continue
+            if deleted:
                 log.info("deleted failed backend pod %s/%s of Model %s (%s)", namespace, name, key, why)
             pods.pop(name, None)
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from wakegate.control.k8s import names
+from wakegate.control.k8s.client import KubeError
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler
 from wakegate.control.operator.status import failed_pods
@@ -41,8 +42,9 @@ def test_only_finished_failed_pods_are_pruned() -> None:
 class Kube:
     """The API server as the reconcile sees it: applies echo, deletes are recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse_pods: bool = False) -> None:
         self.deleted: list[str] = []
+        self.refuse_pods = refuse_pods
 
     def get_or_none(self, resource: str) -> Any:
         return None
@@ -52,22 +54,26 @@ class Kube:
 
     def delete(self, resource: str) -> bool:
         self.deleted.append(resource)
+        if self.refuse_pods and "/pods/" in resource:
+            raise KubeError(403, "Forbidden", '{"message": "pods is forbidden"}')
         return True
 
     def patch_status(self, obj_path: str, status: dict[str, Any]) -> Any:
         return {"status": status}
 
 
+MODEL = {
+    "apiVersion": "wakegate.io/v1alpha1",
+    "kind": "Model",
+    "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+    "spec": {"backend": "sim", "scaling": {"engine": "builtin"}},
+}
+
+
 def test_the_reconcile_deletes_a_models_failed_pods_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     kube = Kube()
     reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
-    body = {
-        "apiVersion": "wakegate.io/v1alpha1",
-        "kind": "Model",
-        "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
-        "spec": {"backend": "sim", "scaling": {"engine": "builtin"}},
-    }
-    reconciler.on_model(None, body)
+    reconciler.on_model(None, MODEL)
     reconciler.on_pod(None, pod("wg-m-1", "Failed", reason="Evicted", message="low on memory"))
     reconciler.on_pod(None, pod("wg-m-2", "Running"))
     with caplog.at_level(logging.INFO, logger="wakegate.operator"):
@@ -78,3 +84,17 @@ def test_the_reconcile_deletes_a_models_failed_pods_and_says_why(caplog: pytest.
     kube.deleted.clear()
     asyncio.run(reconciler.reconcile("ns/m"))
     assert not [d for d in kube.deleted if "/pods/" in d]
+
+
+def test_a_refused_delete_is_said_once_and_the_model_still_reconciles(caplog: pytest.LogCaptureFixture) -> None:
+    kube = Kube(refuse_pods=True)
+    reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
+    reconciler.on_model(None, MODEL)
+    reconciler.on_pod(None, pod("wg-m-1", "Failed", reason="Evicted"))
+    with caplog.at_level(logging.WARNING, logger="wakegate.operator"):
+        asyncio.run(reconciler.reconcile("ns/m"))
+        asyncio.run(reconciler.reconcile("ns/m"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot delete failed backend pod ns/wg-m-1: 403 Forbidden: pods is forbidden"
+    ]
+    assert reconciler.models["ns/m"]["status"]["phase"] in ("Pending", "Idle", "Loading")
