@@ -12,6 +12,7 @@ import pytest
 
 from wakegate.control.agent.kvcache import BACKEND_SELECTOR, KvCacheReader, engine_targets, node_usage
 from wakegate.control.agent.main import NodeAgent
+from wakegate.control.backends import BACKENDS
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import KubeError
 from wakegate.control.placement.facts import NODE_KV_CACHE_USAGE, node_facts
@@ -173,3 +174,11 @@ def test_without_the_flag_a_kv_annotation_is_not_the_agents() -> None:
     kube.annotations = {NODE_KV_CACHE_USAGE: "0.50"}
     assert NodeAgent(kube, "n", [], []).sync() is False  # type: ignore[arg-type]
     assert kube.annotations == {NODE_KV_CACHE_USAGE: "0.50"}
+
+
+def test_an_engine_with_several_caches_reports_its_fullest() -> None:
+    metrics = BACKENDS["vllm"].load_metrics
+    assert metrics is not None
+    page = 'vllm:kv_cache_usage_perc{engine="0"} 0.3\nvllm:kv_cache_usage_perc{engine="1"} 0.6\n'
+    assert metrics.kv(page) == pytest.approx(0.6)
+    assert metrics.kv("vllm:num_requests_running 1\n") is None
