@@ -52,6 +52,14 @@ def runtime_for(backend: Backend, image: Image) -> dict[str, Any]:
             "port": backend.default_port,
             "env": env,
             "readinessProbe": {"path": readiness_path(backend), "periodSeconds": 2, "failureThreshold": 3},
+            # Once loaded (the startup probe, derived from readiness, waits out the load), an engine
+            # whose health path stops answering for a minute is restarted.
+            "livenessProbe": {
+                "path": backend.health_path,
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 6,
+            },
             "gpuVendors": [image.vendor] if gpu else [],
             "gpuArch": list(backend.gpu_arch) if gpu else [],
             "lifecycle": {

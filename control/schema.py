@@ -239,6 +239,35 @@ class RuntimeRef(_Spec):
     name: str = Field(pattern=NAME_PATTERN, max_length=253, description="InferenceRuntime to render from.")
 
 
+#: A Secret's name (a DNS subdomain) and a key in it.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # noqa: S105 - a name pattern, no secret
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: A Kubernetes memory quantity, as `resources.memory` takes it.
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$"
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(pattern=SECRET_NAME_PATTERN, max_length=253, description="A Secret in the Model's namespace.")
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253, description="The key in it whose value is used.")
+    optional: bool = Field(False, description="Start without the variable when the Secret or key is missing.")
+
+
+class SecretEnvVar(_Spec):
+    name: str = Field(pattern=ENV_NAME_PATTERN, max_length=253, description="Environment variable of the engine.")
+    secretKeyRef: SecretKeyRef = Field(
+        description="Where its value comes from; the pod spec names the Secret, never the value."
+    )
+
+
+class SecretRef(_Spec):
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        max_length=253,
+        description="A Secret in the same namespace holding a Docker config (`.dockerconfigjson`, as "
+        "imagePullSecrets do) with the registry's credentials.",
+    )
+
+
 class Toleration(_Spec):
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
@@ -316,8 +345,20 @@ class ModelSpec(_Spec):
     )
     cache: CacheSettings = Field(default_factory=CacheSettings)
     resources: Resources = Field(default_factory=Resources)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        description="Added after the runtime's; a GPU pod tolerates its vendor's taint (e.g. nvidia.com/gpu) "
+        "without asking.",
+    )
     nodeSelector: dict[str, str] = Field(default_factory=dict)
+    secretEnv: list[SecretEnvVar] = Field(
+        default_factory=list,
+        description="Environment from Secrets (e.g. HF_TOKEN), read by the kubelet; the value never appears "
+        "in the pod spec, args or status.",
+    )
+    imagePullSecrets: list[SecretRef] = Field(
+        default_factory=list, description="Secrets (in the Model's namespace) for pulling the runtime's image."
+    )
 
     @field_validator("backend")
     @classmethod
@@ -351,6 +392,13 @@ class ModelSpec(_Spec):
         if backend.needs_file and self.source is None:
             raise ValueError(
                 f"backend {self.backend} loads one GGUF file: set spec.source (file://, oci:// or hf://…/FILE.gguf)"
+            )
+        secret_names = [item.name for item in self.secretEnv]
+        repeated = {name for name in secret_names if secret_names.count(name) > 1}
+        twice = sorted(repeated | (set(secret_names) & set(self.env)))
+        if twice:
+            raise ValueError(
+                f"environment variable set twice (env and secretEnv, or secretEnv twice): {', '.join(twice)}"
             )
         return self
 
@@ -490,8 +538,25 @@ class InferenceRuntimeSpec(_Spec):
         "then the Model's spec.args are appended.",
     )
     port: int = Field(8000, ge=1, le=65535, description="Port the backend listens on.")
-    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(default_factory=dict)
+    env: dict[Annotated[str, Field(pattern=ENV_NAME_PATTERN)], str] = Field(default_factory=dict)
     readinessProbe: RuntimeProbe
+    startupProbe: RuntimeProbe | None = Field(
+        None,
+        description="Probed until the engine has loaded, before readiness and liveness; default: the "
+        "readiness probe, with failureThreshold * periodSeconds covering lifecycle.progressDeadlineSeconds.",
+    )
+    livenessProbe: RuntimeProbe | None = Field(
+        None, description="Restarts an engine that stops answering once loaded; none: never restarted for it."
+    )
+    shmSize: str = Field(
+        "2Gi",
+        pattern=QUANTITY_PATTERN,
+        description="Size limit of the memory-backed /dev/shm (engines share tensors between processes "
+        "through it); 0: none mounted.",
+    )
+    imagePullSecrets: list[SecretRef] = Field(
+        default_factory=list, description="Secrets (in each Model's namespace) for pulling the image."
+    )
     gpuVendors: list[Literal["nvidia", "amd"]] = Field(
         default_factory=list, description="Accelerator vendors this runtime supports; empty = CPU only."
     )
@@ -520,15 +585,6 @@ CACHED_SCHEMES = ("oci", "hf")
 
 class ModelRef(_Spec):
     name: str = Field(pattern=NAME_PATTERN, max_length=60, description="A Model in the same namespace.")
-
-
-class SecretRef(_Spec):
-    name: str = Field(
-        pattern=NAME_PATTERN,
-        max_length=253,
-        description="A Secret in the same namespace holding a Docker config (`.dockerconfigjson`, as "
-        "imagePullSecrets do) with the registry's credentials.",
-    )
 
 
 class ModelCacheSpec(_Spec):

@@ -60,6 +60,8 @@ def install_crds(api: ApiClient) -> None:
 XDS_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["wakegate.io"], "resources": ["models"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+    # Nodes being drained or reclaimed: their endpoints leave the routes first.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     # Kopf's resource discovery watches CRDs to notice when Models become available.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]
@@ -80,7 +82,7 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},  # delete: Failed ones
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["create", "patch", "delete"]},
     {

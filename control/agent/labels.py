@@ -57,12 +57,20 @@ def node_report(devices: Sequence[GpuDevice]) -> Report:
     )
 
 
-def patch_for(report: Report, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any] | None:
-    """The merge patch from the node's current labels/annotations to the report; None: nothing to do."""
+def patch_for(
+    report: Report,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    annotation_keys: Sequence[str] = ANNOTATIONS,
+) -> dict[str, Any] | None:
+    """The merge patch from the node's current labels/annotations to the report; None: nothing to do.
+
+    Only `LABELS` and `annotation_keys` are the agent's: others on the Node are never touched.
+    """
     meta: dict[str, dict[str, str | None]] = {}
     for part, keys, want, have in (
         ("labels", LABELS, report.labels, labels),
-        ("annotations", ANNOTATIONS, report.annotations, annotations),
+        ("annotations", annotation_keys, report.annotations, annotations),
     ):
         changes: dict[str, str | None] = {}
         for key in keys:

@@ -11,6 +11,10 @@ It patches only keys whose value changed (one merge patch, never the whole Node)
 library or a library that fails: the wakegate labels are removed (if present), one log line
 says why, and the agent keeps running, so a driver that appears later is picked up.
 
+With `--kv-cache-usage` it also writes `wakegate.io/kv-cache-usage`: the highest KV-cache usage
+(0..1) the engines of the wakegate backend pods on this node report in their metrics
+(:mod:`wakegate.control.agent.kvcache`), which the scheduler extender weighs.
+
 With `--cache-dir` (the node's model cache, a hostPath in the DaemonSet) it also prewarms:
 :mod:`wakegate.control.agent.prewarm` pulls what the ModelCaches want on this node into that
 cache, reports per-node status into them and labels the Node with what the cache holds.
@@ -25,18 +29,29 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from wakegate.control.agent.labels import node_report, patch_for
+from wakegate.control.agent.kvcache import KvCacheReader
+from wakegate.control.agent.labels import ANNOTATIONS, Report, node_report, patch_for
 from wakegate.control.gpu.discovery import Discovery, DiscoveryError, GpuDevice, probe
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, add_kubeconfig, api_client, path
+from wakegate.control.placement.facts import NODE_KV_CACHE_USAGE
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
 log = logging.getLogger("wakegate.agent")
 
 
 class NodeAgent:
-    def __init__(self, kube: Kube, node: str, discoveries: list[Discovery], problems: list[str]) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        node: str,
+        discoveries: list[Discovery],
+        problems: list[str],
+        kv: KvCacheReader | None = None,
+    ) -> None:
         self.kube = kube
+        self.kv = kv
+        self._kv_failed = False
         self.node = node
         self._path = path("v1", "Node", None, node)
         self.discoveries = discoveries
@@ -74,7 +89,8 @@ class NodeAgent:
         else:
             why = "; ".join(problems) or "the GPU libraries found no device"
             self._say(f"node {self.node}: no GPU found ({why}); the node gets no wakegate GPU labels")
-        patch = patch_for(report, self.labels, self.annotations)
+        report, keys = self._with_kv(report)
+        patch = patch_for(report, self.labels, self.annotations, keys)
         if patch is None:
             return False
         self.kube.merge_patch(self._path, patch, names.AGENT_FIELD_MANAGER)
@@ -84,6 +100,26 @@ class NodeAgent:
             self._set(self.annotations, key, value)
         log.debug("patched node %s: %s", self.node, patch)
         return True
+
+    def _with_kv(self, report: Report) -> tuple[Report, tuple[str, ...]]:
+        """The report with the node's KV-cache usage, and the annotation keys it decides.
+
+        When the pods cannot be listed the annotation is left as it is (not removed) this round.
+        """
+        if self.kv is None:
+            return report, ANNOTATIONS
+        try:
+            usage = self.kv.usage()
+        except (KubeError, OSError) as exc:
+            if not self._kv_failed:
+                log.warning("node %s: cannot list the backend pods for their KV-cache usage: %s", self.node, exc)
+            self._kv_failed = True
+            return report, ANNOTATIONS
+        self._kv_failed = False
+        annotations = dict(report.annotations)
+        if usage is not None:
+            annotations[NODE_KV_CACHE_USAGE] = usage
+        return Report(report.labels, annotations), (*ANNOTATIONS, NODE_KV_CACHE_USAGE)
 
     @staticmethod
     def _set(target: dict[str, str], key: str, value: str | None) -> None:
@@ -102,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fake-gpus", type=Path, default=None, metavar="FILE",
       help="read GPUs from a JSON file instead of NVML/amdsmi (tests, demos; see control/gpu/fake.py)")
     a("--once", action="store_true", help="one round, then exit")
+    a("--kv-cache-usage", action="store_true",
+      help="also annotate the node with the highest KV-cache usage its wakegate engines report "
+           "(lists the pods on this node: needs pods list)")
     a("--cache-dir", type=Path, default=None, metavar="DIR",
       help="the node's model cache (a hostPath): prewarm what ModelCaches want here; default: no prewarming")
     a("--cache-max-size", default=None, metavar="SIZE",
@@ -138,6 +177,8 @@ class Settings(ProcessSettings):
     """A failed prewarm pull is tried again after this long."""
     prepare_cache: int | None = None
     """Create the cache directory for this UID and exit."""
+    kv_cache_usage: bool = False
+    """Annotate the node with its engines' highest KV-cache usage."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -188,7 +229,8 @@ def run(settings: Settings) -> int:
     except (ConfigException, OSError) as exc:
         log.error("no Kubernetes configuration: %s", exc)
         return 2
-    agent = NodeAgent(kube, settings.node_name, discoveries, problems)
+    kv = KvCacheReader(kube, settings.node_name) if settings.kv_cache_usage else None
+    agent = NodeAgent(kube, settings.node_name, discoveries, problems, kv)
     stop = threading.Event()
     graceful_exit(stop, "agent")
     prewarm = None

@@ -12,7 +12,8 @@ folder private to one replica).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,9 +84,17 @@ class LoadMetrics:
         kv = _first(values, self.kv_usage)
         return LoadSignals(int(running), int(waiting), kv)
 
+    def kv(self, text: str) -> float | None:
+        """The KV-cache usage (0..1) in a Prometheus text exposition; None when it has none.
 
-def _samples(text: str) -> dict[str, float]:
-    """Metric name -> value summed over its label sets; unparsable lines are skipped."""
+        The fullest of its label sets (vLLM with data parallelism reports one per engine): a
+        share does not add up across caches the way request counts do.
+        """
+        return _first(_samples(text, max), self.kv_usage)
+
+
+def _samples(text: str, combine: Callable[[float, float], float] = operator.add) -> dict[str, float]:
+    """Metric name -> value combined over its label sets (summed); unparsable lines are skipped."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -101,7 +110,7 @@ def _samples(text: str) -> dict[str, float]:
         except ValueError:
             continue
         if not math.isnan(value):
-            out[name] = out.get(name, 0.0) + value
+            out[name] = combine(out[name], value) if name in out else value
     return out
 
 

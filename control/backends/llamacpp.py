@@ -30,7 +30,11 @@ LLAMACPP = Backend(
     ),
     metrics_path="/metrics",
     metrics_prefix="llamacpp:",
-    load_metrics=LoadMetrics(running=(contract.LLAMACPP_RUNNING,), waiting=(contract.LLAMACPP_WAITING,)),
+    load_metrics=LoadMetrics(
+        running=(contract.LLAMACPP_RUNNING,),
+        waiting=(contract.LLAMACPP_WAITING,),
+        kv_usage=(contract.LLAMACPP_KV_USAGE,),
+    ),
     answer_probe=True,
     needs_file=True,
     term_grace=5.0,

@@ -7,6 +7,12 @@ Service), with the slice's `http` port. `admitted` comes from the Model's
 status (the operator sets it False for a GPU-group member that must wait);
 `failed_activations` counts the times the Model entered phase Failed, so held
 cold requests fail at once instead of waiting for their activation timeout.
+
+Endpoints on a node that is leaving (cordoned or drained, marked for deletion by the cluster
+autoscaler or Karpenter, or about to be reclaimed as a spot/preemptible machine: `node_leaving`)
+leave the routes as soon as the Node says so, before the kubelet stops the pod, as long as the
+Model keeps an endpoint elsewhere: when every endpoint is on leaving nodes they stay routed (a
+draining replica serves better than none while its replacement starts).
 """
 
 from __future__ import annotations
@@ -21,28 +27,70 @@ from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object
 
+#: Taints that say a node is about to go away (NoSchedule or NoExecute, any value).
+LEAVING_TAINTS = frozenset(
+    {
+        "node.kubernetes.io/unschedulable",  # cordoned (kubectl drain, node upgrades)
+        "node.kubernetes.io/out-of-service",  # shut down, its pods about to be force-deleted
+        "node.cloudprovider.kubernetes.io/shutdown",
+        "ToBeDeletedByClusterAutoscaler",  # the cluster autoscaler's scale-down
+        "karpenter.sh/disrupted",  # Karpenter v1 consolidation, expiry, interruption
+        "karpenter.sh/disruption",  # Karpenter before v1
+        "cloud.google.com/impending-node-termination",  # GKE spot/preemptible reclaim
+        "aws-node-termination-handler/spot-itn",  # AWS spot interruption notice
+        "aws-node-termination-handler/rebalance-recommendation",
+        "aws-node-termination-handler/scheduled-maintenance",
+        "aws-node-termination-handler/asg-lifecycle-termination",
+    }
+)
+#: Node conditions (status True) that announce a termination (AKS node-problem-detector's
+#: scheduled events for spot eviction and VM deletion).
+LEAVING_CONDITIONS = frozenset({"PreemptScheduled", "TerminateScheduled"})
+
+
+def node_leaving(body: Mapping[str, Any]) -> bool:
+    """Whether a Node is cordoned, draining, being deleted or about to be reclaimed."""
+    spec = body.get("spec") or {}
+    if spec.get("unschedulable") is True or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    if any(
+        t.get("key") in LEAVING_TAINTS and t.get("effect") in ("NoSchedule", "NoExecute")
+        for t in spec.get("taints") or []
+    ):
+        return True
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in LEAVING_CONDITIONS and c.get("status") == "True" for c in conditions)
+
 
 def slice_endpoints(body: Mapping[str, Any]) -> set[tuple[str, int]]:
     """Ready (ip, port) pairs of one EndpointSlice; `ready` absent means ready, as the API defines."""
+    return set(slice_nodes(body))
+
+
+def slice_nodes(body: Mapping[str, Any]) -> dict[tuple[str, int], str | None]:
+    """Ready (ip, port) pairs of one EndpointSlice and the node each is on (None: not said)."""
     ports = [p for p in body.get("ports") or [] if p.get("port")]
     http = next((p for p in ports if p.get("name") == "http"), ports[0] if ports else None)
     if http is None:
-        return set()
-    out: set[tuple[str, int]] = set()
+        return {}
+    out: dict[tuple[str, int], str | None] = {}
     for endpoint in body.get("endpoints") or []:
         conditions = endpoint.get("conditions") or {}
         if conditions.get("ready") is False or conditions.get("terminating") is True:
             continue
+        node = endpoint.get("nodeName")
         for address in endpoint.get("addresses") or []:
-            out.add((str(address), int(http["port"])))
+            out[(str(address), int(http["port"]))] = str(node) if node else None
     return out
 
 
 @dataclass
 class KubeSource:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: model key -> slice name -> ready endpoints
-    slices: dict[str, dict[str, set[tuple[str, int]]]] = field(default_factory=dict)
+    #: model key -> slice name -> ready endpoint -> its node
+    slices: dict[str, dict[str, dict[tuple[str, int], str | None]]] = field(default_factory=dict)
+    #: Nodes that are leaving (`node_leaving`), by name.
+    leaving: set[str] = field(default_factory=set)
     failures: dict[str, int] = field(default_factory=dict)
     failed_now: dict[str, bool] = field(default_factory=dict)
 
@@ -69,7 +117,25 @@ class KubeSource:
         if event_type == "DELETED":
             by_slice.pop(meta["name"], None)
         else:
-            by_slice[meta["name"]] = slice_endpoints(body)
+            by_slice[meta["name"]] = slice_nodes(body)
+
+    def on_node(self, event_type: str | None, body: Mapping[str, Any]) -> bool:
+        """Record a Node's state; True when whether it is leaving changed (routes may change)."""
+        name = str(body["metadata"]["name"])
+        was = name in self.leaving
+        if event_type != "DELETED" and node_leaving(body):
+            self.leaving.add(name)
+        else:
+            self.leaving.discard(name)
+        return was != (name in self.leaving)
+
+    def endpoints(self, key: str) -> set[tuple[str, int]]:
+        """A Model's routable endpoints: those on nodes staying, or all when none is."""
+        found: dict[tuple[str, int], str | None] = {}
+        for by_endpoint in self.slices.get(key, {}).values():
+            found.update(by_endpoint)
+        staying = {e for e, node in found.items() if node is None or node not in self.leaving}
+        return staying or set(found)
 
     def routed(self) -> list[RoutedModel]:
         out = []
@@ -79,7 +145,7 @@ class KubeSource:
             except ValidationError:
                 continue
             status = body.get("status") or {}
-            endpoints = set().union(*self.slices.get(key, {}).values())
+            endpoints = self.endpoints(key)
             failed = self.failed_now.get(key, False)
             ready_message = next(
                 (c.get("message", "") for c in status.get("conditions") or [] if c.get("type") == "Ready"), ""

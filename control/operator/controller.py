@@ -28,7 +28,7 @@ from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.status import Observed, compute, swap_holder
+from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime
 
@@ -68,6 +68,8 @@ class Reconciler:
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
         self._stopped_at: dict[str, float] = {}
+        #: Failed pods whose deletion was refused (said once, not tried again).
+        self._unprunable: set[str] = set()
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
@@ -186,6 +188,7 @@ class Reconciler:
             render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
         except rnd.RenderError as exc:
             render_error = rnd.Condition("Ready", "False", exc.reason, str(exc))
+        await self._prune_failed_pods(key, body["metadata"]["namespace"])
         observed = Observed(
             generation=generation,
             deployment=self.deployments.get(key),
@@ -209,6 +212,29 @@ class Reconciler:
             current = self.models.get(key)
             if current is not None and current["metadata"].get("uid") == meta.get("uid"):
                 current["status"] = updated.get("status", status)
+
+    async def _prune_failed_pods(self, key: str, namespace: str) -> None:
+        """Delete the Model's pods that ended Failed (evicted, node shut down), one log line each.
+
+        A refusal (an install whose role lacks `delete` on pods) is said once per pod and does not
+        stop the reconcile: the pod only lingers, as it would without the operator.
+        """
+        pods = self.pods.get(key, {})
+        for name, why in failed_pods(list(pods.values())):
+            if name in self._unprunable:
+                continue
+            target = path("v1", "Pod", namespace, name)
+            try:
+                deleted = await asyncio.to_thread(self.kube.delete, target)
+            except KubeError as exc:
+                if exc.status != 403:
+                    raise
+                self._unprunable.add(name)
+                log.warning("cannot delete failed backend pod %s/%s: %s", namespace, name, exc)
+                continue
+            if deleted:
+                log.info("deleted failed backend pod %s/%s of Model %s (%s)", namespace, name, key, why)
+            pods.pop(name, None)
 
     async def _reconcile_cache(self, key: str) -> None:
         """A ModelCache's summary status from its per-node entries, patched only when it differs."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -23,7 +25,7 @@ from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
-from wakegate.control.schema import InferenceRuntime, Model, ScalingEngine
+from wakegate.control.schema import InferenceRuntime, Model, RuntimeProbe, ScalingEngine
 
 if TYPE_CHECKING:
     from wakegate.control.operator.weights import Weights
@@ -38,6 +40,7 @@ PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     (names.API_VERSION, "ModelCache"),
 )
 WEIGHTS_VOLUME = "weights"
+SHM_VOLUME = "dshm"
 WEIGHTS_ROOT = "/models"
 #: Where a pod sees its node-cache entry (read-only): `files/` holds the model's files.
 CACHE_MOUNT = f"{WEIGHTS_ROOT}/cache"
@@ -244,9 +247,89 @@ def _gpu_resources(model: Model, runtime: InferenceRuntime) -> dict[str, str]:
     return {resource: str(gpu.count)}
 
 
-def _tolerations(model: Model, runtime: InferenceRuntime) -> list[dict[str, Any]]:
-    items = [*runtime.spec.scheduling.tolerations, *model.spec.tolerations]
-    return [t.model_dump(exclude_none=True) for t in items]
+def _covers(toleration: Mapping[str, Any], key: str) -> bool:
+    """Whether `toleration` already tolerates a NoSchedule taint `key` of any value."""
+    return (
+        toleration.get("key") == key
+        and toleration.get("operator") == "Exists"
+        and toleration.get("effect") in (None, "NoSchedule")
+    )
+
+
+def _tolerations(model: Model, runtime: InferenceRuntime, gpu: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The runtime's, then the Model's, then one per accelerator resource the pod asks for.
+
+    GPU nodes are commonly tainted with their device plugin's resource name (`nvidia.com/gpu`,
+    `amd.com/gpu`); a pod requesting that resource tolerates the taint without being told.
+    """
+    items: list[dict[str, Any]] = []
+    for toleration in (*runtime.spec.scheduling.tolerations, *model.spec.tolerations):
+        dumped = toleration.model_dump(exclude_none=True)
+        if dumped not in items:
+            items.append(dumped)
+    for resource in gpu:
+        if not any(_covers(t, resource) for t in items):
+            items.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
+    return items
+
+
+def _probe(probe: RuntimeProbe, values: Mapping[str, str], failure_threshold: int | None = None) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": _substitute(probe.path, values), "port": "http"},
+        "initialDelaySeconds": probe.initialDelaySeconds,
+        "periodSeconds": probe.periodSeconds,
+        "timeoutSeconds": probe.timeoutSeconds,
+        "failureThreshold": failure_threshold or probe.failureThreshold,
+    }
+
+
+def _probes(runtime: InferenceRuntime, values: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Startup (until loaded), then readiness and liveness side by side.
+
+    Without a startup probe of its own the runtime's readiness probe is used, failing only after
+    `progressDeadlineSeconds`: a slow load is never killed, and a liveness probe (which the kubelet
+    holds back until the startup probe passes) only watches an engine that has loaded.
+    """
+    rt = runtime.spec
+    if rt.startupProbe is not None:
+        startup = _probe(rt.startupProbe, values)
+    else:
+        period = rt.readinessProbe.periodSeconds
+        load = rt.lifecycle.progressDeadlineSeconds + rt.readinessProbe.initialDelaySeconds
+        threshold = max(rt.readinessProbe.failureThreshold, math.ceil(load / period))
+        startup = _probe(rt.readinessProbe, values, failure_threshold=threshold)
+    probes = {"startupProbe": startup, "readinessProbe": _probe(rt.readinessProbe, values)}
+    if rt.livenessProbe is not None:
+        probes["livenessProbe"] = _probe(rt.livenessProbe, values)
+    return probes
+
+
+def _env(model: Model, runtime: InferenceRuntime, values: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Plain variables (the runtime's, then the Model's), then `secretEnv` as secretKeyRefs."""
+    env = {k: _substitute(v, values) for k, v in runtime.spec.env.items()} | dict(model.spec.env)
+    secret_names = {item.name for item in model.spec.secretEnv}
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(env.items()) if k not in secret_names]
+    out += [
+        {"name": item.name, "valueFrom": {"secretKeyRef": item.secretKeyRef.model_dump()}}
+        for item in model.spec.secretEnv
+    ]
+    return out
+
+
+def _shm(runtime: InferenceRuntime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A memory-backed /dev/shm of `shmSize` (a container runtime's default is 64 MiB)."""
+    size = runtime.spec.shmSize
+    if re.fullmatch(r"0+(\.0+)?([EPTGMK]i?)?", size):
+        return [], []
+    return (
+        [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": size}}],
+        [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],  # noqa: S108 - the pod's own memory volume
+    )
+
+
+def _pull_secrets(model: Model, runtime: InferenceRuntime) -> list[dict[str, str]]:
+    names_ = [ref.name for ref in (*runtime.spec.imagePullSecrets, *model.spec.imagePullSecrets)]
+    return [{"name": name} for name in dict.fromkeys(names_)]
 
 
 def _affinity(model: Model, cached: str | None = None) -> dict[str, Any] | None:
@@ -274,7 +357,8 @@ def pod_template(
     cached = weights_state.digest if weights_state is not None else None
     weights, volumes, mounts = _weights(model, weights_state, settings)
     values = {"model": weights, "served_name": model.served_name, "port": str(rt.port), "host": "0.0.0.0"}
-    env = {k: _substitute(v, values) for k, v in rt.env.items()} | dict(model.spec.env)
+    shm_volumes, shm_mounts = _shm(runtime)
+    volumes, mounts = [*volumes, *shm_volumes], [*mounts, *shm_mounts]
     resources: dict[str, dict[str, str]] = {}
     gpu = _gpu_resources(model, runtime)
     requests = {k: v for k, v in (("cpu", model.spec.resources.cpu), ("memory", model.spec.resources.memory)) if v}
@@ -288,14 +372,8 @@ def pod_template(
         **({"command": [_substitute(c, values) for c in rt.command]} if rt.command else {}),
         "args": [*(_substitute(a, values) for a in rt.args), *model.spec.args],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-        "readinessProbe": {
-            "httpGet": {"path": _substitute(rt.readinessProbe.path, values), "port": "http"},
-            "initialDelaySeconds": rt.readinessProbe.initialDelaySeconds,
-            "periodSeconds": rt.readinessProbe.periodSeconds,
-            "timeoutSeconds": rt.readinessProbe.timeoutSeconds,
-            "failureThreshold": rt.readinessProbe.failureThreshold,
-        },
+        "env": _env(model, runtime, values),
+        **_probes(runtime, values),
     }
     if resources:
         container["resources"] = resources
@@ -317,7 +395,7 @@ def pod_template(
     node_selector = dict(rt.scheduling.nodeSelector) | dict(model.spec.nodeSelector)
     if node_selector:
         spec["nodeSelector"] = node_selector
-    tolerations = _tolerations(model, runtime)
+    tolerations = _tolerations(model, runtime, gpu)
     if tolerations:
         spec["tolerations"] = tolerations
     affinity = _affinity(model, cached)
@@ -325,6 +403,9 @@ def pod_template(
         spec["affinity"] = affinity
     if volumes:
         spec["volumes"] = volumes
+    pull_secrets = _pull_secrets(model, runtime)
+    if pull_secrets:
+        spec["imagePullSecrets"] = pull_secrets
     if rt.scheduling.priorityClassName:
         spec["priorityClassName"] = rt.scheduling.priorityClassName
     if rt.scheduling.schedulerName:

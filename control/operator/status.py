@@ -62,6 +62,24 @@ def _pod_failure(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def failed_pods(pods: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(name, why) of the pods that ended in phase Failed and are not being deleted yet.
+
+    A Deployment's pods restart in place, so phase Failed means the pod itself is finished
+    (evicted, its node shut down, preempted): the ReplicaSet has replaced it, nothing will
+    restart it, and it would otherwise stay until the cluster's pod garbage collection.
+    """
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        if status.get("phase") != "Failed" or meta.get("deletionTimestamp"):
+            continue
+        why = ": ".join(str(p) for p in (status.get("reason"), status.get("message")) if p) or "failed"
+        out.append((str(meta.get("name")), why))
+    return out
+
+
 def _unschedulable(pod: Mapping[str, Any]) -> str | None:
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":

@@ -115,6 +115,12 @@ async def run(settings: Settings) -> int:
         registry=registry,
     )(slice_event)
 
+    async def node_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        if source.on_node(event.get("type"), body):
+            publisher.publish_soon()
+
+    kopf.on.event("", "v1", "nodes", registry=registry)(node_event)
+
     await publisher.publish()
     authenticator = Authenticator(settings.internal_token) if settings.internal_token is not None else None
     server, publisher.ads, bound = await start_server(

@@ -159,15 +159,17 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
         return {(g, r, v) for rule in roles[name]["rules"] for g in rule["apiGroups"]
                 for r in rule["resources"] for v in rule["verbs"]}
 
-    # The agent gets exactly the rules its e2e test (prewarm into the node cache) runs with.
+    # The agent gets exactly the rules its e2e test (prewarm into the node cache) runs with, and
+    # `list` on Pods for the KV-cache annotation (it asks only for those on its node).
     from e2e.gateway import AGENT_RULES
 
     assert rules("wg-wakegate-agent") == {(g, r, v) for rule in AGENT_RULES for g in rule["apiGroups"]
-                                          for r in rule["resources"] for v in rule["verbs"]}
+                                          for r in rule["resources"] for v in rule["verbs"]} | {("", "pods", "list")}
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-agent") if v in writes} == {
         ("", "nodes", "patch"), ("wakegate.io", "modelcaches/status", "patch")}
     assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
-                                                             ("discovery.k8s.io", "endpointslices"))
+                                                             ("discovery.k8s.io", "endpointslices"),
+                                                             ("", "nodes"))
                                         for v in ("get", "list", "watch")} | {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
     writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
@@ -246,7 +248,12 @@ def test_agent_node_cache_by_default(helm: Path, tmp_path: Path) -> None:
     plain = by_kind(off, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
     assert "volumes" not in plain and "initContainers" not in plain
     assert not any(a.startswith("--cache-dir") for a in plain["containers"][0]["args"])
-    assert [r["resources"] for r in by_kind(off, "ClusterRole")["wg-wakegate-agent"]["rules"]] == [["nodes"]]
+    assert [r["resources"] for r in by_kind(off, "ClusterRole")["wg-wakegate-agent"]["rules"]] == [["nodes"], ["pods"]]
+    assert "--kv-cache-usage" in plain["containers"][0]["args"]
+    bare = template(helm, tmp_path, {"agent": {"cache": {"enabled": False}, "kvCacheUsage": False}})
+    bare_agent = by_kind(bare, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--kv-cache-usage" not in bare_agent["args"]
+    assert [r["resources"] for r in by_kind(bare, "ClusterRole")["wg-wakegate-agent"]["rules"]] == [["nodes"]]
 
 
 def _token_parties(deployments: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from wakegate.control.feeder.kube_source import KubeSource, slice_endpoints
+import pytest
+
+from wakegate.control.feeder.kube_source import KubeSource, node_leaving, slice_endpoints
 from wakegate.control.k8s import names
 from wakegate.control.operator.controller import _replicas_owned_elsewhere
 
@@ -93,3 +95,61 @@ def test_replica_ownership() -> None:
     scaled = dep((names.FIELD_MANAGER, "Apply", False), (names.SCALER_FIELD_MANAGER, "Update", True))
     assert _replicas_owned_elsewhere(scaled)
     assert not _replicas_owned_elsewhere(dep(("kube-controller-manager", "Update", False)))
+
+
+def on_nodes(body: dict[str, Any], nodes: dict[str, str]) -> dict[str, Any]:
+    for endpoint in body["endpoints"]:
+        endpoint["nodeName"] = nodes[endpoint["addresses"][0]]
+    return body
+
+
+def node(name: str, unschedulable: bool = False, taints: tuple[tuple[str, str], ...] = (),
+         conditions: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": {"unschedulable": unschedulable, "taints": [{"key": k, "effect": e} for k, e in taints]},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}, *({"type": t, "status": v}
+                                                                          for t, v in conditions)]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "leaving"),
+    [
+        (node("n"), False),
+        (node("n", unschedulable=True), True),
+        (node("n", taints=(("node.kubernetes.io/unschedulable", "NoSchedule"),)), True),
+        (node("n", taints=(("ToBeDeletedByClusterAutoscaler", "NoSchedule"),)), True),
+        (node("n", taints=(("cloud.google.com/impending-node-termination", "NoExecute"),)), True),
+        (node("n", taints=(("karpenter.sh/disrupted", "NoSchedule"),)), True),
+        (node("n", taints=(("aws-node-termination-handler/spot-itn", "NoSchedule"),)), True),
+        # A soft hint is not a departure, nor is any other taint (the GPU one, say).
+        (node("n", taints=(("DeletionCandidateOfClusterAutoscaler", "PreferNoSchedule"),)), False),
+        (node("n", taints=(("nvidia.com/gpu", "NoSchedule"),)), False),
+        (node("n", conditions=(("PreemptScheduled", "True"),)), True),
+        (node("n", conditions=(("PreemptScheduled", "False"),)), False),
+    ],
+)
+def test_which_nodes_are_leaving(body: dict[str, Any], leaving: bool) -> None:
+    assert node_leaving(body) is leaving
+
+
+def test_endpoints_on_a_leaving_node_leave_the_routes_before_the_pod_stops() -> None:
+    source = KubeSource()
+    source.on_model(None, model())
+    where = {"10.0.0.1": "a", "10.0.0.2": "b"}
+    source.on_slice(None, on_nodes(endpoint_slice("s", "m", ("10.0.0.1", True, False), ("10.0.0.2", True, False)),
+                                   where))
+    assert source.on_node(None, node("a")) is False
+    assert source.routed()[0].endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    # `a` is drained: its replica still reads ready in the slice, but is no longer routed.
+    assert source.on_node("MODIFIED", node("a", unschedulable=True)) is True
+    assert source.routed()[0].endpoints == (("10.0.0.2", 8000),)
+    assert source.on_node("MODIFIED", node("a", unschedulable=True)) is False  # no change, no publish
+    # Both nodes leaving: better the draining replicas than none while replacements start.
+    source.on_node("MODIFIED", node("b", taints=(("ToBeDeletedByClusterAutoscaler", "NoSchedule"),)))
+    assert source.routed()[0].endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    # Uncordoned, or gone from the API: routed as before.
+    assert source.on_node("MODIFIED", node("b")) is True
+    assert source.on_node("DELETED", node("a", unschedulable=True)) is True
+    assert source.routed()[0].endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))

@@ -12,6 +12,9 @@ from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.runtimes import shipped_runtimes
 
+#: The memory-backed /dev/shm every backend pod gets (the shipped runtimes' default size).
+SHM = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+
 
 def model(name: str = "m", **spec: Any) -> dict[str, Any]:
     return {
@@ -123,7 +126,10 @@ def test_pod_template_from_runtime_and_model() -> None:
     }
     assert template["metadata"]["labels"] == names.backend_labels("m")
     assert template["spec"]["nodeSelector"] == {"zone": "a", "pool": "gpu"}
-    assert template["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert template["spec"]["tolerations"] == [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
     terms = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"][0]["matchExpressions"][0] == {
         "key": names.NODE_GPU_ARCH,
@@ -157,10 +163,11 @@ def test_sources(source: str, arg: str, volume_key: str | None) -> None:
     rt = runtime(args=["--model", "{model}"])
     spec = obj(render(model(source=source), rt), "Deployment")["spec"]["template"]["spec"]
     assert spec["containers"][0]["args"] == ["--model", arg]
+    weights = [v for v in spec["volumes"] if v["name"] == rnd.WEIGHTS_VOLUME]
     if volume_key is None:
-        assert "volumes" not in spec
+        assert weights == []
     else:
-        assert volume_key in spec["volumes"][0]
+        assert volume_key in weights[0]
         assert spec["containers"][0]["volumeMounts"][0]["readOnly"] is True
 
 
@@ -234,7 +241,7 @@ def test_llamacpp_gets_the_file_from_a_host_path() -> None:
     body = model(backend="llamacpp", servedName="org/tiny", source="file:///srv/models/tiny.gguf")
     pod = obj(render(body, shipped("llamacpp")), "Deployment")["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert pod["volumes"] == [{"name": "weights", "hostPath": {"path": "/srv/models", "type": "Directory"}}]
+    assert pod["volumes"] == [{"name": "weights", "hostPath": {"path": "/srv/models", "type": "Directory"}}, SHM]
     mount = container["volumeMounts"][0]
     assert mount["readOnly"] is True
     args = container["args"]
@@ -262,3 +269,106 @@ def test_ollama_pod_creates_its_model_and_is_ready_once_it_exists() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/v1/models/tiny"
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["OLLAMA_HOST"] == "0.0.0.0:11434" and env["OLLAMA_KEEP_ALIVE"] == "-1"
+
+
+def pod_spec(body: dict[str, Any], rt: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = obj(render(body, rt), "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def test_secret_env_is_a_secret_key_ref_and_the_value_appears_nowhere() -> None:
+    body = model(
+        env={"A": "1"},
+        secretEnv=[{"name": "HF_TOKEN", "secretKeyRef": {"name": "hf", "key": "token"}}],
+    )
+    rt = runtime(env={"HF_TOKEN": "from-runtime", "B": "2"})
+    container = pod_spec(body, rt)["containers"][0]
+    assert container["env"] == [
+        {"name": "A", "value": "1"},
+        {"name": "B", "value": "2"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": False}}},
+    ]
+    assert not any(a == "hf" or "token" in a for a in container["args"])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"env": {"HF_TOKEN": "x"}, "secretEnv": [{"name": "HF_TOKEN", "secretKeyRef": {"name": "s", "key": "k"}}]},
+        {
+            "secretEnv": [
+                {"name": "T", "secretKeyRef": {"name": "s", "key": "k"}},
+                {"name": "T", "secretKeyRef": {"name": "s", "key": "j"}},
+            ]
+        },
+    ],
+)
+def test_a_variable_set_twice_is_refused(spec: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="set twice"):
+        model_from_object(model(**spec))
+
+
+def test_image_pull_secrets_from_runtime_and_model_without_repeats() -> None:
+    spec = pod_spec(
+        model(imagePullSecrets=[{"name": "mine"}, {"name": "shared"}]),
+        runtime(imagePullSecrets=[{"name": "shared"}]),
+    )
+    assert spec["imagePullSecrets"] == [{"name": "shared"}, {"name": "mine"}]
+    assert "imagePullSecrets" not in pod_spec(model())
+
+
+def test_dev_shm_is_memory_backed_and_sized_by_the_runtime() -> None:
+    spec = pod_spec(model(), runtime(shmSize="16Gi"))
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+    none = pod_spec(model(), runtime(shmSize="0"))
+    assert "volumes" not in none and "volumeMounts" not in none["containers"][0]
+
+
+def test_startup_probe_covers_the_load_time_and_liveness_comes_from_the_runtime() -> None:
+    rt = runtime(
+        readinessProbe={"path": "/ready", "periodSeconds": 4, "failureThreshold": 3},
+        livenessProbe={"path": "/alive", "periodSeconds": 10, "failureThreshold": 6},
+        lifecycle={"progressDeadlineSeconds": 1801},
+    )
+    container = pod_spec(model(), rt)["containers"][0]
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/ready", "port": "http"}
+    assert startup["periodSeconds"] == 4
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1801
+    assert container["readinessProbe"]["failureThreshold"] == 3
+    assert container["livenessProbe"]["httpGet"]["path"] == "/alive"
+    own = pod_spec(model(), runtime(startupProbe={"path": "/loaded", "failureThreshold": 50}))["containers"][0]
+    assert own["startupProbe"]["httpGet"]["path"] == "/loaded" and own["startupProbe"]["failureThreshold"] == 50
+    bare = runtime()
+    bare["spec"] = {k: v for k, v in bare["spec"].items() if k != "livenessProbe"}
+    assert "livenessProbe" not in pod_spec(model(), bare)["containers"][0]
+
+
+def test_shipped_runtimes_probe_liveness_on_the_health_path_not_the_model_path() -> None:
+    ollama = shipped("ollama")
+    assert ollama["spec"]["readinessProbe"]["path"] != ollama["spec"]["livenessProbe"]["path"]
+    assert ollama["spec"]["livenessProbe"]["path"] == BACKENDS["ollama"].health_path
+
+
+def test_gpu_pods_tolerate_their_vendors_taint_once() -> None:
+    nvidia = pod_spec(model(resources={"gpu": {"count": 1, "vendor": "nvidia"}}), runtime(gpuVendors=["nvidia"]))
+    assert nvidia["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    own = [{"key": "nvidia.com/gpu", "operator": "Exists"}, {"key": "spot", "operator": "Exists"}]
+    merged = pod_spec(
+        model(resources={"gpu": {"count": 1, "vendor": "nvidia"}}, tolerations=own),
+        runtime(gpuVendors=["nvidia"], scheduling={"tolerations": [{"key": "spot", "operator": "Exists"}]}),
+    )
+    assert merged["tolerations"] == [
+        {"key": "spot", "operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists"},
+    ]
+    assert "tolerations" not in pod_spec(model())
+
+
+def test_termination_grace_period_is_the_runtimes_and_outlasts_the_pre_stop_sleep() -> None:
+    spec = pod_spec(model(), runtime(lifecycle={"terminationGracePeriodSeconds": 120, "preStopDrainSeconds": 5}))
+    assert spec["terminationGracePeriodSeconds"] == 120
+    assert spec["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    short = pod_spec(model(), runtime(lifecycle={"terminationGracePeriodSeconds": 2, "preStopDrainSeconds": 10}))
+    assert short["terminationGracePeriodSeconds"] > 10

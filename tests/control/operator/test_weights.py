@@ -16,6 +16,9 @@ OLD = "sha256:" + "01" * 32
 NEW = "sha256:" + "02" * 32
 NOW = "2026-12-01T20:00:00Z"
 
+#: The memory-backed /dev/shm every backend pod gets (the shipped runtimes' default size).
+SHM = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+
 
 def cached_model(strategy: str = "prewarm", **spec: Any) -> dict[str, Any]:
     return model(backend="llamacpp", source=SOURCE, cache={"strategy": strategy}, **spec)
@@ -113,9 +116,12 @@ def test_ready_weights_mount_the_newest_entry_and_pin_pods_to_the_nodes_holding_
     pod = obj(out, "Deployment")["spec"]["template"]
     spec = pod["spec"]
     entry_dir = "/var/cache/wg/entries/sha256-" + "02" * 32
-    assert spec["volumes"] == [{"name": "weights", "hostPath": {"path": entry_dir, "type": "Directory"}}]
+    assert spec["volumes"] == [{"name": "weights", "hostPath": {"path": entry_dir, "type": "Directory"}}, SHM]
     container = spec["containers"][0]
-    assert container["volumeMounts"] == [{"name": "weights", "mountPath": "/models/cache", "readOnly": True}]
+    assert container["volumeMounts"] == [
+        {"name": "weights", "mountPath": "/models/cache", "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
     assert "/models/cache/files/tiny.gguf" in container["args"]
     term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == [{"matchExpressions": [
