@@ -1,4 +1,4 @@
-"""Generate the Kubernetes CRDs (`Model`, `InferenceRuntime`, `ModelCache`, `ModelCatalog`) from the typed schemas in control/schema.py.
+"""Generate the Kubernetes CRDs (`Model`, `InferenceRuntime`, `ModelCache`, `ModelCatalog`) from control/schema.py.
 
 Pydantic's JSON Schema is turned into a structural OpenAPI v3 schema as the API
 server wants it: references inlined, `Optional[X]` as `nullable`, no titles,

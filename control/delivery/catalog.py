@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -243,3 +244,13 @@ def refresh_delay(refresh_seconds: int, last_refresh: float | None, generation: 
     if last_refresh is None or observed != generation or (token is not None and token != seen_token):
         return 0.0
     return max(0.0, last_refresh + refresh_seconds - now)
+
+
+def parse_time(text: str | None) -> float | None:
+    """Epoch seconds of an RFC 3339 time as the operator writes it (`…Z`); None when unreadable."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
