@@ -48,14 +48,16 @@ async def _entry(client: RegistryClient, repository: str, tag: str, gate: asynci
     return describe(repository, tag, digest, top_type, manifest, config, annotations)
 
 
-async def _repositories(client: RegistryClient, prefixes: Sequence[str], limits: Limits) -> list[str]:
+async def _repositories(client: RegistryClient, prefixes: Sequence[str],
+                        limits: Limits) -> tuple[list[str], RegistryError | None]:
+    """The repositories to read, and the catalog's refusal when the prefixes stand in for it."""
     try:
         names = await client.repositories(limits.page, limits.max_repositories)
     except RegistryError as exc:
         if exc.reason in ("unauthorized", "not_found") and prefixes:
-            return [p.strip("/") for p in prefixes]
+            return [p.strip("/") for p in prefixes], exc
         raise
-    return sorted(n for n in names if matches(n, prefixes))
+    return sorted(n for n in names if matches(n, prefixes)), None
 
 
 async def list_registry(registry: str, prefixes: Sequence[str] = (), settings: RegistrySettings | None = None,
@@ -66,7 +68,7 @@ async def list_registry(registry: str, prefixes: Sequence[str] = (), settings: R
     errors: list[str] = []
     async with RegistryClient(registry, settings or RegistrySettings(), auths=auths) as client:
         try:
-            repositories = await _repositories(client, prefixes, limits)
+            repositories, refused = await _repositories(client, prefixes, limits)
         except DeliveryError as exc:
             return Refreshed((), (), (exc.reason, str(exc)))
 
@@ -79,6 +81,9 @@ async def list_registry(registry: str, prefixes: Sequence[str] = (), settings: R
                     return []
 
         tagged = await asyncio.gather(*(tags_of(r) for r in repositories))
+        if refused is not None and not any(tagged):
+            # Not one prefix was a readable repository either: the registry refused us.
+            return Refreshed((), (), (refused.reason, str(refused)))
         wanted = [(r, t) for r, tags in zip(repositories, tagged, strict=True) for t in sorted(tags)]
         if len(wanted) > limits.max_entries:
             errors.append(f"{len(wanted) - limits.max_entries} tags past the limit of {limits.max_entries} not read")
