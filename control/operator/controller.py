@@ -19,7 +19,7 @@ import binascii
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -246,17 +246,24 @@ class Reconciler:
         previous = body.get("status") or {}
         status = compute(observed, previous, _rfc3339())
         if any(previous.get(k) != v for k, v in status.items()):
-            meta = body["metadata"]
-            model_path = path(names.API_VERSION, "Model", meta["namespace"], meta["name"])
-            try:
-                updated = await asyncio.to_thread(self.kube.patch_status, model_path, status)
-            except KubeError as exc:
-                if exc.status == 404:
-                    return
-                raise
-            current = self.models.get(key)
-            if current is not None and current["metadata"].get("uid") == meta.get("uid"):
-                current["status"] = updated.get("status", status)
+            await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
+
+    async def _patch_status(self, kind: str, body: Mapping[str, Any], patch: Mapping[str, Any],
+                            whole: Mapping[str, Any], current: Callable[[], dict[str, Any] | None]) -> None:
+        """Patch an object's status, and keep what the server answered in our copy of it (unless
+        it was deleted, or replaced by another object of the same name, meanwhile)."""
+        meta = body["metadata"]
+        try:
+            updated = await asyncio.to_thread(
+                self.kube.patch_status, path(names.API_VERSION, kind, meta["namespace"], meta["name"]), patch
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return
+            raise
+        copy = current()
+        if copy is not None and copy["metadata"].get("uid") == meta.get("uid"):
+            copy["status"] = updated.get("status", dict(whole))
 
     async def _reconcile_cache(self, key: str) -> None:
         """A ModelCache's summary status from its per-node entries, patched only when it differs."""
@@ -273,17 +280,8 @@ class Reconciler:
         summary = cache_summary(body, previous, _rfc3339(), invalid)
         if all(previous.get(k) == v for k, v in summary.items()):
             return
-        try:
-            updated = await asyncio.to_thread(
-                self.kube.patch_status, path(names.API_VERSION, "ModelCache", namespace, name), summary
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return
-            raise
-        current = self.caches.get(namespace, {}).get(name)
-        if current is not None and current["metadata"].get("uid") == body["metadata"].get("uid"):
-            current["status"] = updated.get("status", {**previous, **summary})
+        await self._patch_status("ModelCache", body, summary, {**previous, **summary},
+                                 lambda: self.caches.get(namespace, {}).get(name))
 
     async def _refresh_catalog(self, key: str) -> None:
         """List a ModelCatalog's registry and write what it found (or why it could not) to status."""
@@ -311,17 +309,7 @@ class Reconciler:
         status = cat.catalog_status(result, previous, _rfc3339(), int(meta.get("generation", 0)), token)
         if result.failure is not None:
             log.warning("catalog %s: %s (%s)", key, result.failure[1], result.failure[0])
-        try:
-            updated = await asyncio.to_thread(
-                self.kube.patch_status, path(names.API_VERSION, "ModelCatalog", namespace, meta["name"]), status
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return
-            raise
-        current = self.catalogs.get(key)
-        if current is not None and current["metadata"].get("uid") == meta.get("uid"):
-            current["status"] = updated.get("status", status)
+        await self._patch_status("ModelCatalog", body, status, status, lambda: self.catalogs.get(key))
 
     async def _catalog_auths(self, namespace: str, secret: str | None) -> DockerAuths:
         """The credentials of a catalog's Secret, kept in memory only (never on disk or in a log)."""

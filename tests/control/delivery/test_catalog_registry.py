@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,25 +37,11 @@ CONFIG = json.dumps({"descriptor": {"name": "tiny"},
 CONFIG_DIGEST = "sha256:" + hashlib.sha256(CONFIG).hexdigest()
 
 
-def _blob(reg: Registry, repo: str, digest: str, body: bytes, source: str | None) -> None:
-    if source is not None:
-        mounted = reg.request("POST", f"/v2/{repo}/blobs/uploads/?mount={digest}&from={source}")
-        assert mounted.status == 201, mounted.body
-        return
-    started = reg.request("POST", f"/v2/{repo}/blobs/uploads/")
-    assert started.status == 202, started.body
-    location = urllib.parse.urlsplit(started.headers["Location"])
-    query = f"{location.query}&" if location.query else ""
-    done = reg.request("PUT", f"{location.path}?{query}digest={digest}", body=body,
-                       headers={"Content-Type": "application/octet-stream"})
-    assert done.status == 201, done.body
-
-
 def publish(reg: Registry, repo: str, tags: list[str], quant: str, source: str | None) -> None:
     """A ModelPack artifact (config with format, architecture and parameters; one GGUF layer
     named for its quantization; the quantization also as a manifest annotation) under `tags`."""
-    _blob(reg, repo, CONFIG_DIGEST, CONFIG, source)
-    _blob(reg, repo, WEIGHT_DIGEST, WEIGHT, source)
+    reg.upload_blob(repo, CONFIG_DIGEST, CONFIG, source)
+    reg.upload_blob(repo, WEIGHT_DIGEST, WEIGHT, source)
     manifest = {
         "schemaVersion": 2, "mediaType": media.OCI_MANIFEST, "artifactType": media.MODEL_ARTIFACT,
         "config": {"mediaType": media.MODEL_CONFIG, "digest": CONFIG_DIGEST, "size": len(CONFIG)},

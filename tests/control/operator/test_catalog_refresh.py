@@ -45,7 +45,7 @@ def test_secret_credentials_are_read_and_never_named_in_errors() -> None:
     auths = secret_auths(secret({"auths": {"https://r.example": {"auth": auth}}}), "Secret ns/creds")
     found = auths.for_host("r.example")
     assert found is not None and found.username == "robot" and "hunter2" not in repr(found)
-    with pytest.raises(ValueError, match="has no .dockerconfigjson") as missing:
+    with pytest.raises(ValueError, match=r"has no \.dockerconfigjson") as missing:
         secret_auths({"data": {"password": "aHVudGVyMg=="}}, "Secret ns/creds")
     assert "hunter2" not in str(missing.value)
     with pytest.raises(ValueError, match="not JSON"):
