@@ -61,7 +61,7 @@ def test_a_modelcatalog_lists_its_registry_on_demand_with_secret_credentials(kub
         })
         with (scoped_kubeconfig(kube, tmp_path, "operator", OPERATOR_RULES, LEASE_RULES) as kubeconfig,
               running(Operator(tmp_path, kubeconfig, kube.ns, "operator", ["--renew-seconds", "1"]))):
-            listed = wait_for(lambda: (_catalog(kube, "local").get("status") or {}).get("entries"), 60,
+            listed = wait_for(lambda: (_catalog(kube, "local").get("status") or {}).get("entries") or [], 60,
                               "the catalog's entries")
             assert [(e["repository"], e["digest"], e["format"], e["quantization"]) for e in listed] == [
                 ("models/a", digests["models/a"], "gguf", "Q4_0"), ("models/b", digests["models/b"], "gguf", "Q4_0")]

@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -33,6 +34,8 @@ from wakegate.control.schema import NAME_PATTERN
 from wakegate.process import add_log_level, settings_from, start
 
 ACTIONS = ("ls", "deploy")
+#: the server-side apply field manager of `deploy --apply`
+FIELD_MANAGER = "wakegate-catalog"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the artifact is a LoRA adapter: write a LoRAAdapter on the Model BASE instead")
     deploy.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
                         help="write the manifest here (default: stdout)")
+    deploy.add_argument("--apply", action="store_true",
+                        help="create (server-side apply) the object on the cluster instead of writing it")
+    deploy.add_argument("-n", "--namespace", default="default", help="the namespace `--apply` creates it in")
+    deploy.add_argument("--kubeconfig", default=None, metavar="FILE",
+                        help="the cluster for --apply (default: $KUBECONFIG, else in-cluster, else ~/.kube/config)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +84,12 @@ class Settings(RegistryOptions):
     """`deploy` a LoRAAdapter on this base Model."""
     output: Path | None = None
     """Where `deploy` writes (None: stdout)."""
+    apply: bool = False
+    """`deploy` onto the cluster instead of writing a file."""
+    namespace: str = "default"
+    """The namespace `--apply` creates the object in."""
+    kubeconfig: str | None = None
+    """Where the cluster is, for `--apply`."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -85,6 +99,8 @@ class Settings(RegistryOptions):
                 raise ValueError(f"--as {args.model!r}: a Model name is lower-case letters, digits and '-'")
             if args.min_replicas < 0:
                 raise ValueError("--min must be 0 or more")
+            if args.apply and args.output is not None:
+                raise ValueError("--apply and -o are one or the other")
             _artifact(target)
         elif not target.split("/", 1)[0]:
             raise ValueError(f"{args.target!r}: name a registry host")
@@ -153,10 +169,33 @@ def _deploy(s: Settings) -> int:
         doc = adapter_document(s.model, source, s.adapter_of)
     else:
         doc = model_document(s.model, source, s.backend, s.min_replicas)
+    if s.apply:
+        return _apply(s, doc, source)
     text = "---\n" + yaml.safe_dump(doc, sort_keys=False)
     if s.output is None:
         sys.stdout.write(text)
     else:
         s.output.write_text(text)
         print(f"wrote {doc['kind']} {s.model} ({source}) to {s.output}", file=sys.stderr)
+    return 0
+
+
+def _apply(s: Settings, doc: dict[str, Any], source: str) -> int:
+    """Server-side apply `doc` in `s.namespace` as the field manager `wakegate-catalog`."""
+    from kubernetes.config import ConfigException
+
+    from wakegate.control.k8s.client import Kube, KubeError, api_client
+
+    doc = {**doc, "metadata": {**doc["metadata"], "namespace": s.namespace}}
+    try:
+        kube = Kube(api_client(s.kubeconfig))
+        kube.apply(doc, field_manager=FIELD_MANAGER)
+    except KubeError as exc:
+        print(f"wakegate catalog deploy: the cluster refused {doc['kind']} {s.namespace}/{s.model}: "
+              f"{exc.status} {exc.message}", file=sys.stderr, flush=True)
+        return 1
+    except (OSError, ValueError, ConfigException) as exc:  # no cluster configured, or an unusable kubeconfig
+        print(f"wakegate catalog deploy: no cluster to apply to: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"applied {doc['kind']} {s.namespace}/{s.model} ({source})", file=sys.stderr)
     return 0

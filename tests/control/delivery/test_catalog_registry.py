@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +185,54 @@ def test_deploy_writes_a_model_pinned_by_digest(published: Published, tmp_path: 
 
     bad = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "Not_A_Name", config=reg.docker_config)
     assert bad.returncode == 2 and "--as" in bad.stderr
+
+
+class _ApiServer(http.server.BaseHTTPRequestHandler):
+    """A recording stand-in for the API server: answers every PATCH with the object it got."""
+
+    seen: list[tuple[str, str, str, dict[str, Any]]] = []
+
+    def do_PATCH(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append(("PATCH", self.path, self.headers["Content-Type"], body))
+        answer = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp_path: Path) -> None:
+    reg = published.reg
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ApiServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "stand-in", "context": {"cluster": "c", "user": "u"}}],
+        }))
+        out = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny", "--apply", "-n", "team-a",
+                       "--kubeconfig", str(kubeconfig), config=reg.docker_config)
+        assert out.returncode == 0, out.stderr
+        ((method, path, content_type, body),) = _ApiServer.seen
+        assert (method, content_type) == ("PATCH", "application/apply-patch+yaml")
+        assert path.startswith("/apis/wakegate.io/v1alpha1/namespaces/team-a/models/tiny?")
+        assert "fieldManager=wakegate-catalog" in path
+        assert body["spec"]["source"] == f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}"
+        assert body["metadata"] == {"name": "tiny", "namespace": "team-a"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    nowhere = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny", "--apply",
+                       "--kubeconfig", str(tmp_path / "missing"), config=reg.docker_config)
+    assert nowhere.returncode == 1 and "no cluster to apply to" in nowhere.stderr
+    assert "Traceback" not in nowhere.stderr
