@@ -487,7 +487,7 @@ class RegistryClient:
             if target in seen:
                 raise RegistryError(f"registry {self.host}: {what}: the next page repeats a page", "registry_error")
             seen.add(target)
-            async with self._request("GET", target, "", scope=scope) as resp:
+            async with self._request("GET", target, what, scope=scope) as resp:
                 body = await resp.content.read(media.MAX_MANIFEST_BYTES + 1)
                 link = resp.headers.get("Link", "")
             page_names = media.listed_names(body, key, f"registry {self.host}: {what}")

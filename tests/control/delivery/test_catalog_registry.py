@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from e2e.tools.registry import Registry, start_registry
 from tests.control.delivery.conftest import weights
@@ -236,3 +237,17 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
                        "--kubeconfig", str(tmp_path / "missing"), config=reg.docker_config)
     assert nowhere.returncode == 1 and "no cluster to apply to" in nowhere.stderr
     assert "Traceback" not in nowhere.stderr
+    adapter = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny-sql", "--adapter-of", "tiny",
+                       "--apply", "--kubeconfig", str(tmp_path / "missing"), config=reg.docker_config)
+    assert adapter.returncode == 1 and "does not know the kind LoRAAdapter" in adapter.stderr
+
+
+def test_deploy_writes_a_lora_adapter_for_an_adapter_artifact(published: Published) -> None:
+    reg = published.reg
+    out = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny-sql", "--adapter-of", "tiny",
+                   config=reg.docker_config)
+    assert out.returncode == 0, out.stderr
+    (doc,) = yaml.safe_load_all(out.stdout)
+    assert (doc["kind"], doc["metadata"]["name"]) == ("LoRAAdapter", "tiny-sql")
+    assert doc["spec"] == {"baseModel": "tiny", "servedName": "tiny-sql",
+                           "source": f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}"}
