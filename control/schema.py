@@ -624,3 +624,36 @@ class ModelCache(_Spec):
     kind: Literal["ModelCache"] = "ModelCache"
     metadata: Metadata
     spec: ModelCacheSpec
+
+
+# -- ModelCatalog (namespaced, Kubernetes only; `wakegate catalog` on one machine) ------------------
+
+#: A registry host, optionally with a port: what `oci://HOST[:PORT]/…` names.
+REGISTRY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?$"
+#: A repository prefix: path segments of an OCI repository name.
+REPOSITORY_PREFIX_PATTERN = r"^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$"
+
+
+class ModelCatalogSpec(_Spec):
+    registry: str = Field(pattern=REGISTRY_PATTERN, max_length=255, description="The registry host[:port].")
+    repositories: list[Annotated[str, Field(pattern=REPOSITORY_PREFIX_PATTERN, max_length=255)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Repository prefixes to list (a whole path segment: `models` holds `models/llama`); "
+        "empty: every repository. A registry that does not list its catalog is read at these names.",
+    )
+    credentials: SecretRef | None = Field(
+        None, description="A `kubernetes.io/dockerconfigjson` Secret with the registry's credentials; never shown."
+    )
+    refreshSeconds: int = Field(
+        300, ge=30, le=86400, description="How often the registry is listed again. Changing the "
+        "`wakegate.io/refresh` annotation lists it at once."
+    )
+    plainHTTP: bool = Field(False, description="Speak plain HTTP to the registry (a trusted network only).")
+
+
+class ModelCatalog(_Spec):
+    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+    kind: Literal["ModelCatalog"] = "ModelCatalog"
+    metadata: Metadata
+    spec: ModelCatalogSpec

@@ -80,6 +80,8 @@ OPERATOR_RULES: list[dict[str, Any]] = [
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},  # delete: Failed ones
@@ -90,6 +92,7 @@ OPERATOR_RULES: list[dict[str, Any]] = [
         "resources": ["customresourcedefinitions"],
         "verbs": ["get", "list", "watch"],
     },
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ]
 #: The node agent with its model cache (prewarm): the chart's agent ClusterRole, exactly.
 AGENT_RULES: list[dict[str, Any]] = [

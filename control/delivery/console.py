@@ -38,6 +38,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=size_argument, default=None, metavar="SIZE",
                         help="cache budget (e.g. 50G); least recently used entries not in use are evicted to stay "
                              "under it (default: the file system's free space)")
+    add_registry_arguments(parser)
+    parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                        help="progress display; auto: a live line on a terminal, plain lines otherwise")
+
+
+def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
+    """How registries are reached: credentials, CAs, plain HTTP."""
     parser.add_argument("--registry-config", type=Path, default=None, metavar="FILE",
                         help="Docker config with registry credentials (`auths`); default $DOCKER_CONFIG/config.json, "
                              "then ~/.docker/config.json")
@@ -45,24 +52,31 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra CA certificates trusted for registries")
     parser.add_argument("--plain-http", action="store_true",
                         help="speak plain HTTP to registries (loopback registries without TLS need no flag)")
-    parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
-                        help="progress display; auto: a live line on a terminal, plain lines otherwise")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeliverySettings(ProcessSettings):
-    """The options every delivery command has (`add_cache_arguments`)."""
+class RegistryOptions(ProcessSettings):
+    """The registry options (`add_registry_arguments`)."""
 
-    cache_dir: Path
-    """The model cache directory."""
-    max_size: int | None
-    """Cache budget in bytes; None: the file system's free space."""
     registry_config: Path | None
     """Docker config with registry credentials; None: the default places."""
     ca_file: Path | None
     """Extra CA certificates for registries."""
     plain_http: bool
     """Plain HTTP to every registry."""
+
+    def registry_settings(self) -> RegistrySettings:
+        return RegistrySettings(docker_config=self.registry_config, ca_file=self.ca_file, plain_http=self.plain_http)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliverySettings(RegistryOptions):
+    """The options every delivery command has (`add_cache_arguments`)."""
+
+    cache_dir: Path
+    """The model cache directory."""
+    max_size: int | None
+    """Cache budget in bytes; None: the file system's free space."""
     progress: str
     """auto, tty, plain or none."""
 
@@ -70,8 +84,7 @@ class DeliverySettings(ProcessSettings):
         return Cache(self.cache_dir, self.max_size)
 
     def access(self) -> Access:
-        return Access.from_env(
-            RegistrySettings(docker_config=self.registry_config, ca_file=self.ca_file, plain_http=self.plain_http))
+        return Access.from_env(self.registry_settings())
 
     def printer(self) -> Printer:
         return Printer(self.progress)

@@ -22,6 +22,7 @@ Pulling reads what ORAS, KitOps and ModelPack tools publish:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -271,6 +272,40 @@ def image_manifest(config: Descriptor, layers: Sequence[Descriptor],
     if annotations:
         doc["annotations"] = dict(annotations)
     return canonical_json(doc)
+
+
+def manifest_annotations(body: bytes) -> dict[str, str]:
+    """A manifest's own `annotations` (string values only); {} when it has none."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return {}
+    notes = doc.get("annotations") if isinstance(doc, dict) else None
+    return {str(k): v for k, v in notes.items() if isinstance(v, str)} if isinstance(notes, dict) else {}
+
+
+_NEXT = re.compile(r'<([^>]*)>\s*;(?:[^,]*;)?\s*rel="?next"?', re.IGNORECASE)
+
+
+def next_page(link: str) -> str | None:
+    """The `rel="next"` target of a listing's `Link` header (RFC 8288), if it names one."""
+    match = _NEXT.search(link)
+    return match.group(1) if match and match.group(1) else None
+
+
+def listed_names(body: bytes, key: str, where: str) -> list[str]:
+    """The names of one listing page: `{"repositories": [...]}` or `{"name": ..., "tags": [...]}`
+    (`tags` may be null for a repository without any)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise ManifestError(f"{where}: the answer is not JSON") from None
+    names = doc.get(key) if isinstance(doc, dict) else None
+    if names is None and isinstance(doc, dict):
+        return []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ManifestError(f"{where}: {key} is not a list of names")
+    return names
 
 
 def canonical_json(doc: Any) -> bytes:

@@ -229,10 +229,12 @@ class RegistryClient:
     @contextlib.asynccontextmanager
     async def _request(self, method: str, path: str, repository: str, *, push: bool = False,
                        headers: dict[str, str] | None = None, body: Body | None = None,
-                       ok: tuple[int, ...] = (200,)) -> AsyncIterator[aiohttp.ClientResponse]:
+                       ok: tuple[int, ...] = (200,), scope: str | None = None,
+                       ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request to this registry's API, authenticated as the registry asks; a status not in
-        `ok` is a RegistryError (404 `not_found`, 401/403 `unauthorized`)."""
-        scope = self._scope(repository, push)
+        `ok` is a RegistryError (404 `not_found`, 401/403 `unauthorized`). `scope` replaces the
+        repository's token scope (`registry:catalog:*` for the catalog)."""
+        scope = scope or self._scope(repository, push)
         answered_challenge = False
         while True:
             resp = await self._send(method, path, scope, headers or {}, body)
@@ -464,6 +466,46 @@ class RegistryClient:
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
                 aiohttp.ClientOSError) as exc:
             raise _Broken(_short(exc)) from None
+
+    # -- listing --------------------------------------------------------------------------------
+
+    async def repositories(self, page: int = 100, limit: int = 10_000) -> list[str]:
+        """Every repository the registry lists (`GET /v2/_catalog`), page by page through its
+        `Link` headers; at most `limit` names (a RegistryError `too_many` past that)."""
+        return await self._paged("/v2/_catalog", "repositories", "registry:catalog:*", "the catalog", page, limit)
+
+    async def tags(self, repository: str, page: int = 100, limit: int = 1_000) -> list[str]:
+        """The tags of `repository` (`GET /v2/<name>/tags/list`), paged like `repositories`."""
+        return await self._paged(f"/v2/{repository}/tags/list", "tags", self._scope(repository, False),
+                                 f"the tags of {repository}", page, limit)
+
+    async def _paged(self, path: str, key: str, scope: str, what: str, page: int, limit: int) -> list[str]:
+        names: list[str] = []
+        target: str | None = f"{path}?{urlencode({'n': page})}"
+        seen: set[str] = set()
+        while target is not None:
+            if target in seen:
+                raise RegistryError(f"registry {self.host}: {what}: the next page repeats a page", "registry_error")
+            seen.add(target)
+            async with self._request("GET", target, what, scope=scope) as resp:
+                body = await resp.content.read(media.MAX_MANIFEST_BYTES + 1)
+                link = resp.headers.get("Link", "")
+            page_names = media.listed_names(body, key, f"registry {self.host}: {what}")
+            names.extend(page_names)
+            if len(names) > limit:
+                raise RegistryError(f"registry {self.host}: {what} has more than {limit} entries", "too_many")
+            following = media.next_page(link)
+            if following is not None and not page_names:
+                raise RegistryError(f"registry {self.host}: {what}: an empty page points to another", "registry_error")
+            if following is not None:
+                # Only this registry's own API is followed; the link is relative or names this host.
+                parts = urlsplit(following)
+                if parts.netloc and parts.netloc != self.host:
+                    raise RegistryError(f"registry {self.host}: {what}: the next page is on another host",
+                                        "registry_error")
+                following = parts.path + (f"?{parts.query}" if parts.query else "")
+            target = following
+        return names
 
     # -- push -----------------------------------------------------------------------------------
 

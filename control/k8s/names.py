@@ -16,6 +16,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MODEL_PLURAL = "models"
 RUNTIME_PLURAL = "inferenceruntimes"
 MODELCACHE_PLURAL = "modelcaches"
+MODELCATALOG_PLURAL = "modelcatalogs"
 
 #: Server-side apply field manager of the operator (one manager for everything it applies).
 FIELD_MANAGER = "wakegate-operator"

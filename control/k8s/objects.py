@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from wakegate.control.schema import InferenceRuntime, Model, ModelCache
+from wakegate.control.schema import InferenceRuntime, Model, ModelCache, ModelCatalog
 
-_T = TypeVar("_T", Model, InferenceRuntime, ModelCache)
+_T = TypeVar("_T", Model, InferenceRuntime, ModelCache, ModelCatalog)
 
 
 def _typed(kind: type[_T], body: Mapping[str, Any]) -> _T:
@@ -38,3 +38,7 @@ def runtime_from_object(body: Mapping[str, Any]) -> InferenceRuntime:
 
 def modelcache_from_object(body: Mapping[str, Any]) -> ModelCache:
     return _typed(ModelCache, body)
+
+
+def modelcatalog_from_object(body: Mapping[str, Any]) -> ModelCatalog:
+    return _typed(ModelCatalog, body)

@@ -14,9 +14,12 @@ causes no writes at all.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -24,9 +27,13 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from wakegate.control.delivery import catalog as cat
+from wakegate.control.delivery.credentials import DockerAuths, parse_docker_config
+from wakegate.control.delivery.listing import list_registry
+from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
-from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
+from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
@@ -38,6 +45,12 @@ SCALEDOBJECT_CRD = "scaledobjects.keda.sh"
 BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY}
 #: Queue keys of ModelCaches (their summary status) carry this prefix; Model keys carry none.
 CACHE_KEY = "ModelCache:"
+#: Queue keys of ModelCatalogs (a listing of their registry) carry this prefix.
+CATALOG_KEY = "ModelCatalog:"
+#: Docker config key of a `kubernetes.io/dockerconfigjson` Secret.
+DOCKER_CONFIG_KEY = ".dockerconfigjson"
+#: The longest the catalog timer sleeps between looks (a new catalog wakes it at once).
+CATALOG_TICK = 30.0
 
 
 def _rfc3339() -> str:
@@ -64,6 +77,12 @@ class Reconciler:
         self.pods: dict[str, dict[str, dict[str, Any]]] = {}
         #: ModelCaches by namespace, then name
         self.caches: dict[str, dict[str, dict[str, Any]]] = {}
+        #: ModelCatalogs by "namespace/name"
+        self.catalogs: dict[str, dict[str, Any]] = {}
+        self._listing: set[str] = set()
+        self._catalog_wake = asyncio.Event()
+        #: how registries are reached (CA file from the operator's flags); credentials per catalog
+        self.registry_settings = RegistrySettings()
         self.applied: dict[str, str] = {}
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
@@ -82,7 +101,24 @@ class Reconciler:
             self._queue.put_nowait(key)
 
     async def run(self) -> None:
-        await asyncio.gather(*(self._worker() for _ in range(self.workers)))
+        await asyncio.gather(self._catalog_timer(), *(self._worker() for _ in range(self.workers)))
+
+    async def _catalog_timer(self) -> None:
+        """Queue every ModelCatalog whose refresh is due, then sleep until the next one is."""
+        while True:
+            self._catalog_wake.clear()
+            delays = [CATALOG_TICK]
+            for key, body in list(self.catalogs.items()):
+                if key in self._listing:
+                    continue
+                delay = catalog_delay(body, time.time())
+                if delay <= 0:
+                    self._listing.add(key)
+                    self.poke(CATALOG_KEY + key)
+                else:
+                    delays.append(delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._catalog_wake.wait(), timeout=min(delays))
 
     async def _worker(self) -> None:
         while True:
@@ -131,6 +167,11 @@ class Reconciler:
             if model["metadata"]["namespace"] == namespace and cache != "none":
                 self.poke(key)
 
+    def on_catalog(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        _record(self.catalogs, names.model_key(meta["namespace"], meta["name"]), event_type, body)
+        self._catalog_wake.set()
+
     def on_deployment(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         key = names.owning_model_key(body["metadata"])
         if key is not None:
@@ -167,6 +208,13 @@ class Reconciler:
         if key.startswith(CACHE_KEY):
             await self._reconcile_cache(key.removeprefix(CACHE_KEY))
             return
+        if key.startswith(CATALOG_KEY):
+            try:
+                await self._refresh_catalog(key.removeprefix(CATALOG_KEY))
+            finally:
+                self._listing.discard(key.removeprefix(CATALOG_KEY))
+                self._catalog_wake.set()
+            return
         body = self.models.get(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Owner references cascade the deletion; only our memory needs forgetting.
@@ -201,17 +249,24 @@ class Reconciler:
         previous = body.get("status") or {}
         status = compute(observed, previous, _rfc3339())
         if any(previous.get(k) != v for k, v in status.items()):
-            meta = body["metadata"]
-            model_path = path(names.API_VERSION, "Model", meta["namespace"], meta["name"])
-            try:
-                updated = await asyncio.to_thread(self.kube.patch_status, model_path, status)
-            except KubeError as exc:
-                if exc.status == 404:
-                    return
-                raise
-            current = self.models.get(key)
-            if current is not None and current["metadata"].get("uid") == meta.get("uid"):
-                current["status"] = updated.get("status", status)
+            await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
+
+    async def _patch_status(self, kind: str, body: Mapping[str, Any], patch: Mapping[str, Any],
+                            whole: Mapping[str, Any], current: Callable[[], dict[str, Any] | None]) -> None:
+        """Patch an object's status, and keep what the server answered in our copy of it (unless
+        it was deleted, or replaced by another object of the same name, meanwhile)."""
+        meta = body["metadata"]
+        try:
+            updated = await asyncio.to_thread(
+                self.kube.patch_status, path(names.API_VERSION, kind, meta["namespace"], meta["name"]), patch
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return
+            raise
+        copy = current()
+        if copy is not None and copy["metadata"].get("uid") == meta.get("uid"):
+            copy["status"] = updated.get("status", dict(whole))
 
     async def _prune_failed_pods(self, key: str, namespace: str) -> None:
         """Delete the Model's pods that ended Failed (evicted, node shut down), one log line each.
@@ -251,17 +306,47 @@ class Reconciler:
         summary = cache_summary(body, previous, _rfc3339(), invalid)
         if all(previous.get(k) == v for k, v in summary.items()):
             return
+        await self._patch_status("ModelCache", body, summary, {**previous, **summary},
+                                 lambda: self.caches.get(namespace, {}).get(name))
+
+    async def _refresh_catalog(self, key: str) -> None:
+        """List a ModelCatalog's registry and write what it found (or why it could not) to status."""
+        body = self.catalogs.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        meta = body["metadata"]
+        namespace = meta["namespace"]
+        token = (meta.get("annotations") or {}).get(cat.REFRESH_ANNOTATION)
         try:
-            updated = await asyncio.to_thread(
-                self.kube.patch_status, path(names.API_VERSION, "ModelCache", namespace, name), summary
-            )
+            catalog = modelcatalog_from_object(body)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            result = cat.Refreshed((), (), ("InvalidSpec", problems))
+        else:
+            spec = catalog.spec
+            try:
+                auths = await self._catalog_auths(namespace, spec.credentials.name if spec.credentials else None)
+            except ValueError as exc:
+                result = cat.Refreshed((), (), ("bad_credentials", str(exc)))
+            else:
+                settings = replace(self.registry_settings, plain_http=spec.plainHTTP)
+                result = await list_registry(spec.registry, spec.repositories, settings, auths)
+        previous = body.get("status") or {}
+        status = cat.catalog_status(result, previous, _rfc3339(), int(meta.get("generation", 0)), token)
+        if result.failure is not None:
+            log.warning("catalog %s: %s (%s)", key, result.failure[1], result.failure[0])
+        await self._patch_status("ModelCatalog", body, status, status, lambda: self.catalogs.get(key))
+
+    async def _catalog_auths(self, namespace: str, secret: str | None) -> DockerAuths:
+        """The credentials of a catalog's Secret, kept in memory only (never on disk or in a log)."""
+        if secret is None:
+            return DockerAuths()
+        try:
+            body = await asyncio.to_thread(self.kube.get, path("v1", "Secret", namespace, secret))
         except KubeError as exc:
-            if exc.status == 404:
-                return
-            raise
-        current = self.caches.get(namespace, {}).get(name)
-        if current is not None and current["metadata"].get("uid") == body["metadata"].get("uid"):
-            current["status"] = updated.get("status", {**previous, **summary})
+            why = "does not exist" if exc.status == 404 else f"cannot be read ({exc.status})"
+            raise ValueError(f"credentials Secret {namespace}/{secret} {why}") from None
+        return secret_auths(body, f"credentials Secret {namespace}/{secret}")
 
     def _prunable(self, namespace: str, api_version: str, kind: str, name: str, owner: str | None) -> bool:
         """A ModelCache is deleted only when this Model owns it (a person's may carry the same name)."""
@@ -355,6 +440,35 @@ class Reconciler:
         return swap_holder(key, running, self._started_at, self._stopped_at)
 
 
+def catalog_delay(body: Mapping[str, Any], now: float) -> float:
+    """Seconds until a ModelCatalog is listed again, from what its status says was done last."""
+    status = body.get("status") or {}
+    meta = body.get("metadata") or {}
+    refresh = int((body.get("spec") or {}).get("refreshSeconds") or 300)
+    observed = status.get("observedGeneration")
+    return cat.refresh_delay(
+        refresh, cat.parse_time(status.get("lastRefreshTime")), int(meta.get("generation", 0)),
+        int(observed) if observed is not None else None,
+        (meta.get("annotations") or {}).get(cat.REFRESH_ANNOTATION), status.get("refreshToken"), now,
+    )
+
+
+def secret_auths(body: Mapping[str, Any], where: str) -> DockerAuths:
+    """The Docker config of a `kubernetes.io/dockerconfigjson` Secret; a ValueError naming `where`
+    (never the content) when it holds none."""
+    encoded = (body.get("data") or {}).get(DOCKER_CONFIG_KEY)
+    if not encoded:
+        raise ValueError(f"{where} has no {DOCKER_CONFIG_KEY} key")
+    try:
+        text = base64.b64decode(encoded, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError(f"{where}: {DOCKER_CONFIG_KEY} is not base64 text") from None
+    auths = parse_docker_config(text, where)
+    for line in auths.unsupported:
+        log.warning("registry credentials: %s", line)
+    return auths
+
+
 def _record(store: dict[str, dict[str, Any]], key: str, event_type: str | None, body: Mapping[str, Any]) -> None:
     """Keep the newest copy of an object, or forget it when it was deleted."""
     if event_type == "DELETED":
@@ -386,6 +500,9 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     async def cache_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         reconciler.on_cache(event.get("type"), body)
 
+    async def catalog_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_catalog(event.get("type"), body)
+
     async def crd_event(event: Mapping[str, Any], **_: Any) -> None:
         reconciler.on_keda_crd(event.get("type") != "DELETED")
 
@@ -393,6 +510,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     on_event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
     on_event(names.GROUP, names.VERSION, names.RUNTIME_PLURAL, registry=registry)(runtime_event)
     on_event(names.GROUP, names.VERSION, names.MODELCACHE_PLURAL, registry=registry)(cache_event)
+    on_event(names.GROUP, names.VERSION, names.MODELCATALOG_PLURAL, registry=registry)(catalog_event)
     on_event("apps", "v1", "deployments", labels=BACKEND_LABELS, registry=registry)(deployment_event)
     on_event("", "v1", "pods", labels=BACKEND_LABELS, registry=registry)(pod_event)
     on_event(

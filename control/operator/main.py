@@ -14,7 +14,9 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
+from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import kopfing, names
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
@@ -59,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="apply the InferenceRuntimes shipped for each backend plugin when leading",
     )
+    parser.add_argument(
+        "--registry-ca-file",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="extra CA certificates trusted for the registries ModelCatalogs name",
+    )
     add_log_level(parser)
 
 
@@ -78,6 +87,8 @@ class Settings(ProcessSettings):
     """Apply the InferenceRuntimes shipped for each backend plugin when leading."""
     node_cache_dir: str = names.NODE_CACHE_DIR
     """The node agents' model cache directory on every node."""
+    registry_ca_file: Path | None = None
+    """Extra CA certificates for the registries ModelCatalogs name."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -98,6 +109,7 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
     keda = await asyncio.to_thread(keda_installed, kube)
     settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda, node_cache_dir=args.node_cache_dir)
     reconciler = Reconciler(kube, settings, workers=args.workers)
+    reconciler.registry_settings = RegistrySettings(ca_file=args.registry_ca_file)
     registry = kopfing.registry(args.kubeconfig)
     register(registry, reconciler)
     kopf_stop = asyncio.Event()

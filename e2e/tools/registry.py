@@ -114,6 +114,20 @@ class Registry:
         req = urllib.request.Request(self.url + path, data=body, headers=headers, method=method)
         return self._open(req, timeout)
 
+    def upload_blob(self, repo: str, digest: str, body: bytes, mount_from: str | None = None) -> None:
+        """Put a blob into `repo` (one POST, one PUT), or mount it from `mount_from` that holds it."""
+        if mount_from is not None:
+            mounted = self.request("POST", f"/v2/{repo}/blobs/uploads/?mount={digest}&from={mount_from}")
+            assert mounted.status == 201, mounted.body
+            return
+        started = self.request("POST", f"/v2/{repo}/blobs/uploads/")
+        assert started.status == 202, started.body
+        location = urllib.parse.urlsplit(started.headers["Location"])
+        query = f"{location.query}&" if location.query else ""
+        done = self.request("PUT", f"{location.path}?{query}digest={digest}", body=body,
+                            headers={"Content-Type": "application/octet-stream"})
+        assert done.status == 201, done.body
+
     def _open(self, req: urllib.request.Request, timeout: float) -> Response:
         # No proxy from the environment: test traffic stays on loopback.
         opener = urllib.request.build_opener(

@@ -76,6 +76,12 @@ def _cache() -> ModuleType:
     return main
 
 
+def _catalog() -> ModuleType:
+    from wakegate.control.catalog import main
+
+    return main
+
+
 def _flashload() -> ModuleType:
     from wakegate.control.flashload import main
 
@@ -94,6 +100,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "scheduler-extender": (_extender, "kube-scheduler HTTP extender for GPU placement"),
     "bench": (_bench, "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
     "cache": (_cache, "the model cache: pull, ls, rm, push (OCI registries, Hugging Face Hub)"),
+    "catalog": (_catalog, "what OCI registries publish (ls), and a Model manifest for one tag (deploy)"),
     "flash-load": (_flashload, "stage a cached model into fast storage (tmpfs, page cache), verified"),
 }
 

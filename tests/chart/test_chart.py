@@ -176,8 +176,14 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
                                                                                       "patch")}
-    # Secrets: only the agent, only `get` (the registry credentials a ModelCache names), never list.
-    assert {(name, v) for name in roles for _, r, v in rules(name) if r == "secrets"} == {("wg-wakegate-agent", "get")}
+    # Secrets: only the agent and the operator, only `get` (the registry credentials a ModelCache or a
+    # ModelCatalog names), never list.
+    assert {(name, v) for name in roles for _, r, v in rules(name) if r == "secrets"} == {
+        ("wg-wakegate-agent", "get"), ("wg-wakegate-operator", "get")}
+    # ModelCatalogs: the operator reads them and writes only their status.
+    assert {(r, v) for _, r, v in rules("wg-wakegate-operator") if r.startswith("modelcatalogs")} == {
+        ("modelcatalogs", "get"), ("modelcatalogs", "list"), ("modelcatalogs", "watch"),
+        ("modelcatalogs/status", "patch")}
     # The operator gets exactly the rules its e2e test proves enough (docs/operator.md).
     from e2e.gateway import OPERATOR_RULES
 

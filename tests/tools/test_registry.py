@@ -126,17 +126,7 @@ def test_tls_with_a_throwaway_ca(tmp_path: Path) -> None:
 
 def put_manifest(reg: Registry, repo: str, source: str | None) -> None:
     """A minimal OCI artifact in `repo`; its one blob is mounted from `source` once that holds it."""
-    if source is None:
-        started = reg.request("POST", f"/v2/{repo}/blobs/uploads/")
-        assert started.status == 202, started.body
-        location = urllib.parse.urlsplit(started.headers["Location"])
-        query = f"{location.query}&" if location.query else ""
-        done = reg.request("PUT", f"{location.path}?{query}digest={EMPTY_DIGEST}", body=EMPTY,
-                           headers={"Content-Type": "application/octet-stream"})
-        assert done.status == 201, done.body
-    else:
-        mounted = reg.request("POST", f"/v2/{repo}/blobs/uploads/?mount={EMPTY_DIGEST}&from={source}")
-        assert mounted.status == 201, mounted.body
+    reg.upload_blob(repo, EMPTY_DIGEST, EMPTY, source)
     empty = {"mediaType": EMPTY_TYPE, "digest": EMPTY_DIGEST, "size": len(EMPTY)}
     manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE,
                 "config": empty, "layers": [empty]}
