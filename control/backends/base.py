@@ -156,6 +156,11 @@ class Backend:
     drains_on_sigterm: bool = False
     #: Seconds between SIGTERM and SIGKILL.
     term_grace: float = 10.0
+    #: LoRA adapters given at start, one `lora_arg FILE` each after `lora_start_args`, and applied
+    #: per request by their index in that list (llama.cpp); empty: the engine loads adapters at run
+    #: time and takes the adapter's name as `model` (vLLM).
+    lora_arg: str = ""
+    lora_start_args: tuple[str, ...] = ()
     #: In a container, a command and arguments that replace program + args (for engines whose
     #: `prepare` steps must run inside the pod); empty: program + args.
     container_command: tuple[str, ...] = ()

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -108,6 +108,8 @@ class Replica:
     probe: asyncio.Task[None] | None = None
     #: The weights the current process loads, leased until it exits.
     weights: Weights | None = None
+    #: Its LoRAAdapters' weights (llama.cpp: all of the base's, given at start), leased likewise.
+    adapter_weights: list[Weights] = field(default_factory=list)
 
 
 class ModelRuntime:
@@ -154,6 +156,11 @@ class ModelRuntime:
         self.weights: Path | None = None
         #: The weights' progress, last result and failure, for the log and /status.
         self.weights_watch = WeightsWatch(model.key, model.spec.source or "")
+        #: Each LoRAAdapter's weights (adapter name -> watch), and when a process last loaded it.
+        self.adapter_watches = {
+            a.name: WeightsWatch(f"{model.key}/{a.name}", a.spec.source) for a in model.adapters
+        }
+        self.adapter_loaded_at: dict[str, float] = {}
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
 
@@ -230,8 +237,13 @@ class ModelRuntime:
             "state": str(state.resolve()),
         }
 
-    def _argv(self, values: dict[str, str]) -> list[str]:
-        return self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
+    def _argv(self, values: dict[str, str], adapters: Sequence[Weights] = ()) -> list[str]:
+        argv = self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
+        if adapters and self.backend.lora_arg:
+            argv += list(self.backend.lora_start_args)
+            for weights in adapters:
+                argv += [self.backend.lora_arg, str(weights.path)]
+        return argv
 
     def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
         env = dict(os.environ)
@@ -239,6 +251,41 @@ class ModelRuntime:
         env.update(visible_devices_env(gpus))
         env.update(self.model.spec.env)
         return env
+
+    async def _acquire_adapters(self, replica: Replica) -> None:
+        """The LoRAAdapters an engine of this backend loads at start (llama.cpp: every one of the
+        base's, so that a first request for one never restarts the base), through the cache."""
+        if not self.backend.lora_arg:
+            return
+        try:
+            for adapter in self.model.adapters:
+                watch = self.adapter_watches[adapter.name]
+                weights = await self.delivery.acquire_adapter(adapter, watch, base_dir=self.settings.base_dir)
+                replica.adapter_weights.append(weights)
+        except DeliveryError as exc:
+            self._release_weights(replica)
+            raise DeliveryError(f"LoRAAdapter {adapter.name}: {exc}", exc.reason) from None
+
+    def adapter_status(self) -> dict[str, dict[str, Any]]:
+        """Per LoRAAdapter: the replicas that hold it, when it was last loaded, its weights' state."""
+        ready = [f"{self.model.name}-{r.index}" for r in self.replicas if r.state is ReplicaState.READY]
+        out: dict[str, dict[str, Any]] = {}
+        for adapter in self.model.adapters:
+            watch = self.adapter_watches[adapter.name]
+            loaded_at = self.adapter_loaded_at.get(adapter.name)
+            weights = watch.status()
+            out[adapter.name] = {
+                "base": self.model.name,
+                "served_name": adapter.served_name,
+                "source": adapter.spec.source,
+                "replicas": ready if self.backend.lora_arg and watch.error is None else [],
+                "loaded_replicas": len(ready) if self.backend.lora_arg and watch.error is None else 0,
+                "last_load": None if loaded_at is None else time.strftime(
+                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded_at)),
+                "failure": weights["error"],
+                "weights": weights,
+            }
+        return out
 
     async def _acquire_weights(self, replica: Replica) -> None:
         """`spec.source` to a local path for this start of the replica's engine, leased (relative
@@ -268,6 +315,9 @@ class ModelRuntime:
         if replica.weights is not None:
             replica.weights.release()
             replica.weights = None
+        for weights in replica.adapter_weights:
+            weights.release()
+        replica.adapter_weights.clear()
 
     @property
     def capacity(self) -> int:
@@ -369,6 +419,7 @@ class ModelRuntime:
                 replica.weights_at = replica.load = None
                 try:
                     await self._acquire_weights(replica)
+                    await self._acquire_adapters(replica)
                 except DeliveryError as exc:
                     why = str(exc)
                     source = self.model.spec.source or ""
@@ -427,7 +478,7 @@ class ModelRuntime:
         until it exits."""
         values = self._values(replica)
         await asyncio.to_thread(Path(values["state"]).mkdir, parents=True, exist_ok=True)
-        replica.child.argv = self._argv(values)
+        replica.child.argv = self._argv(values, replica.adapter_weights)
         replica.child.env = self._env(values, self.gpu_slots.get(replica.gpu_owner, []))
         replica.child.pass_fds = replica.weights.fds if replica.weights is not None else ()
         await replica.child.start()
@@ -599,6 +650,9 @@ class ModelRuntime:
     def _became_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
         replica.ready_at = time.monotonic()
+        if replica.adapter_weights:
+            now = time.time()
+            self.adapter_loaded_at.update((a.name, now) for a in self.model.adapters)
         log.info(
             "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
             self.model.key,
