@@ -221,9 +221,16 @@ class RouteTable:
         self._by_name: dict[str, Resolved] = {}
         for route in routes:
             self.routes[route.key] = route
+            base = Resolved(route, route.served_name)
+            ids = [lora.lora_id for lora in route.adapters if lora.HasField("lora_id")]
+            if ids:
+                # llama.cpp's server keeps a slot's prompt cache when a request names no `lora`
+                # list, even if the slot last ran with an adapter: the base's requests name one
+                # (every adapter at scale 0), so the engine sees the change and clears that cache.
+                base = Resolved(route, route.served_name, lora=(min(ids), 0.0), needs_body=True)
             for name in route.names:
-                self._by_name.setdefault(name, Resolved(route, route.served_name))
-            self._by_name.setdefault(route.served_name, Resolved(route, route.served_name))
+                self._by_name.setdefault(name, base)
+            self._by_name.setdefault(route.served_name, base)
             for adapter in route.lora_adapters:
                 self._by_name.setdefault(adapter, Resolved(route, adapter, adapter))
             for lora in route.adapters:
