@@ -507,7 +507,7 @@ def parse_manifest(text: str, source: str = "<input>") -> Manifest:
     may answer to the same name."""
     models: list[Model] = []
     adapters: list[tuple[str, LoRAAdapter]] = []
-    seen_names: dict[str, str] = {}
+    seen_names: dict[str, tuple[str, str]] = {}  # client name -> (owner's identity, how to name it)
     for doc in _docs(text):
         where = f"{source}: document {doc.index}"
         if not isinstance(doc.body, dict):
@@ -525,16 +525,18 @@ def parse_manifest(text: str, source: str = "<input>") -> Manifest:
             problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
             raise ManifestError(f"{where}: {problems}") from None
         if isinstance(parsed, Model):
-            owner_key, names = parsed.key, parsed.client_names + parsed.spec.loraAdapters
+            owner = (parsed.key, f"Model {parsed.key!r}")
+            names = parsed.client_names + parsed.spec.loraAdapters
             models.append(parsed)
         else:
-            owner_key, names = f"LoRAAdapter {parsed.name}", parsed.client_names
+            owner = (f"#{doc.index}", f"LoRAAdapter {parsed.name!r}")
+            names = parsed.client_names
             adapters.append((where, parsed))
         for client_name in names:
-            owner = seen_names.get(client_name)
-            if owner is not None and owner != owner_key:
-                raise ManifestError(f"{where}: name {client_name!r} is already used by {_owner(owner)}")
-            seen_names[client_name] = owner_key
+            seen = seen_names.get(client_name)
+            if seen is not None and seen[0] != owner[0]:
+                raise ManifestError(f"{where}: name {client_name!r} is already used by {seen[1]}")
+            seen_names[client_name] = owner
     if not models:
         raise ManifestError(f"{source}: no Model documents found")
     by_name = {model.name: model for model in models}
@@ -551,10 +553,6 @@ def parse_manifest(text: str, source: str = "<input>") -> Manifest:
             )
         served.append(model.with_adapters(own) if own else model)
     return Manifest(served, [adapter for _, adapter in adapters])
-
-
-def _owner(key: str) -> str:
-    return key if key.startswith("LoRAAdapter ") else f"Model {key!r}"
 
 
 def parse_models(text: str, source: str = "<input>") -> list[Model]:
