@@ -253,4 +253,4 @@ def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
     (base,) = parse_models(ADAPTERS)
     routed = routed_model(base, [("127.0.0.1", 9000)])
     (again,), _ = decode(encode([routed]))
-    assert again == routed and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")
+    assert again.adapters == routed.adapters and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")
