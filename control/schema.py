@@ -546,13 +546,25 @@ def parse_manifest(text: str, source: str = "<input>") -> Manifest:
     served = []
     for model in models:
         own = [adapter for _, adapter in adapters if adapter.spec.baseModel == model.name]
-        if own and model.spec.backend == "llamacpp" and len(own) > model.spec.adapters.maxAdapters:
-            raise ManifestError(
-                f"{source}: Model {model.name!r} has {len(own)} LoRAAdapters, more than spec.adapters.maxAdapters "
-                f"({model.spec.adapters.maxAdapters}); llama.cpp's server loads every adapter of its base at start"
-            )
+        if own:
+            _check_adapters(model, len(own), source)
         served.append(model.with_adapters(own) if own else model)
     return Manifest(served, [adapter for _, adapter in adapters])
+
+
+def _check_adapters(model: Model, count: int, source: str) -> None:
+    from wakegate.control.backends import BACKENDS
+
+    backend = BACKENDS[model.spec.backend]
+    if not backend.serves_adapters:
+        raise ManifestError(f"{source}: Model {model.name!r}: backend {backend.name} cannot load LoRAAdapters")
+    cap = model.spec.adapters.maxAdapters
+    if count > cap:
+        # Every replica holds all of its base's adapters (llama.cpp's server loads them only at start).
+        raise ManifestError(
+            f"{source}: Model {model.name!r} has {count} LoRAAdapters, more than spec.adapters.maxAdapters ({cap}); "
+            "each replica holds every adapter of its base"
+        )
 
 
 def parse_models(text: str, source: str = "<input>") -> list[Model]:

@@ -143,7 +143,8 @@ class AdapterLoader:
                     continue
                 await self._unload(session, endpoint, victim)
             started = time.perf_counter()
-            status, text = await _post(session, endpoint, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            body = {"lora_name": name, "lora_path": path}
+            status, text = await _post(session, endpoint, "/v1/load_lora_adapter", body)
             if status != 200 and "already been loaded" not in text:
                 self.stats.failures += 1
                 self.stats.last_failure = f"{name} on {endpoint}: HTTP {status}: {text[:200]}"

@@ -26,11 +26,13 @@ import aiohttp
 from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS, LoadSignals
+from wakegate.control.backends.base import fill
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.schema import Model
+from wakegate.control.up.adapters import AdapterError, AdapterLoader
 from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
@@ -161,6 +163,9 @@ class ModelRuntime:
             a.name: WeightsWatch(f"{model.key}/{a.name}", a.spec.source) for a in model.adapters
         }
         self.adapter_loaded_at: dict[str, float] = {}
+        #: Engines that load adapters at run time: which replica holds which (LRU, maxAdapters).
+        self.adapter_loader = AdapterLoader(model.spec.adapters.maxAdapters)
+        self.adapter_failures: dict[str, str] = {}
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
 
@@ -235,6 +240,7 @@ class ModelRuntime:
             "model": str(weights) if weights is not None else self.model.served_name,
             "served_name": self.model.served_name,
             "state": str(state.resolve()),
+            "max_adapters": str(self.model.spec.adapters.maxAdapters),
         }
 
     def _argv(self, values: dict[str, str], adapters: Sequence[Weights] = ()) -> list[str]:
@@ -243,19 +249,24 @@ class ModelRuntime:
             argv += list(self.backend.lora_start_args)
             for weights in adapters:
                 argv += [self.backend.lora_arg, str(weights.path)]
+        elif self.model.adapters and self.backend.lora_runtime_args:
+            argv += [fill(a, values) for a in self.backend.lora_runtime_args]
         return argv
 
     def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.backend.environment(values))
         env.update(visible_devices_env(gpus))
+        if self.model.adapters:
+            env.update(self.backend.lora_runtime_env)
         env.update(self.model.spec.env)
         return env
 
     async def _acquire_adapters(self, replica: Replica) -> None:
-        """The LoRAAdapters an engine of this backend loads at start (llama.cpp: every one of the
-        base's, so that a first request for one never restarts the base), through the cache."""
-        if not self.backend.lora_arg:
+        """The base's LoRAAdapters, through the cache: llama.cpp loads every one at start, so that
+        a first request for one never restarts the base; vLLM gets them loaded once it is up
+        (:meth:`_load_adapters`), before the replica is routed."""
+        if not self.backend.serves_adapters:
             return
         try:
             for adapter in self.model.adapters:
@@ -266,23 +277,45 @@ class ModelRuntime:
             self._release_weights(replica)
             raise DeliveryError(f"LoRAAdapter {adapter.name}: {exc}", exc.reason) from None
 
+    async def _load_adapters(self, replica: Replica, session: aiohttp.ClientSession) -> None:
+        """Load the base's adapters into a replica that loads them at run time, before it is routed
+        (held requests for an adapter are released only once it is there). A refused load is kept
+        with the engine's answer for /status; the base serves on without that adapter."""
+        endpoint = f"{self.settings.host}:{replica.port}"
+        for adapter, weights in zip(self.model.adapters, replica.adapter_weights, strict=True):
+            try:
+                await self.adapter_loader.ensure(session, endpoint, adapter.served_name, str(weights.path))
+            except AdapterError as exc:
+                self.adapter_failures[adapter.name] = str(exc)
+                continue
+            self.adapter_loader.release(endpoint, adapter.served_name)
+            self.adapter_failures.pop(adapter.name, None)
+            self.adapter_loaded_at[adapter.name] = time.time()
+
     def adapter_status(self) -> dict[str, dict[str, Any]]:
         """Per LoRAAdapter: the replicas that hold it, when it was last loaded, its weights' state."""
-        ready = [f"{self.model.name}-{r.index}" for r in self.replicas if r.state is ReplicaState.READY]
+        ready = [r for r in self.replicas if r.state is ReplicaState.READY]
         out: dict[str, dict[str, Any]] = {}
         for adapter in self.model.adapters:
             watch = self.adapter_watches[adapter.name]
             loaded_at = self.adapter_loaded_at.get(adapter.name)
             weights = watch.status()
+            if self.backend.lora_arg:
+                holders = [] if watch.error is not None else [f"{self.model.name}-{r.index}" for r in ready]
+            else:
+                held = set(self.adapter_loader.holders(adapter.served_name))
+                holders = [f"{self.model.name}-{r.index}" for r in ready if f"{self.settings.host}:{r.port}" in held]
+            refused = self.adapter_failures.get(adapter.name)
             out[adapter.name] = {
                 "base": self.model.name,
                 "served_name": adapter.served_name,
                 "source": adapter.spec.source,
-                "replicas": ready if self.backend.lora_arg and watch.error is None else [],
-                "loaded_replicas": len(ready) if self.backend.lora_arg and watch.error is None else 0,
+                "replicas": holders,
+                "loaded_replicas": len(holders),
                 "last_load": None if loaded_at is None else time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded_at)),
-                "failure": weights["error"],
+                "failure": weights["error"] or (None if refused is None else {"reason": "load_refused",
+                                                                              "message": refused}),
                 "weights": weights,
             }
         return out
@@ -318,6 +351,7 @@ class ModelRuntime:
         for weights in replica.adapter_weights:
             weights.release()
         replica.adapter_weights.clear()
+        self.adapter_loader.forget(f"{self.settings.host}:{replica.port}")
 
     @property
     def capacity(self) -> int:
@@ -537,6 +571,8 @@ class ModelRuntime:
             if time.monotonic() > deadline:
                 raise EngineError(f"the model was not loaded 30s after {self.backend.name}'s load steps")
             await asyncio.sleep(self.settings.probe_interval_loading)
+        if replica.adapter_weights and self.backend.lora_runtime_args:
+            await self._load_adapters(replica, engine.session)
         replica.loaded_at = time.monotonic()
 
     async def _watch(
@@ -650,7 +686,7 @@ class ModelRuntime:
     def _became_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
         replica.ready_at = time.monotonic()
-        if replica.adapter_weights:
+        if replica.adapter_weights and self.backend.lora_arg:
             now = time.time()
             self.adapter_loaded_at.update((a.name, now) for a in self.model.adapters)
         log.info(

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from tests.bench.common import git_state, loadavg
-from tests.support.sim import SimProcess, start_sim
+from tests.support.sim import start_sim
 from wakegate import contract
 from wakegate.control.up.adapters import AdapterLoader
 from wakegate.extproc.scheduling import EngineState, Request, Rotation, Signals, schedule

@@ -231,7 +231,7 @@ def test_lora_adapters_attach_to_their_base_and_route_by_id_on_llamacpp() -> Non
     ],
 )
 def test_bad_lora_adapters_are_refused_naming_the_document(change: tuple[str, str], message: str) -> None:
-    with pytest.raises(ManifestError, match="m.yaml") as refused:
+    with pytest.raises(ManifestError, match=r"m\.yaml") as refused:
         parse_manifest(ADAPTERS.replace(*change, 1), "m.yaml")
     assert message in str(refused.value)
 

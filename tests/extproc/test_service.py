@@ -482,7 +482,8 @@ def test_an_adapter_named_in_the_headers_has_its_body_read_and_rewritten() -> No
     done = proc.decide(exchange, body({"model": "whatever", "prompt": "hi"}))
     assert done.WhichOneof("response") == "request_body"
     common = done.request_body.response
-    assert json.loads(common.body_mutation.body) == {"model": "org/base", "prompt": "hi", "lora": [{"id": 0, "scale": 0.5}]}
+    sent = json.loads(common.body_mutation.body)
+    assert sent == {"model": "org/base", "prompt": "hi", "lora": [{"id": 0, "scale": 0.5}]}
     assert set_headers(common)[contract.CLUSTER_HEADER] == "model.base"
     # A request without a body is routed from its headers as before.
     _, bodiless = decide(proc, headers("/v1/completions", end=True, **{"x-model-id": "sql"}))
