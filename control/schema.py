@@ -297,9 +297,6 @@ class AdapterSettings(_Spec):
         description="LoRA adapters one replica holds at once; the least recently used is unloaded to make room "
         "(llama.cpp loads every adapter of the base at start, so there it caps how many the base may have).",
     )
-    idleTimeout: int = Field(
-        600, ge=1, le=86400, description="Seconds an adapter goes unused on a replica before it is unloaded."
-    )
 
 
 class ModelSpec(_Spec):
