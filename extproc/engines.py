@@ -10,9 +10,9 @@ engine holds beyond it is other gateways' traffic). vLLM's names (``vllm:num_req
 (``llamacpp:requests_deferred``, ``llamacpp:requests_processing``,
 ``llamacpp:kv_cache_usage_ratio``) are understood; samples of one name are summed over their
 labels. vLLM's ``vllm:lora_requests_info`` gives the adapters it runs or queues and its
-``max_lora``, for the adapter filters. An endpoint that does not answer, answers with an error, or exposes none of these loses
-its entry, so scorers treat it as unknown rather than trusting an old number. Reading happens off
-the request path: a pick only looks up the book.
+``max_lora``, for the adapter filters. An endpoint that does not answer, answers with an error,
+or exposes none of these loses its entry, so scorers treat it as unknown rather than trusting an
+old number. Reading happens off the request path: a pick only looks up the book.
 
 Bounds: a response longer than :data:`MAX_BYTES` is dropped unread past that point; one read per
 endpoint at a time.
