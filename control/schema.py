@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 API_VERSION = "wakegate.io/v1alpha1"
 GROUP = "wakegate.io"
@@ -300,10 +300,32 @@ class CacheSettings(_Spec):
     )
 
 
+def _checked_source(value: str) -> str:
+    """`value` when the delivery library can parse it as a source; its message as a ValueError if not."""
+    from wakegate.control.delivery.errors import SourceError
+    from wakegate.control.delivery.sources import parse_source
+
+    try:
+        parse_source(value)
+    except SourceError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 def _backend_enum(schema: dict[str, Any]) -> None:
     from wakegate.control.backends import BACKENDS
 
     schema["enum"] = sorted(BACKENDS)
+
+
+class AdapterSettings(_Spec):
+    maxAdapters: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="LoRA adapters one replica holds at once; the least recently used is unloaded to make room "
+        "(llama.cpp loads every adapter of the base at start, so there it caps how many the base may have).",
+    )
 
 
 class ModelSpec(_Spec):
@@ -317,7 +339,12 @@ class ModelSpec(_Spec):
     )
     aliases: list[ServedName] = Field(default_factory=list, description="Other names clients may ask for.")
     loraAdapters: list[ServedName] = Field(
-        default_factory=list, description="LoRA adapters the backend serves on top of this model."
+        default_factory=list,
+        description="LoRA adapter names the backend serves on top of this model by itself (names only; "
+        "a LoRAAdapter object also has its weights fetched and loaded).",
+    )
+    adapters: AdapterSettings = Field(
+        default_factory=AdapterSettings, description="How the replicas hold the LoRAAdapters of this model."
     )
     command: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list,
@@ -372,15 +399,7 @@ class ModelSpec(_Spec):
     @field_validator("source")
     @classmethod
     def _parsed_source(cls, value: str | None) -> str | None:
-        from wakegate.control.delivery.errors import SourceError
-        from wakegate.control.delivery.sources import parse_source
-
-        if value is not None:
-            try:
-                parse_source(value)
-            except SourceError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+        return None if value is None else _checked_source(value)
 
     @model_validator(mode="after")
     def _backend_can_serve(self) -> ModelSpec:
@@ -410,11 +429,64 @@ class Metadata(_Spec):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+class LoRAAdapterSpec(_Spec):
+    baseModel: str = Field(pattern=NAME_PATTERN, max_length=60, description="The Model this adapter applies to.")
+    source: str = Field(
+        pattern=SOURCE_PATTERN,
+        max_length=2048,
+        description="The adapter's weights (a LoRA GGUF for llama.cpp, a PEFT folder for vLLM): file://, "
+        "hf://, pvc:// or oci://, as a Model's source.",
+    )
+    servedName: ServedName | None = Field(
+        None, description="The name the engine knows the adapter by; defaults to metadata.name."
+    )
+    aliases: list[ServedName] = Field(default_factory=list, description="Other names clients may ask for.")
+    scale: float = Field(1.0, ge=-100, le=100, description="How strongly the adapter is applied (llama.cpp).")
+
+    @field_validator("source")
+    @classmethod
+    def _parsed_source(cls, value: str) -> str:
+        return _checked_source(value)
+
+
+class LoRAAdapter(_Spec):
+    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+    kind: Literal["LoRAAdapter"] = "LoRAAdapter"
+    metadata: Metadata
+    spec: LoRAAdapterSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.servedName or self.metadata.name
+
+    @property
+    def client_names(self) -> list[str]:
+        """Every name a client may send for the adapter, its own name first, without repeats."""
+        return list(dict.fromkeys([self.metadata.name, self.served_name, *self.spec.aliases]))
+
+
 class Model(_Spec):
     apiVersion: Literal["wakegate.io/v1alpha1"]
     kind: Literal["Model"]
     metadata: Metadata
     spec: ModelSpec
+    #: The LoRAAdapter objects naming this Model as their base, in manifest order (set by
+    #: :func:`parse_manifest`; on a cluster by whoever reads both kinds). Not part of the manifest.
+    _adapters: tuple[LoRAAdapter, ...] = PrivateAttr(default=())
+
+    @property
+    def adapters(self) -> tuple[LoRAAdapter, ...]:
+        return self._adapters
+
+    def with_adapters(self, adapters: Iterable[LoRAAdapter]) -> Model:
+        """A copy of this Model that serves `adapters` (each names it as its base)."""
+        copy = self.model_copy()
+        copy._adapters = tuple(adapters)
+        return copy
 
     @property
     def name(self) -> str:
@@ -463,31 +535,86 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def parse_models(text: str, source: str = "<input>") -> list[Model]:
-    """Parse YAML documents of `kind: Model`; raise ManifestError naming document and field."""
+@dataclass(frozen=True)
+class Manifest:
+    """The documents of one manifest: Models (each carrying its adapters) and LoRAAdapters."""
+
+    models: list[Model]
+    adapters: list[LoRAAdapter]
+
+
+_KINDS: dict[str, type[Model] | type[LoRAAdapter]] = {"Model": Model, "LoRAAdapter": LoRAAdapter}
+
+
+def parse_manifest(text: str, source: str = "<input>") -> Manifest:
+    """Parse YAML documents of `kind: Model` and `kind: LoRAAdapter`; raise ManifestError naming
+    document and field. Every adapter's base must be a Model of the manifest, and no two objects
+    may answer to the same name."""
     models: list[Model] = []
-    seen_names: dict[str, str] = {}
+    adapters: list[tuple[str, LoRAAdapter]] = []
+    seen_names: dict[str, tuple[str, str]] = {}  # client name -> (owner's identity, how to name it)
     for doc in _docs(text):
         where = f"{source}: document {doc.index}"
         if not isinstance(doc.body, dict):
             raise ManifestError(f"{where}: expected a mapping with apiVersion, kind, metadata, spec")
+        kind = doc.body.get("kind")
+        typed = _KINDS.get(kind) if isinstance(kind, str) else None
+        if typed is None:
+            raise ManifestError(f"{where}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
         name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
         if name:
-            where += f" (Model {name!r})"
+            where += f" ({kind} {name!r})"
         try:
-            model = Model.model_validate(doc.body)
+            parsed = typed.model_validate(doc.body)
         except ValidationError as exc:
             problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
             raise ManifestError(f"{where}: {problems}") from None
-        for client_name in model.client_names + model.spec.loraAdapters:
-            owner = seen_names.get(client_name)
-            if owner is not None and owner != model.key:
-                raise ManifestError(f"{where}: name {client_name!r} is already used by Model {owner!r}")
-            seen_names[client_name] = model.key
-        models.append(model)
+        if isinstance(parsed, Model):
+            owner = (parsed.key, f"Model {parsed.key!r}")
+            names = parsed.client_names + parsed.spec.loraAdapters
+            models.append(parsed)
+        else:
+            owner = (f"#{doc.index}", f"LoRAAdapter {parsed.name!r}")
+            names = parsed.client_names
+            adapters.append((where, parsed))
+        for client_name in names:
+            seen = seen_names.get(client_name)
+            if seen is not None and seen[0] != owner[0]:
+                raise ManifestError(f"{where}: name {client_name!r} is already used by {seen[1]}")
+            seen_names[client_name] = owner
     if not models:
         raise ManifestError(f"{source}: no Model documents found")
-    return models
+    by_name = {model.name: model for model in models}
+    for where, adapter in adapters:
+        if adapter.spec.baseModel not in by_name:
+            raise ManifestError(f"{where}: spec.baseModel: no Model {adapter.spec.baseModel!r} in {source}")
+    served = []
+    for model in models:
+        own = [adapter for _, adapter in adapters if adapter.spec.baseModel == model.name]
+        if own:
+            _check_adapters(model, len(own), source)
+        served.append(model.with_adapters(own) if own else model)
+    return Manifest(served, [adapter for _, adapter in adapters])
+
+
+def _check_adapters(model: Model, count: int, source: str) -> None:
+    from wakegate.control.backends import BACKENDS
+
+    backend = BACKENDS[model.spec.backend]
+    if not backend.serves_adapters:
+        raise ManifestError(f"{source}: Model {model.name!r}: backend {backend.name} cannot load LoRAAdapters")
+    cap = model.spec.adapters.maxAdapters
+    if count > cap:
+        # Every replica holds all of its base's adapters (llama.cpp's server loads them only at start).
+        raise ManifestError(
+            f"{source}: Model {model.name!r} has {count} LoRAAdapters, more than spec.adapters.maxAdapters ({cap}); "
+            "each replica holds every adapter of its base"
+        )
+
+
+def parse_models(text: str, source: str = "<input>") -> list[Model]:
+    """The Models of a manifest (:func:`parse_manifest`), each carrying its LoRAAdapters."""
+    return parse_manifest(text, source).models
 
 
 # -- InferenceRuntime (cluster-scoped, Kubernetes only) -------------------------------------------

@@ -9,9 +9,10 @@ engine holds beyond it is other gateways' traffic). vLLM's names (``vllm:num_req
 ``vllm:gpu_cache_usage_perc``) and llama.cpp's
 (``llamacpp:requests_deferred``, ``llamacpp:requests_processing``,
 ``llamacpp:kv_cache_usage_ratio``) are understood; samples of one name are summed over their
-labels. An endpoint that does not answer, answers with an error, or exposes none of these loses
-its entry, so scorers treat it as unknown rather than trusting an old number. Reading happens off
-the request path: a pick only looks up the book.
+labels. vLLM's ``vllm:lora_requests_info`` gives the adapters it runs or queues and its
+``max_lora``, for the adapter filters. An endpoint that does not answer, answers with an error,
+or exposes none of these loses its entry, so scorers treat it as unknown rather than trusting an
+old number. Reading happens off the request path: a pick only looks up the book.
 
 Bounds: a response longer than :data:`MAX_BYTES` is dropped unread past that point; one read per
 endpoint at a time.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 
 import aiohttp
@@ -38,9 +40,29 @@ _KV = (contract.VLLM_KV_USAGE, contract.VLLM_KV_USAGE_OLD, contract.LLAMACPP_KV_
 _NAMES = {**dict.fromkeys(_WAITING, "waiting"), **dict.fromkeys(_RUNNING, "running"), **dict.fromkeys(_KV, "kv")}
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _lora_info(line: str) -> tuple[frozenset[str], int | None]:
+    """The adapters vLLM's ``vllm:lora_requests_info`` sample names running or waiting, and max_lora."""
+    labels = dict(_LABEL.findall(line[line.find("{") : line.rfind("}") + 1]))
+    names = frozenset(
+        name
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in labels.get(key, "").split(",")
+        if name
+    )
+    try:
+        most = int(labels["max_lora"])
+    except (KeyError, ValueError):
+        most = None
+    return names, most
+
+
 def parse(text: str) -> EngineState | None:
     """The engine state in a Prometheus text exposition, or None when it names none of it."""
     found: dict[str, float] = {}
+    lora: tuple[frozenset[str], int | None] | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -51,6 +73,8 @@ def parse(text: str) -> EngineState | None:
         name = line[: brace if 0 <= brace < space else space]
         kind = _NAMES.get(name)
         if kind is None:
+            if name == contract.VLLM_LORA_INFO and brace > 0:
+                lora = _lora_info(line)
             continue
         try:
             value = float(line.rsplit(" ", 1)[1] if brace < 0 else line[line.rindex("}") + 1 :].split()[0])
@@ -60,9 +84,12 @@ def parse(text: str) -> EngineState | None:
             found.setdefault(kind, value)  # the first name listed wins over its deprecated alias
         else:
             found[kind] = found.get(kind, 0.0) + value
-    if not found:
+    if not found and lora is None:
         return None
-    return EngineState(waiting=found.get("waiting"), running=found.get("running"), kv_usage=found.get("kv"))
+    state = EngineState(waiting=found.get("waiting"), running=found.get("running"), kv_usage=found.get("kv"))
+    if lora is not None:
+        state.adapters, state.max_adapters = lora
+    return state
 
 
 class EngineWatch:

@@ -3,7 +3,8 @@
 Cascade: `X-Model-ID` header, then a `/model/<name>/…` path prefix (stripped),
 then the JSON body's `model`, then a multipart form's `model` field. The
 route table maps every client-visible name (model name, served name, aliases,
-LoRA adapters) to its model's route. Pure: no I/O.
+LoRA adapters) to its model's route; an adapter's name also says what the engine must be told
+(vLLM: the adapter's name as `model`; llama.cpp: the base's name and `lora: [{id, scale}]`). Pure: no I/O.
 
 A JSON body is refused (400) when the gateway could not read it the way a backend would:
 not UTF-8, nested deeper than :data:`MAX_JSON_DEPTH`, or naming `model` twice (the gateway
@@ -138,9 +139,12 @@ def _names_model_twice(text: str) -> bool:
     return top_level_twice
 
 
-def rewritten(parsed: dict[str, Any], model: str) -> bytes:
-    """The body with its `model` set to `model`, re-encoded (UTF-8, compact)."""
+def rewritten(parsed: dict[str, Any], model: str, lora: tuple[int, float] | None = None) -> bytes:
+    """The body with its `model` set to `model` (and llama.cpp's `lora` list set to the one
+    adapter `lora` = (id, scale), replacing the client's), re-encoded (UTF-8, compact)."""
     parsed["model"] = model
+    if lora is not None:
+        parsed["lora"] = [{"id": lora[0], "scale": lora[1]}]
     try:
         return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
     except UnicodeEncodeError:
@@ -189,8 +193,24 @@ def model_from_multipart(content_type: str, body: bytes) -> str:
 @dataclass(frozen=True, slots=True)
 class Resolved:
     route: routing_pb2.ModelRoute
-    #: The name the backend must see in the JSON body (unchanged for LoRA adapters).
+    #: The name the backend must see in the JSON body (unchanged for `lora_adapters` names).
     body_model: str
+    #: The LoRAAdapter asked for (its served name), or None.
+    adapter: str | None = None
+    #: llama.cpp: (id, scale) of the adapter, set as the body's `lora` list.
+    lora: tuple[int, float] | None = None
+    #: A LoRAAdapter object's name: the body tells the engine which adapter, so it must be read
+    #: even when the headers name the model.
+    needs_body: bool = False
+
+    def needs_rewrite(self, parsed: Mapping[str, Any]) -> bool:
+        """Whether the body must change before the backend sees it."""
+        if parsed.get("model") != self.body_model:
+            return True
+        return self.lora is not None and parsed.get("lora") != [{"id": self.lora[0], "scale": self.lora[1]}]
+
+    def rewrite(self, parsed: dict[str, Any]) -> bytes:
+        return rewritten(parsed, self.body_model, self.lora)
 
 
 class RouteTable:
@@ -201,11 +221,27 @@ class RouteTable:
         self._by_name: dict[str, Resolved] = {}
         for route in routes:
             self.routes[route.key] = route
+            base = Resolved(route, route.served_name)
+            ids = [lora.lora_id for lora in route.adapters if lora.HasField("lora_id")]
+            if ids:
+                # llama.cpp's server keeps a slot's prompt cache when a request names no `lora`
+                # list, even if the slot last ran with an adapter: the base's requests name one
+                # (every adapter at scale 0), so the engine sees the change and clears that cache.
+                base = Resolved(route, route.served_name, lora=(min(ids), 0.0), needs_body=True)
             for name in route.names:
-                self._by_name.setdefault(name, Resolved(route, route.served_name))
-            self._by_name.setdefault(route.served_name, Resolved(route, route.served_name))
+                self._by_name.setdefault(name, base)
+            self._by_name.setdefault(route.served_name, base)
             for adapter in route.lora_adapters:
-                self._by_name.setdefault(adapter, Resolved(route, adapter))
+                self._by_name.setdefault(adapter, Resolved(route, adapter, adapter))
+            for lora in route.adapters:
+                if lora.HasField("lora_id"):
+                    resolved = Resolved(
+                        route, route.served_name, lora.served_name, (lora.lora_id, lora.scale), needs_body=True
+                    )
+                else:
+                    resolved = Resolved(route, lora.served_name, lora.served_name, needs_body=True)
+                for name in lora.names:
+                    self._by_name.setdefault(name, resolved)
 
     def resolve(self, name: str) -> Resolved | None:
         return self._by_name.get(name)
@@ -216,7 +252,7 @@ class RouteTable:
         `include`: only the names of the routes it accepts (a scoped API key's models).
         """
         return [
-            _model_object(name, resolved.route)
+            _model_object(name, resolved)
             for name, resolved in sorted(self._by_name.items())
             if include is None or include(resolved.route)
         ]
@@ -224,10 +260,11 @@ class RouteTable:
     def model_object(self, name: str) -> dict[str, Any] | None:
         """OpenAI `/v1/models/{name}`: the listing's entry for one name, None when no model has it."""
         resolved = self._by_name.get(name)
-        return None if resolved is None else _model_object(name, resolved.route)
+        return None if resolved is None else _model_object(name, resolved)
 
 
-def _model_object(name: str, route: routing_pb2.ModelRoute) -> dict[str, Any]:
+def _model_object(name: str, resolved: Resolved) -> dict[str, Any]:
+    route = resolved.route
     entry: dict[str, Any] = {
         "id": name,
         "object": "model",
@@ -235,6 +272,6 @@ def _model_object(name: str, route: routing_pb2.ModelRoute) -> dict[str, Any]:
         "owned_by": "wakegate",
         "root": route.served_name,
     }
-    if name in route.lora_adapters:
+    if resolved.adapter is not None:
         entry["parent"] = route.served_name
     return entry

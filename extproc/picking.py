@@ -365,8 +365,8 @@ class Picker:
             if chosen:
                 weights[route.key] = chosen
                 scored |= endpoints
-                if route.lora_adapters:
-                    adapters[route.key] = frozenset(route.lora_adapters)
+                if route.lora_adapters or route.adapters:
+                    adapters[route.key] = frozenset(route.lora_adapters) | {a.served_name for a in route.adapters}
                 if chosen.get("precise") and route.kv_events_offset:
                     for e in route.endpoints:
                         targets[f"{e.address}:{e.port}"] = target_for(
@@ -402,6 +402,7 @@ class Picker:
         headers: Mapping[str, str],
         body: Mapping[str, Any] | None,
         engine_loads: Mapping[str, int] | None = None,
+        adapter: str | None = None,
     ) -> str | None:
         """The endpoint for this request, or None to let Envoy's load balancer choose.
 
@@ -414,7 +415,7 @@ class Picker:
             return None
         weights = self._weights.get(model_key)
         if weights is not None:
-            return self._scored(model_key, weights, endpoints, headers, body)
+            return self._scored(model_key, weights, endpoints, headers, body, adapter)
         if strategy not in STRATEGIES or strategy in ("default", "round-robin"):
             return None
         if strategy == "least-loaded":
@@ -434,8 +435,9 @@ class Picker:
         endpoints: Sequence[str],
         headers: Mapping[str, str],
         body: Mapping[str, Any] | None,
+        adapter: str | None = None,
     ) -> str | None:
-        request = Request()
+        request = Request(adapter=adapter)
         if weights.get("prefix"):
             request.chain = chain(prompt_text(body))
             if request.chain:
@@ -449,7 +451,7 @@ class Picker:
             if key is not None:
                 request.session_owner = self._ring(model_key, endpoints).lookup(key)
         adapters = self._adapters.get(model_key)
-        if adapters and body is not None:
+        if request.adapter is None and adapters and body is not None:
             name = body.get("model")
             if isinstance(name, str) and name in adapters:
                 request.adapter = name

@@ -3,7 +3,9 @@
 One decision (:func:`schedule`) over a model's ready endpoints:
 
 1. **Filters** narrow the candidates: :func:`adapter_present` (an endpoint known not to serve
-   the requested LoRA adapter is out), :func:`under_capacity` (an endpoint whose engine reports
+   the requested LoRA adapter is out), :func:`adapter_room` (when none holds it, an endpoint
+   known to hold its ``max_adapters`` others is out: loading there would evict one),
+   :func:`under_capacity` (an endpoint whose engine reports
    :data:`QUEUE_LIMIT` or more waiting requests, or whose gateway-side in-flight count reached its
    known concurrency, is out; a shorter queue is the queue scorer's business, because leaving a
    replica that holds the prompt's prefix for one that must prefill it costs more than a short
@@ -46,6 +48,7 @@ __all__ = [
     "Request",
     "Signals",
     "adapter_present",
+    "adapter_room",
     "schedule",
     "under_capacity",
     "weights_for",
@@ -68,6 +71,9 @@ class EngineState:
     kv_usage: float | None = None
     max_running: int | None = None
     adapters: frozenset[str] | None = None
+    """LoRA adapters the engine holds (None: unknown)."""
+    max_adapters: int | None = None
+    """How many it holds at most (vLLM's ``max_lora``; None: unknown)."""
 
 
 @dataclass(slots=True)
@@ -119,6 +125,24 @@ def adapter_present(candidates: list[str], request: Request, signals: Signals) -
         state = engines.get(ep)
         if state is None or state.adapters is None or request.adapter in state.adapters:
             out.append(ep)
+    return out
+
+
+def adapter_room(candidates: list[str], request: Request, signals: Signals) -> list[str]:
+    """When no candidate is known to hold the requested adapter: drop those known to be full of
+    others, so that a load there evicts nothing (one with a free slot loads it)."""
+    if request.adapter is None:
+        return candidates
+    engines = signals.engines
+    out = []
+    for ep in candidates:
+        state = engines.get(ep)
+        if state is not None and state.adapters is not None:
+            if request.adapter in state.adapters:
+                return candidates  # adapter_present kept the holders (and unknowns) already
+            if state.max_adapters is not None and len(state.adapters) >= state.max_adapters:
+                continue
+        out.append(ep)
     return out
 
 
@@ -187,7 +211,7 @@ def _session(candidates: list[str], request: Request, signals: Signals) -> list[
     return [1.0 if ep == owner else 0.0 for ep in candidates]
 
 
-FILTERS: tuple[Filter, ...] = (adapter_present, under_capacity)
+FILTERS: tuple[Filter, ...] = (adapter_present, adapter_room, under_capacity)
 """The filters, in the order they run."""
 
 SCORERS: dict[str, Scorer] = {

@@ -47,7 +47,6 @@ from wakegate.extproc.naming import (
     model_from_json,
     model_from_multipart,
     parse_json_body,
-    rewritten,
 )
 from wakegate.extproc.picking import Picker
 from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
@@ -200,12 +199,27 @@ def _headers(message: ep.HttpHeaders) -> dict[str, str]:
 class _Exchange:
     """Per-request state between the headers and body phases."""
 
-    __slots__ = ("endpoint", "headers", "model_key", "model_name", "new_body", "new_path", "scope", "started")
+    __slots__ = (
+        "endpoint",
+        "headers",
+        "headers_only",
+        "model_key",
+        "model_name",
+        "new_body",
+        "new_path",
+        "scope",
+        "started",
+        "wants_body",
+    )
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.model_name: str | None = None
         self.new_path: str | None = None
+        #: The request has no body (its headers ended the stream).
+        self.headers_only = False
+        #: A LoRAAdapter named in the headers: the body is read to tell the engine which one.
+        self.wants_body: str | None = None
         #: The body re-encoded with the name its backend knows (None: forwarded unchanged).
         self.new_body: bytes | None = None
         self.endpoint: str | None = None
@@ -284,6 +298,7 @@ class Processor:
         ex.new_path = found.new_path
         if found.model is not None:
             ex.model_name = found.model
+            ex.headers_only = message.end_of_stream
             return self._decide(ex, None, None, in_body=False)
         # The model is in the body: check what we can before asking Envoy to buffer it.
         if message.end_of_stream:
@@ -324,10 +339,10 @@ class Processor:
         content_type = ex.headers.get("content-type", "")
         try:
             if content_type.lower().startswith("multipart/form-data"):
-                ex.model_name = model_from_multipart(content_type, body)
+                ex.model_name = ex.wants_body or model_from_multipart(content_type, body)
                 return self._decide(ex, None, None, in_body=True)
             parsed = parse_json_body(body)
-            ex.model_name = model_from_json(parsed)
+            ex.model_name = ex.wants_body or model_from_json(parsed)
         except BadRequest as exc:
             return self._reject(None, 400, exc.code, str(exc))
         return self._decide(ex, parsed, body, in_body=True)
@@ -367,17 +382,22 @@ class Processor:
             # The same answer as for a model that does not exist: a key learns nothing about models
             # outside its scope, and nothing else happens (no rate-limit token, no demand).
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        if parsed is None and resolved.needs_body and not in_body and not ex.headers_only:
+            # An adapter named in the headers: the engine is told which one in the body.
+            ex.wants_body = ex.model_name
+            ex.model_name = None
+            return _BUFFER_BODY
         rate = route.rate_limit
         wait = self.gw.limiter.admit(route.key, rate.requests_per_second or None, rate.burst or None)
         if wait > 0:
             return self._reject(
                 route.key, 429, "rate_limited", "rate limit exceeded; retry later", retry_after=retry_after_header(wait)
             )
-        if parsed is not None and parsed.get("model") != resolved.body_model:
+        if parsed is not None and resolved.needs_rewrite(parsed):
             # Rewritten now, not when the request is sent on: a body that cannot be is refused
             # before it waits for a cold model.
             try:
-                ex.new_body = rewritten(parsed, resolved.body_model)
+                ex.new_body = resolved.rewrite(parsed)
             except BadRequest as exc:
                 return self._reject(route.key, 400, exc.code, str(exc))
         if route.endpoints:
@@ -448,9 +468,9 @@ class Processor:
         if ex.new_path is not None:
             mutations.append(header(":path", ex.new_path))
         body_mutation = None
-        if parsed is not None and raw_body is not None and parsed.get("model") != resolved.body_model:
+        if parsed is not None and raw_body is not None and resolved.needs_rewrite(parsed):
             # The routes changed while the request was held; it was encodable once, so it is now.
-            ex.new_body = rewritten(parsed, resolved.body_model)
+            ex.new_body = resolved.rewrite(parsed)
         if ex.new_body is not None:
             body_mutation = ep.BodyMutation(body=ex.new_body)
             mutations.append(header("content-length", str(len(ex.new_body))))
@@ -473,7 +493,7 @@ class Processor:
             endpoints.append(key)
             if e.engine_load:
                 loads[key] = e.engine_load
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads)
+        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads, resolved.adapter)
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:

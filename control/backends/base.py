@@ -165,6 +165,21 @@ class Backend:
     drains_on_sigterm: bool = False
     #: Seconds between SIGTERM and SIGKILL.
     term_grace: float = 10.0
+    #: LoRA adapters given at start, one `lora_arg FILE` each after `lora_start_args`, and applied
+    #: per request by their index in that list (llama.cpp); empty: the engine loads adapters at run
+    #: time and takes the adapter's name as `model` (vLLM).
+    lora_arg: str = ""
+    lora_start_args: tuple[str, ...] = ()
+    #: Engines that load adapters at run time (vLLM's `POST /v1/load_lora_adapter`): appended to
+    #: the command of a Model that has LoRAAdapters ({max_adapters} is spec.adapters.maxAdapters),
+    #: and the environment that allows it.
+    lora_runtime_args: tuple[str, ...] = ()
+    lora_runtime_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether wakegate can give this engine LoRAAdapters (at start or at run time)."""
+        return bool(self.lora_arg or self.lora_runtime_args)
     #: In a container, a command and arguments that replace program + args (for engines whose
     #: `prepare` steps must run inside the pod); empty: program + args.
     container_command: tuple[str, ...] = ()

@@ -8,6 +8,9 @@
 - Load: `llamacpp:requests_processing` (busy slots) and `llamacpp:requests_deferred` (requests
   waiting for a slot) are the running/waiting pair vLLM reports; this version has no KV-cache
   usage series.
+- LoRA: every LoRAAdapter of the base is given at start (`--lora-init-without-apply --lora FILE`
+  each, so none applies by default); a request for one gets `lora: [{id, scale}]` in its body.
+  This server cannot load an adapter into a running process, so adding one restarts the base.
 - Stop: SIGTERM cuts streams in flight, so wakegate drains first (the load reaching zero).
 """
 
@@ -38,4 +41,8 @@ LLAMACPP = Backend(
     answer_probe=True,
     needs_file=True,
     term_grace=5.0,
+    # This server loads adapters only at start (POST /lora-adapters sets scales of loaded ones):
+    # every LoRAAdapter of the base is loaded at scale 0 and applied per request by id.
+    lora_arg="--lora",
+    lora_start_args=("--lora-init-without-apply",),
 )

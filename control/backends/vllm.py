@@ -22,6 +22,10 @@ AMD_ARCH = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "gfx1
 #: `--host H --port P --served-model-name NAME`, as vLLM (and the simulator) take them.
 VLLM_FLAGS = ("--host", "{host}", "--port", "{port}", "--served-model-name", "{served_name}")
 
+#: Adapters loaded at run time: `--enable-lora --max-loras N`, and the switch that opens the API.
+LORA_ARGS = ("--enable-lora", "--max-loras", "{max_adapters}")
+LORA_ENV = (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
+
 VLLM_LOAD = LoadMetrics(
     running=(contract.VLLM_RUNNING,),
     waiting=(contract.VLLM_WAITING,),
@@ -45,6 +49,8 @@ VLLM = Backend(
     load_metrics=VLLM_LOAD,
     drains_on_sigterm=True,
     term_grace=30.0,
+    lora_runtime_args=LORA_ARGS,
+    lora_runtime_env=LORA_ENV,
 )
 
 VLLM_OMNI = Backend(
@@ -61,6 +67,8 @@ VLLM_OMNI = Backend(
     load_metrics=VLLM_LOAD,
     drains_on_sigterm=True,
     term_grace=30.0,
+    lora_runtime_args=LORA_ARGS,
+    lora_runtime_env=LORA_ENV,
 )
 
 SIM = Backend(
@@ -76,4 +84,6 @@ SIM = Backend(
     load_metrics=VLLM_LOAD,
     drains_on_sigterm=True,
     term_grace=30.0,
+    lora_runtime_args=LORA_ARGS,
+    lora_runtime_env=LORA_ENV,
 )

@@ -33,6 +33,7 @@ from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
 from wakegate import contract
+from wakegate.control.backends import BACKENDS
 from wakegate.control.schema import DEFAULT_PROFILE, Model, Routing, Strategy
 from wakegate.v1 import routing_pb2
 
@@ -53,6 +54,18 @@ UPSTREAM_HEADER = "x-wakegate-upstream"
 
 
 @dataclass(frozen=True)
+class RoutedAdapter:
+    """A LoRAAdapter of a routed model: its names and what the engine is told; plain data."""
+
+    name: str
+    names: tuple[str, ...]
+    served_name: str
+    #: The adapter's id in a llama.cpp server's `--lora` list; -1: the engine takes `served_name` as `model`.
+    lora_id: int = -1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class RoutedModel:
     """What the gateway needs to know about one model; plain data."""
 
@@ -60,6 +73,7 @@ class RoutedModel:
     names: tuple[str, ...]
     served_name: str
     lora_adapters: tuple[str, ...] = ()
+    adapters: tuple[RoutedAdapter, ...] = ()
     strategy: str = "default"
     #: scored picking: a named profile, or (scorer, weight) pairs; both empty: `strategy` decides
     profile: str = ""
@@ -107,6 +121,7 @@ def routed_model(
         names=tuple(model.client_names),
         served_name=model.served_name,
         lora_adapters=tuple(spec.loraAdapters),
+        adapters=routed_adapters(model),
         strategy=spec.routing.strategy.value,
         profile=_profile(spec.routing),
         weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
@@ -124,6 +139,22 @@ def routed_model(
         failure_code=failure_code,
         admitted=admitted,
         loads=tuple(sorted(loads)),
+    )
+
+
+def routed_adapters(model: Model) -> tuple[RoutedAdapter, ...]:
+    """The model's LoRAAdapters as the gateway routes them; ids follow the manifest's order, which
+    is also the order of the `--lora` arguments an engine of `lora_arg` starts with."""
+    by_id = bool(BACKENDS[model.spec.backend].lora_arg)
+    return tuple(
+        RoutedAdapter(
+            name=adapter.name,
+            names=tuple(adapter.client_names),
+            served_name=adapter.served_name,
+            lora_id=index if by_id else -1,
+            scale=adapter.spec.scale,
+        )
+        for index, adapter in enumerate(model.adapters)
     )
 
 
@@ -584,6 +615,16 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         names=list(model.names),
         served_name=model.served_name,
         lora_adapters=list(model.lora_adapters),
+        adapters=[
+            routing_pb2.LoRAAdapterRoute(
+                name=a.name,
+                names=list(a.names),
+                served_name=a.served_name,
+                lora_id=a.lora_id if a.lora_id >= 0 else None,
+                scale=a.scale,
+            )
+            for a in model.adapters
+        ],
         cluster=model.cluster,
         strategy=contract.STRATEGIES[model.strategy],
         profile=model.profile,

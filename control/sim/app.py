@@ -113,6 +113,12 @@ class SimConfig:
     log_requests: bool = False
     #: vLLM's ``--kv-events-config``: publish the prefix cache's block events over ZMQ
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    #: vLLM's ``--enable-lora``: adapters loaded at run time (``/v1/load_lora_adapter``)
+    enable_lora: bool = False
+    #: vLLM's ``--max-loras``: adapters held at once; the sim refuses a load past it
+    max_loras: int = 1
+    #: milliseconds one adapter load takes
+    lora_load_ms: float = 0.0
 
     @property
     def primary(self) -> str:
@@ -165,6 +171,11 @@ class Sim:
         self.ready = False
         self.draining = False
         self.names = frozenset(cfg.served_names) | frozenset(cfg.lora_modules)
+        #: adapters loaded at run time: name -> path, in load order
+        self.loras: dict[str, str] = {}
+        self.lora_loads = 0
+        if cfg.enable_lora:
+            self.metrics.max_lora = cfg.max_loras
         self._limit = cfg.max_concurrency if cfg.max_concurrency > 0 else 1 << 60
         # requests waiting to run, first come first served: (future, prompt block hashes or None
         # for no KV blocks, prompt tokens, blocks needed)
@@ -191,6 +202,9 @@ class Sim:
             "/v1/completions": (frozenset({"POST"}), self._completions, True),
             "/v1/embeddings": (frozenset({"POST"}), self._embeddings, True),
         }
+        if cfg.enable_lora:
+            self._routes["/v1/load_lora_adapter"] = (frozenset({"POST"}), self._load_lora, True)
+            self._routes["/v1/unload_lora_adapter"] = (frozenset({"POST"}), self._unload_lora, True)
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -202,7 +216,7 @@ class Sim:
                 {"id": name, "object": "model", "created": created, "owned_by": "vllm",
                  "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len}
             )  # fmt: skip
-        for name, root in self.cfg.lora_modules.items():
+        for name, root in {**self.cfg.lora_modules, **self.loras}.items():
             data.append(
                 {"id": name, "object": "model", "created": created, "owned_by": "vllm",
                  "root": root, "parent": self.cfg.primary, "max_model_len": None}
@@ -284,7 +298,7 @@ class Sim:
             return self.cfg.primary
         if not isinstance(model, str):
             raise BadRequest("'model' must be a string")
-        if model not in self.names:
+        if model not in self.names and model not in self.loras:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
         return model
 
@@ -396,6 +410,39 @@ class Sim:
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         return web.Response(body=self._models_body, content_type=JSON_CT)
 
+    # ---- LoRA adapters at run time (vLLM: --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING) ----
+
+    async def _lora_name(self, request: web.BaseRequest) -> tuple[str, dict[str, Any]]:
+        body = await self._json_body(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("'lora_name' must be a non-empty string")
+        return name, body
+
+    async def _load_lora(self, request: web.BaseRequest) -> web.StreamResponse:
+        name, body = await self._lora_name(request)
+        path = body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("'lora_path' must be a non-empty string")
+        if name in self.loras or name in self.names:
+            raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+        if len(self.loras) >= self.cfg.max_loras:
+            raise BadRequest(f"Cannot load lora adapter '{name}': {len(self.loras)} of --max-loras "
+                             f"{self.cfg.max_loras} are loaded; unload one first.")
+        if self.cfg.lora_load_ms > 0:
+            await asyncio.sleep(self.cfg.lora_load_ms / 1000.0)
+        self.loras[name] = path
+        self.lora_loads += 1
+        self._models_body = self._build_models_body()
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.BaseRequest) -> web.StreamResponse:
+        name, _ = await self._lora_name(request)
+        if self.loras.pop(name, None) is None:
+            raise BadRequest(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError")
+        self._models_body = self._build_models_body()
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     # ---- generation ----------------------------------------------------------------
 
     async def _chat(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -438,12 +485,20 @@ class Sim:
         loop = asyncio.get_running_loop()
         start = loop.time()
         m = self.metrics
+        lora = model if model in self.loras or model in self.cfg.lora_modules else None
+        if lora is not None:
+            m.lora_waiting[lora] = m.lora_waiting.get(lora, 0) + 1
         try:
             alloc = await self._admit(hashes, prompt_tokens, total)
         except asyncio.CancelledError:
             m.success["abort"] += 1
             raise
+        finally:
+            if lora is not None:
+                m.lora_left(m.lora_waiting, lora)
         assert alloc is not None
+        if lora is not None:
+            m.lora_running[lora] = m.lora_running.get(lora, 0) + 1
         delay = self._ttft + self._prefill_delay(prompt_tokens - alloc.hit_tokens)
         run = _Run(alloc, delay)
         try:
@@ -453,6 +508,8 @@ class Sim:
                 )
             return await self._complete(model, prompt_tokens, n_tokens, finish, chat, start, run)
         finally:
+            if lora is not None:
+                m.lora_left(m.lora_running, lora)
             self._finish(alloc, _output_hashes(tokens, hashes, run.generated))
 
     async def _complete(

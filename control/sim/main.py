@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME[=PATH]",
         help="LoRA adapters served as extra names (parent: the primary name); repeatable or comma-separated",
     )
+    a("--enable-lora", action="store_true", help="vLLM's --enable-lora: /v1/load_lora_adapter and "
+      "/v1/unload_lora_adapter load adapters at run time, and vllm:lora_requests_info reports them")
+    a("--max-loras", type=int, default=1, help="adapters held at once (vLLM's --max-loras; default 1)")
+    a("--lora-load-ms", type=float, default=0.0, help="milliseconds one adapter load takes (default 0)")
     a("--startup-seconds", type=float, default=0.0, help="simulated load time: /health is 503 until done")
     a("--ttft-ms", type=float, default=0.0, help="time to first token in milliseconds (default 0)")
     a("--tokens-per-second", type=float, default=0.0, help="per-request decode rate; 0 = as fast as possible")
@@ -155,6 +159,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         never_ready=args.never_ready,
         log_requests=args.log_requests,
         kv_events=_kv_events(args.kv_events_config),
+        enable_lora=args.enable_lora,
+        max_loras=max(1, args.max_loras),
+        lora_load_ms=max(0.0, args.lora_load_ms),
     )
 
 

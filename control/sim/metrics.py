@@ -13,6 +13,7 @@ triggers keep working.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -47,6 +48,10 @@ class SimMetrics(Collector):
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
+        #: LoRA adapter -> its requests running and waiting; None max_lora: LoRA is off
+        self.lora_running: dict[str, int] = {}
+        self.lora_waiting: dict[str, int] = {}
+        self.max_lora: int | None = None
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.ttft = Histogram(
@@ -95,6 +100,28 @@ class SimMetrics(Collector):
         for reason, n in self.success.items():
             success.add_metric([self.model_name, reason], n)
         yield success
+        if self.max_lora is not None:
+            # As vLLM exports it: one sample, the adapters as comma-separated label values, the
+            # value the time of the reading.
+            info = GaugeMetricFamily(
+                contract.VLLM_LORA_INFO,
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            info.add_metric(
+                [str(self.max_lora), ",".join(sorted(self.lora_waiting)), ",".join(sorted(self.lora_running))],
+                time.time(),
+            )
+            yield info
+
+    @staticmethod
+    def lora_left(book: dict[str, int], name: str) -> None:
+        """One request of adapter ``name`` left ``book`` (running or waiting)."""
+        left = book.get(name, 0) - 1
+        if left > 0:
+            book[name] = left
+        else:
+            book.pop(name, None)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -33,7 +33,7 @@ from typing import Any
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedModel, build
+from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedAdapter, RoutedModel, build
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import graceful_exit
 
@@ -59,6 +59,7 @@ def _models(raws: list[dict[str, Any]]) -> list[RoutedModel]:
     for raw in raws:
         raw["names"] = tuple(raw["names"])
         raw["lora_adapters"] = tuple(raw["lora_adapters"])
+        raw["adapters"] = tuple(RoutedAdapter(**{**a, "names": tuple(a["names"])}) for a in raw["adapters"])
         raw["endpoints"] = tuple((host, int(port)) for host, port in raw["endpoints"])
         models.append(RoutedModel(**raw))
     return models

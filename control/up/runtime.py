@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -26,11 +26,13 @@ import aiohttp
 from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS, LoadSignals
+from wakegate.control.backends.base import fill
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.schema import Model
+from wakegate.control.up.adapters import AdapterError, AdapterLoader
 from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
@@ -108,6 +110,8 @@ class Replica:
     probe: asyncio.Task[None] | None = None
     #: The weights the current process loads, leased until it exits.
     weights: Weights | None = None
+    #: Its LoRAAdapters' weights (llama.cpp: all of the base's, given at start), leased likewise.
+    adapter_weights: list[Weights] = field(default_factory=list)
 
 
 class ModelRuntime:
@@ -154,6 +158,14 @@ class ModelRuntime:
         self.weights: Path | None = None
         #: The weights' progress, last result and failure, for the log and /status.
         self.weights_watch = WeightsWatch(model.key, model.spec.source or "")
+        #: Each LoRAAdapter's weights (adapter name -> watch), and when a process last loaded it.
+        self.adapter_watches = {
+            a.name: WeightsWatch(f"{model.key}/{a.name}", a.spec.source) for a in model.adapters
+        }
+        self.adapter_loaded_at: dict[str, float] = {}
+        #: Engines that load adapters at run time: which replica holds which (LRU, maxAdapters).
+        self.adapter_loader = AdapterLoader(model.spec.adapters.maxAdapters)
+        self.adapter_failures: dict[str, str] = {}
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
 
@@ -228,17 +240,85 @@ class ModelRuntime:
             "model": str(weights) if weights is not None else self.model.served_name,
             "served_name": self.model.served_name,
             "state": str(state.resolve()),
+            "max_adapters": str(self.model.spec.adapters.maxAdapters),
         }
 
-    def _argv(self, values: dict[str, str]) -> list[str]:
-        return self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
+    def _argv(self, values: dict[str, str], adapters: Sequence[Weights] = ()) -> list[str]:
+        argv = self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
+        if adapters and self.backend.lora_arg:
+            argv += list(self.backend.lora_start_args)
+            for weights in adapters:
+                argv += [self.backend.lora_arg, str(weights.path)]
+        elif self.model.adapters and self.backend.lora_runtime_args:
+            argv += [fill(a, values) for a in self.backend.lora_runtime_args]
+        return argv
 
     def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.backend.environment(values))
         env.update(visible_devices_env(gpus))
+        if self.model.adapters:
+            env.update(self.backend.lora_runtime_env)
         env.update(self.model.spec.env)
         return env
+
+    async def _acquire_adapters(self, replica: Replica) -> None:
+        """The base's LoRAAdapters, through the cache: llama.cpp loads every one at start, so that
+        a first request for one never restarts the base; vLLM gets them loaded once it is up
+        (:meth:`_load_adapters`), before the replica is routed."""
+        if not self.backend.serves_adapters:
+            return
+        try:
+            for adapter in self.model.adapters:
+                watch = self.adapter_watches[adapter.name]
+                weights = await self.delivery.acquire_adapter(adapter, watch, base_dir=self.settings.base_dir)
+                replica.adapter_weights.append(weights)
+        except DeliveryError as exc:
+            self._release_weights(replica)
+            raise DeliveryError(f"LoRAAdapter {adapter.name}: {exc}", exc.reason) from None
+
+    async def _load_adapters(self, replica: Replica, session: aiohttp.ClientSession) -> None:
+        """Load the base's adapters into a replica that loads them at run time, before it is routed
+        (held requests for an adapter are released only once it is there). A refused load is kept
+        with the engine's answer for /status; the base serves on without that adapter."""
+        endpoint = f"{self.settings.host}:{replica.port}"
+        for adapter, weights in zip(self.model.adapters, replica.adapter_weights, strict=True):
+            try:
+                await self.adapter_loader.ensure(session, endpoint, adapter.served_name, str(weights.path))
+            except AdapterError as exc:
+                self.adapter_failures[adapter.name] = str(exc)
+                continue
+            self.adapter_loader.release(endpoint, adapter.served_name)
+            self.adapter_failures.pop(adapter.name, None)
+            self.adapter_loaded_at[adapter.name] = time.time()
+
+    def adapter_status(self) -> dict[str, dict[str, Any]]:
+        """Per LoRAAdapter: the replicas that hold it, when it was last loaded, its weights' state."""
+        ready = [r for r in self.replicas if r.state is ReplicaState.READY]
+        out: dict[str, dict[str, Any]] = {}
+        for adapter in self.model.adapters:
+            watch = self.adapter_watches[adapter.name]
+            loaded_at = self.adapter_loaded_at.get(adapter.name)
+            weights = watch.status()
+            if self.backend.lora_arg:
+                holders = [] if watch.error is not None else [f"{self.model.name}-{r.index}" for r in ready]
+            else:
+                held = set(self.adapter_loader.holders(adapter.served_name))
+                holders = [f"{self.model.name}-{r.index}" for r in ready if f"{self.settings.host}:{r.port}" in held]
+            refused = self.adapter_failures.get(adapter.name)
+            out[adapter.name] = {
+                "base": self.model.name,
+                "served_name": adapter.served_name,
+                "source": adapter.spec.source,
+                "replicas": holders,
+                "loaded_replicas": len(holders),
+                "last_load": None if loaded_at is None else time.strftime(
+                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded_at)),
+                "failure": weights["error"] or (None if refused is None else {"reason": "load_refused",
+                                                                              "message": refused}),
+                "weights": weights,
+            }
+        return out
 
     async def _acquire_weights(self, replica: Replica) -> None:
         """`spec.source` to a local path for this start of the replica's engine, leased (relative
@@ -268,6 +348,10 @@ class ModelRuntime:
         if replica.weights is not None:
             replica.weights.release()
             replica.weights = None
+        for weights in replica.adapter_weights:
+            weights.release()
+        replica.adapter_weights.clear()
+        self.adapter_loader.forget(f"{self.settings.host}:{replica.port}")
 
     @property
     def capacity(self) -> int:
@@ -369,6 +453,7 @@ class ModelRuntime:
                 replica.weights_at = replica.load = None
                 try:
                     await self._acquire_weights(replica)
+                    await self._acquire_adapters(replica)
                 except DeliveryError as exc:
                     why = str(exc)
                     source = self.model.spec.source or ""
@@ -427,7 +512,7 @@ class ModelRuntime:
         until it exits."""
         values = self._values(replica)
         await asyncio.to_thread(Path(values["state"]).mkdir, parents=True, exist_ok=True)
-        replica.child.argv = self._argv(values)
+        replica.child.argv = self._argv(values, replica.adapter_weights)
         replica.child.env = self._env(values, self.gpu_slots.get(replica.gpu_owner, []))
         replica.child.pass_fds = replica.weights.fds if replica.weights is not None else ()
         await replica.child.start()
@@ -486,6 +571,8 @@ class ModelRuntime:
             if time.monotonic() > deadline:
                 raise EngineError(f"the model was not loaded 30s after {self.backend.name}'s load steps")
             await asyncio.sleep(self.settings.probe_interval_loading)
+        if replica.adapter_weights and self.backend.lora_runtime_args:
+            await self._load_adapters(replica, engine.session)
         replica.loaded_at = time.monotonic()
 
     async def _watch(
@@ -599,6 +686,9 @@ class ModelRuntime:
     def _became_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
         replica.ready_at = time.monotonic()
+        if replica.adapter_weights and self.backend.lora_arg:
+            now = time.time()
+            self.adapter_loaded_at.update((a.name, now) for a in self.model.adapters)
         log.info(
             "replica ready model=%s replica=%d port=%d load_seconds=%.2f",
             self.model.key,

@@ -452,6 +452,7 @@ class Up:
                         self.scaler.loads[rt.model.key].in_flight if rt.model.key in self.scaler.loads else 0
                     ),
                     "leases": self.scaler.loads[rt.model.key].leases if rt.model.key in self.scaler.loads else 0,
+                    "adapters": rt.adapter_status(),
                 }
                 for rt in self.runtimes.values()
             ],

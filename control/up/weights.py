@@ -36,7 +36,7 @@ from wakegate.control.delivery.index import dirname, key_of_dirname
 from wakegate.control.delivery.progress import Phase, Progress
 from wakegate.control.delivery.resolver import Access, Resolved, Verify, resolve
 from wakegate.control.delivery.sources import HfSource, OciSource, parse_source
-from wakegate.control.schema import Model
+from wakegate.control.schema import LoRAAdapter, Model
 
 log = logging.getLogger("wakegate.up")
 
@@ -198,6 +198,17 @@ class Delivery:
                 weights.release()
                 raise DeliveryError(f"{model.spec.source}: the engine loads one weight file, and {weights.path} "
                                     "is a folder", "bad_source")
+        except DeliveryError as exc:
+            watch.failed(exc)
+            raise
+        watch.got(weights)
+        return weights
+
+    async def acquire_adapter(self, adapter: LoRAAdapter, watch: WeightsWatch, *, base_dir: Path | None) -> Weights:
+        """A LoRAAdapter's weights, through the same cache as every base's, leased."""
+        watch.started()
+        try:
+            weights = await self._acquire(adapter.spec.source, False, watch, base_dir)
         except DeliveryError as exc:
             watch.failed(exc)
             raise

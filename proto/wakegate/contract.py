@@ -56,6 +56,8 @@ VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
 VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+#: vLLM's LoRA gauge: labels max_lora, waiting_lora_adapters, running_lora_adapters (comma-separated).
+VLLM_LORA_INFO = "vllm:lora_requests_info"
 LLAMACPP_RUNNING = "llamacpp:requests_processing"
 LLAMACPP_WAITING = "llamacpp:requests_deferred"
 LLAMACPP_KV_USAGE = "llamacpp:kv_cache_usage_ratio"

@@ -7,7 +7,7 @@ import yaml
 
 from wakegate.control import crd
 from wakegate.control.feeder.resources import model_route, routed_model
-from wakegate.control.schema import ColdMode, ManifestError, parse_models
+from wakegate.control.schema import ColdMode, ManifestError, parse_manifest, parse_models
 from wakegate.v1 import routing_pb2
 
 MINIMAL = """
@@ -183,3 +183,74 @@ def test_every_source_the_delivery_library_reads_is_a_valid_spec_source(source: 
     assert model.spec.source == source
     assert model.spec.cache.strategy == "node"
     assert not model.spec.cache.flash
+
+
+ADAPTERS = """
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: base}
+spec: {backend: llamacpp, source: "file://w/base.gguf", servedName: org/base, adapters: {maxAdapters: 2}}
+---
+apiVersion: wakegate.io/v1alpha1
+kind: LoRAAdapter
+metadata: {name: sql}
+spec: {baseModel: base, source: "file://w/sql.gguf", servedName: tiny-sql, aliases: [sql-v1], scale: 0.5}
+---
+apiVersion: wakegate.io/v1alpha1
+kind: LoRAAdapter
+metadata: {name: poet}
+spec: {baseModel: base, source: "oci://registry.example/loras/poet:v1"}
+"""
+
+
+def test_lora_adapters_attach_to_their_base_and_route_by_id_on_llamacpp() -> None:
+    manifest = parse_manifest(ADAPTERS, "m.yaml")
+    (base,) = manifest.models
+    assert [a.name for a in base.adapters] == ["sql", "poet"] == [a.name for a in manifest.adapters]
+    assert base.adapters[0].client_names == ["sql", "tiny-sql", "sql-v1"]
+    route = model_route(routed_model(base, ()))
+    assert [(a.name, list(a.names), a.served_name, a.lora_id, a.scale) for a in route.adapters] == [
+        ("sql", ["sql", "tiny-sql", "sql-v1"], "tiny-sql", 0, 0.5),
+        ("poet", ["poet"], "poet", 1, 1.0),
+    ]
+    # vLLM loads adapters by name: no ids.
+    (vllm,) = parse_models(ADAPTERS.replace('backend: llamacpp, source: "file://w/base.gguf"', "backend: vllm"))
+    assert not any(a.HasField("lora_id") for a in model_route(routed_model(vllm, ())).adapters)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("baseModel: base, source: \"oci", "baseModel: other, source: \"oci"), "spec.baseModel: no Model 'other'"),
+        (("aliases: [sql-v1]", "aliases: [org/base]"), "name 'org/base' is already used by Model 'base'"),
+        (("metadata: {name: poet}", "metadata: {name: sql}"), "already used by LoRAAdapter 'sql'"),
+        (("oci://registry.example/loras/poet:v1", "s3://bucket/poet"), "spec.source"),
+        (("scale: 0.5", "scale: 500"), "spec.scale"),
+        (("maxAdapters: 2", "maxAdapters: 1"), "2 LoRAAdapters, more than spec.adapters.maxAdapters"),
+        (("kind: LoRAAdapter", "kind: LoraAdapter"), "kind must be one of Model, LoRAAdapter, not 'LoraAdapter'"),
+    ],
+)
+def test_bad_lora_adapters_are_refused_naming_the_document(change: tuple[str, str], message: str) -> None:
+    with pytest.raises(ManifestError, match=r"m\.yaml") as refused:
+        parse_manifest(ADAPTERS.replace(*change, 1), "m.yaml")
+    assert message in str(refused.value)
+
+
+def test_the_loraadapter_crd_shows_base_loaded_and_ready() -> None:
+    generated = crd.loraadapter_crd()
+    assert generated["spec"]["names"]["plural"] == "loraadapters"
+    version = generated["spec"]["versions"][0]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Base"] == ".spec.baseModel" and columns["Loaded"] == ".status.loadedReplicas"
+    assert columns["Ready"] == ".status.ready"
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert set(spec["required"]) == {"baseModel", "source"}
+
+
+def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
+    from wakegate.control.up.feeder import decode, encode
+
+    (base,) = parse_models(ADAPTERS)
+    routed = routed_model(base, [("127.0.0.1", 9000)])
+    (again,), _ = decode(encode([routed]))
+    assert again.adapters == routed.adapters and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")

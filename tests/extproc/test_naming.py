@@ -192,3 +192,51 @@ def test_multipart_boundary_outside_latin1_is_read_as_utf8() -> None:
     assert model_from_multipart("multipart/form-data; boundary=é", body) == "w"
     with pytest.raises(BadRequest):
         model_from_multipart("multipart/form-data; boundary=\ufffd", body)
+
+
+def adapter_route(*, llama: bool) -> routing_pb2.ModelRoute:
+    """A base `m` (served as org/m) with two LoRAAdapter objects; llama.cpp style names them by id."""
+    ids = {"lora_id": 0}, {"lora_id": 1}
+    return routing_pb2.ModelRoute(
+        key="m", names=["m"], served_name="org/m", cluster="model.m",
+        adapters=[
+            routing_pb2.LoRAAdapterRoute(
+                name="sql", names=["sql", "tiny-sql", "sql-v1"], served_name="tiny-sql", scale=0.5,
+                **(ids[0] if llama else {}),
+            ),
+            routing_pb2.LoRAAdapterRoute(name="poet", names=["poet"], served_name="poet", scale=1.0,
+                                         **(ids[1] if llama else {})),
+        ],
+    )
+
+
+def test_llama_adapters_keep_the_base_name_and_get_their_lora_entry() -> None:
+    table = RouteTable([adapter_route(llama=True)])
+    for name in ("sql", "tiny-sql", "sql-v1"):
+        sql = table.resolve(name)
+        assert sql is not None and (sql.body_model, sql.adapter, sql.lora) == ("org/m", "tiny-sql", (0, 0.5))
+    parsed = {"model": "sql", "lora": [{"id": 1, "scale": 9}], "messages": []}
+    assert sql.needs_rewrite(parsed)
+    assert json.loads(sql.rewrite(parsed)) == {"model": "org/m", "lora": [{"id": 0, "scale": 0.5}], "messages": []}
+    assert not sql.needs_rewrite(json.loads(sql.rewrite(parsed)))
+    poet = table.resolve("poet")
+    assert poet is not None and poet.lora == (1, 1.0)
+    # The base itself names a zero-scale list, so the engine drops a prompt cache made with an adapter.
+    base = table.resolve("m")
+    assert base is not None and base.adapter is None and base.needs_body
+    assert json.loads(base.rewrite({"model": "m"})) == {"model": "org/m", "lora": [{"id": 0, "scale": 0.0}]}
+
+
+def test_vllm_adapters_are_named_as_the_model() -> None:
+    table = RouteTable([adapter_route(llama=False)])
+    sql = table.resolve("sql-v1")
+    assert sql is not None and (sql.body_model, sql.adapter, sql.lora, sql.needs_body) == (
+        "tiny-sql", "tiny-sql", None, True
+    )
+    assert json.loads(sql.rewrite({"model": "sql-v1"})) == {"model": "tiny-sql"}
+    base = table.resolve("m")
+    assert base is not None and (base.lora, base.needs_body) == (None, False)
+    listing = {entry["id"]: entry for entry in table.listing()}
+    assert {name: entry.get("parent") for name, entry in listing.items()} == {
+        "m": None, "org/m": None, "sql": "org/m", "tiny-sql": "org/m", "sql-v1": "org/m", "poet": "org/m"
+    }

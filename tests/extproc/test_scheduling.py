@@ -16,6 +16,7 @@ from wakegate.extproc.scheduling import (
     Rotation,
     Signals,
     adapter_present,
+    adapter_room,
     schedule,
     under_capacity,
     weights_for,
@@ -97,6 +98,22 @@ def test_adapter_filter_drops_only_endpoints_known_to_lack_it() -> None:
     req = Request(adapter="sql")
     assert adapter_present([A, B, C], req, signals(engines=engines)) == [A, C]
     assert adapter_present([A, B, C], Request(), signals(engines=engines)) == [A, B, C]
+
+
+def test_room_filter_sends_a_new_adapter_where_it_evicts_nothing() -> None:
+    full = EngineState(adapters=frozenset({"a", "b"}), max_adapters=2)
+    spare = EngineState(adapters=frozenset({"a"}), max_adapters=2)
+    req = Request(adapter="sql")
+    assert adapter_room([A, B, C], req, signals(engines={A: full, B: spare})) == [B, C]
+    # Someone holds it: the room filter leaves the choice to adapter_present.
+    holder = EngineState(adapters=frozenset({"sql", "x"}), max_adapters=2)
+    assert adapter_room([A, B], req, signals(engines={A: full, B: holder})) == [A, B]
+    assert adapter_room([A, B], Request(), signals(engines={A: full, B: full})) == [A, B]
+    # Through the whole pick: the one with room wins over the full ones, the holder over all.
+    picked = schedule([A, B, C], {"queue": 1}, req, signals(engines={A: full, B: spare, C: full}), Rotation())
+    assert picked.endpoint == B
+    picked = schedule([A, B, C], {"queue": 1}, req, signals(engines={A: full, B: spare, C: holder}), Rotation())
+    assert picked.endpoint == C
 
 
 def test_capacity_filter_uses_engine_queue_and_known_limits() -> None:

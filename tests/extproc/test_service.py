@@ -468,3 +468,23 @@ async def test_a_held_request_is_checked_again_against_its_keys_scope(tmp_path: 
     status, _, payload = immediate(await asyncio.wait_for(held, 2))
     assert status == 404 and payload["error"]["code"] == "model_not_found"
     assert gw.in_flight == {}
+
+
+def test_an_adapter_named_in_the_headers_has_its_body_read_and_rewritten() -> None:
+    lora = route("base", "10.0.0.9:8000", served="org/base", strategy="round-robin")
+    lora.adapters.add(name="sql", names=["sql"], served_name="sql", lora_id=0, scale=0.5)
+    gw = gateway()
+    gw.set_routes([*ROUTES, lora])
+    proc = Processor(gw)
+    exchange = _Exchange()
+    asked = proc.decide(exchange, headers("/v1/completions", **{"x-model-id": "sql"}))
+    assert asked.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
+    done = proc.decide(exchange, body({"model": "whatever", "prompt": "hi"}))
+    assert done.WhichOneof("response") == "request_body"
+    common = done.request_body.response
+    sent = json.loads(common.body_mutation.body)
+    assert sent == {"model": "org/base", "prompt": "hi", "lora": [{"id": 0, "scale": 0.5}]}
+    assert set_headers(common)[contract.CLUSTER_HEADER] == "model.base"
+    # A request without a body is routed from its headers as before.
+    _, bodiless = decide(proc, headers("/v1/completions", end=True, **{"x-model-id": "sql"}))
+    assert bodiless.WhichOneof("response") == "request_headers"

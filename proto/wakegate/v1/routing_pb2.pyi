@@ -57,8 +57,22 @@ class ColdPolicy(_message.Message):
     activation_timeout_ms: int
     def __init__(self, mode: _Optional[_Union[ColdMode, str]] = ..., max_queue: _Optional[int] = ..., activation_timeout_ms: _Optional[int] = ...) -> None: ...
 
+class LoRAAdapterRoute(_message.Message):
+    __slots__ = ("name", "names", "served_name", "lora_id", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    served_name: str
+    lora_id: int
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+
 class ModelRoute(_message.Message):
-    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset")
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset", "adapters")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +98,7 @@ class ModelRoute(_message.Message):
     FAILURE_CODE_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
@@ -102,4 +117,5 @@ class ModelRoute(_message.Message):
     failure_code: str
     kv_events_offset: int
     kv_events_replay_offset: int
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterRoute]
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapterRoute, _Mapping]]] = ...) -> None: ...
