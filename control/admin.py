@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Protocol
 
@@ -21,12 +23,48 @@ def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     return host.strip("[]") or default_host, int(port)
 
 
+#: Where `free_port` looks: above the well-known and registered services most machines run, and
+#: below the kernel's ephemeral range (read at first use), which outgoing connections draw from.
+PORT_FLOOR = 15000
+#: Ports this process handed out lately: never handed out again while they are here.
+_given: deque[int] = deque(maxlen=4096)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on right now (`wakegate up`'s children, tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
+    """A TCP port on `host` that nothing listens on right now (`wakegate up`'s children, tests).
+
+    The caller binds it later (a child process, often a second or more later), so two things
+    keep the port free until then: it is never one this process handed out lately (one `up` picks
+    ports for its extprocs and then for its replicas before the extprocs have bound theirs), and
+    it lies below the ephemeral range, where no outgoing connection's local port can take it.
+    """
+    high = _ephemeral_low() - 1
+    for _ in range(200) if high > PORT_FLOOR else ():
+        port = random.randint(PORT_FLOOR, high)
+        if port in _given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _given.append(port)
         return port
+    while True:  # a machine whose ephemeral range leaves nothing below it: the kernel's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _given:
+            _given.append(port)
+            return int(port)
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:
