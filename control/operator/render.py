@@ -212,7 +212,8 @@ def _weights(
     return WEIGHTS_ROOT, [volume], [{"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_ROOT, "readOnly": True}]
 
 
-def _owner(body: Mapping[str, Any]) -> dict[str, Any]:
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Model `body` as the controlling owner of an object the operator writes."""
     meta = body["metadata"]
     return {
         "apiVersion": names.API_VERSION,
@@ -229,7 +230,7 @@ def _meta(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
         "name": names.backend_name(model.name),
         "namespace": body["metadata"]["namespace"],
         "labels": names.backend_labels(model.name),
-        "ownerReferences": [_owner(body)],
+        "ownerReferences": [owner_reference(body)],
     }
 
 

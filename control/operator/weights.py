@@ -19,7 +19,7 @@ from typing import Any
 
 from wakegate.control.delivery.progress import human_bytes
 from wakegate.control.k8s import names
-from wakegate.control.operator.render import Condition
+from wakegate.control.operator.render import Condition, owner_reference
 from wakegate.control.schema import CACHED_SCHEMES, CacheStrategy, Model
 
 
@@ -62,16 +62,7 @@ def owned_cache(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
             "name": names.owned_cache_name(model.name),
             "namespace": meta["namespace"],
             "labels": names.backend_labels(model.name),
-            "ownerReferences": [
-                {
-                    "apiVersion": names.API_VERSION,
-                    "kind": "Model",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [owner_reference(body)],
         },
         "spec": {"sources": [model.spec.source], "modelRef": {"name": model.name}},
     }
