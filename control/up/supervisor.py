@@ -634,11 +634,15 @@ class Up:
                 return int(stats[0]["value"]) if stats else 0
         return None
 
-    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0) -> bool:
+    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0, standby_grace: float = 10.0) -> bool:
         """Ready means a request would succeed: extproc has its routes and GET /healthz through
-        Envoy and extproc answers 200.
+        Envoy and extproc answers 200, and Envoy's health checks see both extprocs (until then its
+        workers may still send some requests to the standby, whose rate-limit buckets and prefix
+        history are its own; after `standby_grace` seconds one healthy extproc is enough).
         A listener Envoy cannot bind (the port was taken meanwhile) stops `up` with an error."""
         deadline = asyncio.get_running_loop().time() + timeout
+        answering_since: float | None = None
+        healthy_stat = f"cluster.{contract.EXTPROC_CLUSTER}.membership_healthy"
         urls = [
             f"http://127.0.0.1:{ports.extproc_admin[0]}/healthz",  # extproc has its route table
             f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",  # through Envoy
@@ -654,7 +658,11 @@ class Up:
                         async with session.get(url) as response:
                             ok += response.status == 200
                 if ok == len(urls):
-                    return True
+                    now = asyncio.get_running_loop().time()
+                    answering_since = now if answering_since is None else answering_since
+                    healthy = await self._envoy_stat(admin_session, healthy_stat)
+                    if (healthy or 0) >= len(ports.extproc) or now - answering_since >= standby_grace:
+                        return True
                 rejected = await self._envoy_stat(admin_session, "listener_manager.lds.update_rejected")
                 if rejected:
                     self._failure = (
