@@ -65,6 +65,20 @@ def stat_calls(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return calls
 
 
+@pytest.fixture
+def digest_compares(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per `hmac.compare_digest` call (the constant-time key check)."""
+    calls: list[int] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    return calls
+
+
 def test_disabled_allows_everything(clock: FakeClock) -> None:
     keys = ApiKeys(None, clock=clock)
     assert not keys.enabled
@@ -319,18 +333,11 @@ def test_reload_if_changed_always_stats(key_file: Path, clock: FakeClock, stat_c
     assert keys.check(f"Bearer {KEY_C}")
 
 
-def test_compares_against_every_digest(key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compares_against_every_digest(key_file: Path, clock: FakeClock, digest_compares: list[int]) -> None:
     path = key_file
     write_keys(path, "".join(f"sk-key-{i:04d}\n" for i in range(50)))
     keys = ApiKeys(path, clock=clock)
-    calls: list[int] = []
-    real = hmac.compare_digest
-
-    def counting(a: bytes, b: bytes) -> bool:
-        calls.append(1)
-        return real(a, b)
-
-    monkeypatch.setattr(hmac, "compare_digest", counting)
+    calls = digest_compares
     for token in ("sk-key-0000", "sk-key-0025", "sk-key-0049", "sk-nope"):
         calls.clear()
         keys.check(f"Bearer {token}")
@@ -455,20 +462,11 @@ def test_scoped_rotation(tmp_path: Path, clock: FakeClock) -> None:
     assert after is not None and after.allows("chat-b", "chat-b")
 
 
-def test_scoped_keys_still_compare_every_digest(
-    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_scoped_keys_still_compare_every_digest(tmp_path: Path, clock: FakeClock, digest_compares: list[int]) -> None:
     path = tmp_path / "keys"
     write_keys(path, "".join(f"sk-key-{i:04d} model-{i % 3}\n" for i in range(30)))
     keys = ApiKeys(path, clock=clock)
-    calls: list[int] = []
-    real = hmac.compare_digest
-
-    def counting(a: bytes, b: bytes) -> bool:
-        calls.append(1)
-        return real(a, b)
-
-    monkeypatch.setattr(hmac, "compare_digest", counting)
+    calls = digest_compares
     for token in ("sk-key-0000", "sk-key-0029", "sk-nope"):
         calls.clear()
         keys.scope(f"Bearer {token}")
