@@ -103,10 +103,15 @@ STATUS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "x-kubernetes-preserve-unknown-fields": True,
     "properties": {
-        "phase": {"type": "string", "enum": ["Idle", "Pending", "Loading", "Ready", "Failed", "Preempted"]},
+        "phase": {
+            "type": "string",
+            "enum": ["Idle", "Pending", "Loading", "Ready", "Failed", "Waiting", "Preempted"],
+        },
         "readyReplicas": {"type": "integer"},
         "replicas": {"type": "integer"},
         "lastColdStartSeconds": {"type": "number"},
+        # Written by the scaler, not the operator: the GPU-group peer this Model waits for.
+        "waitingFor": {"type": "string"},
         "observedGeneration": {"type": "integer"},
         "conditions": CONDITIONS_SCHEMA,
     },
@@ -233,6 +238,7 @@ def model_crd() -> dict[str, Any]:
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
         {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
+        {"name": "Waiting For", "type": "string", "jsonPath": ".status.waitingFor"},
         {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     ]
     schema = {"x-kubernetes-validations": [name_rule], **_properties(spec_schema(), status=STATUS_SCHEMA)}

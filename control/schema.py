@@ -216,6 +216,12 @@ class Gpu(_Spec):
     demandWindowSeconds: int = Field(
         5, ge=0, le=3600, description="Demand must last this long before it causes a swap."
     )
+    queueThreshold: int = Field(
+        1,
+        ge=1,
+        le=100000,
+        description="Requests (held or in flight, over all gateways) needed before a swap; 1 = any demand.",
+    )
 
 
 class GpuResources(_Spec):

@@ -27,6 +27,9 @@ AGENT_FIELD_MANAGER = "wakegate-agent"
 #: Field manager of `wakegate bench` writing its results ConfigMap.
 BENCH_FIELD_MANAGER = "wakegate-bench"
 
+#: Model status field the scaler writes: the GPU-group peer a demanded member waits for.
+STATUS_WAITING_FOR = "waitingFor"
+
 LABEL_MODEL = "wakegate.io/model"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -244,6 +244,7 @@ class Reconciler:
             autoscaling=autoscaling,
             render_error=render_error,
             preempted_by=self._preempted_by(key),
+            waiting_for=(body.get("status") or {}).get(names.STATUS_WAITING_FOR),
             weights=weights,
         )
         previous = body.get("status") or {}

@@ -2,7 +2,9 @@
 
 Phases: Idle (scaled to zero), Pending (waiting for a node or for autoscaling),
 Loading (scheduled, not ready), Ready, Failed (the backend cannot start: image
-pull, crash loop, OOM, progress deadline, unusable runtime), Preempted (it was
+pull, crash loop, OOM, progress deadline, unusable runtime), Waiting (it has demand
+but a GPU-group peer holds the accelerator, or is still draining off it: the scaler
+names that peer in `status.waitingFor`), Preempted (it was
 swapped out of its GPU group and the peer that took the accelerator still runs). Condition reasons are stable
 strings so `kubectl get mdl` tells a scheduling delay from a broken image.
 Conditions keep their `lastTransitionTime` while their status does not change,
@@ -35,6 +37,8 @@ class Observed:
     render_error: Condition | None = None
     #: GPU group member that holds the group, when it is not this Model.
     preempted_by: str | None = None
+    #: The GPU-group peer this demanded Model waits for (`status.waitingFor`, from the scaler).
+    waiting_for: str | None = None
     #: Where the weights stand in the node caches (`cache: node|prewarm` only).
     weights: Weights | None = None
 
@@ -167,6 +171,10 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
         phase, why = "Failed", Condition("Ready", "False", "PrewarmFailed", weights.message)
     elif weights is not None and weights.digest is None and dep is None:
         phase, why = "Pending", Condition("Ready", "False", "WeightsPulling", weights.message)
+    elif observed.waiting_for is not None and ready == 0:
+        phase, why = "Waiting", Condition(
+            "Ready", "False", "WaitingForGroup", f"waiting for GPU group peer {observed.waiting_for}"
+        )
     elif observed.preempted_by is not None:
         phase, why = "Preempted", Condition("Ready", "False", "Preempted", f"GPU group held by {observed.preempted_by}")
     elif dep is None and observed.autoscaling.status != "True":
@@ -198,7 +206,7 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
         "readyReplicas": ready,
         "replicas": desired,
         "observedGeneration": observed.generation,
-        "admitted": observed.preempted_by is None,
+        "admitted": observed.preempted_by is None and phase != "Waiting",
         "conditions": conditions,
     }
     cold = previous.get("lastColdStartSeconds")

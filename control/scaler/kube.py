@@ -1,17 +1,22 @@
-"""The scaler's Kubernetes adapters: a read-only Model watch and the builtin engine's scale writes.
+"""The scaler's Kubernetes adapters: read-only Model and Pod watches, and what it writes while it leads.
 
 :func:`model_watch` lists and watches `wakegate.io/v1alpha1` Models (one namespace or all)
 in a thread and hands the whole valid set to the event loop on every change.
+:func:`pod_watch` does the same for the backend pods, as a count per model of the pods that
+still exist (terminating ones included): the scaling core starts a GPU group's incoming member
+only once the outgoing member's count is 0, i.e. its pods are deleted from the API.
 :class:`BuiltinEngine` applies the verdicts of models with ``spec.scaling.engine: builtin``
-by patching their `wg-<model>` Deployment's scale subresource, only while this scaler holds
-the Lease and only when the desired count differs from the one it last saw or wrote.
+by patching their `wg-<model>` Deployment's scale subresource, and :class:`WaitingWriter`
+writes the `status.waitingFor` of GPU-group members; both only while this scaler holds the
+Lease and only when the value differs from the one last seen or written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -25,8 +30,10 @@ from wakegate.control.schema import Model, ScalingEngine
 
 log = logging.getLogger("wakegate.scaler.kube")
 
-#: Seconds before a failed scale write is tried again.
+#: Seconds before a failed write is tried again.
 RETRY_SECONDS = 2.0
+#: The backend pods the operator renders (the selector of the pod watch).
+BACKEND_SELECTOR = f"{names.LABEL_COMPONENT}=model-backend,{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
 def valid_models(watch: ListWatch) -> list[Model]:
@@ -56,22 +63,20 @@ def _scale_path(model: Model) -> str:
     return path("apps/v1", "Deployment", model.metadata.namespace, names.backend_name(model.name)) + "/scale"
 
 
-class BuiltinEngine:
-    def __init__(self, kube: Kube, metrics: ScalerMetrics, on_retry: Callable[[], None]) -> None:
-        self._kube = kube
-        self._metrics = metrics
+class _LeaderWrites:
+    """One value per model written to the cluster while this scaler leads: the newest wanted one,
+    once per change (a write in flight is followed by the newest value), retried after a failure."""
+
+    what = "value"
+
+    def __init__(self, on_retry: Callable[[], None]) -> None:
         self._on_retry = on_retry
         self.leader = False
         self.models: dict[str, Model] = {}
-        #: key -> replicas last read from or written to the Deployment.
-        self._known: dict[str, int] = {}
+        #: key -> value last read from or written to the cluster.
+        self._known: dict[str, Any] = {}
         self._busy: set[str] = set()
-        self._wanted: dict[str, int] = {}
-
-    def current_replicas(self, model: Model) -> int:
-        """The Deployment's spec.replicas now (0 when it does not exist yet)."""
-        scale = self._kube.get_or_none(_scale_path(model))
-        return int(((scale or {}).get("spec") or {}).get("replicas") or 0)
+        self._wanted: dict[str, Any] = {}
 
     def set_leader(self, leader: bool) -> None:
         self.leader = leader
@@ -79,37 +84,142 @@ class BuiltinEngine:
         self._known.clear()
         self._on_retry()
 
-    def apply(self, verdicts: dict[str, Verdict]) -> None:
-        """Called on the loop with every evaluation; starts writes for changed builtin models."""
-        for key, verdict in verdicts.items():
-            model = self.models.get(key)
-            if model is None or model.spec.scaling.engine != ScalingEngine.BUILTIN:
-                continue
-            self._wanted[key] = verdict.replicas
-            if not self.leader or key in self._busy or self._known.get(key) == verdict.replicas:
-                continue
-            self._busy.add(key)
-            asyncio.get_running_loop().create_task(self._write(key, model))
+    def _want(self, key: str, model: Model, value: Any) -> None:
+        self._wanted[key] = value
+        if not self.leader or key in self._busy or (key in self._known and self._known[key] == value):
+            return
+        self._busy.add(key)
+        asyncio.get_running_loop().create_task(self._write(key, model))
 
     async def _write(self, key: str, model: Model) -> None:
         retry = False
         try:
-            while self.leader and self._known.get(key) != (wanted := self._wanted[key]):
+            while self.leader and (key not in self._known or self._known[key] != (wanted := self._wanted[key])):
                 try:
                     await asyncio.to_thread(self._patch, model, wanted)
                 except (KubeError, OSError) as exc:
-                    result = "not_found" if isinstance(exc, KubeError) and exc.status == 404 else "error"
-                    self._metrics.scale_patches.labels(key, result).inc()
-                    log.warning("scale %s to %d failed: %s", key, wanted, exc)
+                    self._failed(key, exc)
+                    log.warning("writing %s of %s (%s) failed: %s", self.what, key, wanted, exc)
                     retry = True
                     return
                 self._known[key] = wanted
-                self._metrics.scale_patches.labels(key, "ok").inc()
-                log.info("scaled %s to %d replicas", key, wanted)
+                self._written(key, wanted)
         finally:
             self._busy.discard(key)
             if retry:
                 asyncio.get_running_loop().call_later(RETRY_SECONDS, self._on_retry)
 
+    def _patch(self, model: Model, value: Any) -> None:
+        raise NotImplementedError
+
+    def _failed(self, key: str, exc: Exception) -> None:
+        """A write failed (logged by the caller)."""
+
+    def _written(self, key: str, value: Any) -> None:
+        """A write succeeded."""
+
+
+class BuiltinEngine(_LeaderWrites):
+    """Replicas of `engine: builtin` models, through their Deployment's scale subresource."""
+
+    what = "replicas"
+
+    def __init__(self, kube: Kube, metrics: ScalerMetrics, on_retry: Callable[[], None]) -> None:
+        super().__init__(on_retry)
+        self._kube = kube
+        self._metrics = metrics
+
+    def current_replicas(self, model: Model) -> int:
+        """The Deployment's spec.replicas now (0 when it does not exist yet)."""
+        scale = self._kube.get_or_none(_scale_path(model))
+        return int(((scale or {}).get("spec") or {}).get("replicas") or 0)
+
+    def apply(self, verdicts: dict[str, Verdict]) -> None:
+        """Called on the loop with every evaluation; starts writes for changed builtin models."""
+        for key, verdict in verdicts.items():
+            model = self.models.get(key)
+            if model is not None and model.spec.scaling.engine == ScalingEngine.BUILTIN:
+                self._want(key, model, verdict.replicas)
+
     def _patch(self, model: Model, replicas: int) -> None:
         self._kube.merge_patch(_scale_path(model), {"spec": {"replicas": replicas}}, names.SCALER_FIELD_MANAGER)
+
+    def _failed(self, key: str, exc: Exception) -> None:
+        result = "not_found" if isinstance(exc, KubeError) and exc.status == 404 else "error"
+        self._metrics.scale_patches.labels(key, result).inc()
+
+    def _written(self, key: str, value: Any) -> None:
+        self._metrics.scale_patches.labels(key, "ok").inc()
+        log.info("scaled %s to %d replicas", key, value)
+
+
+class WaitingWriter(_LeaderWrites):
+    """`status.waitingFor` of GPU-group members (any engine): the peer a demanded member waits for.
+
+    The operator owns the rest of the status and turns this field into the `Waiting` phase; a
+    merge patch of this one key leaves its fields alone. Written once per change, and once for
+    every member when this scaler becomes the leader (a patch that changes nothing is no write).
+    """
+
+    what = "status.waitingFor"
+
+    def __init__(self, kube: Kube, on_retry: Callable[[], None]) -> None:
+        super().__init__(on_retry)
+        self._kube = kube
+
+    def apply(self, verdicts: dict[str, Verdict]) -> None:
+        for key, verdict in verdicts.items():
+            model = self.models.get(key)
+            if model is not None and model.spec.gpu.shared:
+                self._want(key, model, verdict.waiting_for)
+
+    def _patch(self, model: Model, peer: str | None) -> None:
+        target = path(names.API_VERSION, "Model", model.metadata.namespace, model.name) + "/status"
+        try:
+            self._kube.merge_patch(target, {"status": {names.STATUS_WAITING_FOR: peer}}, names.SCALER_FIELD_MANAGER)
+        except KubeError as exc:
+            if exc.status != 404:  # the Model is gone: nothing to say
+                raise
+
+    def _written(self, key: str, value: Any) -> None:
+        if value is not None:
+            log.info("%s waits for GPU group peer %s", key, value)
+
+
+def _pod_phase(pod: dict[str, Any]) -> dict[str, Any]:
+    """What the pod count needs of a pod: its name, labels and phase."""
+    meta = pod.get("metadata") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "labels") if k in meta},
+        "status": {"phase": (pod.get("status") or {}).get("phase")},
+    }
+
+
+def pods_per_model(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Backend pods per model key that may hold an accelerator: from creation until they are
+    deleted from the API (terminating ones included), except those that ended (Succeeded, Failed)."""
+    counts: dict[str, int] = {}
+    for pod in pods:
+        key = names.owning_model_key(pod.get("metadata") or {})
+        if key is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def pod_watch(
+    kube: Kube, namespace: str | None, loop: asyncio.AbstractEventLoop, on_counts: Callable[[dict[str, int]], None]
+) -> ListWatch:
+    """A watch of the backend pods (one namespace, or all) that hands the count per model to the loop."""
+
+    def changed(watch: ListWatch) -> None:
+        loop.call_soon_threadsafe(on_counts, pods_per_model(watch.items()))
+
+    return ListWatch(
+        kube,
+        "pods",
+        path("v1", "Pod", namespace),
+        query={"labelSelector": BACKEND_SELECTOR},
+        convert=_pod_phase,
+        on_change=changed,
+    )

@@ -123,7 +123,10 @@ class Scaler:
         self.settings = settings
         self.book = DemandBook()
         self.core = Core(self.book)
-        self.hub = Hub(self.core, clock=time.monotonic)
+        #: Backend pods per model from the pod watch (None until it listed once, and without a
+        #: cluster): a GPU group's incoming member starts only once the outgoing one's are gone.
+        self.pods: dict[str, int] | None = None
+        self.hub = Hub(self.core, clock=time.monotonic, live=lambda: self.pods)
         self.leader = False
         self.metrics = ScalerMetrics(self.book, self.core, lambda: self.hub.streams, lambda: self.leader)
         self.stop = asyncio.Event()
@@ -194,12 +197,14 @@ class Scaler:
 
     def _start_kube(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> list[threading.Thread]:
         from wakegate.control.k8s.client import Kube, api_client
-        from wakegate.control.scaler.kube import BuiltinEngine, model_watch
+        from wakegate.control.scaler.kube import BuiltinEngine, WaitingWriter, model_watch, pod_watch
         from wakegate.control.scaler.lease import LeaseElector
 
         kube = Kube(api_client(self.settings.kubeconfig))
         engine = BuiltinEngine(kube, self.metrics, self.hub.poke)
+        waiting = WaitingWriter(kube, self.hub.poke)
         self.hub.add_listener(engine.apply)
+        self.hub.add_listener(waiting.apply)
 
         latest: list[list[Model]] = []
         serial = asyncio.Lock()
@@ -218,6 +223,7 @@ class Scaler:
                             current[model.key] = await asyncio.to_thread(engine.current_replicas, model)
                 self.core.set_models(models, time.monotonic(), current)
                 engine.models = dict(self.core.models)
+                waiting.models = dict(self.core.models)
                 self.hub.poke()
 
         def on_models(models: list[Model]) -> None:
@@ -225,10 +231,16 @@ class Scaler:
             self._tasks.add(task := loop.create_task(take_models()))
             task.add_done_callback(self._tasks.discard)
 
+        def on_pods(counts: dict[str, int]) -> None:
+            if counts != self.pods:
+                self.pods = counts
+                self.hub.poke()
+
         def on_leader(leader: bool) -> None:
             def switch() -> None:
                 self.leader = leader
                 engine.set_leader(leader)
+                waiting.set_leader(leader)
 
             loop.call_soon_threadsafe(switch)
 
@@ -236,9 +248,10 @@ class Scaler:
         elector = LeaseElector(kube, cfg.lease_namespace, cfg.lease_name, cfg.identity, on_leader)
         threads = [
             model_watch(kube, cfg.namespace, loop, on_models).start(stop),
+            pod_watch(kube, cfg.namespace, loop, on_pods).start(stop),
             threading.Thread(target=elector.run, args=(stop,), name="lease", daemon=True),
         ]
-        threads[1].start()
-        # The watch thread blocks in a long request and is a daemon: only the elector is joined
+        threads[-1].start()
+        # The watch threads block in long requests and are daemons: only the elector is joined
         # on the way out, so that it releases the Lease.
-        return threads[1:]
+        return threads[-1:]

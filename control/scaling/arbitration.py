@@ -9,16 +9,26 @@ the time markers read here.
 Rules
 -----
 Each member carries ``priority`` (higher wins), ``min_run_seconds``,
-``swap_cooldown_seconds`` and ``demand_window_seconds`` (from ``spec.gpu``).
+``swap_cooldown_seconds``, ``demand_window_seconds`` and ``queue_threshold``
+(from ``spec.gpu``).
 
 * Free group (``active is None``): the best demanded member becomes active at
-  once. Neither demand window nor cooldown applies: nothing is displaced.
+  once. Neither demand window, cooldown nor queue threshold applies: nothing is
+  displaced.
 * Active member A, demanded candidate B != A with ``B.priority >= A.priority``:
   B takes over iff, at ``now``, all of
 
   - ``now >= active_since + A.min_run_seconds``
   - ``now >= B.demand_since + B.demand_window_seconds``
   - ``B.swapped_out_at is None`` or ``now >= B.swapped_out_at + B.swap_cooldown_seconds``
+  - ``B.demand >= B.queue_threshold`` (its requests waiting or in flight, over all
+    gateways, at ``now``); a threshold of 1, the default, is met by any demand,
+    even a lone activation lease
+
+  The threshold is a level, not a time: a candidate held back only by it gets
+  no ``next_check_at`` (only more demand can change it, and the caller calls
+  again on every demand change), and the demand window still counts from the
+  start of its demand, not from the moment the threshold was reached.
 
   Whether A itself still has demand does not matter (one rule): an idle A is
   still protected by its min run, and releases the group by idling anyway.
@@ -44,6 +54,8 @@ What the caller keeps
   (held cold requests, in-flight requests or a live activation lease), ``None``
   while it has none. A swap does not reset it: a swapped-out member whose
   requests are still held keeps demanding.
+* ``MemberState.demand``: its demand now (requests held or in flight); read
+  only against ``queue_threshold``.
 * ``MemberState.swapped_out_at``: when the member was last named by
   ``Decision.swapped_out``. Not set on release.
 * ``active`` and ``active_since``: the member holding the group and the time of
@@ -94,11 +106,14 @@ class Member:
     min_run_seconds: float = 30
     swap_cooldown_seconds: float = 60
     demand_window_seconds: float = 5
+    queue_threshold: int = 1
 
     def __post_init__(self) -> None:
         require_non_negative(
             self, ("min_run_seconds", "swap_cooldown_seconds", "demand_window_seconds"), f"member {self.key!r}: "
         )
+        if self.queue_threshold < 1:
+            raise ValueError(f"member {self.key!r}: queue_threshold must be >= 1, got {self.queue_threshold!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +122,11 @@ class MemberState:
 
     demand_since: float | None = None
     swapped_out_at: float | None = None
+    demand: int = 0
+
+    def meets(self, threshold: int) -> bool:
+        """Whether this demand reaches a queue threshold (1: any demand at all)."""
+        return self.demand_since is not None and (threshold <= 1 or self.demand >= threshold)
 
 
 class Reason(StrEnum):
@@ -160,7 +180,7 @@ def _scan(
         if member.key == active.key or member.priority < active.priority:
             continue
         state = states.get(member.key, _NO_STATE)
-        if state.demand_since is None:
+        if not state.meets(member.queue_threshold):
             continue
         at = max(active_since + active.min_run_seconds, state.demand_since + member.demand_window_seconds)
         if state.swapped_out_at is not None:

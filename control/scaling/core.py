@@ -38,6 +38,9 @@ class Verdict:
     target_in_flight: int
     #: False for a GPU-group member that does not hold the group (it waits, cold).
     admitted: bool = True
+    #: The group peer a demanded member waits for: the holder, or (for the member the group was
+    #: just handed to) the outgoing one whose replicas are not gone yet. None: not waiting.
+    waiting_for: str | None = None
 
 
 @dataclass
@@ -47,6 +50,8 @@ class _Group:
     active_since: float | None = None
     states: dict[str, arbitration.MemberState] = field(default_factory=dict)
     swaps: int = 0
+    #: member -> the peer it waits for, from the last evaluation
+    waiting: dict[str, str] = field(default_factory=dict)
 
 
 def policy_of(model: Model) -> autoscale.Policy:
@@ -99,6 +104,7 @@ class Core:
                         min_run_seconds=gpu.minRunSeconds,
                         swap_cooldown_seconds=gpu.swapCooldownSeconds,
                         demand_window_seconds=gpu.demandWindowSeconds,
+                        queue_threshold=gpu.queueThreshold,
                     )
                 )
         for name in list(self._groups):
@@ -154,18 +160,21 @@ class Core:
             next_checks.append(expiry)
         wanted: dict[str, int] = {}
         busy: dict[str, bool] = {}
+        demand: dict[str, int] = {}
         for key, model in self.models.items():
             load = self._load(key, self.loads.get(key, ModelLoad()), failures)
             busy[key] = load.queued + load.in_flight + load.leases > 0
+            demand[key] = load.queued + load.in_flight
             desired, self._scale[key], next_at = autoscale.decide(policy_of(model), load, self._scale[key], now)
             wanted[key] = desired
             if next_at is not None:
                 next_checks.append(next_at)
         for group in self._groups.values():
-            next_at = self._arbitrate(group, wanted, busy, now, live)
+            next_at = self._arbitrate(group, wanted, busy, demand, now, live)
             if next_at is not None:
                 next_checks.append(next_at)
         held_back = {m.key for g in self._groups.values() for m in g.members if m.key != g.active}
+        waiting = {key: peer for g in self._groups.values() for key, peer in g.waiting.items()}
         self.verdicts = {
             key: Verdict(
                 replicas=wanted[key],
@@ -174,6 +183,7 @@ class Core:
                 busy=busy[key],
                 target_in_flight=model.spec.scaling.targetInFlight,
                 admitted=key not in held_back,
+                waiting_for=waiting.get(key),
             )
             for key, model in self.models.items()
         }
@@ -184,6 +194,7 @@ class Core:
         group: _Group,
         wanted: dict[str, int],
         busy: dict[str, bool],
+        demand: Mapping[str, int],
         now: float,
         live: Mapping[str, int] | None,
     ) -> float | None:
@@ -193,21 +204,27 @@ class Core:
         for member in group.members:
             previous = group.states.get(member.key, arbitration.MemberState())
             since = (previous.demand_since if previous.demand_since is not None else now) if busy[member.key] else None
-            group.states[member.key] = arbitration.MemberState(since, previous.swapped_out_at)
+            group.states[member.key] = arbitration.MemberState(since, previous.swapped_out_at, demand[member.key])
         if group.active is not None and wanted[group.active] == 0 and running(group.active) == 0:
             group.active, group.active_since = None, None
         decision = arbitration.arbitrate(group.members, group.states, group.active, group.active_since, now)
         if decision.active != group.active:
             if decision.swapped_out is not None:
                 old = group.states.get(decision.swapped_out, arbitration.MemberState())
-                group.states[decision.swapped_out] = arbitration.MemberState(old.demand_since, now)
+                group.states[decision.swapped_out] = replace(old, swapped_out_at=now)
                 group.swaps += 1
             group.active = decision.active
             group.active_since = now if decision.active is not None else None
+        group.waiting = {}
         for member in group.members:
             if member.key != group.active:
                 wanted[member.key] = 0
-        outgoing = live is not None and any(live.get(m.key, 0) for m in group.members if m.key != group.active)
+                if group.active is not None and busy[member.key]:
+                    group.waiting[member.key] = group.active
+        # The incoming member starts only once every other member's replicas are gone.
+        outgoing = sorted(m.key for m in group.members if m.key != group.active and running(m.key) > 0)
         if group.active is not None and live is not None and outgoing:
+            if wanted[group.active] > live.get(group.active, 0):
+                group.waiting[group.active] = outgoing[0]
             wanted[group.active] = min(wanted[group.active], live.get(group.active, 0))
         return decision.next_check_at

@@ -174,8 +174,9 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
     writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
     assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
-    assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {("apps", "deployments/scale",
-                                                                                      "patch")}
+    # The scaler writes replicas (builtin engine) and, of a Model, only its status (`waitingFor`).
+    assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {
+        ("apps", "deployments/scale", "patch"), ("wakegate.io", "models/status", "patch")}
     # Secrets: only the agent and the operator, only `get` (the registry credentials a ModelCache or a
     # ModelCatalog names), never list.
     assert {(name, v) for name in roles for _, r, v in rules(name) if r == "secrets"} == {
