@@ -84,9 +84,12 @@ class _LeaderWrites:
         self._known.clear()
         self._on_retry()
 
+    def _settled(self, key: str, value: Any) -> bool:
+        return key in self._known and self._known[key] == value
+
     def _want(self, key: str, model: Model, value: Any) -> None:
         self._wanted[key] = value
-        if not self.leader or key in self._busy or (key in self._known and self._known[key] == value):
+        if not self.leader or key in self._busy or self._settled(key, value):
             return
         self._busy.add(key)
         asyncio.get_running_loop().create_task(self._write(key, model))
@@ -94,7 +97,7 @@ class _LeaderWrites:
     async def _write(self, key: str, model: Model) -> None:
         retry = False
         try:
-            while self.leader and (key not in self._known or self._known[key] != (wanted := self._wanted[key])):
+            while self.leader and not self._settled(key, wanted := self._wanted[key]):
                 try:
                     await asyncio.to_thread(self._patch, model, wanted)
                 except (KubeError, OSError) as exc:

@@ -180,7 +180,7 @@ def _scan(
         if member.key == active.key or member.priority < active.priority:
             continue
         state = states.get(member.key, _NO_STATE)
-        if not state.meets(member.queue_threshold):
+        if state.demand_since is None or not state.meets(member.queue_threshold):
             continue
         at = max(active_since + active.min_run_seconds, state.demand_since + member.demand_window_seconds)
         if state.swapped_out_at is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from wakegate.control.operator.render import Condition
 from wakegate.control.operator.status import Observed, compute
 
@@ -110,6 +112,33 @@ def test_render_error_and_preemption() -> None:
     assert status_of(None, render_error=error)["phase"] == "Failed"
     preempted = status_of(deployment(1), pod(), preempted_by="ns/other")
     assert (preempted["phase"], reason(preempted), preempted["admitted"]) == ("Preempted", "Preempted", False)
+
+
+@pytest.mark.parametrize(
+    ("dep", "pods", "kw", "expected"),
+    [
+        # Demanded while the peer holds the group: Waiting names it, not Idle; not admitted.
+        pytest.param(deployment(0), [], {"waiting_for": "ns/b"}, ("Waiting", "WaitingForGroup", False), id="idle"),
+        # A waiting member that was swapped out: waiting for the peer says more than preempted.
+        pytest.param(deployment(0), [], {"waiting_for": "ns/b", "preempted_by": "ns/b"},
+                     ("Waiting", "WaitingForGroup", False), id="preempted"),
+        # Handed the group, its start waits for the outgoing peer's pods (desired still 0).
+        pytest.param(deployment(0), [], {"waiting_for": "ns/a"}, ("Waiting", "WaitingForGroup", False), id="drain"),
+        # Ready replicas win: the scaler's field may lag behind a started backend.
+        pytest.param(deployment(1, ready=1), [pod(ready_at=NOW)], {"waiting_for": "ns/b"},
+                     ("Ready", "BackendReady", True), id="ready"),
+        pytest.param(deployment(0), [], {}, ("Idle", "ScaledToZero", True), id="not-waiting"),
+    ],
+)
+def test_waiting_for_a_group_peer(
+    dep: dict[str, Any], pods: list[dict[str, Any]], kw: dict[str, Any], expected: tuple[str, str, bool]
+) -> None:
+    status = status_of(dep, *pods, **kw)
+    assert (status["phase"], reason(status), status["admitted"]) == expected
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    if expected[0] == "Waiting":
+        assert kw["waiting_for"] in ready["message"]
+    assert "waitingFor" not in status, "the scaler owns status.waitingFor; the operator never writes it"
 
 
 def test_unchanged_world_gives_unchanged_status() -> None:

@@ -309,6 +309,70 @@ TABLE: list[Row] = [
         5,
         Decision("y", "x", Reason.SWAPPED, math.nextafter(5, math.inf)),
     ),
+    # --- queue threshold (b needs 3 requests; window 5, a's min run 30)
+    (
+        "threshold-below-keeps-without-a-next-check",
+        (A, Member("b", queue_threshold=3)),
+        {"a": demand(0), "b": MemberState(demand_since=40, demand=2)},
+        "a",
+        0,
+        100,
+        Decision("a", None, Reason.KEPT, None),
+    ),
+    (
+        "threshold-met-after-the-window-swaps",
+        (A, Member("b", queue_threshold=3)),
+        {"a": demand(0), "b": MemberState(demand_since=40, demand=3)},
+        "a",
+        0,
+        100,
+        Decision("b", "a", Reason.SWAPPED, 160),
+    ),
+    (
+        "threshold-met-window-still-counts-from-demand-start",
+        (A, Member("b", queue_threshold=3)),
+        {"a": demand(0), "b": MemberState(demand_since=98, demand=5)},
+        "a",
+        0,
+        100,
+        Decision("a", None, Reason.WAITING, 103),
+    ),
+    (
+        "threshold-met-min-run-still-holds",
+        (A, Member("b", queue_threshold=3)),
+        {"a": demand(0), "b": MemberState(demand_since=0, demand=3)},
+        "a",
+        10,
+        20,
+        Decision("a", None, Reason.WAITING, 40),
+    ),
+    (
+        "threshold-does-not-apply-to-a-free-group",
+        (A, Member("b", queue_threshold=3)),
+        {"b": MemberState(demand_since=100, demand=1)},
+        None,
+        None,
+        100,
+        Decision("b", None, Reason.ACTIVATED, None),
+    ),
+    (
+        "threshold-one-is-met-by-a-lease-alone",
+        (A, Member("b", queue_threshold=1)),
+        {"a": demand(0), "b": MemberState(demand_since=40, demand=0)},
+        "a",
+        0,
+        100,
+        Decision("b", "a", Reason.SWAPPED, 160),
+    ),
+    (
+        "threshold-below-for-one-candidate-another-swaps",
+        (A, Member("b", queue_threshold=3), C),
+        {"a": demand(0), "b": MemberState(demand_since=10, demand=2), "c": MemberState(demand_since=50, demand=1)},
+        "a",
+        0,
+        100,
+        Decision("c", "a", Reason.SWAPPED, 160),
+    ),
     (
         "zero-knobs-not-displaced-at-activation-instant",
         (Member("x", 0, 0, 0, 0), Member("y", 0, 0, 0, 0)),
@@ -358,6 +422,12 @@ def test_bad_input(members: tuple[Member, ...], active: str | None, active_since
 def test_member_rejects_bad_knobs(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         Member("a", **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_member_rejects_a_queue_threshold_below_one(value: int) -> None:
+    with pytest.raises(ValueError, match="queue_threshold"):
+        Member("a", queue_threshold=value)
 
 
 # --- simulator ---------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.scaling.core import Core
 from wakegate.control.schema import parse_models
@@ -87,3 +89,89 @@ def test_a_lease_older_than_the_newest_failed_activation_does_not_wake_again() -
     assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=2, models=[fresh]), 2.0)[0]
     verdicts, _ = core.evaluate(2.0, failures={"ns/b": 1})
     assert verdicts["ns/b"].replicas == 1, "a lease begun after the failure starts a new activation"
+
+
+# --- GPU group hand-over with pod counts (what the cluster scaler and `up` pass as `live`) -------
+
+GROUP_MODELS = """
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: a, namespace: ns}
+spec:
+  backend: sim
+  scaling: {min: 0, max: 1, idleTimeout: 2}
+  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 60, demandWindowSeconds: 0}
+---
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {name: b, namespace: ns}
+spec:
+  backend: sim
+  scaling: {min: 0, max: 1, idleTimeout: 2}
+  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 60, demandWindowSeconds: 0, queueThreshold: 2}
+"""
+
+Step = tuple[float, dict[str, int], dict[str, int] | None]
+#: id, steps (now, queued per model, pods per model or None), then after the last step: replicas,
+#: waiting_for and the group's holder.
+HANDOVER: list[tuple[str, list[Step], dict[str, int], dict[str, str], str | None]] = [
+    (
+        "below-the-threshold-b-waits-for-the-holder",
+        [(0, {"a": 1}, {}), (5, {"a": 1, "b": 1}, {"a": 1})],
+        {"a": 1, "b": 0},
+        {"b": "ns/a"},
+        "ns/a",
+    ),
+    (
+        "at-the-threshold-b-takes-the-group-but-waits-for-a-to-drain",
+        [(0, {"a": 1}, {}), (5, {"a": 1, "b": 2}, {"a": 1})],
+        {"a": 0, "b": 0},
+        {"a": "ns/b", "b": "ns/a"},
+        "ns/b",
+    ),
+    (
+        "b-starts-once-a-pods-are-deleted",
+        [(0, {"a": 1}, {}), (5, {"a": 1, "b": 2}, {"a": 1}), (6, {"a": 1, "b": 2}, {})],
+        {"a": 0, "b": 1},
+        {"a": "ns/b"},
+        "ns/b",
+    ),
+    (
+        "an-idle-holder-releases-the-group-only-once-its-pods-are-gone",
+        [(0, {"a": 1}, {}), (1, {}, {"a": 1}), (4, {"b": 1}, {"a": 1})],
+        {"a": 0, "b": 0},
+        {"b": "ns/a"},
+        "ns/a",
+    ),
+    (
+        "a-released-group-goes-to-b-below-its-threshold",
+        [(0, {"a": 1}, {}), (1, {}, {"a": 1}), (4, {"b": 1}, {"a": 1}), (5, {"b": 1}, {})],
+        {"a": 0, "b": 1},
+        {},
+        "ns/b",
+    ),
+    (
+        "without-pod-counts-b-starts-with-the-swap",
+        [(0, {"a": 1}, None), (5, {"a": 1, "b": 2}, None)],
+        {"a": 0, "b": 1},
+        {"a": "ns/b"},
+        "ns/b",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("steps", "replicas", "waiting", "holder"), [pytest.param(*row[1:], id=row[0]) for row in HANDOVER]
+)
+def test_gpu_group_handover(
+    steps: list[Step], replicas: dict[str, int], waiting: dict[str, str], holder: str | None
+) -> None:
+    book = DemandBook()
+    core = Core(book)
+    core.set_models(parse_models(GROUP_MODELS), 0.0)
+    for seq, (now, queued, live) in enumerate(steps, 1):
+        demand(book, seq, now, **queued)
+        verdicts, _ = core.evaluate(now, None if live is None else {f"ns/{k}": v for k, v in live.items()})
+    assert {k.removeprefix("ns/"): v.replicas for k, v in verdicts.items()} == replicas
+    assert {k.removeprefix("ns/"): v.waiting_for for k, v in verdicts.items() if v.waiting_for} == waiting
+    assert core.group_active("ns/g") == holder
