@@ -203,6 +203,41 @@ class Operator:
         self.proc.stop()
 
 
+class Scaler:
+    """`wakegate scaler` as a host process: the DemandService a Gateway reports to, its Lease in
+    `lease_namespace`, Models (and backend pods) of every namespace, the builtin engine's writes."""
+
+    def __init__(self, dir: Path, kubeconfig: Path, lease_namespace: str, token: Path, demand: str) -> None:
+        self.demand = demand
+        self.admin = f"127.0.0.1:{free_port()}"
+        self.proc = Proc(
+            "scaler",
+            [
+                sys.executable,
+                *("-m", "wakegate", "scaler", "--kubeconfig", str(kubeconfig)),
+                *("--demand-listen", self.demand, "--keda-listen", f"127.0.0.1:{free_port()}"),
+                *("--admin-listen", self.admin, "--lease-namespace", lease_namespace),
+                *("--internal-token-file", str(token)),
+            ],
+            dir / "scaler.log",
+            env=python_env(),
+        )
+
+    def leads(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.admin}/metrics", timeout=2) as resp:
+                return "wakegate_scaler_leader 1.0" in resp.read().decode()
+        except OSError:
+            return False
+
+    def start(self) -> Scaler:
+        self.proc.start()
+        return self
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 class Gateway:
     """`wakegate xds` (with the kubeconfig) + extproc + Envoy (without), on free loopback ports."""
 
@@ -371,7 +406,7 @@ def _listening(port: int) -> bool:
 
 
 @contextmanager
-def running(*things: Operator | Gateway) -> Iterator[None]:
+def running(*things: Operator | Gateway | Scaler) -> Iterator[None]:
     try:
         for thing in things:
             thing.start()
