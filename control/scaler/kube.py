@@ -190,21 +190,25 @@ class WaitingWriter(_LeaderWrites):
 
 
 def _pod_phase(pod: dict[str, Any]) -> dict[str, Any]:
-    """What the pod count needs of a pod: its name, labels and phase."""
+    """What the pod count needs of a pod: its name, labels, whether it is being deleted, its phase."""
     meta = pod.get("metadata") or {}
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "labels") if k in meta},
+        "metadata": {k: meta[k] for k in ("name", "namespace", "labels", "deletionTimestamp") if k in meta},
         "status": {"phase": (pod.get("status") or {}).get("phase")},
     }
 
 
 def pods_per_model(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Backend pods per model key that may hold an accelerator: from creation until they are
-    deleted from the API (terminating ones included), except those that ended (Succeeded, Failed)."""
+    deleted from the API. A pod being deleted counts whatever its phase (its containers ending
+    is not its end: the kubelet deletes it once everything is released); only a pod that ended
+    on its own (Succeeded or Failed, e.g. evicted) and is not being deleted does not count."""
     counts: dict[str, int] = {}
     for pod in pods:
-        key = names.owning_model_key(pod.get("metadata") or {})
-        if key is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        meta = pod.get("metadata") or {}
+        key = names.owning_model_key(meta)
+        ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        if key is None or (ended and not meta.get("deletionTimestamp")):
             continue
         counts[key] = counts.get(key, 0) + 1
     return counts

@@ -141,6 +141,8 @@ class ModelRuntime:
         self.last_failure_code = ""
         #: False while a GPU-group peer holds the accelerator.
         self.admitted = True
+        #: The GPU-group peer this demanded model waits for (it holds the group, or is still stopping).
+        self.waiting_for: str | None = None
         #: Seconds from the scale-from-zero decision to the first ready replica, last time.
         self.last_cold_start: float | None = None
         #: Hooks for the scaler and metrics: a replica spawned, became ready, or exited for good.

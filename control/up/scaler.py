@@ -94,6 +94,7 @@ class LocalScaler:
             if runtime.admitted != verdict.admitted:
                 runtime.admitted = verdict.admitted
                 runtime.publish()
+            runtime.waiting_for = verdict.waiting_for
             self._apply(key, min(verdict.replicas, runtime.capacity), now)
 
     def _log_group_turns(self) -> None:

@@ -442,6 +442,7 @@ class Up:
                     "ready": len(rt.ready_endpoints),
                     "state": _model_state(rt),
                     "admitted": rt.admitted,
+                    "waiting_for": rt.waiting_for,
                     "failed_activations": rt.failed_activations,
                     "last_failure": rt.last_failure,
                     "last_failure_code": rt.last_failure_code,
@@ -731,7 +732,7 @@ def _model_state(runtime: ModelRuntime) -> str:
         return "loading"
     if ReplicaState.RESTARTING in states:
         return "restarting"
-    if not runtime.admitted:
+    if not runtime.admitted or runtime.waiting_for:
         return "waiting"
     return "idle"
 

@@ -20,13 +20,13 @@ from wakegate.control.scaling.arbitration import Member, simulate
 MIN_RUN, COOLDOWN, WINDOW = 3.0, 3.0, 1.0
 
 
-def group_model(name: str) -> str:
+def group_model(name: str, queue_threshold: int = 1) -> str:
     return model_doc(
         name,
         extra=f"""  args: [--startup-seconds, "0.3", --tokens-per-second, "20"]
   scaling: {{min: 0, max: 1, idleTimeout: 120, activationTimeout: 60}}
   gpu: {{shared: gpu0, priority: 0, minRunSeconds: {MIN_RUN:g}, swapCooldownSeconds: {COOLDOWN:g},
-        demandWindowSeconds: {WINDOW:g}}}
+        demandWindowSeconds: {WINDOW:g}, queueThreshold: {queue_threshold}}}
 """,
     )
 
@@ -103,3 +103,25 @@ async def test_concurrent_demand_does_not_thrash(group_gateway: UpProcess) -> No
     times = [t for t, _, _ in actual]
     assert all(b - a >= MIN_RUN - 0.1 for a, b in itertools.pairwise(times)), actual
     assert served["g1"] > 0 and served["g2"] > 0
+
+
+async def test_a_swap_waits_for_the_queue_threshold(tmp_path: Path) -> None:
+    """g2 needs 2 requests before it may displace g1: one is held (g2 waiting for g1) however long
+    it waits; a second one swaps, and both are answered."""
+    up = UpProcess(tmp_path, group_model("g1") + group_model("g2", queue_threshold=2))
+    try:
+        up.wait_ready({}, timeout=60)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            assert await stream(session, up, "g1", 4) == 4  # g1 takes the free group
+            first = asyncio.create_task(stream(session, up, "g2", 4))
+            # Past g1's min run and g2's demand window: only the threshold holds g2 back.
+            await asyncio.sleep(MIN_RUN + WINDOW + 1.5)
+            assert not first.done()
+            model = next(m for m in up.status()["models"] if m["key"] == "g2")
+            assert (model["state"], model["waiting_for"], model["queued"]) == ("waiting", "g1", 1), model
+            assert [(a, b) for _, a, b in turns(up)] == [("None", "g1")]
+            second = asyncio.create_task(stream(session, up, "g2", 4))
+            assert await asyncio.wait_for(asyncio.gather(first, second), 60) == [4, 4]
+        assert [(a, b) for _, a, b in turns(up)] == [("None", "g1"), ("g1", "g2")]
+    finally:
+        assert up.stop() == 0, up.log()

@@ -40,6 +40,9 @@ def pod(model: str | None, phase: str = "Running", terminating: bool = False) ->
         pytest.param([pod("a"), pod("a", phase="Pending")], {"ns/a": 2}, id="running-and-pending"),
         # A terminating pod may still hold the accelerator (preStop, drain): it counts until deleted.
         pytest.param([pod("a", terminating=True)], {"ns/a": 1}, id="terminating"),
+        # Its containers exited, but it is not deleted yet: it still counts (until DELETED).
+        pytest.param([pod("a", phase="Succeeded", terminating=True)], {"ns/a": 1}, id="terminating-ended"),
+        # Ended on its own (evicted) and left behind: it holds nothing.
         pytest.param([pod("a", phase="Failed"), pod("a", phase="Succeeded")], {}, id="ended"),
         pytest.param([pod(None)], {}, id="not-a-backend"),
         pytest.param([], {}, id="none"),
