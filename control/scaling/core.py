@@ -9,10 +9,12 @@ exposes. A member of a GPU group that does not hold the group is inactive
 with 0 replicas and 0 demand. The caller evaluates on every demand change and
 at the returned ``next_check_at``; no polling.
 
-``live`` replica counts are optional (the builtin engine knows them, KEDA mode
-does not): with them, an idle group holder releases the group only once it has
-no replicas left, and the incoming member starts only after the outgoing one
-stopped, as in local mode.
+``live`` replica counts are optional (`wakegate up` passes its processes, the
+cluster scaler its backend pods until they are deleted from the API, for either
+engine; a scaler without a cluster has none): with them, an idle group holder
+releases the group only once it has no replicas left, and the incoming member
+starts only after the outgoing one stopped. Each verdict names the peer a
+demanded group member waits for (``waiting_for``).
 """
 
 from __future__ import annotations
