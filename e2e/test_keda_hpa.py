@@ -73,24 +73,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 class Replicas:
-    """Samples the Deployment's spec.replicas every 0.5 s: (seconds since start, replicas) on change."""
+    """Samples the Deployment's spec.replicas every 0.5 s: (seconds since start, replicas) on change;
+    and what the scaler says of the model (its /metrics): (seconds, active, demand) on change."""
 
-    def __init__(self, apps: client.AppsV1Api, name: str) -> None:
-        self.apps, self.name = apps, name
+    def __init__(self, apps: client.AppsV1Api, name: str, scaler: str) -> None:
+        self.apps, self.name, self.scaler = apps, name, scaler
         self.started = time.monotonic()
         self.series: list[tuple[float, int]] = []
+        self.signals: list[tuple[float, bool, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        label = f'{{model="{MODELS_NS}/{MODEL}"}}'
         while not self._stop.wait(0.5):
+            at = round(time.monotonic() - self.started, 1)
+            values = {line.split(label)[0]: float(line.rsplit(" ", 1)[1])
+                      for line in _metrics(self.scaler).splitlines() if label in line}
+            if "wakegate_model_active" in values:
+                signal = (values["wakegate_model_active"] == 1, int(values.get("wakegate_model_demand", 0)))
+                if not self.signals or self.signals[-1][1:] != signal:
+                    self.signals.append((at, *signal))
             try:
                 count = int(self.apps.read_namespaced_deployment_scale(self.name, MODELS_NS).spec.replicas or 0)
             except client.ApiException:
                 continue
             if not self.series or self.series[-1][1] != count:
-                self.series.append((round(time.monotonic() - self.started, 1), count))
+                self.series.append((at, count))
 
     def now(self) -> int:
         return self.series[-1][1] if self.series else 0
@@ -211,7 +221,7 @@ def test_chart_install_keda_model_scales_0_1_n_1_0_through_the_operators_objects
                 assert not apps.read_namespaced_deployment_scale(f"wg-{MODEL}", MODELS_NS).spec.replicas
 
                 # 4. 0 -> 1 on a request, answered.
-                replicas = Replicas(apps, f"wg-{MODEL}")
+                replicas = Replicas(apps, f"wg-{MODEL}", scaler_ip)
                 status, body = chat(url, MODEL)
                 assert status == 200, body
                 woke = replicas.reached(1)
@@ -239,6 +249,7 @@ def test_chart_install_keda_model_scales_0_1_n_1_0_through_the_operators_objects
                 idle_started = time.monotonic() - replicas.started
                 wait_for(lambda: replicas.now() == 0, IDLE + 30, f"back to 0: {replicas.series}", every=1)
                 zero_at = replicas.reached(0)
+                inactive_at = next(t for t, active, _ in replicas.signals if t >= idle_started and not active)
                 replicas.stop()
                 codes = [*load.codes, *trickle.codes]
                 assert codes and set(codes) == {200}, codes
@@ -247,14 +258,17 @@ def test_chart_install_keda_model_scales_0_1_n_1_0_through_the_operators_objects
                     "time to scale out to max (s from load)": round(out_at - load_started, 1),
                     "time to scale in to 1 (s from demand 1)": round(in_at - one_started, 1),
                     "time to zero (s from the last request)": round(zero_at - idle_started, 1),
+                    "IsActive false (s from the last request)": round(inactive_at - idle_started, 1),
                     "requests answered under load": len(codes),
                 }
                 print("KEDA HPA figures:", figures)
                 print("replicas over time (s, replicas):", replicas.series)
-                # The scale-in window (30 s) applies to N -> 1; idling is wakegate's alone: the
-                # activation lease's grace (5 s) + idleTimeout, not twice idleTimeout.
+                print("the scaler's view (s, active, demand):", replicas.signals)
+                # The scale-in window (30 s) applies to N -> 1; idling is wakegate's alone:
+                # idleTimeout, then KEDA's next poll (pollingInterval 1 s here), not 2x idleTimeout.
                 assert 25 <= in_at - one_started <= 75, replicas.series
-                assert zero_at - idle_started <= IDLE + 5 + 10, replicas.series
+                assert IDLE - 1 <= inactive_at - idle_started <= IDLE + 4, replicas.signals
+                assert zero_at - inactive_at <= 4, (replicas.series, replicas.signals)
         finally:
             stop_all(procs, 5.0)
             for proc in procs:

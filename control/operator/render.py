@@ -477,8 +477,10 @@ def scaled_object(body: Mapping[str, Any], model: Model, settings: Settings) -> 
     """KEDA's view of the Model: an `external-push` trigger on `wakegate scaler`.
 
     wakegate's own idle logic decides when a model idles: IsActive stays true for `idleTimeout`
-    after the last demand, so `cooldownPeriod` is 0 (KEDA scales to zero as soon as IsActive turns
-    false; its default of 300 s, or `idleTimeout` again, would idle the model twice). The HPA KEDA
+    after the last demand, so `cooldownPeriod` is 0 (its default of 300 s, or `idleTimeout` again,
+    would idle the model twice). KEDA ignores a pushed `false` and scales to zero at its next poll,
+    so `pollingInterval` is a tenth of `idleTimeout` (1..30 s): the model idles within 10 % of
+    `idleTimeout`, and a poll costs the scaler one in-memory IsActive and GetMetrics. The HPA KEDA
     creates for 1..N gets the builtin engine's windows (control/scaling/autoscale.py): scale out
     after `scale_out_window` in one step up to `max`, scale in after `scale_in_window`.
     """
@@ -514,11 +516,17 @@ def scaled_object(body: Mapping[str, Any], model: Model, settings: Settings) -> 
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend_name(model.name)},
             "minReplicaCount": scaling.min,
             "maxReplicaCount": scaling.max,
+            "pollingInterval": polling_interval(scaling.idleTimeout),
             "cooldownPeriod": 0,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
             "triggers": [trigger],
         },
     }
+
+
+def polling_interval(idle_timeout: int) -> int:
+    """KEDA's `pollingInterval` for a Model: when it notices IsActive turned false (1..30 s)."""
+    return min(max(math.ceil(idle_timeout / 10), 1), 30)
 
 
 def trigger_authentication(body: Mapping[str, Any], model: Model, secret: str) -> dict[str, Any]:

@@ -87,5 +87,6 @@ def test_without_the_auth_secret_the_trigger_authentication_is_removed() -> None
     reconciler.applied.clear()
     reconcile(reconciler, model(1))
     applied, deleted = kube.take()
-    assert "TriggerAuthentication" not in applied and "authenticationRef" not in applied["ScaledObject"]["spec"]["triggers"][0]
+    assert "TriggerAuthentication" not in applied
+    assert "authenticationRef" not in applied["ScaledObject"]["spec"]["triggers"][0]
     assert "triggerauthentications" in deleted and "scaledobjects" not in deleted

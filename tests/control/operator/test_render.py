@@ -80,6 +80,9 @@ def test_scaled_object_idles_once_and_scales_with_the_builtin_windows() -> None:
     scales out after the builtin scale-out window (2 s) straight to what demand needs, in after 30 s."""
     so = obj(render(model(scaling={"min": 0, "max": 5, "idleTimeout": 120})), "ScaledObject")
     assert so["spec"]["cooldownPeriod"] == 0
+    # KEDA scales to zero only at a poll: within a tenth of idleTimeout, 1 s to KEDA's default 30 s.
+    assert so["spec"]["pollingInterval"] == 12
+    assert [rnd.polling_interval(t) for t in (1, 6, 300, 86400)] == [1, 1, 30, 30]
     behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 2
     assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 5, "periodSeconds": 1}]
@@ -101,7 +104,8 @@ def test_keda_auth_secret_adds_an_owned_trigger_authentication_the_trigger_names
     trigger = obj(out, "ScaledObject")["spec"]["triggers"][0]
     assert trigger["authenticationRef"] == {"name": "wg-m"}
     # The builtin engine and a KEDA install without the CRDs get neither object.
-    assert kinds(render(model(scaling={"engine": "builtin"}), keda_auth_secret="keda-client")) == ["Service", "Deployment"]
+    builtin = render(model(scaling={"engine": "builtin"}), keda_auth_secret="keda-client")
+    assert kinds(builtin) == ["Service", "Deployment"]
     assert kinds(render(model(), keda_available=False, keda_auth_secret="keda-client")) == ["Service"]
 
 
