@@ -195,7 +195,8 @@ def test_chart_install_keda_model_scales_0_1_n_1_0_through_the_operators_objects
                              "scaling": {"engine": "keda", "min": 0, "max": MAX, "idleTimeout": IDLE,
                                          "targetInFlight": 1, "activationTimeout": 60}},
                 })
-                so = wait_for(lambda: _present(custom, "scaledobjects"), 60, "the operator's ScaledObject")
+                so: dict[str, Any] = wait_for(lambda: _present(custom, "scaledobjects") or {}, 60,
+                                              "the operator's ScaledObject")
                 auth = _keda_object(custom, "triggerauthentications")
                 model_uid = custom.get_namespaced_custom_object(
                     GROUP, VERSION, MODELS_NS, "models", MODEL)["metadata"]["uid"]
