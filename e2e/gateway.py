@@ -86,7 +86,11 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},  # delete: Failed ones
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
-    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["create", "patch", "delete"]},
+    {
+        "apiGroups": ["keda.sh"],
+        "resources": ["scaledobjects", "triggerauthentications"],
+        "verbs": ["create", "patch", "delete"],
+    },
     {
         "apiGroups": ["apiextensions.k8s.io"],
         "resources": ["customresourcedefinitions"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,18 @@ class PKI:
         self.ca.key.write_bytes(_key_pem(self._ca_key))
         self.ca.key.chmod(0o600)
 
-    def issue(self, stem: str, cn: str, org: str | None = None, server: bool = False) -> Pair:
+    def issue(
+        self,
+        stem: str,
+        cn: str,
+        org: str | None = None,
+        server: bool = False,
+        extra_sans: Sequence[str] = (),
+        client: bool = False,
+    ) -> Pair:
+        """A certificate signed by the CA: client auth, or server auth (the apiserver's names plus
+        `extra_sans`, DNS names or IPs) and also client auth when `client` (KEDA's services use one
+        pair both ways)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         builder = (
@@ -92,7 +104,9 @@ class PKI:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
+                    [ExtendedKeyUsageOID.SERVER_AUTH, *([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])]
+                    if server
+                    else [ExtendedKeyUsageOID.CLIENT_AUTH]
                 ),
                 critical=False,
             )
@@ -100,6 +114,11 @@ class PKI:
         if server:
             sans: list[x509.GeneralName] = [x509.DNSName(n) for n in SERVING_DNS]
             sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in SERVING_IPS]
+            for name in extra_sans:
+                try:
+                    sans.append(x509.IPAddress(ipaddress.ip_address(name)))
+                except ValueError:
+                    sans.append(x509.DNSName(name))
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(self._ca_key, hashes.SHA256())
         pair = Pair(self.dir / f"{stem}.crt", self.dir / f"{stem}.key")

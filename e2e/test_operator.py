@@ -336,6 +336,30 @@ def test_keda_engine_renders_a_scaledobject_and_without_its_crd_creates_no_deplo
         wait_for(lambda: _exists(wg, "wg-nokeda"), 60, "Deployment once KEDA is installed again")
 
 
+def test_keda_objects_follow_the_spec_and_go_when_the_engine_changes(wg: Kube, tmp_path: Path) -> None:
+    """ScaledObject + TriggerAuthentication (`--keda-auth-secret`), owned by the Model, accepted by
+    KEDA's real CRD schemas, updated with the spec and deleted when the engine becomes builtin."""
+    args = ("--scaler-address", "scaler.test:9091", "--keda-auth-secret", "keda-client")
+    with running(operator(wg, tmp_path, "operator", *args)):
+        apply(wg, model_yaml("kf", scaling={"min": 0, "max": 2, "idleTimeout": 60}))
+        so: dict[str, Any] = wait_for(lambda: _scaled_object(wg, "wg-kf") or {}, 30, "ScaledObject wg-kf")
+        uid = get_model(wg, "kf")["metadata"]["uid"]
+        auth = wg.custom.get_namespaced_custom_object("keda.sh", "v1alpha1", wg.ns, "triggerauthentications", "wg-kf")
+        for obj in (so, auth):
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert {ref["name"] for ref in auth["spec"]["secretTargetRef"]} == {"keda-client"}
+        assert so["spec"]["triggers"][0]["authenticationRef"] == {"name": "wg-kf"}
+        assert (so["spec"]["cooldownPeriod"], so["spec"]["pollingInterval"]) == (0, 6)
+        apply(wg, model_yaml("kf", scaling={"min": 0, "max": 4, "idleTimeout": 60}))
+        wait_for(lambda: (_scaled_object(wg, "wg-kf") or {}).get("spec", {}).get("maxReplicaCount") == 4,
+                 30, "ScaledObject updated to max 4")
+        apply(wg, model_yaml("kf", scaling={"min": 0, "max": 4, "idleTimeout": 60, "engine": "builtin"}))
+        wait_for(lambda: _scaled_object(wg, "wg-kf") is None, 30, "ScaledObject deleted")
+        assert _gone(lambda: wg.custom.get_namespaced_custom_object(
+            "keda.sh", "v1alpha1", wg.ns, "triggerauthentications", "wg-kf"))
+        assert _exists(wg, "wg-kf"), "the Deployment stays (now the builtin engine's)"
+
+
 def _exists(kube: Kube, name: str) -> bool:
     return not _gone(lambda: kube.apps.read_namespaced_deployment(name, kube.ns))
 

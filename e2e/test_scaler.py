@@ -9,15 +9,14 @@ after idling:
 
 * builtin engine: the scaler itself PATCHes the Deployment's scale subresource;
 * KEDA: the real KEDA operator (built from its Go module by e2e/keda/build.sh into
-  e2e/.bin/keda-operator; skipped when absent) talks to the scaler over external-push.
+  e2e/.bin/keda-operator; skipped when absent) talks to the scaler over external-push, through
+  the objects the operator renders for a `keda` Model (control/operator/render.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -31,9 +30,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from e2e import kedaprocs
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, wait_for
-from e2e.pki import PKI
 from e2e.procs import Proc, stop_all
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
@@ -225,7 +224,9 @@ class Gateway:
         stop_all(self.procs, 5.0)
 
 
-def create_model(kube: Kube, engine: str) -> None:
+def create_model(kube: Kube, engine: str, scaler_address: str) -> None:
+    """The Model and what it owns. For KEDA, exactly what the operator renders (Deployment,
+    Service, ScaledObject with the scaler's address); for the builtin engine a lean Deployment."""
     model = {
         "apiVersion": names.API_VERSION,
         "kind": "Model",
@@ -235,7 +236,24 @@ def create_model(kube: Kube, engine: str) -> None:
             "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 60, "engine": engine},
         },
     }
-    kube.custom.create_namespaced_custom_object(names.GROUP, names.VERSION, kube.ns, names.MODEL_PLURAL, model)
+    created = kube.custom.create_namespaced_custom_object(
+        names.GROUP, names.VERSION, kube.ns, names.MODEL_PLURAL, model
+    )
+    if engine == "keda":
+        from wakegate.control.k8s.objects import runtime_from_object
+        from wakegate.control.operator import render
+        from wakegate.control.runtimes import shipped_runtimes
+
+        runtime = runtime_from_object(next(r for r in shipped_runtimes() if r["metadata"]["name"] == "sim"))
+        settings = render.Settings(scaler_address=scaler_address)
+        for obj in render.render(created, runtime, settings, initial_replicas=0).objects:
+            if obj["kind"] == "Deployment":
+                kube.apps.create_namespaced_deployment(kube.ns, obj)
+            elif obj["kind"] == "Service":
+                kube.core.create_namespaced_service(kube.ns, obj)
+            else:
+                kube.custom.create_namespaced_custom_object("keda.sh", "v1alpha1", kube.ns, "scaledobjects", obj)
+        return
     deployment, service = backend_objects(kube.ns)
     kube.apps.create_namespaced_deployment(kube.ns, deployment)
     kube.core.create_namespaced_service(kube.ns, service)
@@ -243,8 +261,8 @@ def create_model(kube: Kube, engine: str) -> None:
 
 @pytest.fixture
 def gateway(kube: Kube, model_crd: None, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]:
-    create_model(kube, getattr(request, "param", "builtin"))
     gw = Gateway(kube.cluster, kube.ns, tmp_path)
+    create_model(kube, getattr(request, "param", "builtin"), gw.keda)
     gw.start()
     try:
         yield gw
@@ -323,73 +341,18 @@ def test_builtin_engine_scales_from_zero_and_back(kube: Kube, gateway: Gateway) 
     print(f"builtin: cold request answered in {answered:.2f}s; scaled to zero {idle:.1f}s after it")
 
 
-KEDA_BIN = REPO / "e2e" / ".bin" / "keda-operator"
-KEDA_EVENTING_CRDS = ("eventing.keda.sh_cloudeventsources.yaml", "eventing.keda.sh_clustercloudeventsources.yaml")
-
-
-def keda_module_dir() -> Path:
-    from e2e.build import KEDA_MODULE, KEDA_VERSION
-
-    out = subprocess.run(
-        ["go", "mod", "download", "-json", f"{KEDA_MODULE}@{KEDA_VERSION}"],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd="/tmp",
-    ).stdout
-    return Path(json.loads(out)["Dir"])
-
-
 @pytest.fixture
 def keda(kube: Kube, tmp_path: Path) -> Iterator[Proc]:
     """KEDA's operator, watching the test namespace only, with the admin kubeconfig."""
-    if not KEDA_BIN.exists():
+    if not kedaprocs.OPERATOR_BIN.exists():
         pytest.skip("e2e/.bin/keda-operator is not built (run e2e/keda/build.sh)")
-    ext = client.ApiextensionsV1Api(kube.api)
-    # The harness installs KEDA's keda.sh CRDs; the operator also watches its eventing.keda.sh ones.
-    for name in KEDA_EVENTING_CRDS:
-        body = yaml.safe_load((keda_module_dir() / "config" / "crd" / "bases" / name).read_text())
-        try:
-            ext.create_custom_resource_definition(body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-    try:
-        kube.core.create_namespace({"metadata": {"name": "keda"}})
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
+    kedaprocs.prepare(kube.api)
     # Its metrics gRPC service (for KEDA's metrics adapter, not run here) needs a cert in --cert-dir.
-    pki = PKI(tmp_path / "keda-certs")
-    served = pki.issue("tls", "keda-operator", server=True)
-    assert served.cert.name == "tls.crt" and (pki.dir / "ca.crt").exists()
-    env = dict(
-        os.environ,
-        KUBECONFIG=str(kube.cluster.kubeconfig),
-        POD_NAMESPACE="keda",
-        WATCH_NAMESPACE=kube.ns,
-        KEDA_CLUSTER_OBJECT_NAMESPACE="keda",
-    )
-    proc = Proc(
-        "keda-operator",
-        [
-            str(KEDA_BIN),
-            f"--metrics-bind-address=127.0.0.1:{free_port()}",
-            f"--health-probe-bind-address=127.0.0.1:{free_port()}",
-            f"--metrics-service-bind-address=127.0.0.1:{free_port()}",
-            f"--cert-dir={pki.dir}",
-            "--enable-cert-rotation=false",
-            "--enable-webhook-patching=false",
-            "--enable-apiservice-patching=false",
-            "--zap-log-level=info",
-        ],
-        tmp_path / "keda.log",
-        env=env,
-    )
+    pki = kedaprocs.certificates(tmp_path / "keda-certs")
+    proc, _ = kedaprocs.operator(kube.cluster, kube.ns, pki.dir, tmp_path / "keda.log")
     proc.start()
     try:
-        wait_for(lambda: "Starting workers" in proc.tail(200) or proc.exited() is not None, 60, "KEDA operator")
-        assert proc.exited() is None, proc.tail(60)
+        kedaprocs.wait_operator(proc)
         yield proc
     finally:
         proc.stop()
@@ -398,21 +361,9 @@ def keda(kube: Kube, tmp_path: Path) -> Iterator[Proc]:
 
 @pytest.mark.parametrize("gateway", ["keda"], indirect=True)
 def test_keda_operator_scales_from_zero_and_back(kube: Kube, gateway: Gateway, keda: Proc) -> None:
+    """The operator's ScaledObject (rendered by control/operator/render.py, as the operator applies
+    it): KEDA scales 0 -> 1 on a cold request and back to 0 after wakegate's idle alone."""
     model = model_name(kube.ns)
-    scaled_object = {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": {"name": names.backend_name(model), "namespace": kube.ns},
-        "spec": {
-            "scaleTargetRef": {"name": names.backend_name(model)},
-            "minReplicaCount": 0,
-            "maxReplicaCount": 1,
-            "pollingInterval": 1,
-            "cooldownPeriod": 1,
-            "triggers": [{"type": "external-push", "metadata": {"scalerAddress": gateway.keda, "model": model}}],
-        },
-    }
-    kube.custom.create_namespaced_custom_object("keda.sh", "v1alpha1", kube.ns, "scaledobjects", scaled_object)
 
     def ready() -> bool:
         obj = kube.custom.get_namespaced_custom_object(
@@ -425,15 +376,18 @@ def test_keda_operator_scales_from_zero_and_back(kube: Kube, gateway: Gateway, k
     # KEDA holds a StreamIsActive stream open to the scaler (external-push) ...
     metrics = f"http://{gateway.scaler_admin}/metrics"
     wait_for(lambda: "wakegate_scaler_streams 1.0" in _get(metrics), 30, "KEDA's StreamIsActive stream")
-    # ... and built its HPA from GetMetricSpec: targetInFlight (default 8) per replica.
+    # ... and built its HPA from GetMetricSpec: targetInFlight (default 8) per replica, with the
+    # builtin engine's scale-in window.
     autoscaling = client.AutoscalingV2Api(kube.api)
     hpas = wait_for(lambda: autoscaling.list_namespaced_horizontal_pod_autoscaler(kube.ns).items, 30, "HPA")
     hpa = hpas[0]
     target = hpa.spec.metrics[0].external.target
     assert (target.type, target.average_value) == ("AverageValue", "8")
-    answered, idle = cold_round_trip(kube, gateway, idle_within=20)
-    # Lease grace (5 s) + idleTimeout (3 s) + KEDA's cooldownPeriod (1 s) and polling.
-    assert 5.0 < idle < 20.0, f"scaled to zero after {idle:.1f}s"
+    assert hpa.spec.behavior.scale_down.stabilization_window_seconds == 30
+    answered, idle = cold_round_trip(kube, gateway, idle_within=12)
+    # Lease grace (5 s) + idleTimeout (3 s), as with the builtin engine: cooldownPeriod 0 adds no
+    # second idle period (KEDA acts on StreamIsActive's `false` at once).
+    assert 5.0 < idle < 12.0, f"scaled to zero after {idle:.1f}s"
     print(f"KEDA: cold request answered in {answered:.2f}s; scaled to zero {idle:.1f}s after it")
 
 

@@ -36,6 +36,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentications",
     ("coordination.k8s.io/v1", "Lease"): "leases",
     (names.API_VERSION, "Model"): names.MODEL_PLURAL,
     (names.API_VERSION, "InferenceRuntime"): names.RUNTIME_PLURAL,

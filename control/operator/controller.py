@@ -398,7 +398,7 @@ class Reconciler:
                 self.deployments[key] = result
         meta = body["metadata"]
         for api_version, kind in rnd.PRUNABLE_KINDS:
-            if (api_version, kind) in kinds or (kind == "ScaledObject" and not self.settings.keda_available):
+            if (api_version, kind) in kinds or (kind in rnd.KEDA_KINDS and not self.settings.keda_available):
                 continue
             name = names.backend_name(meta["name"])
             if not self._prunable(meta["namespace"], api_version, kind, name, meta.get("uid")):

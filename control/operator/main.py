@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host:port of `wakegate scaler`, written into KEDA ScaledObjects",
     )
     parser.add_argument(
+        "--keda-auth-secret",
+        default=None,
+        metavar="NAME",
+        help="Secret in each Model's namespace with KEDA's client certificate for the scaler's mTLS "
+        "(tls.crt, tls.key, ca.crt): each keda Model gets a TriggerAuthentication naming it; unset: plaintext",
+    )
+    parser.add_argument(
         "--lease-namespace",
         default=os.environ.get("POD_NAMESPACE", "wakegate-system"),
         help="namespace of the leader-election Lease ($POD_NAMESPACE or wakegate-system by default)",
@@ -89,6 +96,8 @@ class Settings(ProcessSettings):
     """The node agents' model cache directory on every node."""
     registry_ca_file: Path | None = None
     """Extra CA certificates for the registries ModelCatalogs name."""
+    keda_auth_secret: str | None = None
+    """Secret (per Model namespace) with KEDA's client certificate; None: KEDA dials in plaintext."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -107,7 +116,12 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
         for runtime in shipped_runtimes():
             await asyncio.to_thread(kube.apply, runtime)
     keda = await asyncio.to_thread(keda_installed, kube)
-    settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda, node_cache_dir=args.node_cache_dir)
+    settings = rnd.Settings(
+        scaler_address=args.scaler_address,
+        keda_available=keda,
+        node_cache_dir=args.node_cache_dir,
+        keda_auth_secret=args.keda_auth_secret,
+    )
     reconciler = Reconciler(kube, settings, workers=args.workers)
     reconciler.registry_settings = RegistrySettings(ca_file=args.registry_ca_file)
     registry = kopfing.registry(args.kubeconfig)

@@ -25,6 +25,7 @@ from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
+from wakegate.control.scaling.core import policy_of
 from wakegate.control.schema import InferenceRuntime, Model, RuntimeProbe, ScalingEngine
 
 if TYPE_CHECKING:
@@ -37,7 +38,17 @@ KEDA_API_VERSION = "keda.sh/v1alpha1"
 PRUNABLE_KINDS: tuple[tuple[str, str], ...] = (
     ("policy/v1", "PodDisruptionBudget"),
     (KEDA_API_VERSION, "ScaledObject"),
+    (KEDA_API_VERSION, "TriggerAuthentication"),
     (names.API_VERSION, "ModelCache"),
+)
+#: KEDA kinds: without KEDA's CRDs installed they are neither applied nor pruned.
+KEDA_KINDS = frozenset({"ScaledObject", "TriggerAuthentication"})
+#: Keys of the KEDA client Secret (`--keda-auth-secret`), as a `kubernetes.io/tls` Secret plus
+#: `ca.crt` holds them, and the external scaler's auth parameters they fill.
+KEDA_AUTH_KEYS: tuple[tuple[str, str], ...] = (
+    ("caCert", "ca.crt"),
+    ("tlsClientCert", "tls.crt"),
+    ("tlsClientKey", "tls.key"),
 )
 WEIGHTS_VOLUME = "weights"
 SHM_VOLUME = "dshm"
@@ -64,6 +75,9 @@ class Settings:
     keda_available: bool = True
     #: The node agents' model cache directory on every node (the agent DaemonSet's hostPath).
     node_cache_dir: str = names.NODE_CACHE_DIR
+    #: Secret (in each Model's namespace) with KEDA's client certificate for the scaler's mTLS
+    #: (`tls.crt`, `tls.key`, `ca.crt`); None: KEDA dials the scaler in plaintext.
+    keda_auth_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -460,7 +474,40 @@ def pod_disruption_budget(body: Mapping[str, Any], model: Model) -> dict[str, An
 
 
 def scaled_object(body: Mapping[str, Any], model: Model, settings: Settings) -> dict[str, Any]:
+    """KEDA's view of the Model: an `external-push` trigger on `wakegate scaler`.
+
+    wakegate's own idle logic decides when a model idles: IsActive stays true for `idleTimeout`
+    after the last demand, so `cooldownPeriod` is 0 (its default of 300 s, or `idleTimeout` again,
+    would idle the model twice). KEDA ignores a pushed `false` and scales to zero at its next poll,
+    so `pollingInterval` is a tenth of `idleTimeout` (1..30 s): the model idles within 10 % of
+    `idleTimeout`, and a poll costs the scaler one in-memory IsActive and GetMetrics. The HPA KEDA
+    creates for 1..N gets the builtin engine's windows (control/scaling/autoscale.py): scale out
+    after `scale_out_window` in one step up to `max`, scale in after `scale_in_window`.
+    """
     scaling = model.spec.scaling
+    policy = policy_of(model)
+    trigger: dict[str, Any] = {
+        "type": "external-push",
+        "metadata": {
+            "scalerAddress": settings.scaler_address,
+            "model": model.key,
+            "targetInFlight": str(scaling.targetInFlight),
+        },
+    }
+    if settings.keda_auth_secret is not None:
+        trigger["authenticationRef"] = {"name": names.backend_name(model.name)}
+    behavior = {
+        "scaleUp": {
+            "stabilizationWindowSeconds": math.ceil(policy.scale_out_window),
+            "selectPolicy": "Max",
+            "policies": [{"type": "Pods", "value": scaling.max, "periodSeconds": 1}],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": math.ceil(policy.scale_in_window),
+            "selectPolicy": "Max",
+            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 1}],
+        },
+    }
     return {
         "apiVersion": KEDA_API_VERSION,
         "kind": "ScaledObject",
@@ -469,17 +516,29 @@ def scaled_object(body: Mapping[str, Any], model: Model, settings: Settings) -> 
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend_name(model.name)},
             "minReplicaCount": scaling.min,
             "maxReplicaCount": scaling.max,
-            "cooldownPeriod": scaling.idleTimeout,
-            "triggers": [
-                {
-                    "type": "external-push",
-                    "metadata": {
-                        "scalerAddress": settings.scaler_address,
-                        "model": model.key,
-                        "targetInFlight": str(scaling.targetInFlight),
-                    },
-                }
-            ],
+            "pollingInterval": polling_interval(scaling.idleTimeout),
+            "cooldownPeriod": 0,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
+            "triggers": [trigger],
+        },
+    }
+
+
+def polling_interval(idle_timeout: int) -> int:
+    """KEDA's `pollingInterval` for a Model: when it notices IsActive turned false (1..30 s)."""
+    return min(max(math.ceil(idle_timeout / 10), 1), 30)
+
+
+def trigger_authentication(body: Mapping[str, Any], model: Model, secret: str) -> dict[str, Any]:
+    """KEDA's client certificate for the scaler's mTLS, from `secret` in the Model's namespace."""
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": "TriggerAuthentication",
+        "metadata": _meta(body, model),
+        "spec": {
+            "secretTargetRef": [
+                {"parameter": parameter, "name": secret, "key": key} for parameter, key in KEDA_AUTH_KEYS
+            ]
         },
     }
 
@@ -520,6 +579,8 @@ def render(
     if model.spec.scaling.max > 1:
         objects.append(pod_disruption_budget(body, model))
     if engine is ScalingEngine.KEDA:
+        if settings.keda_auth_secret is not None:
+            objects.append(trigger_authentication(body, model, settings.keda_auth_secret))
         objects.append(scaled_object(body, model, settings))
         autoscaling = Condition("AutoscalingReady", "True", "ScaledObjectApplied", "KEDA external-push")
     else:

@@ -40,7 +40,8 @@ EVERY_OPTION: dict[str, Any] = {
                  "nodeSelector": {"pool": "system"}, "tolerations": [{"key": "x", "operator": "Exists"}],
                  "affinity": {"nodeAffinity": {}}},
     "xds": {"replicas": 2, "port": 18001, "adminPort": 9211, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
-    "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls"},
+    "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls",
+               "tls": {"generate": False, "kedaClientSecret": "keda-mtls", "modelNamespaces": ["models"]}},
     "gateway": {"replicas": 3, "port": 8000, "xdsHost": "10.0.0.7", "scalerHost": "10.0.0.8",
                 "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
                 "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "publicMetrics": "keys",
@@ -119,7 +120,8 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     images = {c["image"] for d in [*deployments.values(), by_kind(docs, "DaemonSet")["wg-wakegate-agent"]]
               for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "envoy"}
     assert images == {"ghcr.io/wakegate/wakegate:0.1.0"}, "one image for every wakegate component"
-    assert set(by_kind(docs, "Secret")) == {"wg-wakegate-internal-token"}, "only the generated internal token"
+    assert set(by_kind(docs, "Secret")) == {
+        "wg-wakegate-internal-token", "wg-wakegate-scaler-tls", "wakegate-keda-client"}, "only the generated ones"
     assert "wg-wakegate-scheduler-extender-example" in by_kind(docs, "ConfigMap")
     dashboards = [n for n in by_kind(docs, "ConfigMap") if "-dashboard-" in n]
     assert len(dashboards) == 3
@@ -192,6 +194,54 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
                                              for r in rule["resources"] for v in rule["verbs"]}
 
 
+def _cert(pem_b64: str) -> Any:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(base64.b64decode(pem_b64))
+
+
+def test_scaler_mtls_is_generated_by_default_for_keda_and_the_scaler(helm: Path, tmp_path: Path) -> None:
+    """KEDA's port is mTLS out of the box: a CA, the scaler's server certificate for its Service
+    names, KEDA's client certificate in each namespace of keda Models, and the operator told to
+    name that Secret in every TriggerAuthentication."""
+    from cryptography import x509
+
+    docs = template(helm, tmp_path, {"scaler": {"tls": {"modelNamespaces": ["models", "team-b"]}}})
+    secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Secret"}
+    server = secrets[("wakegate-system", "wg-wakegate-scaler-tls")]["data"]
+    clients = [secrets[(ns, "wakegate-keda-client")]["data"] for ns in ("models", "team-b")]
+    assert ("wakegate-system", "wakegate-keda-client") not in secrets
+    assert clients[0] == clients[1], "one client certificate, the same in every namespace"
+    ca = _cert(server["ca.crt"])
+    for data in (server, *clients):
+        assert _cert(data["ca.crt"]) == ca
+        cert = _cert(data["tls.crt"])
+        assert cert.issuer == ca.subject and cert != ca
+        cert.verify_directly_issued_by(ca)
+    sans = _cert(server["tls.crt"]).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "wg-wakegate-scaler.wakegate-system.svc" in sans.get_values_for_type(x509.DNSName)
+    deployments = by_kind(docs, "Deployment")
+    scaler = deployments["wg-wakegate-scaler"]["spec"]["template"]
+    assert "--tls-client-ca=/var/run/wakegate/tls/ca.crt" in scaler["spec"]["containers"][0]["args"]
+    assert scaler["spec"]["volumes"] == [{"name": "tls", "secret": {"secretName": "wg-wakegate-scaler-tls"}}]
+    assert "checksum/scaler-tls" in scaler["metadata"]["annotations"]
+    operator = deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--keda-auth-secret=wakegate-keda-client" in operator["args"]
+    # An IP for operator.scalerHost (a cluster without DNS) goes into the certificate too.
+    docs = template(helm, tmp_path, {"operator": {"scalerHost": "10.1.2.3"}})
+    server = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "wg-wakegate-scaler-tls")
+    sans = _cert(server["data"]["tls.crt"]).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.1.2.3"]
+    # Off: a plaintext KEDA port and no TriggerAuthentication.
+    docs = template(helm, tmp_path, {"scaler": {"tls": {"generate": False}}})
+    deployments = by_kind(docs, "Deployment")
+    assert not any(a.startswith("--tls") for a in deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"][
+        "containers"][0]["args"])
+    assert not any(a.startswith("--keda-auth-secret") for a in deployments["wg-wakegate-operator"]["spec"][
+        "template"]["spec"]["containers"][0]["args"])
+    assert not [d for d in docs if d["kind"] == "Secret" and "tls" in d["metadata"]["name"]]
+
+
 def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     docs = template(helm, tmp_path, EVERY_OPTION, *MONITORING)
     deployments = by_kind(docs, "Deployment")
@@ -207,6 +257,9 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert by_kind(docs, "PodDisruptionBudget")["wg-wakegate-gateway"]["spec"]["minAvailable"] == "50%"
     scaler = deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"]["containers"][0]
     assert "--tls-client-ca=/var/run/wakegate/tls/ca.crt" in scaler["args"]
+    operator = deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--keda-auth-secret=keda-mtls" in operator["args"]
+    assert not [d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls"], "the user's own"
     assert "--no-install-runtimes" in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
     assert "--xds=10.0.0.7:18001" in extproc["args"] and "--demand=10.0.0.8:9190" in extproc["args"]
@@ -278,7 +331,7 @@ def _token_env(container: dict[str, Any]) -> dict[str, Any] | None:
 
 def test_internal_token_secret_and_network_policies_by_default(helm: Path, tmp_path: Path) -> None:
     docs = template(helm, tmp_path)
-    (secret,) = by_kind(docs, "Secret").values()
+    secret = by_kind(docs, "Secret")["wg-wakegate-internal-token"]
     assert secret["metadata"]["name"] == "wg-wakegate-internal-token"
     token = base64.b64decode(secret["data"]["token"]).decode()
     assert len(token) == 48 and token.isalnum()

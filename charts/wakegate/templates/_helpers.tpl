@@ -108,3 +108,51 @@ checksum/internal-token: {{ include "wakegate.internalTokenValue" . | sha256sum 
       name: {{ include "wakegate.internalTokenSecret" . }}
       key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.key }}{{ else }}token{{ end }}
 {{- end -}}
+
+{{/* Whether the scaler's KEDA port speaks TLS: a named Secret, or the chart's own certificates. */}}
+{{- define "wakegate.scalerTLSOn" -}}
+{{- if or .Values.scaler.tlsSecret .Values.scaler.tls.generate }}true{{ end -}}
+{{- end -}}
+
+{{/* The Secret the scaler reads its server certificate (and the client CA) from. */}}
+{{- define "wakegate.scalerTLSSecret" -}}
+{{- .Values.scaler.tlsSecret | default (printf "%s-scaler-tls" (include "wakegate.fullname" .)) -}}
+{{- end -}}
+
+{{/* The generated mTLS material of the KEDA port (only without scaler.tlsSecret), the same
+wherever it is included in one render: read back from the Secrets on upgrade (lookup), else a
+new CA, a server certificate for the scaler Service's names (and operator.scalerHost) and
+KEDA's client certificate, all signed by that CA and kept in .Values for the rest of the
+render. Every value base64, as Secret data wants it. */}}
+{{- define "wakegate.scalerTLSData" -}}
+{{- if not (hasKey .Values "generatedScalerTLS") -}}
+{{- $ns := .Release.Namespace -}}
+{{- $server := lookup "v1" "Secret" $ns (include "wakegate.scalerTLSSecret" .) -}}
+{{- $clientNs := first (.Values.scaler.tls.modelNamespaces | default (list $ns)) -}}
+{{- $client := lookup "v1" "Secret" $clientNs .Values.scaler.tls.kedaClientSecret -}}
+{{- $data := dict -}}
+{{- if and $server $client $server.data $client.data -}}
+{{- $data = dict "ca" (index $server.data "ca.crt") "serverCert" (index $server.data "tls.crt") "serverKey" (index $server.data "tls.key") "clientCert" (index $client.data "tls.crt") "clientKey" (index $client.data "tls.key") -}}
+{{- else -}}
+{{- $service := include "wakegate.component" (dict "root" . "component" "scaler") -}}
+{{- $names := list $service (printf "%s.%s" $service $ns) (printf "%s.%s.svc" $service $ns) (printf "%s.%s.svc.cluster.local" $service $ns) -}}
+{{- $ips := list -}}
+{{- with .Values.operator.scalerHost -}}
+{{- if regexMatch "^[0-9.]+$|:" . }}{{ $ips = append $ips . }}{{ else }}{{ $names = append $names . }}{{ end -}}
+{{- end -}}
+{{- $ca := genCA (printf "%s-scaler-ca" (include "wakegate.fullname" .)) 3650 -}}
+{{- $serverPair := genSignedCert $service $ips $names 3650 $ca -}}
+{{- $clientPair := genSignedCert "keda" nil nil 3650 $ca -}}
+{{- $data = dict "ca" ($ca.Cert | b64enc) "serverCert" ($serverPair.Cert | b64enc) "serverKey" ($serverPair.Key | b64enc) "clientCert" ($clientPair.Cert | b64enc) "clientKey" ($clientPair.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set .Values "generatedScalerTLS" $data -}}
+{{- end -}}
+{{- toJson .Values.generatedScalerTLS -}}
+{{- end -}}
+
+{{/* The scaler restarts when its generated certificate changes (a digest, not the key). */}}
+{{- define "wakegate.scalerTLSChecksum" -}}
+{{- if and (not .Values.scaler.tlsSecret) .Values.scaler.tls.generate -}}
+checksum/scaler-tls: {{ include "wakegate.scalerTLSData" . | sha256sum | trunc 16 }}
+{{- end -}}
+{{- end -}}

@@ -75,6 +75,50 @@ def test_keda_model_renders_service_deployment_and_scaled_object_without_replica
     assert out.autoscaling.status == "True"
 
 
+def test_scaled_object_idles_once_and_scales_with_the_builtin_windows() -> None:
+    """IsActive already waits idleTimeout: KEDA must not wait again (cooldownPeriod 0), and its HPA
+    scales out after the builtin scale-out window (2 s) straight to what demand needs, in after 30 s."""
+    so = obj(render(model(scaling={"min": 0, "max": 5, "idleTimeout": 120})), "ScaledObject")
+    assert so["spec"]["cooldownPeriod"] == 0
+    # KEDA scales to zero only at a poll: within a tenth of idleTimeout, 1 s to KEDA's default 30 s.
+    assert so["spec"]["pollingInterval"] == 12
+    assert [rnd.polling_interval(t) for t in (1, 6, 300, 86400)] == [1, 1, 30, 30]
+    behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 2
+    assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 5, "periodSeconds": 1}]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 30
+    assert behavior["scaleDown"]["policies"] == [{"type": "Percent", "value": 100, "periodSeconds": 1}]
+
+
+def test_keda_auth_secret_adds_an_owned_trigger_authentication_the_trigger_names() -> None:
+    out = render(model(scaling={"min": 0, "max": 2}), scaler_address="s:1", keda_auth_secret="keda-client")
+    assert kinds(out) == ["Service", "Deployment", "PodDisruptionBudget", "TriggerAuthentication", "ScaledObject"]
+    auth = obj(out, "TriggerAuthentication")
+    assert auth["metadata"]["name"] == "wg-m" and auth["metadata"]["namespace"] == "ns"
+    assert auth["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert auth["spec"]["secretTargetRef"] == [
+        {"parameter": "caCert", "name": "keda-client", "key": "ca.crt"},
+        {"parameter": "tlsClientCert", "name": "keda-client", "key": "tls.crt"},
+        {"parameter": "tlsClientKey", "name": "keda-client", "key": "tls.key"},
+    ]
+    trigger = obj(out, "ScaledObject")["spec"]["triggers"][0]
+    assert trigger["authenticationRef"] == {"name": "wg-m"}
+    # The builtin engine and a KEDA install without the CRDs get neither object.
+    builtin = render(model(scaling={"engine": "builtin"}), keda_auth_secret="keda-client")
+    assert kinds(builtin) == ["Service", "Deployment"]
+    assert kinds(render(model(), keda_available=False, keda_auth_secret="keda-client")) == ["Service"]
+
+
+def test_scaled_object_follows_spec_changes() -> None:
+    first = obj(render(model(scaling={"min": 0, "max": 2, "targetInFlight": 4})), "ScaledObject")
+    second = obj(render(model(scaling={"min": 1, "max": 6, "targetInFlight": 2})), "ScaledObject")
+    assert (first["spec"]["maxReplicaCount"], second["spec"]["maxReplicaCount"]) == (2, 6)
+    assert (first["spec"]["minReplicaCount"], second["spec"]["minReplicaCount"]) == (0, 1)
+    assert second["spec"]["triggers"][0]["metadata"]["targetInFlight"] == "2"
+    up = second["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]
+    assert up["policies"][0]["value"] == 6
+
+
 def test_initial_replicas_only_when_asked() -> None:
     assert obj(render(model(), initial=3), "Deployment")["spec"]["replicas"] == 3
 
