@@ -94,8 +94,9 @@ class RefusedCalls:
 
     SERVICES = ("ads", "demand")
 
-    def __init__(self, counts: RefusalCounts) -> None:
+    def __init__(self, counts: RefusalCounts, services: tuple[str, ...] = SERVICES) -> None:
         self._authenticator = counts
+        self._services = services
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
@@ -103,7 +104,7 @@ class RefusedCalls:
             "Internal gRPC calls (ADS streams, demand reports) refused for a missing or wrong internal token.",
             labels=["service"],
         )
-        for service in self.SERVICES:
+        for service in self._services:
             family.add_metric([service], self._authenticator.refused.get(service, 0))
         yield family
 
