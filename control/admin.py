@@ -14,6 +14,9 @@ from prometheus_client.core import CounterMetricFamily
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: Buckets of `wakegate_cold_start_seconds`, the same under `wakegate up` and the operator.
+COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+
 
 def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     """`HOST:PORT` (IPv6 in brackets; an empty host means `default_host`); ValueError otherwise."""
