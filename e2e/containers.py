@@ -83,6 +83,7 @@ class PodHost(Protocol):
 
     def changed(self) -> None: ...
     async def container_env(self, spec: dict[str, Any]) -> dict[str, str]: ...
+    async def volume_mounts(self, spec: dict[str, Any]) -> list[tuple[str, str]]: ...
 
 
 class Container:
@@ -168,7 +169,7 @@ class Container:
                 continue
             try:
                 env = await self.pod.container_env(self.spec)
-                ctx = self._context(env)
+                ctx = self._context(env, await self.pod.volume_mounts(self.spec))
                 argv = recipe(ctx)
             except (ConfigError, ValueError) as exc:
                 config_error = isinstance(exc, ConfigError)
@@ -200,12 +201,13 @@ class Container:
             self.last_state = self.state
             backoff = settings.backoff_initial if backoff == 0 else min(backoff * 2, settings.backoff_max)
 
-    def _context(self, env: dict[str, str]) -> images.ContainerContext:
+    def _context(self, env: dict[str, str], volumes: list[tuple[str, str]] | None = None) -> images.ContainerContext:
+        """`volumes`: (mountPath, folder) of the Secret and ConfigMap volumes the pod wrote out."""
         return images.ContainerContext(
             pod=self.pod.pod, container=self.spec, pod_ip=self.pod.ip, env=env,
             command=[images.expand(c, env) for c in self.spec.get("command") or []],
             args=[images.expand(a, env) for a in self.spec.get("args") or []],
-            mounts=self._host_mounts(),
+            mounts=[*self._host_mounts(), *(volumes or [])],
         )
 
     def _host_mounts(self) -> list[tuple[str, str]]:

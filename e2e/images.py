@@ -56,11 +56,19 @@ def sim(ctx: ContainerContext) -> list[str]:
 
 
 def wakegate(ctx: ContainerContext) -> list[str]:
-    """The project's own image: command/args name a wakegate subcommand (`wakegate operator ...`)."""
+    """The project's own image: command/args name a wakegate subcommand (`wakegate operator ...`).
+    File arguments (`PATH` or `--flag=PATH`) under a mounted volume point at its files on the host."""
     argv = [*ctx.command, *ctx.args]
     if argv and (argv[0] == "wakegate" or argv[0].endswith("/wakegate")):
         argv = argv[1:]
-    return [*_python(), "-m", "wakegate", *argv]
+    return [*_python(), "-m", "wakegate", *(_mounted(ctx, a) for a in argv)]
+
+
+def _mounted(ctx: ContainerContext, arg: str) -> str:
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("--") and value.startswith("/"):
+        return f"{flag}={ctx.host_path(value)}"
+    return ctx.host_path(arg) if arg.startswith("/") else arg
 
 
 def exec_image(ctx: ContainerContext) -> list[str]:

@@ -169,6 +169,30 @@ class PodWorker:
                 env[var["name"]] = images.expand(var.get("value", ""), env)
         return env
 
+    async def volume_mounts(self, spec: dict[str, Any]) -> list[tuple[str, str]]:
+        """Secret and ConfigMap volumes the container mounts, written out as files (a key each, as
+        the kubelet projects them) under the pod's folder: (mountPath, folder). Read once per
+        container start; a changed object shows at the next start."""
+        volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
+        mounts: list[tuple[str, str]] = []
+        for mount in spec.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            for kind, field in (("secretRef", "secret"), ("configMapRef", "configMap")):
+                if field not in volume:
+                    continue
+                source = volume[field]
+                name = source.get("secretName") if field == "secret" else source.get("name")
+                data = await self._object_data(kind, name, bool(source.get("optional")))
+                folder = self.dir / "volumes" / mount["name"]
+                folder.mkdir(parents=True, exist_ok=True)
+                folder.chmod(0o700)
+                for key, value in data.items():
+                    path = folder / key
+                    path.write_text(value)
+                    path.chmod(0o600)
+                mounts.append((mount["mountPath"], str(folder)))
+        return mounts
+
     async def _object_data(self, kind: str, name: str, optional: bool) -> dict[str, str]:
         plural = "configmaps" if kind.startswith("configMap") else "secrets"
         try:

@@ -113,7 +113,7 @@ def assert_every_panel_returns_data_and_every_alert_evaluates(prom: Prometheus, 
         for target in panel.targets
     ]
     deadline = time.monotonic() + within
-    empty: list[str] = queries and [name for name, _ in queries]
+    empty = [name for name, _ in queries]
     while empty and time.monotonic() < deadline:
         time.sleep(1)
         empty = []
