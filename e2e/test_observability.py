@@ -38,6 +38,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from dashboards.definitions import MODEL
+from dashboards.grafana import expand
+from e2e import engines
 from e2e.cluster import Cluster
 from e2e.helm import ensure_helm
 from e2e.helpers import wait_for
@@ -54,6 +57,7 @@ from e2e.test_helm import (
     run_helm,
     values_file,
 )
+from e2e.tinymodel import ModelSpec, write_model
 from tests.support.http import request
 from tests.support.prometheus import (
     MISSING,
@@ -86,6 +90,16 @@ MODELS: dict[str, dict[str, Any]] = {
               "gpu": GROUP_SPEC}
        for name in ("g1", "g2")},
 }
+
+
+#: A real llama.cpp server on a generated GGUF (when e2e/.bin has it built): its pods' metrics
+#: path comes from the shipped `llamacpp` InferenceRuntime.
+LLAMA = engines.ENGINES["llama-server"].is_current()
+
+
+def llama_model(gguf: Path) -> dict[str, Any]:
+    return {"backend": "llamacpp", "source": f"file://{gguf}", "args": ["--threads", "1", "--ctx-size", "512"],
+            "scaling": {"min": 1, "max": 1, "engine": "builtin"}}
 
 
 @pytest.fixture(scope="module")
@@ -228,21 +242,25 @@ def install(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             run_helm(helm, cluster, "upgrade", RELEASE, str(CHART), "--namespace", NS, "--wait", "--timeout", "120s",
                      "-f", values)
             gateway_ip = wait_for(lambda: ready_pod(core, "gateway"), 30, "a ready gateway pod").status.pod_ip
-            for name, spec in MODELS.items():
+            models = {name: {"backend": "sim", **spec} for name, spec in MODELS.items()}
+            if LLAMA:
+                (tmp / "weights").mkdir()
+                models["llama"] = llama_model(write_model(tmp / "weights" / "tiny.gguf", ModelSpec()))
+            for name, spec in models.items():
                 custom.create_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models", {
-                    "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": name},
-                    "spec": {"backend": "sim", **spec}})
+                    "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": name}, "spec": spec})
 
             def phases() -> dict[str, str]:
                 items = custom.list_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models")["items"]
                 return {m["metadata"]["name"]: (m.get("status") or {}).get("phase", "") for m in items}
 
-            wait_for(lambda: phases() == {"warm": "Ready", "cold": "Idle", "g1": "Idle", "g2": "Idle"},
-                     120, "warm Ready, the others Idle", every=1)
+            wanted = {"warm": "Ready", "cold": "Idle", "g1": "Idle", "g2": "Idle"}
+            wanted |= {"llama": "Ready"} if LLAMA else {}
+            wait_for(lambda: phases() == wanted, 120, f"phases {wanted}", every=1)
             docs = [d for d in yaml.safe_load_all(run_helm(
                 helm, cluster, "template", RELEASE, str(CHART), "--namespace", NS, "-f", values, *MONITORING)) if d]
             yield {"api": api, "core": core, "custom": custom, "tmp": tmp, "docs": docs, "cluster": cluster,
-                   "gateway": f"http://{gateway_ip}:8090", "scaler": scaler_ip}
+                   "gateway": f"http://{gateway_ip}:8090", "scaler": scaler_ip, "models": sorted(models)}
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +340,7 @@ def test_a_key_scoped_to_one_model_reaches_no_other(install: dict[str, Any]) -> 
     assert listed.status == 200, listed.text
     assert [m["id"] for m in listed.json()["data"]] == ["warm"]
     everything = request("GET", f"{url}/models", headers={"Authorization": f"Bearer {ALL_KEY}"})
-    assert sorted(m["id"] for m in everything.json()["data"]) == sorted(MODELS)
+    assert sorted(m["id"] for m in everything.json()["data"]) == install["models"]
     body = {"model": "cold", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     refused = request("POST", f"{url}/chat/completions", headers=warm_only, body=body)
     assert refused.status == 404, refused.text
@@ -363,3 +381,32 @@ def test_every_panel_returns_data_and_every_alert_evaluates_on_a_cluster(
         stages = value(f'max by (stage) (wakegate_cold_start_seconds_sum{{model="{MODELS_NS}/cold"}})')
         assert {"scheduled", "process_start", "health_pass", "total"} <= set(stages), stages
         print("cold start of models/cold on the cluster (s):", stages)
+
+
+@pytest.mark.skipif(not LLAMA, reason="llama-server is not built in e2e/.bin (python -m e2e.engines llama-server)")
+def test_llama_cpp_signals_reach_the_model_dashboard(
+    install: dict[str, Any], prometheus: tuple[Prometheus, Monitors]
+) -> None:
+    """The backend PodMonitor scrapes the llama.cpp pod at its runtime's metrics path, and the Model
+    dashboard's engine panels (in flight, token throughput) show llama.cpp's own series for it."""
+    prom, _ = prometheus
+    url = f"{install['gateway']}/v1/chat/completions"
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    for _ in range(2):
+        answer = request("POST", url, headers={"Authorization": f"Bearer {ALL_KEY}"}, body=body, timeout=60)
+        assert answer.status == 200, answer.text
+    key = f"{MODELS_NS}/llama"
+    pods = install["core"].list_namespaced_pod(MODELS_NS, label_selector="wakegate.io/model=llama").items
+    assert pods[0].metadata.annotations["wakegate.io/metrics-path"] == "/metrics"
+    wait_for(lambda: prom.api("query", query=f'llamacpp:tokens_predicted_total{{model="{key}"}} > 0')["data"]["result"],
+             30, "llama.cpp's generated tokens scraped under the model key")
+    panels = {p.title: p for p in MODEL.panels}
+
+    def answers(expr: str) -> list[Any]:
+        result: list[Any] = prom.api("query", query=expr)["data"]["result"]
+        return result
+
+    for title in ("In flight", "Token throughput"):
+        for target in panels[title].targets:
+            expr = expand(target.expr, model=key)
+            wait_for(functools.partial(answers, expr), 30, f"{title} [{target.legend}] for {key}: {expr}")
