@@ -169,6 +169,7 @@ class Monitors:
             for i, endpoint in enumerate(doc["spec"].get("endpoints") or doc["spec"].get("podMetricsEndpoints") or [])
         }
         self.prom: Prometheus | None = None
+        self._lock = threading.Lock()  # the resolver thread and the test both refresh
 
     def scrape_configs(self, tmp: Path) -> list[dict[str, Any]]:
         return [
@@ -212,8 +213,9 @@ class Monitors:
 
     def refresh(self) -> None:
         assert self.prom is not None
-        for job, (kind, spec, endpoint) in self.jobs.items():
-            self.prom.file_targets(self._file(job), self.targets(kind, spec, endpoint))
+        with self._lock:
+            for job, (kind, spec, endpoint) in self.jobs.items():
+                self.prom.file_targets(self._file(job), self.targets(kind, spec, endpoint))
 
 
 @pytest.fixture(scope="module")
