@@ -14,7 +14,8 @@ Then, in order:
 1. a demand report to the scaler without the internal token is refused (UNAUTHENTICATED), counted
    (`wakegate_internal_auth_refused_total{service="demand"}`, and the alert fires), and `cold`
    stays at zero replicas;
-2. a key scoped to `warm` gets 404 model_not_found for `cold` and sees only `warm` in /v1/models;
+2. a key scoped to `warm` gets 404 model_not_found for `cold` and sees only `warm` in /v1/models,
+   and the gateway's port has no /metrics (the chart's default);
 3. the dashboards' workload (tests/support/prometheus.py: streaming requests, a rate-limit
    rejection, a cold start with a queue overflow, a GPU-group swap), after which every panel of
    every dashboard returns data and every alert rule evaluates: the same verdict as for `wakegate up`.
@@ -352,6 +353,9 @@ def test_a_key_scoped_to_one_model_reaches_no_other(install: dict[str, Any]) -> 
     assert request("POST", f"{url}/chat/completions", headers=warm_only, body={**body, "model": "warm"}).status == 200
     # No key at all: 401, as before scoping.
     assert request("POST", f"{url}/chat/completions", body=body).status == 401
+    # The chart's default keeps /metrics off the clients' port, even for a valid key.
+    public = request("GET", f"{install['gateway']}/metrics", headers={"Authorization": f"Bearer {ALL_KEY}"})
+    assert public.status == 404 and "wakegate_gateway" not in public.text, (public.status, public.text[:200])
 
 
 def test_every_panel_returns_data_and_every_alert_evaluates_on_a_cluster(
