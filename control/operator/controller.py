@@ -69,12 +69,9 @@ def _replicas_owned_elsewhere(deployment: Mapping[str, Any]) -> bool:
 
 
 class Reconciler:
-    def __init__(
-        self, kube: Kube, settings: rnd.Settings, workers: int = 4, metrics: OperatorMetrics | None = None
-    ) -> None:
+    def __init__(self, kube: Kube, settings: rnd.Settings, workers: int = 4) -> None:
         self.kube = kube
         self.settings = settings
-        self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.models: dict[str, dict[str, Any]] = {}
         self.runtimes: dict[str, dict[str, Any]] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
@@ -96,7 +93,12 @@ class Reconciler:
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
-        self.metrics.watch(lambda: {key: self.deployments.get(key) for key in self.models})
+        self.export_to(OperatorMetrics())
+
+    def export_to(self, metrics: OperatorMetrics) -> None:
+        """Feed these metrics (the process's /metrics) from what this reconciler sees."""
+        self.metrics = metrics
+        metrics.watch(lambda: {key: self.deployments.get(key) for key in self.models})
 
     # -- queue ----------------------------------------------------------------------------------
 

@@ -122,9 +122,10 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
             await asyncio.to_thread(kube.apply, runtime)
     keda = await asyncio.to_thread(keda_installed, kube)
     settings = rnd.Settings(scaler_address=args.scaler_address, keda_available=keda, node_cache_dir=args.node_cache_dir)
-    reconciler = Reconciler(kube, settings, workers=args.workers, metrics=metrics)
-    metrics.leader = True
+    reconciler = Reconciler(kube, settings, workers=args.workers)
     reconciler.registry_settings = RegistrySettings(ca_file=args.registry_ca_file)
+    reconciler.export_to(metrics)
+    metrics.leader = True
     registry = kopfing.registry(args.kubeconfig)
     register(registry, reconciler)
     kopf_stop = asyncio.Event()
