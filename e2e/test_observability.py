@@ -18,7 +18,9 @@ Then, in order:
    and the gateway's port has no /metrics (the chart's default);
 3. the dashboards' workload (tests/support/prometheus.py: streaming requests, a rate-limit
    rejection, a cold start with a queue overflow, a GPU-group swap), after which every panel of
-   every dashboard returns data and every alert rule evaluates: the same verdict as for `wakegate up`.
+   every dashboard returns data and every alert rule evaluates: the same verdict as for `wakegate up`;
+4. with llama-server built, a llama.cpp Model: scraped at its runtime's metrics path, its `llamacpp:`
+   series in the Model dashboard's engine panels.
 
 Own cluster (module scope), as for test_helm: the chart's components watch cluster-wide.
 """
@@ -74,7 +76,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not available(), reason=MISSIN
 
 GROUP, VERSION = "wakegate.io", "v1alpha1"
 ALL_KEY, WARM_KEY = "sk-e2e-everything-0123", "sk-e2e-warm-only-4567"
-#: `warm` by its name, `cold` by its key: both forms a scope may use.
+#: A gateway-wide key, and one scoped to `warm` (by the Model's name; its key `models/warm` works too).
 KEYS = f"{ALL_KEY}\n{WARM_KEY}  warm\n"
 MONITORING = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
               "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
