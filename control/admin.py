@@ -14,6 +14,9 @@ from prometheus_client.core import CounterMetricFamily
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: Buckets of `wakegate_cold_start_seconds`, the same under `wakegate up` and the operator.
+COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600)
+
 
 def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     """`HOST:PORT` (IPv6 in brackets; an empty host means `default_host`); ValueError otherwise."""
@@ -94,8 +97,9 @@ class RefusedCalls:
 
     SERVICES = ("ads", "demand")
 
-    def __init__(self, counts: RefusalCounts) -> None:
+    def __init__(self, counts: RefusalCounts, services: tuple[str, ...] = SERVICES) -> None:
         self._authenticator = counts
+        self._services = services
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
@@ -103,7 +107,7 @@ class RefusedCalls:
             "Internal gRPC calls (ADS streams, demand reports) refused for a missing or wrong internal token.",
             labels=["service"],
         )
-        for service in self.SERVICES:
+        for service in self._services:
             family.add_metric([service], self._authenticator.refused.get(service, 0))
         yield family
 

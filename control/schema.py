@@ -652,8 +652,15 @@ class RuntimeLifecycle(_Spec):
 
 
 class RuntimeMetrics(_Spec):
-    prefix: str = Field("", max_length=64, description="Prometheus metric prefix the backend exposes.")
-    path: str = Field("/metrics", pattern=r"^/")
+    prefix: str = Field(
+        "",
+        max_length=64,
+        description="Prometheus metric prefix the backend exposes (vllm:, llamacpp:); empty: the engine exports "
+        "no Prometheus series and its pods are not scraped.",
+    )
+    path: str = Field(
+        "/metrics", pattern=r"^/", description="Path of the engine's metrics on its port (the backend PodMonitor's)."
+    )
 
 
 class InferenceRuntimeSpec(_Spec):

@@ -16,6 +16,13 @@ from dashboards.grafana import Dashboard, Panel, Target
 
 RI = "$__rate_interval"
 M = 'model=~"$model"'
+RATE = f"rate({{}}[{RI}])"
+
+
+def engines(*series: str, wrap: str = "{}") -> str:
+    """One vector of the same signal from every engine that has it (vLLM's, then llama.cpp's),
+    each series selected by `$model` and put through `wrap` (e.g. `rate({}[...])`)."""
+    return " or ".join(wrap.format(f"{name}{{{M}}}") for name in series)
 
 
 def _quantiles(metric: str, selector: str, by: str = "") -> tuple[Target, ...]:
@@ -56,7 +63,10 @@ FLEET = Dashboard(
             "Backend replicas holding accelerators, by model, and their KV-cache usage.",
             (
                 Target("sum by (model) (wakegate_model_replicas)", "replicas {{model}}"),
-                Target("avg by (model) (vllm:kv_cache_usage_perc)", "KV cache {{model}}"),
+                Target(
+                    "avg by (model) (vllm:kv_cache_usage_perc or llamacpp:kv_cache_usage_ratio)",
+                    "KV cache {{model}}",
+                ),
             ),
             width=16,
         ),
@@ -144,12 +154,33 @@ MODEL = Dashboard(
         ),
         Panel(
             "In flight",
-            "Requests routed and not finished (gateway), running and waiting (backend).",
+            "Requests routed and not finished (gateway), running and waiting in the engine (vLLM: "
+            "num_requests_running/waiting; llama.cpp: requests_processing/deferred). Ollama reports no "
+            "load of its own: for its models the gateway's count is the signal (as for picking).",
             (
                 Target(f"sum(wakegate_gateway_in_flight{{{M}}})", "gateway in flight"),
-                Target(f'sum(vllm:num_requests_running{{{M}}})', "backend running"),
-                Target(f'sum(vllm:num_requests_waiting{{{M}}})', "backend waiting"),
+                Target(
+                    f"sum({engines('vllm:num_requests_running', 'llamacpp:requests_processing')})", "backend running"
+                ),
+                Target(
+                    f"sum({engines('vllm:num_requests_waiting', 'llamacpp:requests_deferred')})", "backend waiting"
+                ),
             ),
+        ),
+        Panel(
+            "Token throughput",
+            "Prompt and generated tokens per second the engine processed (vLLM: prompt_tokens, "
+            "generation_tokens; llama.cpp: prompt_tokens, tokens_predicted).",
+            (
+                Target(
+                    f"sum({engines('vllm:prompt_tokens_total', 'llamacpp:prompt_tokens_total', wrap=RATE)})", "prompt"
+                ),
+                Target(
+                    f"sum({engines('vllm:generation_tokens_total', 'llamacpp:tokens_predicted_total', wrap=RATE)})",
+                    "generated",
+                ),
+            ),
+            unit="short",
         ),
         Panel(
             "Cold-start stages (mean)",

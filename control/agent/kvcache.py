@@ -59,13 +59,15 @@ def engine_targets(pods: Iterable[Mapping[str, Any]], node: str) -> list[Target]
             continue
         if meta.get("deletionTimestamp") or not status.get("podIP"):
             continue
-        backend = BACKENDS.get((meta.get("annotations") or {}).get(names.ANNOTATION_BACKEND, ""))
+        annotations = meta.get("annotations") or {}
+        backend = BACKENDS.get(annotations.get(names.ANNOTATION_BACKEND, ""))
         port = _port(pod)
         if backend is None or port is None or backend.load_metrics is None or not backend.load_metrics.kv_usage:
             continue
         host = status["podIP"]
         host = f"[{host}]" if ":" in host else host
-        metrics = backend.metrics_path or "/metrics"
+        # The runtime's path as the operator wrote it on the pod, else the plugin's default.
+        metrics = annotations.get(names.ANNOTATION_METRICS_PATH) or backend.metrics_path or "/metrics"
         name = f"{meta.get('namespace')}/{meta.get('name')}"
         out.append(Target(name, f"http://{host}:{port}{metrics}", backend.name))
     return out

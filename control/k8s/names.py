@@ -41,6 +41,13 @@ ANNOTATION_VRAM_ESTIMATE = "wakegate.io/vram-estimate-mb"
 #: Pod annotation: backend plugin name (the extender checks its supported GPU architectures).
 ANNOTATION_BACKEND = "wakegate.io/backend"
 
+#: Pod annotation: the path of the engine's Prometheus metrics on its `http` port (the InferenceRuntime's
+#: spec.metrics.path), written only when the runtime names a metrics prefix (the engine exports
+#: series). The chart's backend PodMonitor scrapes this path and skips pods without it.
+ANNOTATION_METRICS_PATH = "wakegate.io/metrics-path"
+#: Pod annotation: the prefix of the engine's series (spec.metrics.prefix: `vllm:`, `llamacpp:`).
+ANNOTATION_METRICS_PREFIX = "wakegate.io/metrics-prefix"
+
 #: Node labels and annotations written by the GPU node agent.
 NODE_GPU_VENDOR = "wakegate.io/gpu.vendor"
 NODE_GPU_ARCH = "wakegate.io/gpu.arch"

@@ -35,6 +35,7 @@ from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
 from wakegate.control.operator import render as rnd
+from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime
@@ -92,6 +93,12 @@ class Reconciler:
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
+        self.export_to(OperatorMetrics())
+
+    def export_to(self, metrics: OperatorMetrics) -> None:
+        """Feed these metrics (the process's /metrics) from what this reconciler sees."""
+        self.metrics = metrics
+        metrics.watch(lambda: {key: self.deployments.get(key) for key in self.models})
 
     # -- queue ----------------------------------------------------------------------------------
 
@@ -182,6 +189,7 @@ class Reconciler:
         key = names.owning_model_key(body["metadata"])
         if key is not None:
             _record(self.pods.setdefault(key, {}), body["metadata"]["name"], event_type, body)
+            self.metrics.observe_pod(key, body, deleted=event_type == "DELETED")
             self.poke(key)
 
     def on_keda_crd(self, present: bool) -> None:
@@ -251,6 +259,8 @@ class Reconciler:
         status = compute(observed, previous, _rfc3339())
         if any(previous.get(k) != v for k, v in status.items()):
             await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
+            if status["readyReplicas"] > 0 and not int(previous.get("readyReplicas", 0) or 0):
+                self.metrics.observe_cold_start(key, observed.pods)
 
     async def _patch_status(self, kind: str, body: Mapping[str, Any], patch: Mapping[str, Any],
                             whole: Mapping[str, Any], current: Callable[[], dict[str, Any] | None]) -> None:

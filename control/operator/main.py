@@ -16,12 +16,16 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiohttp import web
+
+from wakegate.control import admin
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import kopfing, names
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import Reconciler, keda_installed, register
+from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.runtimes import shipped_runtimes
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
@@ -57,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=4, help="Models reconciled concurrently")
     parser.add_argument(
+        "--admin-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve /metrics (replicas, cold starts, activation failures) and /healthz here; empty: off",
+    )
+    parser.add_argument(
         "--node-cache-dir",
         default=names.NODE_CACHE_DIR,
         help="the node agents' model cache on every node (their --cache-dir), mounted into "
@@ -90,6 +100,8 @@ class Settings(ProcessSettings):
     """The leader-election Lease and this replica's name in it."""
     workers: int
     """Models reconciled concurrently."""
+    admin_listen: str = ""
+    """HTTP address of /metrics and /healthz; empty: none served."""
     install_runtimes: bool
     """Apply the InferenceRuntimes shipped for each backend plugin when leading."""
     node_cache_dir: str = names.NODE_CACHE_DIR
@@ -108,10 +120,12 @@ class Settings(ProcessSettings):
             lease_seconds=args.lease_seconds,
             renew_seconds=args.renew_seconds,
         )
+        if args.admin_listen:
+            admin.host_port(args.admin_listen, "0.0.0.0")
         return settings_from(cls, args, lease=lease)
 
 
-async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Event) -> int:
+async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Event, metrics: OperatorMetrics) -> int:
     if args.install_runtimes:
         for runtime in shipped_runtimes():
             await asyncio.to_thread(kube.apply, runtime)
@@ -124,6 +138,8 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
     )
     reconciler = Reconciler(kube, settings, workers=args.workers)
     reconciler.registry_settings = RegistrySettings(ca_file=args.registry_ca_file)
+    reconciler.export_to(metrics)
+    metrics.leader = True
     registry = kopfing.registry(args.kubeconfig)
     register(registry, reconciler)
     kopf_stop = asyncio.Event()
@@ -151,7 +167,28 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
     return 0
 
 
+async def _serve_admin(address: str, metrics: OperatorMetrics) -> web.AppRunner:
+    async def scrape(_: web.Request) -> web.Response:
+        return admin.metrics_response(metrics.registry)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "leader": metrics.leader})
+
+    host, port = admin.host_port(address, "0.0.0.0")
+    return await admin.serve({"/metrics": scrape, "/healthz": healthz}, host, port)
+
+
 async def _main(args: Settings) -> int:
+    metrics = OperatorMetrics()
+    runner = await _serve_admin(args.admin_listen, metrics) if args.admin_listen else None
+    try:
+        return await _run(args, metrics)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def _run(args: Settings, metrics: OperatorMetrics) -> int:
     kube = Kube(api_client(args.kubeconfig))
     lease = LeaderLease(kube, args.lease)
     stop = asyncio.Event()
@@ -174,7 +211,7 @@ async def _main(args: Settings) -> int:
         )
         return 2
     log.info("operator %s is the leader", args.lease.identity)
-    return await _lead(args, kube, lease, stop)
+    return await _lead(args, kube, lease, stop, metrics)
 
 
 def main(args: argparse.Namespace) -> int:

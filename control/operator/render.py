@@ -401,6 +401,9 @@ def pod_template(
         annotations[names.ANNOTATION_VRAM_ESTIMATE] = str(model.spec.resources.gpu.minVramMb)
     if cached is not None:
         annotations[names.ANNOTATION_WEIGHTS] = cached
+    if rt.metrics.prefix:
+        annotations[names.ANNOTATION_METRICS_PATH] = rt.metrics.path
+        annotations[names.ANNOTATION_METRICS_PREFIX] = rt.metrics.prefix
     spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": max(

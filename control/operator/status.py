@@ -118,6 +118,60 @@ def cold_start_seconds(pods: Sequence[Mapping[str, Any]]) -> float | None:
     return round(min(spans)[1], 3) if spans else None
 
 
+def _started(pod: Mapping[str, Any]) -> datetime | None:
+    """When the pod's first container last started running."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        started = _time(((cs.get("state") or {}).get("running") or {}).get("startedAt"))
+        if started is not None:
+            return started
+    return None
+
+
+def _scheduled(pod: Mapping[str, Any]) -> datetime | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "True":
+            return _time(cond.get("lastTransitionTime"))
+    return None
+
+
+def cold_start_stages(pods: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The stages of a cold start, from the first pod to turn ready, in seconds.
+
+    The clock starts when the pod is created (the scaler's scale-up, a moment later): `scheduled`
+    (created to bound to a node), `process_start` (created to the engine container running: scheduling,
+    image pull, volumes), `health_pass` (running to Ready: the engine's load and probes) and `total`
+    (created to Ready). A stage whose times the pod does not carry is left out.
+    """
+    first: tuple[datetime, Mapping[str, Any]] | None = None
+    for pod in pods:
+        ready = _pod_ready(pod)
+        if ready is not None and not pod["metadata"].get("deletionTimestamp") and (first is None or ready < first[0]):
+            first = (ready, pod)
+    if first is None:
+        return {}
+    ready, pod = first
+    created = _time(pod["metadata"].get("creationTimestamp"))
+    if created is None:
+        return {}
+    started, scheduled = _started(pod), _scheduled(pod)
+    spans = {
+        "scheduled": (created, scheduled),
+        "process_start": (created, started),
+        "health_pass": (started, ready),
+        "total": (created, ready),
+    }
+    return {
+        stage: max(0.0, (end - begin).total_seconds())
+        for stage, (begin, end) in spans.items()
+        if begin is not None and end is not None
+    }
+
+
+def restarts(pod: Mapping[str, Any]) -> int:
+    """Container restarts of a pod so far (crashes, OOM kills, failed liveness probes)."""
+    return sum(int(cs.get("restartCount") or 0) for cs in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
 #: A member stopping within this many seconds of a group peer starting was swapped out (preempted).
 SWAP_WINDOW_SECONDS = 60.0
 

@@ -128,7 +128,11 @@ class Scaler:
         self.pods: dict[str, int] | None = None
         self.hub = Hub(self.core, clock=time.monotonic, live=lambda: self.pods)
         self.leader = False
-        self.metrics = ScalerMetrics(self.book, self.core, lambda: self.hub.streams, lambda: self.leader)
+        token = settings.internal_token
+        self.authenticator = Authenticator(token) if token else None
+        self.metrics = ScalerMetrics(
+            self.book, self.core, lambda: self.hub.streams, lambda: self.leader, self.authenticator
+        )
         self.stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -143,8 +147,7 @@ class Scaler:
         return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
     async def _start_demand(self) -> grpc.aio.Server:
-        token = self.settings.internal_token
-        service = DemandService(self.book, self.hub.poke, authenticator=Authenticator(token) if token else None)
+        service = DemandService(self.book, self.hub.poke, authenticator=self.authenticator)
         limits = self.book.limits
         server = grpc.aio.server(
             maximum_concurrent_rpcs=limits.max_concurrent_reports,

@@ -1,4 +1,6 @@
-"""Prometheus metrics of `wakegate scaler`: demand rejections by reason, members, verdicts, scale patches."""
+"""Prometheus metrics of `wakegate scaler`: demand rejections by reason, members, verdicts, scale patches,
+activation leases and GPU-group swaps (the names `wakegate up` exports for the same facts), and the
+demand reports refused for a missing or wrong internal token."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from wakegate.control.admin import RefusalCounts, RefusedCalls
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.scaling.core import Core
 
@@ -38,13 +41,33 @@ class _StateCollector(Collector):
             demand.add_metric([key], verdict.demand)
             active.add_metric([key], int(verdict.active))
             desired.add_metric([key], verdict.replicas)
-        yield from (demand, active, desired)
+        leases = GaugeMetricFamily(
+            "wakegate_model_activation_leases", "Live activation leases over gateways.", labels=["model"]
+        )
+        for key in sorted(self._core.models):
+            load = self._core.loads.get(key)
+            leases.add_metric([key], load.leases if load is not None else 0)
+        swaps = CounterMetricFamily("wakegate_gpu_swaps", "GPU-group hand-overs between models.", labels=["group"])
+        for group, count in sorted(self._core.swaps.items()):
+            swaps.add_metric([group], count)
+        yield from (demand, active, desired, leases, swaps)
 
 
 class ScalerMetrics:
-    def __init__(self, book: DemandBook, core: Core, streams: Callable[[], int], leader: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        book: DemandBook,
+        core: Core,
+        streams: Callable[[], int],
+        leader: Callable[[], bool],
+        refusals: RefusalCounts | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(book, core, streams, leader))
+        if refusals is not None:
+            # The same series `wakegate xds` exports; the demand port's refusals are also in
+            # wakegate_demand_rejections_total{reason="unauthenticated"}.
+            self.registry.register(RefusedCalls(refusals, ("demand",)))
         self.scale_patches = Counter(
             "wakegate_scaler_scale_patches",
             "Builtin engine: PATCHes of a Deployment's scale subresource, by result.",

@@ -162,7 +162,7 @@ async def _serve_admin(listen: str | None, authenticator: Authenticator | None) 
         return None
     registry = CollectorRegistry()
     if authenticator is not None:
-        registry.register(admin.RefusedCalls(authenticator))
+        registry.register(admin.RefusedCalls(authenticator, ("ads",)))
 
     async def metrics(_: web.Request) -> web.Response:
         return admin.metrics_response(registry)

@@ -268,7 +268,17 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     # extproc's admin port and Envoy's stats, never the public port (whatever publicMetrics says).
     expected = {("metrics", "/metrics"), ("envoy-metrics", "/stats/prometheus")}
     assert {(e["port"], e["path"]) for e in scraped} == expected
-    assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends"}
+    assert set(by_kind(docs, "PodMonitor")) == {"wg-wakegate-backends", "wg-wakegate-operator"}
+    operator_monitor = by_kind(docs, "PodMonitor")["wg-wakegate-operator"]["spec"]
+    assert [(e["port"], e["path"]) for e in operator_monitor["podMetricsEndpoints"]] == [("metrics", "/metrics")]
+    operator_ports = deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert operator_ports == [{"name": "metrics", "containerPort": 9210}]
+    # Backends: the runtime's metrics path from the pod's annotation; pods without one are not scraped.
+    backends = by_kind(docs, "PodMonitor")["wg-wakegate-backends"]["spec"]["podMetricsEndpoints"][0]
+    relabel = {r.get("targetLabel", r.get("action")): r for r in backends["relabelings"]}
+    assert relabel["keep"]["sourceLabels"] == ["__meta_kubernetes_pod_annotationpresent_wakegate_io_metrics_path"]
+    assert relabel["__metrics_path__"]["sourceLabels"] == ["__meta_kubernetes_pod_annotation_wakegate_io_metrics_path"]
+    assert backends["port"] == "http"
     rule = by_kind(docs, "PrometheusRule")["wg-wakegate"]
     assert rule["metadata"]["labels"]["release"] == "prom"
     assert len(rule["spec"]["groups"][0]["rules"]) >= 6

@@ -119,10 +119,14 @@ class ScalerProcess:
             return str(resp.read().decode())
 
     def rejections(self, reason: str) -> float:
+        return self.sample(f'wakegate_demand_rejections_total{{reason="{reason}"}}')
+
+    def sample(self, series: str) -> float:
+        """The value of one series (name and labels exactly as exported) on /metrics."""
         for line in self.metrics().splitlines():
-            if line.startswith(f'wakegate_demand_rejections_total{{reason="{reason}"}}'):
+            if line.startswith(series + " "):
                 return float(line.split()[-1])
-        raise AssertionError(f"no rejections metric for {reason}")
+        raise AssertionError(f"no {series} on /metrics")
 
     def stop(self) -> int:
         assert self.proc is not None

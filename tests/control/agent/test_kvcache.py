@@ -119,6 +119,12 @@ def test_only_running_backend_pods_on_the_node_that_report_kv_usage_are_read() -
     ]
 
 
+def test_the_runtimes_metrics_path_on_the_pod_wins_over_the_plugins() -> None:
+    custom = pod("c", "vllm", 8000)
+    custom["metadata"]["annotations"][names.ANNOTATION_METRICS_PATH] = "/engine/metrics"
+    assert [t.url for t in engine_targets([custom], "n")] == ["http://127.0.0.1:8000/engine/metrics"]
+
+
 def test_node_usage_is_the_highest_reported_and_none_without_reports() -> None:
     assert node_usage([0.2, None, 0.874]) == "0.87"
     assert node_usage([1.7]) == "1.00"

@@ -167,6 +167,8 @@ def test_pod_template_from_runtime_and_model() -> None:
     assert template["metadata"]["annotations"] == {
         names.ANNOTATION_BACKEND: "sim",
         names.ANNOTATION_VRAM_ESTIMATE: "24000",
+        names.ANNOTATION_METRICS_PATH: "/metrics",
+        names.ANNOTATION_METRICS_PREFIX: "vllm:",
     }
     assert template["metadata"]["labels"] == names.backend_labels("m")
     assert template["spec"]["nodeSelector"] == {"zone": "a", "pool": "gpu"}
@@ -416,3 +418,20 @@ def test_termination_grace_period_is_the_runtimes_and_outlasts_the_pre_stop_slee
     assert spec["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
     short = pod_spec(model(), runtime(lifecycle={"terminationGracePeriodSeconds": 2, "preStopDrainSeconds": 10}))
     assert short["terminationGracePeriodSeconds"] > 10
+
+
+def test_backend_pods_name_the_runtimes_metrics_path_only_when_the_engine_exports_series() -> None:
+    def annotations(body: dict[str, Any], rt: dict[str, Any]) -> dict[str, str]:
+        meta: dict[str, str] = obj(render(body, rt), "Deployment")["spec"]["template"]["metadata"]["annotations"]
+        return meta
+
+    gguf = {"servedName": "tiny", "source": "file:///srv/models/tiny.gguf"}
+    llama = annotations(model(backend="llamacpp", **gguf), shipped("llamacpp"))
+    assert llama[names.ANNOTATION_METRICS_PATH] == "/metrics"
+    assert llama[names.ANNOTATION_METRICS_PREFIX] == "llamacpp:"
+    # A runtime of its own serves its metrics elsewhere: the pod (and so the PodMonitor) follows it.
+    custom = runtime(metrics={"prefix": "vllm:", "path": "/engine/metrics"})
+    assert annotations(model(), custom)[names.ANNOTATION_METRICS_PATH] == "/engine/metrics"
+    # Ollama exports no Prometheus series: nothing to scrape.
+    ollama = annotations(model(backend="ollama", **gguf), shipped("ollama"))
+    assert names.ANNOTATION_METRICS_PATH not in ollama and names.ANNOTATION_METRICS_PREFIX not in ollama

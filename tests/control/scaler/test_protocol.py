@@ -89,6 +89,8 @@ def test_rejections_are_counted(scaler: ScalerProcess) -> None:
     with grpc.insecure_channel(scaler.demand) as gw:
         demand = demand_pb2_grpc.DemandServiceStub(gw)
         before = {r: scaler.rejections(r) for r in ("unauthenticated", "stale", "oversized")}
+        refused = 'wakegate_internal_auth_refused_total{service="demand"}'
+        refused_before = scaler.sample(refused)
         for metadata in ((("authorization", "Bearer forged"),), ()):
             with pytest.raises(grpc.RpcError) as err:
                 demand.Report(report("gw-x", 1, m=1), metadata=metadata)
@@ -109,6 +111,8 @@ def test_rejections_are_counted(scaler: ScalerProcess) -> None:
         assert demand.Report(withdraw, metadata=TOKEN).accepted
         after = {r: scaler.rejections(r) for r in before}
         assert after["unauthenticated"] - before["unauthenticated"] == 2
+        # The series the WakegateInternalAuthRefused alert reads, as `wakegate xds` exports it.
+        assert scaler.sample(refused) - refused_before == 2
         assert after["stale"] - before["stale"] == 1
         assert after["oversized"] - before["oversized"] == 2
 
