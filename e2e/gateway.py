@@ -58,7 +58,8 @@ def install_crds(api: ApiClient) -> None:
 
 #: The read-only ClusterRole of `wakegate xds` (docs/operator.md).
 XDS_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["wakegate.io"], "resources": ["models"], "verbs": ["get", "list", "watch"]},
+    # LoRAAdapters: their names route to their base.
+    {"apiGroups": ["wakegate.io"], "resources": ["models", "loraadapters"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     # Nodes being drained or reclaimed: their endpoints leave the routes first.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
@@ -82,6 +83,8 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
     {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs/status"], "verbs": ["patch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["loraadapters"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["loraadapters/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},  # delete: Failed ones
