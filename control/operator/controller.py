@@ -253,6 +253,7 @@ class Reconciler:
             # Owner references cascade the deletion; only our memory needs forgetting.
             for memory in (self.applied, self.pods, self._was_running, self._started_at, self._stopped_at):
                 memory.pop(key, None)
+            self.lora_loader.forget(key)
             self._poke_adapters_of(key)
             return
         generation = int(body["metadata"].get("generation", 0))
@@ -320,7 +321,7 @@ class Reconciler:
         namespace = key.partition("/")[0]
         pods = list(self.pods.get(key, {}).values())
         wanted = [Wanted(a.name, a.served_name, adapter_mount(a, model.spec.backend).argument) for a in adapters]
-        await self.lora_loader.sync(namespace, pods, wanted, ready_pods(pods))
+        await self.lora_loader.sync(key, pods, wanted, ready_pods(pods))
         if any(f"{namespace}/{a.name}" in self.lora_loader.failures for a in adapters):
             asyncio.get_running_loop().call_later(ADAPTER_RETRY, self.poke, key)
 

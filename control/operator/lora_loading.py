@@ -50,6 +50,8 @@ class RuntimeLoader:
     held: dict[str, dict[str, _Held]] = field(default_factory=dict)
     #: pod uid -> pod name, for status
     pod_names: dict[str, str] = field(default_factory=dict)
+    #: pod uid -> the key ("namespace/name") of the Model it serves
+    bases: dict[str, str] = field(default_factory=dict)
     #: adapter key -> the engine's answer to its last refused load (cleared by a load that works)
     failures: dict[str, str] = field(default_factory=dict)
     #: adapter key -> refused loads not yet counted in its status
@@ -59,13 +61,21 @@ class RuntimeLoader:
         """Pods holding adapter `key` -> when it was loaded there."""
         return {self.pod_names[uid]: h[key].since for uid, h in self.held.items() if key in h}
 
+    def forget(self, base: str) -> None:
+        """The Model `base` is gone, and its pods with it."""
+        for uid in [u for u, b in self.bases.items() if b == base]:
+            for memory in (self.held, self.pod_names, self.bases):
+                memory.pop(uid, None)
+
     def take_failures(self, key: str) -> int:
         return self.new_failures.pop(key, 0)
 
-    async def sync(self, namespace: str, pods: Sequence[Mapping[str, Any]], wanted: Sequence[Wanted],
+    async def sync(self, base: str, pods: Sequence[Mapping[str, Any]], wanted: Sequence[Wanted],
                    ready: Mapping[str, str]) -> bool:
-        """Make every ready pod (`ready`: pod names) of one base hold exactly `wanted`; forget pods
-        that are gone. True when some pod's adapters changed."""
+        """Make every ready pod (`ready`: pod names) of the Model `base` ("namespace/name") hold
+        exactly `wanted`; forget its pods that are gone or not ready. True when some pod's adapters
+        changed."""
+        namespace = base.partition("/")[0]
         live: dict[str, tuple[str, str]] = {}
         for pod in pods:
             meta = pod["metadata"]
@@ -73,12 +83,11 @@ class RuntimeLoader:
             port = _http_port(pod)
             if meta["name"] in ready and ip and port:
                 live[str(meta["uid"])] = (str(meta["name"]), f"{ip}:{port}")
-        base_uids = {str(p["metadata"]["uid"]) for p in pods}
-        changed = False
-        for uid in [u for u in self.held if u in base_uids and u not in live]:
-            self.held.pop(uid, None)
-            self.pod_names.pop(uid, None)
-            changed = True
+        gone = [u for u, b in self.bases.items() if b == base and u not in live]
+        for uid in gone:
+            for memory in (self.held, self.pod_names, self.bases):
+                memory.pop(uid, None)
+        changed = bool(gone)
         want = {f"{namespace}/{w.name}": w for w in wanted}
         work = [(uid, where) for uid, where in live.items()
                 if {k: (h.served_name, h.path) for k, h in self.held.get(uid, {}).items()}
@@ -89,6 +98,7 @@ class RuntimeLoader:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for uid, (name, endpoint) in work:
                 self.pod_names[uid] = name
+                self.bases[uid] = base
                 held = self.held.setdefault(uid, {})
                 for key, h in list(held.items()):
                     target = want.get(key)
