@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -183,6 +184,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
     create(kube, "loraadapters", "orphan", {"baseModel": "nothing", "source": f"file://{poet}"})
     wait_for(lambda: status(kube, "loraadapters", "sql").get("reason") == "BaseModelNotFound", 30,
              f"sql waiting for its base\n{served.logs()}")
+    started = time.monotonic()
     create(kube, "models", "tiny", {
         "backend": "llamacpp", "servedName": "org/tiny", "source": f"file://{base}",
         "args": ["--threads", "1", "--ctx-size", "512"], "scaling": {"min": 1, "max": 1, "engine": "builtin"},
@@ -192,6 +194,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
         return all(status(kube, "loraadapters", n).get("ready") == "True" for n in ("sql", "poet"))
 
     wait_for(both_loaded, 120, f"both adapters loaded\n{served.logs()}", every=0.5)
+    print(f"lora e2e: Model created -> both adapters Ready: {time.monotonic() - started:.1f} s")
     (pod,) = _ready_pods(kube, "tiny")
     args = pod.spec.containers[0].args
     assert "--lora-init-without-apply" in args and args.count("--lora") == 2
@@ -223,6 +226,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
     assert {"tiny-sql", "sql-v1", "poet", "org/tiny"} <= served_names and "orphan" not in served_names
 
     # llama.cpp loads adapters only at start: removing one rolls the base's pod without it.
+    removed = time.monotonic()
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, "loraadapters", "poet")
 
     def rolled() -> Any:
@@ -231,6 +235,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
         return fresh[0] if len(pods) == 1 and fresh else None
 
     new = wait_for(rolled, 120, f"the base rolled without poet\n{served.logs()}", every=0.5)
+    print(f"lora e2e: LoRAAdapter deleted -> the base's pod rolled without it: {time.monotonic() - removed:.1f} s")
     assert new.spec.containers[0].args.count("--lora") == 1
     wait_for(lambda: status(kube, "loraadapters", "sql").get("replicas") == [new.metadata.name], 30,
              "sql held by the new pod")
@@ -246,6 +251,7 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
         "scaling": {"min": 1, "max": 1, "engine": "builtin"},
     })
     # The maxAdapters cut follows creation, then the name: alpha and beta are served, gamma is not.
+    started = time.monotonic()
     for name in ("alpha", "beta", "gamma"):
         create(kube, "loraadapters", name, {"baseModel": "chat", "source": f"hf://org/{name}-lora"})
 
@@ -253,6 +259,7 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
         return status(kube, "loraadapters", name).get("ready") == "True"
 
     wait_for(lambda: loaded("alpha") and loaded("beta"), 90, f"alpha and beta loaded\n{served.logs()}", every=0.5)
+    print(f"lora e2e: sim Model created -> alpha and beta Ready: {time.monotonic() - started:.1f} s")
     (pod,) = _ready_pods(kube, "chat")
     engine = f"http://{pod.status.pod_ip}:{pod.spec.containers[0].ports[0].container_port}"
     args = pod.spec.containers[0].args
@@ -269,8 +276,12 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
     assert ask(gateway.url, "gamma")[0] == 404
 
     # Removing an adapter unloads it and makes room for the next: no pod rolls.
+    removed = time.monotonic()
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, "loraadapters", "alpha")
     wait_for(lambda: loaded("gamma"), 60, f"gamma loaded in alpha's place\n{served.logs()}", every=0.5)
+    print(f"lora e2e: alpha deleted -> gamma Ready in its place: {time.monotonic() - removed:.1f} s")
+    print("lora e2e: operator: " + " | ".join(line for line in served.operator.proc.tail(200).splitlines()
+                                               if "loaded LoRAAdapter" in line))
     (same,) = _ready_pods(kube, "chat")
     assert same.metadata.uid == pod.metadata.uid
     listed = json.loads(urllib.request.urlopen(f"{engine}/v1/models", timeout=10).read())

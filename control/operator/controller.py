@@ -93,6 +93,9 @@ class Reconciler:
         self.lora_loader = RuntimeLoader()
         #: adapter key -> pods already counted as having loaded it
         self._adapter_seen: dict[str, set[str]] = {}
+        #: adapter key -> [loads, refused loads]; taken from its status once, then counted here
+        #: (a watch event may bring an older copy of the status than the one we wrote)
+        self._adapter_counts: dict[str, list[int]] = {}
         self._listing: set[str] = set()
         self._catalog_wake = asyncio.Event()
         #: how registries are reached (CA file from the operator's flags); credentials per catalog
@@ -331,6 +334,7 @@ class Reconciler:
         body = self.adapters.get(namespace, {}).get(name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._adapter_seen.pop(key, None)
+            self._adapter_counts.pop(key, None)
             self.lora_loader.failures.pop(key, None)
             self.lora_loader.new_failures.pop(key, None)
             return
@@ -343,7 +347,11 @@ class Reconciler:
             holders = started_with(pods, name) if backend.lora_arg else self.lora_loader.holders(key)
         previous = body.get("status") or {}
         seen = self._adapter_seen.setdefault(key, set(previous.get("replicas") or []))
-        new_loads = len(set(holders) - seen)
+        counts = self._adapter_counts.setdefault(
+            key, [int(previous.get("loads", 0) or 0), int(previous.get("failures", 0) or 0)]
+        )
+        counts[0] += len(set(holders) - seen)
+        counts[1] += self.lora_loader.take_failures(key)
         seen.update(holders)
         observed = AdapterObserved(
             generation=int(body["metadata"].get("generation", 0)),
@@ -351,8 +359,8 @@ class Reconciler:
             refused=refused,
             holders=holders,
             ready_replicas=len(ready_pods(pods)),
-            new_loads=new_loads,
-            new_failures=self.lora_loader.take_failures(key),
+            loads=counts[0],
+            failures=counts[1],
             failure=self.lora_loader.failures.get(key),
         )
         status = adapter_status(observed, previous, _rfc3339())

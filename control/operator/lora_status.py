@@ -70,9 +70,9 @@ class AdapterObserved:
     holders: Mapping[str, str] = field(default_factory=dict)
     #: Ready pods of the base.
     ready_replicas: int = 0
-    #: Loads and refused loads since the operator started (added to what status counted before).
-    new_loads: int = 0
-    new_failures: int = 0
+    #: Loads (pods that came to hold it) and refused loads, counted so far.
+    loads: int = 0
+    failures: int = 0
     #: The engine's answer to the last refused load, while no pod holds it.
     failure: str | None = None
 
@@ -102,8 +102,8 @@ def adapter_status(observed: AdapterObserved, previous: Mapping[str, Any], now: 
         "ready": cond.status,
         "reason": cond.reason,
         "message": cond.message,
-        "loads": int(previous.get("loads", 0) or 0) + observed.new_loads,
-        "failures": int(previous.get("failures", 0) or 0) + observed.new_failures,
+        "loads": observed.loads,
+        "failures": observed.failures,
         "observedGeneration": observed.generation,
         "conditions": [condition_dict(cond, previous, now, observed.generation)],
     }

@@ -3,6 +3,7 @@ pods start with, and the status `kubectl get loraadapters` shows."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -168,14 +169,14 @@ NOW = "2026-12-01T12:00:00Z"
 def test_status_says_loaded_where_and_since_when_and_keeps_its_transition_time() -> None:
     observed = AdapterObserved(generation=2, base="tiny", holders={"p2": "2026-12-01T10:05:00Z",
                                                                    "p1": "2026-12-01T10:00:00Z"},
-                               ready_replicas=3, new_loads=2)
+                               ready_replicas=3, loads=2)
     status = adapter_status(observed, {}, NOW)
     assert (status["ready"], status["reason"], status["loadedReplicas"], status["replicas"]) == (
         "True", "Loaded", 2, ["p1", "p2"])
     assert status["lastLoadTime"] == "2026-12-01T10:05:00Z" and status["loads"] == 2
     assert status["message"] == "loaded on 2 of 3 ready replicas of Model tiny"
-    again = adapter_status(AdapterObserved(generation=2, base="tiny", holders=observed.holders, ready_replicas=3),
-                           status, "2026-12-01T13:00:00Z")
+    again = adapter_status(AdapterObserved(generation=2, base="tiny", holders=observed.holders, ready_replicas=3,
+                                           loads=2), status, "2026-12-01T13:00:00Z")
     assert again == status, "an unchanged world computes an unchanged status (no write)"
 
 
@@ -184,7 +185,7 @@ def test_status_says_loaded_where_and_since_when_and_keeps_its_transition_time()
     [
         (AdapterObserved(1, "tiny", refused=ad.Refused(ad.BASE_NOT_FOUND, "no Model 'tiny'"),
                          holders={"p": "t"}), ad.BASE_NOT_FOUND),
-        (AdapterObserved(1, "chat", ready_replicas=1, failure="pod p: HTTP 400: no room", new_failures=1),
+        (AdapterObserved(1, "chat", ready_replicas=1, failure="pod p: HTTP 400: no room", loads=4, failures=2),
          "LoadFailed"),
         (AdapterObserved(1, "tiny", ready_replicas=0), "BaseNotReady"),
         (AdapterObserved(1, "chat", ready_replicas=2), "Loading"),
@@ -195,5 +196,64 @@ def test_status_tells_why_no_replica_holds_it(observed: AdapterObserved, reason:
     status = adapter_status(observed, previous, NOW)
     assert (status["ready"], status["reason"], status["loadedReplicas"], status["replicas"]) == ("False", reason, 0, [])
     assert status["conditions"][0]["reason"] == reason and status["conditions"][0]["lastTransitionTime"] == NOW
-    assert status["loads"] == 4 and status["failures"] == 1 + observed.new_failures
+    assert (status["loads"], status["failures"]) == (observed.loads, observed.failures)
     assert status["lastLoadTime"] == "2026-12-01T09:00:00Z", "the last load is remembered"
+
+
+class Kube:
+    """The API server as the reconcile sees it: applies and status patches echo, and are recorded."""
+
+    def __init__(self) -> None:
+        self.applied: list[dict[str, Any]] = []
+        self.statuses: list[tuple[str, dict[str, Any]]] = []
+
+    def get_or_none(self, resource: str) -> Any:
+        return None
+
+    def apply(self, obj: dict[str, Any], field_manager: str = "", force: bool = True) -> Any:
+        self.applied.append(obj)
+        return obj
+
+    def delete(self, resource: str) -> bool:
+        return False
+
+    def patch_status(self, obj_path: str, status: dict[str, Any]) -> Any:
+        self.statuses.append((obj_path, status))
+        return {"status": status}
+
+
+def llama_pod(name: str, uid: str, adapters: str) -> dict[str, Any]:
+    body = pod(name, adapters)
+    body["metadata"].update(namespace="ns", uid=uid, labels={"wakegate.io/model": "tiny"})
+    return body
+
+
+def test_the_operator_renders_the_adapters_and_counts_each_pod_that_loads_one_once() -> None:
+    from wakegate.control.operator.controller import ADAPTER_KEY, Reconciler
+
+    kube = Kube()
+    reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
+    reconciler.on_adapter(None, adapter("sql"))
+    asyncio.run(reconciler.reconcile(ADAPTER_KEY + "ns/sql"))
+    path, status = kube.statuses[-1]
+    assert path == "/apis/wakegate.io/v1alpha1/namespaces/ns/loraadapters/sql"
+    assert (status["ready"], status["reason"]) == ("False", ad.BASE_NOT_FOUND)
+    first = dict(reconciler.adapters["ns"]["sql"])  # the copy an event will bring back later
+
+    reconciler.on_model(None, model_body())
+    asyncio.run(reconciler.reconcile("ns/tiny"))
+    deployment = next(o for o in kube.applied if o["kind"] == "Deployment")
+    assert "--lora" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    reconciler.on_pod(None, llama_pod("p1", "u1", "sql"))
+    asyncio.run(reconciler.reconcile(ADAPTER_KEY + "ns/sql"))
+    assert (kube.statuses[-1][1]["replicas"], kube.statuses[-1][1]["loads"]) == (["p1"], 1)
+
+    # A late watch event brings the status from before the load; the next pod is still load two.
+    reconciler.on_adapter("MODIFIED", first)
+    reconciler.on_pod("DELETED", llama_pod("p1", "u1", "sql"))
+    reconciler.on_pod(None, llama_pod("p2", "u2", "sql"))
+    asyncio.run(reconciler.reconcile(ADAPTER_KEY + "ns/sql"))
+    assert (kube.statuses[-1][1]["replicas"], kube.statuses[-1][1]["loads"]) == (["p2"], 2)
+    written = len(kube.statuses)
+    asyncio.run(reconciler.reconcile(ADAPTER_KEY + "ns/sql"))
+    assert len(kube.statuses) == written, "an unchanged world writes nothing"
