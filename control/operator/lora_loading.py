@@ -11,6 +11,7 @@ llama.cpp bases need none of this: their pods start with every adapter (operator
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,8 @@ class RuntimeLoader:
     failures: dict[str, str] = field(default_factory=dict)
     #: adapter key -> refused loads not yet counted in its status
     new_failures: dict[str, int] = field(default_factory=dict)
+    #: one sync at a time per base (two workers may reconcile one Model back to back)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     def holders(self, key: str) -> dict[str, str]:
         """Pods holding adapter `key` -> when it was loaded there."""
@@ -66,6 +69,7 @@ class RuntimeLoader:
         for uid in [u for u, b in self.bases.items() if b == base]:
             for memory in (self.held, self.pod_names, self.bases):
                 memory.pop(uid, None)
+        self._locks.pop(base, None)
 
     def take_failures(self, key: str) -> int:
         return self.new_failures.pop(key, 0)
@@ -75,6 +79,11 @@ class RuntimeLoader:
         """Make every ready pod (`ready`: pod names) of the Model `base` ("namespace/name") hold
         exactly `wanted`; forget its pods that are gone or not ready. True when some pod's adapters
         changed."""
+        async with self._locks.setdefault(base, asyncio.Lock()):
+            return await self._sync(base, pods, wanted, ready)
+
+    async def _sync(self, base: str, pods: Sequence[Mapping[str, Any]], wanted: Sequence[Wanted],
+                    ready: Mapping[str, str]) -> bool:
         namespace = base.partition("/")[0]
         live: dict[str, tuple[str, str]] = {}
         for pod in pods:

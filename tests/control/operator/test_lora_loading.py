@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.request
 from collections.abc import Iterator
 
@@ -84,3 +85,20 @@ def test_an_engine_that_does_not_answer_is_a_failure_with_the_reason(sims: list[
     sync(loader, [pod("p1", gone)], "a")
     assert loader.holders("ns/a") == {}
     assert "cannot reach the engine" in loader.failures["ns/a"]
+
+
+def test_two_reconciles_of_one_base_at_once_load_each_adapter_once(
+    sims: list[SimProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    loader = RuntimeLoader()
+    pods = [pod("p0", sims[0])]
+    wanted = [Wanted(n, f"lora-{n}", f"/models/lora/{n}") for n in ("a", "b")]
+
+    async def twice() -> None:
+        await asyncio.gather(*(loader.sync("ns/chat", pods, wanted, ready_pods(pods)) for _ in range(2)))
+
+    with caplog.at_level(logging.INFO, logger="wakegate.operator.lora"):
+        asyncio.run(twice())
+    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded LoRAAdapter")]
+    assert sorted(m.split()[2] for m in loads) == ["ns/a", "ns/b"]
+    assert engine_adapters(sims[0]) == {"lora-a", "lora-b"}
