@@ -8,6 +8,8 @@
   that adapter, differs from the base's and the other adapter's, and is the same every time.
   `kubectl get loraadapters` shows base, loaded replicas, Ready; an adapter of a Model that does
   not exist says so; removing an adapter rolls the base's pod without it.
+- A base at zero: the first request for its adapter wakes it once (`wakegate scaler`, builtin
+  engine) and is answered with the adapter applied.
 - vLLM (the simulator with `--enable-lora`): the operator loads the adapters into the ready pod
   through `POST /v1/load_lora_adapter`, at most `maxAdapters`; the next one is refused with the
   reason; an adapter request through the gateway reaches the engine by the adapter's name.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,8 +35,18 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import REPO_ROOT
-from e2e.gateway import LEASE_RULES, OPERATOR_RULES, XDS_RULES, Gateway, Operator, install_crds, scoped_kubeconfig
+from e2e.gateway import (
+    LEASE_RULES,
+    OPERATOR_RULES,
+    XDS_RULES,
+    Gateway,
+    Operator,
+    install_crds,
+    python_env,
+    scoped_kubeconfig,
+)
 from e2e.helpers import Kube, is_ready, wait_for
+from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_lora, write_model
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
@@ -51,28 +64,39 @@ class Served:
     kube: Kube
     gateway: Gateway
     operator: Operator
+    scaler: Proc
 
     def logs(self) -> str:
-        procs = [self.operator.proc, *self.gateway.procs]
+        procs = [self.operator.proc, *self.gateway.procs, self.scaler]
         return "\n".join(f"--- {p.name}\n{p.tail(20)}" for p in procs)
 
 
 @pytest.fixture
 def served(kube: Kube, tmp_path: Path) -> Iterator[Served]:
-    """The operator and the gateway (feeder + extproc + Envoy), each with the chart's rules."""
+    """The operator and the gateway (feeder + extproc + Envoy), each with the chart's rules, and the
+    builtin scaler the gateway reports demand to."""
     install_crds(kube.api)
     with (scoped_kubeconfig(kube, tmp_path, "operator", OPERATOR_RULES, LEASE_RULES) as operator_config,
           scoped_kubeconfig(kube, tmp_path, "xds", XDS_RULES) as xds_config):
         operator = Operator(tmp_path, operator_config, kube.ns, "operator", ["--renew-seconds", "1"])
-        gateway = Gateway(tmp_path, xds_config)
+        demand = free_port()
+        gateway = Gateway(tmp_path, xds_config, demand=f"127.0.0.1:{demand}")
+        scaler = Proc("scaler", [
+            sys.executable, "-m", "wakegate", "scaler", "--kubeconfig", str(kube.cluster.kubeconfig),
+            "--demand-listen", f"127.0.0.1:{demand}", "--keda-listen", f"127.0.0.1:{free_port()}",
+            "--admin-listen", f"127.0.0.1:{free_port()}", "--lease-namespace", kube.ns,
+            "--internal-token-file", str(gateway.token),
+        ], tmp_path / "scaler.log", env=python_env())
         operator.start()
+        scaler.start()
         try:
             gateway.start()
             try:
-                yield Served(kube, gateway, operator)
+                yield Served(kube, gateway, operator, scaler)
             finally:
                 gateway.stop()
         finally:
+            scaler.stop()
             operator.stop()
     # An RBAC refusal names the account ("forbidden: User ..."; Kopf: "Not enough permissions"); a
     # write into another test's namespace while it is being terminated is refused without one.
@@ -105,7 +129,7 @@ def kubectl_get(kube: Kube, what: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows}
 
 
-def ask(url: str, model: str, how: str = "body", **extra: Any) -> tuple[int, dict[str, Any]]:
+def ask(url: str, model: str, how: str = "body", timeout: float = 60, **extra: Any) -> tuple[int, dict[str, Any]]:
     """A greedy chat completion of PROMPT naming `model` in the body, in X-Model-ID or in the path."""
     headers = {"Content-Type": "application/json"}
     target, named = f"{url}/v1/chat/completions", model
@@ -116,7 +140,7 @@ def ask(url: str, model: str, how: str = "body", **extra: Any) -> tuple[int, dic
     body = {"model": named, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 7, **extra}
     request = urllib.request.Request(target, data=json.dumps(body).encode(), headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         raw = err.read()
@@ -133,21 +157,23 @@ def text(reply: tuple[int, dict[str, Any]]) -> str:
     return str(body["choices"][0]["message"]["content"] or "")
 
 
-def expected_answers(base: Path, sql: Path, poet: Path) -> dict[str, str]:
-    """What a llama-server of our own answers for the base and for each adapter (by its id here)."""
+def expected_answers(base: Path, *loras: Path) -> dict[str, str]:
+    """What a llama-server of our own answers for the base and for each adapter (by its file's
+    stem; asked by its id here)."""
     port = free_port()
     argv = [str(LLAMA_SERVER), "--model", str(base), "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-            "--ctx-size", "512", "--lora", str(sql), "--lora", str(poet)]
+            "--ctx-size", "512"]
+    for lora in loras:
+        argv += ["--lora", str(lora)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _status(f"{url}/health") == 200, 30, "the reference llama-server healthy")
-        off = [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
-        return {
-            "base": text(ask(url, "tiny", lora=off)),
-            "sql": text(ask(url, "tiny", lora=[{"id": 0, "scale": 1.0}])),
-            "poet": text(ask(url, "tiny", lora=[{"id": 1, "scale": 1.0}])),
-        }
+        off = [{"id": i, "scale": 0.0} for i in range(len(loras))]
+        answers = {"base": text(ask(url, "tiny", lora=off))}
+        for i, lora in enumerate(loras):
+            answers[lora.stem] = text(ask(url, "tiny", lora=[{"id": i, "scale": 1.0}]))
+        return answers
     finally:
         proc.terminate()
         proc.wait(10)
@@ -245,6 +271,37 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
     wait_for(lambda: ask(url, "poet")[0] == 404, 30, "poet no longer routed")
     assert text(ask(url, "sql")) == expected["sql"]
     assert status(kube, "loraadapters", "sql")["loads"] == 2
+
+
+def test_an_adapter_request_wakes_its_base_from_zero_once(served: Served, tmp_path: Path) -> None:
+    if not LLAMA_SERVER.exists():
+        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+    kube = served.kube
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    base = write_model(weights / "tiny.gguf", ModelSpec(seed=0))
+    sql = write_lora(weights / "sql.gguf", ModelSpec(seed=0), seed=11)
+    expected = expected_answers(base, sql)
+    assert expected["sql"] != expected["base"]
+    create(kube, "loraadapters", "sql", {"baseModel": "tiny", "source": f"file://{sql}"})
+    create(kube, "models", "tiny", {
+        "backend": "llamacpp", "source": f"file://{base}", "args": ["--threads", "1", "--ctx-size", "512"],
+        "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 300, "activationTimeout": 120},
+    })
+    wait_for(lambda: status(kube, "loraadapters", "sql").get("reason") == "BaseNotReady", 60,
+             f"sql waiting for a replica of its sleeping base\n{served.logs()}")
+    assert kube.pods(f"{names.LABEL_MODEL}=tiny") == []
+    wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
+
+    woken = time.monotonic()
+    assert text(ask(served.gateway.url, "sql", timeout=150)) == expected["sql"]
+    print(f"lora e2e: adapter request for a base at zero answered in {time.monotonic() - woken:.1f} s")
+    (pod,) = kube.pods(f"{names.LABEL_MODEL}=tiny")
+    assert pod.spec.containers[0].args.count("--lora") == 1
+    assert served.scaler.tail(400).count(f"scaled {kube.ns}/tiny to 1 replicas") == 1, served.scaler.tail(40)
+    wait_for(lambda: status(kube, "loraadapters", "sql").get("reason") == "Loaded", 30, "sql Loaded")
+    assert text(ask(served.gateway.url, "sql")) == expected["sql"] and text(ask(served.gateway.url, "tiny")) == (
+        expected["base"])
 
 
 def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(served: Served) -> None:

@@ -6,7 +6,10 @@ key; a few workers reconcile one key at a time: render (pure), server-side apply
 when the rendering changed, delete owned kinds no longer rendered, compute the
 status (pure) and patch it only when it differs. A ModelCache event re-reconciles the
 Models of its namespace that read the node caches, and the ModelCache's own summary status
-(ready/wanted nodes; the per-node entries are the agents'). Kopf's on-event handlers keep
+(ready/wanted nodes; the per-node entries are the agents'). A LoRAAdapter event re-reconciles its
+base (llama.cpp pods start with the base's adapters; vLLM-style pods get them loaded over HTTP by
+`lora_loading`) and its own status (`lora_status`), which every reconcile of the base pokes too.
+Kopf's on-event handlers keep
 no state on the objects (no annotations, no finalizers), so an unchanged world
 causes no writes at all.
 """
