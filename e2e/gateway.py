@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -311,22 +311,27 @@ class Gateway:
             proc.stop()
 
     def chat(self, model: str, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
-        body = json.dumps(
-            {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-        ).encode()
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
+        body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        return post_json(f"{self.url}/v1/chat/completions", body, timeout=timeout)
+
+
+def post_json(
+    url: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, dict[str, Any]]:
+    """(status, decoded reply) of a JSON POST; an error reply that is not JSON comes back as {"raw": text}."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        err.close()
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            err.close()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:
-                return err.code, {"raw": raw.decode(errors="replace")}
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, {"raw": raw.decode(errors="replace")}
 
 
 def subscribe_without_token(address: str, token: str | None = None) -> str:

@@ -42,6 +42,7 @@ from e2e.gateway import (
     Gateway,
     Operator,
     install_crds,
+    post_json,
     python_env,
     scoped_kubeconfig,
 )
@@ -131,24 +132,14 @@ def kubectl_get(kube: Kube, what: str) -> dict[str, list[str]]:
 
 def ask(url: str, model: str, how: str = "body", timeout: float = 60, **extra: Any) -> tuple[int, dict[str, Any]]:
     """A greedy chat completion of PROMPT naming `model` in the body, in X-Model-ID or in the path."""
-    headers = {"Content-Type": "application/json"}
+    headers: dict[str, str] = {}
     target, named = f"{url}/v1/chat/completions", model
     if how == "header":
         headers["X-Model-ID"], named = model, "ignored-by-the-gateway"
     elif how == "path":
         target, named = f"{url}/model/{model}/v1/chat/completions", "also-ignored"
     body = {"model": named, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 7, **extra}
-    request = urllib.request.Request(target, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        err.close()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, {"raw": raw.decode(errors="replace")}
+    return post_json(target, body, headers, timeout)
 
 
 def text(reply: tuple[int, dict[str, Any]]) -> str:
