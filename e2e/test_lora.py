@@ -10,9 +10,10 @@
   not exist says so; removing an adapter rolls the base's pod without it.
 - A base at zero: the first request for its adapter wakes it once (`wakegate scaler`, builtin
   engine) and is answered with the adapter applied.
-- vLLM (the simulator with `--enable-lora`): the operator loads the adapters into the ready pod
-  through `POST /v1/load_lora_adapter`, at most `maxAdapters`; the next one is refused with the
-  reason; an adapter request through the gateway reaches the engine by the adapter's name.
+- vLLM (the simulator with `--enable-lora`): the operator loads the adapters into the pod through
+  `POST /v1/load_lora_adapter`, at most `maxAdapters`, before the pod's readiness gate lets it be
+  routed; the next one is refused with the reason; an adapter request through the gateway reaches
+  the engine by the adapter's name, also the first one, which wakes a base at zero.
 
 The operator and the feeder run with service-account tokens holding exactly the chart's rules
 (`OPERATOR_RULES`, `XDS_RULES`), so what they do here is what the chart lets them do.
@@ -51,6 +52,7 @@ from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_lora, write_model
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
+from wakegate.control.k8s.adapters import GATE_ADAPTERS
 
 pytestmark = pytest.mark.e2e
 
@@ -271,28 +273,29 @@ def test_an_adapter_request_wakes_its_base_from_zero_once(served: Served, tmp_pa
     weights = tmp_path / "weights"
     weights.mkdir()
     base = write_model(weights / "tiny.gguf", ModelSpec(seed=0))
-    sql = write_lora(weights / "sql.gguf", ModelSpec(seed=0), seed=11)
-    expected = expected_answers(base, sql)
-    assert expected["sql"] != expected["base"]
-    create(kube, "loraadapters", "sql", {"baseModel": "tiny", "source": f"file://{sql}"})
-    create(kube, "models", "tiny", {
+    lora = write_lora(weights / "wake.gguf", ModelSpec(seed=0), seed=11)
+    expected = expected_answers(base, lora)
+    assert expected["wake"] != expected["base"]
+    # Names of their own: the gateway is cluster-wide and the last test's namespace may still be going.
+    create(kube, "loraadapters", "wake", {"baseModel": "sleeper", "source": f"file://{lora}"})
+    create(kube, "models", "sleeper", {
         "backend": "llamacpp", "source": f"file://{base}", "args": ["--threads", "1", "--ctx-size", "512"],
         "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 300, "activationTimeout": 120},
     })
-    wait_for(lambda: status(kube, "loraadapters", "sql").get("reason") == "BaseNotReady", 60,
-             f"sql waiting for a replica of its sleeping base\n{served.logs()}")
-    assert kube.pods(f"{names.LABEL_MODEL}=tiny") == []
+    wait_for(lambda: status(kube, "loraadapters", "wake").get("reason") == "BaseNotReady", 60,
+             f"wake waiting for a replica of its sleeping base\n{served.logs()}")
+    assert kube.pods(f"{names.LABEL_MODEL}=sleeper") == []
     wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
 
     woken = time.monotonic()
-    assert text(ask(served.gateway.url, "sql", timeout=150)) == expected["sql"]
+    assert text(ask(served.gateway.url, "wake", timeout=150)) == expected["wake"]
     print(f"lora e2e: adapter request for a base at zero answered in {time.monotonic() - woken:.1f} s")
-    (pod,) = kube.pods(f"{names.LABEL_MODEL}=tiny")
+    (pod,) = kube.pods(f"{names.LABEL_MODEL}=sleeper")
     assert pod.spec.containers[0].args.count("--lora") == 1
-    assert served.scaler.tail(400).count(f"scaled {kube.ns}/tiny to 1 replicas") == 1, served.scaler.tail(40)
-    wait_for(lambda: status(kube, "loraadapters", "sql").get("reason") == "Loaded", 30, "sql Loaded")
-    assert text(ask(served.gateway.url, "sql")) == expected["sql"] and text(ask(served.gateway.url, "tiny")) == (
-        expected["base"])
+    assert served.scaler.tail(400).count(f"scaled {kube.ns}/sleeper to 1 replicas") == 1, served.scaler.tail(40)
+    wait_for(lambda: status(kube, "loraadapters", "wake").get("reason") == "Loaded", 30, "wake Loaded")
+    assert text(ask(served.gateway.url, "wake")) == expected["wake"]
+    assert text(ask(served.gateway.url, "sleeper")) == expected["base"]
 
 
 def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(served: Served) -> None:
@@ -316,6 +319,9 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
     args = pod.spec.containers[0].args
     assert args[args.index("--max-loras") + 1] == "2" and "--enable-lora" in args
     assert "wakegate.io/lora-adapters" not in (pod.metadata.annotations or {}), "vLLM pods start with none"
+    # Routed only once its adapters are in: the readiness gate the operator opened.
+    assert [g.condition_type for g in pod.spec.readiness_gates] == [GATE_ADAPTERS]
+    assert any(c.type == GATE_ADAPTERS and c.status == "True" for c in pod.status.conditions)
     gamma = status(kube, "loraadapters", "gamma")
     assert (gamma["ready"], gamma["reason"]) == ("False", "MaxAdaptersExceeded"), gamma
     # The engine itself lists what the operator loaded into it.
@@ -338,3 +344,18 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
     listed = json.loads(urllib.request.urlopen(f"{engine}/v1/models", timeout=10).read())
     assert {"beta", "gamma"} <= {m["id"] for m in listed["data"]} and "alpha" not in {m["id"] for m in listed["data"]}
     assert status(kube, "loraadapters", "gamma")["replicas"] == [pod.metadata.name]
+
+
+def test_the_first_request_for_a_vllm_adapter_of_a_base_at_zero_finds_it_loaded(served: Served) -> None:
+    kube = served.kube
+    create(kube, "models", "burst", {
+        "backend": "sim", "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 300,
+                                      "activationTimeout": 60},
+    })
+    create(kube, "loraadapters", "delta", {"baseModel": "burst", "source": "hf://org/delta-lora"})
+    wait_for(lambda: status(kube, "loraadapters", "delta").get("reason") == "BaseNotReady", 60,
+             f"delta waiting for a replica of its sleeping base\n{served.logs()}")
+    wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
+    code, body = ask(served.gateway.url, "delta", timeout=90)
+    assert code == 200 and body["model"] == "delta", f"{body}\n{served.logs()}"
+    assert served.scaler.tail(400).count(f"scaled {kube.ns}/burst to 1 replicas") == 1

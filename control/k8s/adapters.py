@@ -30,6 +30,10 @@ from wakegate.control.schema import LoRAAdapter, Model
 ANNOTATION_ADAPTERS = "wakegate.io/lora-adapters"
 #: Where a pod sees the volume of an adapter's weights.
 ADAPTERS_ROOT = "/models/lora"
+#: Readiness gate of the pods of a base that loads adapters at run time (vLLM): the operator sets
+#: this pod condition True once it has loaded the base's adapters into the engine, so no request
+#: reaches a pod before its adapters do.
+GATE_ADAPTERS = "wakegate.io/lora-adapters-loaded"
 
 # Condition reasons of a LoRAAdapter that is not served (stable: `kubectl get lora` shows them).
 BASE_NOT_FOUND = "BaseModelNotFound"

@@ -36,12 +36,18 @@ from wakegate.control.delivery.credentials import DockerAuths, parse_docker_conf
 from wakegate.control.delivery.listing import list_registry
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import names
-from wakegate.control.k8s.adapters import Selection, adapter_mount, select
+from wakegate.control.k8s.adapters import GATE_ADAPTERS, Selection, adapter_mount, select
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.lora_loading import RuntimeLoader, Wanted
-from wakegate.control.operator.lora_status import AdapterObserved, adapter_status, ready_pods, started_with
+from wakegate.control.operator.lora_status import (
+    AdapterObserved,
+    adapter_status,
+    gate_open,
+    ready_pods,
+    started_with,
+)
 from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
@@ -323,13 +329,36 @@ class Reconciler:
                 self.poke(ADAPTER_KEY + names.model_key(namespace, adapter_name))
 
     async def _load_adapters(self, key: str, model: Model, adapters: tuple[LoRAAdapter, ...]) -> None:
-        """Load a run-time-loading base's adapters into its ready pods (and unload removed ones)."""
+        """Load a run-time-loading base's adapters into the pods whose engine answers (and unload
+        removed ones), then open those pods' readiness gate: a pod is routed only once its
+        adapters are in (a refused load is retried, the base serves on without it)."""
         namespace = key.partition("/")[0]
         pods = list(self.pods.get(key, {}).values())
         wanted = [Wanted(a.name, a.served_name, adapter_mount(a, model.spec.backend).argument) for a in adapters]
-        await self.lora_loader.sync(key, pods, wanted, ready_pods(pods))
+        engines = ready_pods(pods, "ContainersReady")
+        await self.lora_loader.sync(key, pods, wanted, engines)
         if any(f"{namespace}/{a.name}" in self.lora_loader.failures for a in adapters):
             asyncio.get_running_loop().call_later(ADAPTER_RETRY, self.poke, key)
+        synced = self.lora_loader.synced(key)
+        for pod in pods:
+            gates = (pod.get("spec") or {}).get("readinessGates") or []
+            gated = any(g.get("conditionType") == GATE_ADAPTERS for g in gates)
+            up = pod["metadata"]["name"] in synced
+            if gated and up != gate_open(pod, GATE_ADAPTERS):
+                await self._set_gate(pod, up)
+
+    async def _set_gate(self, pod: Mapping[str, Any], loaded: bool) -> None:
+        """The pod condition of the adapters' readiness gate (server-side apply: only that entry)."""
+        meta = pod["metadata"]
+        condition = {"type": GATE_ADAPTERS, "status": "True" if loaded else "False", "lastTransitionTime": _rfc3339(),
+                     "reason": "AdaptersLoaded" if loaded else "EngineNotReady"}
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                "status": {"conditions": [condition]}}
+        try:
+            await asyncio.to_thread(self.kube.apply_status, body, names.FIELD_MANAGER)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
 
     async def _reconcile_adapter(self, key: str) -> None:
         """A LoRAAdapter's status: its base's pods that hold it, or why none does."""

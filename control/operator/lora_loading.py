@@ -64,6 +64,10 @@ class RuntimeLoader:
         """Pods holding adapter `key` -> when it was loaded there."""
         return {self.pod_names[uid]: h[key].since for uid, h in self.held.items() if key in h}
 
+    def synced(self, base: str) -> set[str]:
+        """The pods of `base` whose engine was given every adapter wanted at the last sync."""
+        return {self.pod_names[uid] for uid, b in self.bases.items() if b == base}
+
     def forget(self, base: str) -> None:
         """The Model `base` is gone, and its pods with it."""
         for uid in [u for u, b in self.bases.items() if b == base]:
@@ -97,6 +101,8 @@ class RuntimeLoader:
             for memory in (self.held, self.pod_names, self.bases):
                 memory.pop(uid, None)
         changed = bool(gone)
+        for uid, (name, _) in live.items():
+            self.pod_names[uid], self.bases[uid] = name, base
         want = {f"{namespace}/{w.name}": w for w in wanted}
         work = [(uid, where) for uid, where in live.items()
                 if {k: (h.served_name, h.path) for k, h in self.held.get(uid, {}).items()}
@@ -106,8 +112,6 @@ class RuntimeLoader:
         timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for uid, (name, endpoint) in work:
-                self.pod_names[uid] = name
-                self.bases[uid] = base
                 held = self.held.setdefault(uid, {})
                 for key, h in list(held.items()):
                     target = want.get(key)

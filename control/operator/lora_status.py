@@ -25,24 +25,31 @@ BASE_NOT_READY = "BaseNotReady"
 LOADING = "Loading"
 
 
-def _ready_since(pod: Mapping[str, Any]) -> str | None:
-    """When a pod became Ready (None: it is not, or it is going away)."""
+def _ready_since(pod: Mapping[str, Any], condition: str = "Ready") -> str | None:
+    """When a pod's `condition` became True (None: it is not, or the pod is going away)."""
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return None
     for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready" and cond.get("status") == "True":
+        if cond.get("type") == condition and cond.get("status") == "True":
             return str(cond.get("lastTransitionTime") or pod["metadata"].get("creationTimestamp") or "")
     return None
 
 
-def ready_pods(pods: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Ready pods of a base, by name, with when each became ready."""
+def ready_pods(pods: Sequence[Mapping[str, Any]], condition: str = "Ready") -> dict[str, str]:
+    """Ready pods of a base, by name, with when each became ready (`condition`: `ContainersReady`
+    for pods whose engine answers, readiness gates aside)."""
     out = {}
     for pod in pods:
-        since = _ready_since(pod)
+        since = _ready_since(pod, condition)
         if since is not None:
             out[str(pod["metadata"]["name"])] = since
     return out
+
+
+def gate_open(pod: Mapping[str, Any], gate: str) -> bool:
+    """Whether the pod condition `gate` (a readiness gate) is True."""
+    return any(c.get("type") == gate and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def started_with(pods: Sequence[Mapping[str, Any]], adapter: str) -> dict[str, str]:

@@ -22,7 +22,13 @@ from pydantic import ValidationError
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
-from wakegate.control.k8s.adapters import ANNOTATION_ADAPTERS, SourceUnsupported, adapter_mount, source_mount
+from wakegate.control.k8s.adapters import (
+    ANNOTATION_ADAPTERS,
+    GATE_ADAPTERS,
+    SourceUnsupported,
+    adapter_mount,
+    source_mount,
+)
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model, RuntimeProbe, ScalingEngine
@@ -326,8 +332,9 @@ def _adapters(
 
     llama.cpp loads adapters only at start: `--lora-init-without-apply` and `--lora FILE` for each,
     in id order, so a changed set rolls the pods. Engines that load at run time get their switch
-    (`--enable-lora --max-loras N`) and the adapters' volumes; the operator loads each adapter
-    through their API, so a new adapter rolls nothing unless it needs a volume the pods lack.
+    (`--enable-lora --max-loras N`), the adapters' volumes and a readiness gate the operator opens
+    once it loaded them (`GATE_ADAPTERS`); it loads each adapter through their API, so a new
+    adapter rolls nothing unless it needs a volume the pods lack.
     """
     backend = BACKENDS[model.spec.backend]
     if not adapters or not backend.serves_adapters:
@@ -395,7 +402,8 @@ def pod_template(
         annotations[names.ANNOTATION_VRAM_ESTIMATE] = str(model.spec.resources.gpu.minVramMb)
     if cached is not None:
         annotations[names.ANNOTATION_WEIGHTS] = cached
-    if adapters and BACKENDS[model.spec.backend].lora_arg:
+    lora = BACKENDS[model.spec.backend]
+    if adapters and lora.lora_arg:
         annotations[ANNOTATION_ADAPTERS] = ",".join(a.name for a in adapters)
     spec: dict[str, Any] = {
         "containers": [container],
@@ -421,6 +429,8 @@ def pod_template(
         spec["priorityClassName"] = rt.scheduling.priorityClassName
     if rt.scheduling.schedulerName:
         spec["schedulerName"] = rt.scheduling.schedulerName
+    if adapters and lora.lora_runtime_args and not lora.lora_arg:
+        spec["readinessGates"] = [{"conditionType": GATE_ADAPTERS}]
     return {"metadata": {"labels": names.backend_labels(model.name), "annotations": annotations}, "spec": spec}
 
 

@@ -130,6 +130,7 @@ def test_llama_cpp_pods_start_with_every_adapter_and_a_new_one_rolls_them() -> N
     mount = next(m for m in container["volumeMounts"] if m["name"] == lora_volumes[0]["name"])
     assert mount["readOnly"] is True and loras[1].startswith(mount["mountPath"] + "/")
     assert template["metadata"]["annotations"][ad.ANNOTATION_ADAPTERS] == "sql,poet"
+    assert "readinessGates" not in template["spec"], "a llama.cpp pod has its adapters when it answers"
     assert one.digest() != two.digest(), "llama.cpp loads adapters only at start: the pods roll"
     assert "--lora" not in pod_spec(rnd.render(body, runtime("llamacpp"), rnd.Settings()))["spec"]["containers"][0][
         "args"]
@@ -144,6 +145,7 @@ def test_vllm_pods_start_able_to_load_and_a_new_adapter_rolls_nothing() -> None:
     assert args[args.index("--enable-lora"):][:3] == ["--enable-lora", "--max-loras", "3"]
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container["env"]
     assert ad.ANNOTATION_ADAPTERS not in template["metadata"]["annotations"]
+    assert template["spec"]["readinessGates"] == [{"conditionType": ad.GATE_ADAPTERS}], "routed once loaded"
     assert one.digest() == two.digest(), "the operator loads the new adapter into the running pods"
     assert "--enable-lora" not in pod_spec(rnd.render(body, runtime("sim"), rnd.Settings()))["spec"]["containers"][0][
         "args"]
@@ -221,6 +223,10 @@ class Kube:
         self.statuses.append((obj_path, status))
         return {"status": status}
 
+    def apply_status(self, obj: dict[str, Any], field_manager: str) -> Any:
+        self.statuses.append((obj["metadata"]["name"], obj["status"]))
+        return obj
+
 
 def llama_pod(name: str, uid: str, adapters: str) -> dict[str, Any]:
     body = pod(name, adapters)
@@ -257,3 +263,38 @@ def test_the_operator_renders_the_adapters_and_counts_each_pod_that_loads_one_on
     written = len(kube.statuses)
     asyncio.run(reconciler.reconcile(ADAPTER_KEY + "ns/sql"))
     assert len(kube.statuses) == written, "an unchanged world writes nothing"
+
+
+def sim_pod(name: str, containers_ready: bool, gate: bool | None) -> dict[str, Any]:
+    conditions = [{"type": "ContainersReady", "status": str(containers_ready), "lastTransitionTime": NOW},
+                  {"type": "Ready", "status": str(containers_ready and bool(gate)), "lastTransitionTime": NOW}]
+    if gate is not None:
+        conditions.append({"type": ad.GATE_ADAPTERS, "status": str(gate)})
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}", "labels": {"wakegate.io/model": "chat"}},
+        "spec": {"readinessGates": [{"conditionType": ad.GATE_ADAPTERS}],
+                 "containers": [{"name": "backend", "ports": [{"name": "http", "containerPort": 1}]}]},
+        "status": {"podIP": "10.0.0.1", "conditions": conditions},
+    }
+
+
+def test_a_vllm_pod_is_gated_until_its_adapters_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wakegate.control.operator import lora_loading
+    from wakegate.control.operator.controller import Reconciler
+
+    async def engine(session: Any, endpoint: str, path: str, body: Any) -> tuple[int, str]:
+        return (200, "ok") if path == "/v1/load_lora_adapter" else (404, "")
+
+    monkeypatch.setattr(lora_loading, "_post", engine)
+    kube = Kube()
+    reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
+    reconciler.on_model(None, model_body(name="chat", backend="sim"))
+    reconciler.on_adapter(None, adapter("a", base="chat", source="hf://org/a"))
+    reconciler.on_pod(None, sim_pod("up", containers_ready=True, gate=None))
+    reconciler.on_pod(None, sim_pod("starting", containers_ready=False, gate=None))
+    reconciler.on_pod(None, sim_pod("restarted", containers_ready=False, gate=True))
+    asyncio.run(reconciler.reconcile("ns/chat"))
+    gates = {name: status["conditions"][0]["status"] for name, status in kube.statuses
+             if status.get("conditions", [{}])[0].get("type") == ad.GATE_ADAPTERS}
+    assert gates == {"up": "True", "restarted": "False"}, "open once loaded; closed while the engine is down"
+    assert set(reconciler.lora_loader.holders("ns/a")) == {"up"}
