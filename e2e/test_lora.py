@@ -182,6 +182,28 @@ def _status(url: str) -> int:
         return 0
 
 
+def settled(served: Served, model: str) -> None:
+    """Wait until a new `min: 0` Model is Idle, its Deployment created and handed to the scaler.
+
+    A scale-up landing within the operator's first apply of a Deployment (create, then the
+    replicas handoff to the scaler's field manager) can be overwritten by the handoff; these
+    tests are about adapters, so they wake a base that has settled.
+    """
+    wait_for(lambda: status(served.kube, "models", model).get("phase") == "Idle", 60,
+             f"Model {model} Idle\n{served.logs()}")
+
+    def handed_over() -> bool:
+        try:
+            deployment = served.kube.apps.read_namespaced_deployment(names.backend_name(model), served.kube.ns)
+        except ApiException:
+            return False
+        owners = {e.manager for e in deployment.metadata.managed_fields or []
+                  if "f:replicas" in ((e.fields_v1 or {}).get("f:spec") or {})}
+        return owners == {names.SCALER_FIELD_MANAGER}
+
+    wait_for(handed_over, 30, f"the replicas of {model} handed to the scaler\n{served.logs()}")
+
+
 def _ready_pods(kube: Kube, model: str) -> list[Any]:
     return [p for p in kube.pods(f"{names.LABEL_MODEL}={model}") if is_ready(p) and not p.metadata.deletion_timestamp]
 
@@ -284,6 +306,7 @@ def test_an_adapter_request_wakes_its_base_from_zero_once(served: Served, tmp_pa
     })
     wait_for(lambda: status(kube, "loraadapters", "wake").get("reason") == "BaseNotReady", 60,
              f"wake waiting for a replica of its sleeping base\n{served.logs()}")
+    settled(served, "sleeper")
     assert kube.pods(f"{names.LABEL_MODEL}=sleeper") == []
     wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
 
@@ -355,6 +378,7 @@ def test_the_first_request_for_a_vllm_adapter_of_a_base_at_zero_finds_it_loaded(
     create(kube, "loraadapters", "delta", {"baseModel": "burst", "source": "hf://org/delta-lora"})
     wait_for(lambda: status(kube, "loraadapters", "delta").get("reason") == "BaseNotReady", 60,
              f"delta waiting for a replica of its sleeping base\n{served.logs()}")
+    settled(served, "burst")
     wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
     code, body = ask(served.gateway.url, "delta", timeout=90)
     assert code == 200 and body["model"] == "delta", f"{body}\n{served.logs()}"
