@@ -371,9 +371,11 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
 
 def test_the_first_request_for_a_vllm_adapter_of_a_base_at_zero_finds_it_loaded(served: Served) -> None:
     kube = served.kube
+    # A load that takes the engine 2 s: without the readiness gate the woken pod would be routed,
+    # and the held request released, before its adapter is in.
     create(kube, "models", "burst", {
-        "backend": "sim", "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 300,
-                                      "activationTimeout": 60},
+        "backend": "sim", "args": ["--lora-load-ms", "2000"],
+        "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 300, "activationTimeout": 60},
     })
     create(kube, "loraadapters", "delta", {"baseModel": "burst", "source": "hf://org/delta-lora"})
     wait_for(lambda: status(kube, "loraadapters", "delta").get("reason") == "BaseNotReady", 60,
