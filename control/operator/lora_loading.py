@@ -1,6 +1,7 @@
 """The operator's LoRA I/O for engines that load adapters at run time (vLLM's `--enable-lora`).
 
-Each reconcile of such a base hands :meth:`RuntimeLoader.sync` the base's ready pods and the
+Each reconcile of such a base hands :meth:`RuntimeLoader.sync` the base's pods whose containers
+are ready (the pods' readiness gate opens once they hold their adapters) and the
 adapters it serves (at most `spec.adapters.maxAdapters`, so every pod holds all of them); the
 loader posts `POST /v1/load_lora_adapter {lora_name, lora_path}` for each one a pod lacks and
 `POST /v1/unload_lora_adapter {lora_name}` for each one it holds that is no longer served. An
@@ -80,9 +81,9 @@ class RuntimeLoader:
 
     async def sync(self, base: str, pods: Sequence[Mapping[str, Any]], wanted: Sequence[Wanted],
                    ready: Mapping[str, str]) -> bool:
-        """Make every ready pod (`ready`: pod names) of the Model `base` ("namespace/name") hold
-        exactly `wanted`; forget its pods that are gone or not ready. True when some pod's adapters
-        changed."""
+        """Make every pod of the Model `base` ("namespace/name") whose engine answers (`ready`: pod
+        names; their readiness gate waits for this) hold exactly `wanted`; forget its pods that are
+        gone or not ready. True when some pod's adapters changed."""
         async with self._locks.setdefault(base, asyncio.Lock()):
             return await self._sync(base, pods, wanted, ready)
 
