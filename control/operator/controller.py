@@ -374,9 +374,11 @@ class Reconciler:
         refused = self.selection(namespace).refused.get(name)
         pods = list(self.pods.get(names.model_key(namespace, base), {}).values())
         holders: dict[str, str] = {}
+        at_start = False
         if refused is None:
             backend = BACKENDS[model_from_object(self.models[names.model_key(namespace, base)]).spec.backend]
-            holders = started_with(pods, name) if backend.lora_arg else self.lora_loader.holders(key)
+            at_start = bool(backend.lora_arg)
+            holders = started_with(pods, name) if at_start else self.lora_loader.holders(key)
         previous = body.get("status") or {}
         seen = self._adapter_seen.setdefault(key, set(previous.get("replicas") or []))
         counts = self._adapter_counts.setdefault(
@@ -394,6 +396,7 @@ class Reconciler:
             loads=counts[0],
             failures=counts[1],
             failure=self.lora_loader.failures.get(key),
+            at_start=at_start,
         )
         status = adapter_status(observed, previous, _rfc3339())
         if any(previous.get(k) != v for k, v in status.items()):

@@ -82,6 +82,8 @@ class AdapterObserved:
     failures: int = 0
     #: The engine's answer to the last refused load, while no pod holds it.
     failure: str | None = None
+    #: The base's engine takes adapters only at start (llama.cpp): its pods roll to get one.
+    at_start: bool = False
 
 
 def adapter_status(observed: AdapterObserved, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
@@ -99,6 +101,9 @@ def adapter_status(observed: AdapterObserved, previous: Mapping[str, Any], now: 
     elif ready == 0:
         cond = Condition("Ready", "False", BASE_NOT_READY, f"Model {observed.base} has no ready replica; the "
                                                            "adapter is loaded when one starts")
+    elif observed.at_start:
+        cond = Condition("Ready", "False", LOADING, f"the pods of Model {observed.base} roll to start with it "
+                                                    f"({ready} ready without it)")
     else:
         cond = Condition("Ready", "False", LOADING, f"being loaded into {ready} ready replicas of "
                                                     f"Model {observed.base}")

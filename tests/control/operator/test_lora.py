@@ -191,6 +191,7 @@ def test_status_says_loaded_where_and_since_when_and_keeps_its_transition_time()
          "LoadFailed"),
         (AdapterObserved(1, "tiny", ready_replicas=0), "BaseNotReady"),
         (AdapterObserved(1, "chat", ready_replicas=2), "Loading"),
+        (AdapterObserved(1, "tiny", ready_replicas=1, at_start=True), "Loading"),
     ],
 )
 def test_status_tells_why_no_replica_holds_it(observed: AdapterObserved, reason: str) -> None:
@@ -199,6 +200,8 @@ def test_status_tells_why_no_replica_holds_it(observed: AdapterObserved, reason:
     assert (status["ready"], status["reason"], status["loadedReplicas"], status["replicas"]) == ("False", reason, 0, [])
     assert status["conditions"][0]["reason"] == reason and status["conditions"][0]["lastTransitionTime"] == NOW
     assert (status["loads"], status["failures"]) == (observed.loads, observed.failures)
+    if observed.at_start:
+        assert "roll" in status["message"], "llama.cpp gets a new adapter by a roll of its pods"
     assert status["lastLoadTime"] == "2026-12-01T09:00:00Z", "the last load is remembered"
 
 
