@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,8 @@ def install_crds(api: ApiClient) -> None:
 
 #: The read-only ClusterRole of `wakegate xds` (docs/operator.md).
 XDS_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["wakegate.io"], "resources": ["models"], "verbs": ["get", "list", "watch"]},
+    # LoRAAdapters: their names route to their base.
+    {"apiGroups": ["wakegate.io"], "resources": ["models", "loraadapters"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     # Nodes being drained or reclaimed: their endpoints leave the routes first.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
@@ -82,9 +83,13 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["wakegate.io"], "resources": ["modelcaches/status"], "verbs": ["patch"]},
     {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["wakegate.io"], "resources": ["modelcatalogs/status"], "verbs": ["patch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["loraadapters"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["wakegate.io"], "resources": ["loraadapters/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},  # delete: Failed ones
+    # The LoRA readiness gate of vLLM-style pods (one condition, server-side apply).
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
     {
         "apiGroups": ["keda.sh"],
@@ -347,22 +352,27 @@ class Gateway:
             proc.stop()
 
     def chat(self, model: str, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
-        body = json.dumps(
-            {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-        ).encode()
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
+        body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        return post_json(f"{self.url}/v1/chat/completions", body, timeout=timeout)
+
+
+def post_json(
+    url: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, dict[str, Any]]:
+    """(status, decoded reply) of a JSON POST; an error reply that is not JSON comes back as {"raw": text}."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        err.close()
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            err.close()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:
-                return err.code, {"raw": raw.decode(errors="replace")}
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, {"raw": raw.decode(errors="replace")}
 
 
 def subscribe_without_token(address: str, token: str | None = None) -> str:

@@ -184,14 +184,9 @@ def _apply(s: Settings, doc: dict[str, Any], source: str) -> int:
     """Server-side apply `doc` in `s.namespace` as the field manager `wakegate-catalog`."""
     from kubernetes.config import ConfigException
 
-    from wakegate.control.k8s.client import PLURALS, Kube, KubeError, api_client
+    from wakegate.control.k8s.client import Kube, KubeError, api_client
 
     doc = {**doc, "metadata": {**doc["metadata"], "namespace": s.namespace}}
-    if (doc["apiVersion"], doc["kind"]) not in PLURALS:
-        # LoRAAdapter comes with the adapter work; until the client knows its resource, write a file.
-        print(f"wakegate catalog deploy: --apply does not know the kind {doc['kind']} yet; write it with -o "
-              "and `kubectl apply -f` it", file=sys.stderr, flush=True)
-        return 1
     try:
         kube = Kube(api_client(s.kubeconfig))
         kube.apply(doc, field_manager=FIELD_MANAGER)

@@ -13,6 +13,10 @@ autoscaler or Karpenter, or about to be reclaimed as a spot/preemptible machine:
 leave the routes as soon as the Node says so, before the kubelet stops the pod, as long as the
 Model keeps an endpoint elsewhere: when every endpoint is on leaving nodes they stay routed (a
 draining replica serves better than none while its replacement starts).
+
+A base's LoRAAdapters (of its namespace, chosen and ordered by `k8s.adapters.select`, as the
+operator starts llama.cpp pods with them) travel in its route: their names resolve to the base,
+llama.cpp's with their `--lora` id and scale. Refused adapters are not routed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from pydantic import ValidationError
 
 from wakegate.control.feeder.resources import RoutedModel, routed_model
 from wakegate.control.k8s import names
+from wakegate.control.k8s.adapters import select
 from wakegate.control.k8s.objects import model_from_object
+from wakegate.control.schema import Model
 
 #: Taints that say a node is about to go away (NoSchedule or NoExecute, any value).
 LEAVING_TAINTS = frozenset(
@@ -93,6 +99,8 @@ class KubeSource:
     leaving: set[str] = field(default_factory=set)
     failures: dict[str, int] = field(default_factory=dict)
     failed_now: dict[str, bool] = field(default_factory=dict)
+    #: LoRAAdapters by namespace, then name (spec and metadata only)
+    adapters: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def on_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
@@ -107,6 +115,18 @@ class KubeSource:
         if failed and not self.failed_now.get(key, False):
             self.failures[key] = self.failures.get(key, 0) + 1
         self.failed_now[key] = failed
+
+    def on_adapter(self, event_type: str | None, body: Mapping[str, Any]) -> bool:
+        """Record a LoRAAdapter; True when what routes could see of it changed (not a status write)."""
+        meta = body["metadata"]
+        store = self.adapters.setdefault(meta["namespace"], {})
+        old = store.get(meta["name"])
+        if event_type == "DELETED":
+            store.pop(meta["name"], None)
+            return old is not None
+        new = {k: body.get(k) for k in ("metadata", "spec")}
+        store[meta["name"]] = new
+        return old is None or (old["metadata"].get("generation"), old["spec"]) != (meta.get("generation"), new["spec"])
 
     def on_slice(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
@@ -138,12 +158,28 @@ class KubeSource:
         return staying or set(found)
 
     def routed(self) -> list[RoutedModel]:
+        parsed: dict[str, Model | None] = {}
+        for key, body in self.models.items():
+            try:
+                parsed[key] = model_from_object(body)
+            except ValidationError:
+                parsed[key] = None
+        selections = {
+            namespace: select(
+                {key.partition("/")[2]: m for key, m in parsed.items() if key.partition("/")[0] == namespace},
+                bodies.values(),
+            )
+            for namespace, bodies in self.adapters.items()
+            if bodies
+        }
         out = []
         for key, body in sorted(self.models.items()):
-            try:
-                model = model_from_object(body)
-            except ValidationError:
+            model = parsed[key]
+            if model is None:
                 continue
+            selection = selections.get(key.partition("/")[0])
+            if selection is not None and selection.of(model.name):
+                model = model.with_adapters(selection.of(model.name))
             status = body.get("status") or {}
             endpoints = self.endpoints(key)
             failed = self.failed_now.get(key, False)

@@ -42,6 +42,7 @@ PLURALS: dict[tuple[str, str], str] = {
     (names.API_VERSION, "InferenceRuntime"): names.RUNTIME_PLURAL,
     (names.API_VERSION, "ModelCache"): names.MODELCACHE_PLURAL,
     (names.API_VERSION, "ModelCatalog"): names.MODELCATALOG_PLURAL,
+    (names.API_VERSION, "LoRAAdapter"): names.LORAADAPTER_PLURAL,
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
 }
 CLUSTER_SCOPED = frozenset({"InferenceRuntime", "CustomResourceDefinition", "Node"})

@@ -17,6 +17,7 @@ MODEL_PLURAL = "models"
 RUNTIME_PLURAL = "inferenceruntimes"
 MODELCACHE_PLURAL = "modelcaches"
 MODELCATALOG_PLURAL = "modelcatalogs"
+LORAADAPTER_PLURAL = "loraadapters"
 
 #: Server-side apply field manager of the operator (one manager for everything it applies).
 FIELD_MANAGER = "wakegate-operator"

@@ -6,7 +6,10 @@ key; a few workers reconcile one key at a time: render (pure), server-side apply
 when the rendering changed, delete owned kinds no longer rendered, compute the
 status (pure) and patch it only when it differs. A ModelCache event re-reconciles the
 Models of its namespace that read the node caches, and the ModelCache's own summary status
-(ready/wanted nodes; the per-node entries are the agents'). Kopf's on-event handlers keep
+(ready/wanted nodes; the per-node entries are the agents'). A LoRAAdapter event re-reconciles its
+base (llama.cpp pods start with the base's adapters; vLLM-style pods get them loaded over HTTP by
+`lora_loading`) and its own status (`lora_status`), which every reconcile of the base pokes too.
+Kopf's on-event handlers keep
 no state on the objects (no annotations, no finalizers), so an unchanged world
 causes no writes at all.
 """
@@ -27,18 +30,29 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery import catalog as cat
 from wakegate.control.delivery.credentials import DockerAuths, parse_docker_config
 from wakegate.control.delivery.listing import list_registry
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import names
+from wakegate.control.k8s.adapters import GATE_ADAPTERS, Selection, adapter_mount, select
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.metrics import OperatorMetrics
+
+from wakegate.control.operator.lora_loading import RuntimeLoader, Wanted
+from wakegate.control.operator.lora_status import (
+    AdapterObserved,
+    adapter_status,
+    gate_open,
+    ready_pods,
+    started_with,
+)
 from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
-from wakegate.control.schema import InferenceRuntime
+from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
 
 log = logging.getLogger("wakegate.operator")
 
@@ -48,6 +62,10 @@ BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY
 CACHE_KEY = "ModelCache:"
 #: Queue keys of ModelCatalogs (a listing of their registry) carry this prefix.
 CATALOG_KEY = "ModelCatalog:"
+#: Queue keys of LoRAAdapters (their status) carry this prefix.
+ADAPTER_KEY = "LoRAAdapter:"
+#: Seconds before a base whose engine refused an adapter load is tried again.
+ADAPTER_RETRY = 10.0
 #: Docker config key of a `kubernetes.io/dockerconfigjson` Secret.
 DOCKER_CONFIG_KEY = ".dockerconfigjson"
 #: The longest the catalog timer sleeps between looks (a new catalog wakes it at once).
@@ -80,6 +98,15 @@ class Reconciler:
         self.caches: dict[str, dict[str, dict[str, Any]]] = {}
         #: ModelCatalogs by "namespace/name"
         self.catalogs: dict[str, dict[str, Any]] = {}
+        #: LoRAAdapters by namespace, then name
+        self.adapters: dict[str, dict[str, dict[str, Any]]] = {}
+        #: adapters loaded at run time (vLLM-style bases), per pod
+        self.lora_loader = RuntimeLoader()
+        #: adapter key -> pods already counted as having loaded it
+        self._adapter_seen: dict[str, set[str]] = {}
+        #: adapter key -> [loads, refused loads]; taken from its status once, then counted here
+        #: (a watch event may bring an older copy of the status than the one we wrote)
+        self._adapter_counts: dict[str, list[int]] = {}
         self._listing: set[str] = set()
         self._catalog_wake = asyncio.Event()
         #: how registries are reached (CA file from the operator's flags); credentials per catalog
@@ -179,6 +206,22 @@ class Reconciler:
         _record(self.catalogs, names.model_key(meta["namespace"], meta["name"]), event_type, body)
         self._catalog_wake.set()
 
+    def on_adapter(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Record a LoRAAdapter; its status is due, and its base's pods too when its spec changed
+        (a status write of our own changes no generation and rolls nothing)."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        store = self.adapters.setdefault(namespace, {})
+        old = store.get(name)
+        _record(store, name, event_type, body)
+        self.poke(ADAPTER_KEY + names.model_key(namespace, name))
+        if old is not None and event_type != "DELETED" and old["metadata"].get("generation") == meta.get("generation"):
+            return
+        for was in (old, None if event_type == "DELETED" else body):
+            base = ((was or {}).get("spec") or {}).get("baseModel")
+            if isinstance(base, str):
+                self.poke(names.model_key(namespace, base))
+
     def on_deployment(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         key = names.owning_model_key(body["metadata"])
         if key is not None:
@@ -216,6 +259,9 @@ class Reconciler:
         if key.startswith(CACHE_KEY):
             await self._reconcile_cache(key.removeprefix(CACHE_KEY))
             return
+        if key.startswith(ADAPTER_KEY):
+            await self._reconcile_adapter(key.removeprefix(ADAPTER_KEY))
+            return
         if key.startswith(CATALOG_KEY):
             try:
                 await self._refresh_catalog(key.removeprefix(CATALOG_KEY))
@@ -228,17 +274,22 @@ class Reconciler:
             # Owner references cascade the deletion; only our memory needs forgetting.
             for memory in (self.applied, self.pods, self._was_running, self._started_at, self._stopped_at):
                 memory.pop(key, None)
+            self.lora_loader.forget(key)
+            self._poke_adapters_of(key)
             return
         generation = int(body["metadata"].get("generation", 0))
         autoscaling = rnd.Condition("AutoscalingReady", "Unknown", "NotRendered")
         render_error: rnd.Condition | None = None
         weights = None
+        model: Model | None = None
+        adapters: tuple[LoRAAdapter, ...] = ()
         try:
             model = model_from_object(body)
             caches = self.caches.get(body["metadata"]["namespace"], {}).values()
             weights = weights_for(body, model, caches)
             runtime = rnd.select_runtime(model, self.runtimes.values())
-            autoscaling = (await self._apply(key, body, runtime, weights)).autoscaling
+            adapters = self.selection(body["metadata"]["namespace"]).of(model.name)
+            autoscaling = (await self._apply(key, body, runtime, weights, adapters)).autoscaling
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
@@ -261,6 +312,109 @@ class Reconciler:
             await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
             if status["readyReplicas"] > 0 and not int(previous.get("readyReplicas", 0) or 0):
                 self.metrics.observe_cold_start(key, observed.pods)
+
+        if model is not None and BACKENDS[model.spec.backend].lora_runtime_args:
+            await self._load_adapters(key, model, adapters)
+        self._poke_adapters_of(key)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def selection(self, namespace: str) -> Selection:
+        """The namespace's LoRAAdapters per base (`k8s.adapters.select`), as the feeder sees them."""
+        bodies = self.adapters.get(namespace, {})
+        if not bodies:
+            return Selection()
+        bases: dict[str, Model | None] = {}
+        for adapter in bodies.values():
+            base = (adapter.get("spec") or {}).get("baseModel")
+            found = self.models.get(names.model_key(namespace, str(base)))
+            if isinstance(base, str) and found is not None and base not in bases:
+                try:
+                    bases[base] = model_from_object(found)
+                except ValidationError:
+                    bases[base] = None
+        return select(bases, bodies.values())
+
+    def _poke_adapters_of(self, model_key: str) -> None:
+        namespace, _, name = model_key.partition("/")
+        for adapter_name, adapter in self.adapters.get(namespace, {}).items():
+            if (adapter.get("spec") or {}).get("baseModel") == name:
+                self.poke(ADAPTER_KEY + names.model_key(namespace, adapter_name))
+
+    async def _load_adapters(self, key: str, model: Model, adapters: tuple[LoRAAdapter, ...]) -> None:
+        """Load a run-time-loading base's adapters into the pods whose engine answers (and unload
+        removed ones), then open those pods' readiness gate: a pod is routed only once its
+        adapters are in (a refused load is retried, the base serves on without it)."""
+        namespace = key.partition("/")[0]
+        pods = list(self.pods.get(key, {}).values())
+        wanted = [Wanted(a.name, a.served_name, adapter_mount(a, model.spec.backend).argument) for a in adapters]
+        engines = ready_pods(pods, "ContainersReady")
+        await self.lora_loader.sync(key, pods, wanted, engines)
+        if any(f"{namespace}/{a.name}" in self.lora_loader.failures for a in adapters):
+            asyncio.get_running_loop().call_later(ADAPTER_RETRY, self.poke, key)
+        synced = self.lora_loader.synced(key)
+        for pod in pods:
+            gates = (pod.get("spec") or {}).get("readinessGates") or []
+            gated = any(g.get("conditionType") == GATE_ADAPTERS for g in gates)
+            up = pod["metadata"]["name"] in synced
+            if gated and up != gate_open(pod, GATE_ADAPTERS):
+                await self._set_gate(pod, up)
+
+    async def _set_gate(self, pod: Mapping[str, Any], loaded: bool) -> None:
+        """The pod condition of the adapters' readiness gate (server-side apply: only that entry)."""
+        meta = pod["metadata"]
+        condition = {"type": GATE_ADAPTERS, "status": "True" if loaded else "False", "lastTransitionTime": _rfc3339(),
+                     "reason": "AdaptersLoaded" if loaded else "EngineNotReady"}
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                "status": {"conditions": [condition]}}
+        try:
+            await asyncio.to_thread(self.kube.apply_status, body, names.FIELD_MANAGER)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    async def _reconcile_adapter(self, key: str) -> None:
+        """A LoRAAdapter's status: its base's pods that hold it, or why none does."""
+        namespace, _, name = key.partition("/")
+        body = self.adapters.get(namespace, {}).get(name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self._adapter_seen.pop(key, None)
+            self._adapter_counts.pop(key, None)
+            self.lora_loader.failures.pop(key, None)
+            self.lora_loader.new_failures.pop(key, None)
+            return
+        base = str((body.get("spec") or {}).get("baseModel") or "")
+        refused = self.selection(namespace).refused.get(name)
+        pods = list(self.pods.get(names.model_key(namespace, base), {}).values())
+        holders: dict[str, str] = {}
+        at_start = False
+        if refused is None:
+            backend = BACKENDS[model_from_object(self.models[names.model_key(namespace, base)]).spec.backend]
+            at_start = bool(backend.lora_arg)
+            holders = started_with(pods, name) if at_start else self.lora_loader.holders(key)
+        previous = body.get("status") or {}
+        seen = self._adapter_seen.setdefault(key, set(previous.get("replicas") or []))
+        counts = self._adapter_counts.setdefault(
+            key, [int(previous.get("loads", 0) or 0), int(previous.get("failures", 0) or 0)]
+        )
+        counts[0] += len(set(holders) - seen)
+        counts[1] += self.lora_loader.take_failures(key)
+        seen.update(holders)
+        observed = AdapterObserved(
+            generation=int(body["metadata"].get("generation", 0)),
+            base=base,
+            refused=refused,
+            holders=holders,
+            ready_replicas=len(ready_pods(pods)),
+            loads=counts[0],
+            failures=counts[1],
+            failure=self.lora_loader.failures.get(key),
+            at_start=at_start,
+        )
+        status = adapter_status(observed, previous, _rfc3339())
+        if any(previous.get(k) != v for k, v in status.items()):
+            await self._patch_status("LoRAAdapter", body, status, status,
+                                     lambda: self.adapters.get(namespace, {}).get(name))
 
     async def _patch_status(self, kind: str, body: Mapping[str, Any], patch: Mapping[str, Any],
                             whole: Mapping[str, Any], current: Callable[[], dict[str, Any] | None]) -> None:
@@ -368,7 +522,8 @@ class Reconciler:
         return cache is not None and any(ref.get("uid") == owner for ref in refs)
 
     async def _apply(
-        self, key: str, body: dict[str, Any], runtime: InferenceRuntime, weights: Any = None
+        self, key: str, body: dict[str, Any], runtime: InferenceRuntime, weights: Any = None,
+        adapters: tuple[LoRAAdapter, ...] = (),
     ) -> rnd.Rendered:
         """Apply what the Model renders to, when that changed; seed replicas once for a new Deployment."""
         deployment = self.deployments.get(key)
@@ -378,14 +533,16 @@ class Reconciler:
                 self.kube.get_or_none,
                 path("apps/v1", "Deployment", meta["namespace"], names.backend_name(meta["name"])),
             )
-        rendered = rnd.render(body, runtime, self.settings, weights=weights)
+        rendered = rnd.render(body, runtime, self.settings, weights=weights, adapters=adapters)
         if self.applied.get(key) == rendered.digest():
             return rendered
         seed: int | None = None
         if deployment is None or not _replicas_owned_elsewhere(deployment):
             current = ((deployment or {}).get("spec") or {}).get("replicas")
             seed = int(current) if current is not None else model_from_object(body).spec.scaling.min
-            rendered_with_seed = rnd.render(body, runtime, self.settings, initial_replicas=seed, weights=weights)
+            rendered_with_seed = rnd.render(
+                body, runtime, self.settings, initial_replicas=seed, weights=weights, adapters=adapters
+            )
         else:
             rendered_with_seed = rendered
         kinds = {(obj["apiVersion"], obj["kind"]) for obj in rendered.objects}
@@ -514,6 +671,9 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     async def catalog_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         reconciler.on_catalog(event.get("type"), body)
 
+    async def adapter_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        reconciler.on_adapter(event.get("type"), body)
+
     async def crd_event(event: Mapping[str, Any], **_: Any) -> None:
         reconciler.on_keda_crd(event.get("type") != "DELETED")
 
@@ -522,6 +682,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     on_event(names.GROUP, names.VERSION, names.RUNTIME_PLURAL, registry=registry)(runtime_event)
     on_event(names.GROUP, names.VERSION, names.MODELCACHE_PLURAL, registry=registry)(cache_event)
     on_event(names.GROUP, names.VERSION, names.MODELCATALOG_PLURAL, registry=registry)(catalog_event)
+    on_event(names.GROUP, names.VERSION, names.LORAADAPTER_PLURAL, registry=registry)(adapter_event)
     on_event("apps", "v1", "deployments", labels=BACKEND_LABELS, registry=registry)(deployment_event)
     on_event("", "v1", "pods", labels=BACKEND_LABELS, registry=registry)(pod_event)
     on_event(

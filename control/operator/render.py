@@ -13,9 +13,8 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -23,10 +22,18 @@ from pydantic import ValidationError
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
+from wakegate.control.k8s.adapters import (
+    ANNOTATION_ADAPTERS,
+    GATE_ADAPTERS,
+    SourceUnsupported,
+    adapter_mount,
+    source_mount,
+)
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.scaling.core import policy_of
-from wakegate.control.schema import InferenceRuntime, Model, RuntimeProbe, ScalingEngine
+
+from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model, RuntimeProbe, ScalingEngine
 
 if TYPE_CHECKING:
     from wakegate.control.operator.weights import Weights
@@ -189,41 +196,13 @@ def _weights(
     if weights is not None and weights.digest is not None:
         return _cached_weights(weights, settings or Settings())
     source = model.spec.source
-    needs_file = BACKENDS[model.spec.backend].needs_file
     if source is None:
         return model.served_name, [], []
-    scheme, _, rest = source.partition("://")
-    if scheme == "hf":
-        if needs_file:
-            raise RenderError(
-                "SourceUnsupported",
-                f"backend {model.spec.backend} loads one GGUF file; on a cluster give it with "
-                "file:// (a path on the node), pvc:// or oci://",
-            )
-        return rest, [], []
-    if scheme == "file":
-        path = PurePosixPath(rest)
-        if not path.is_absolute():
-            raise RenderError("SourceUnsupported", f"{source}: a cluster needs an absolute file:// path on the node")
-        folder = str(path.parent)
-        volume = {"name": WEIGHTS_VOLUME, "hostPath": {"path": folder, "type": "Directory"}}
-        mount = f"{WEIGHTS_ROOT}/local"
-        return (
-            f"{mount}/{path.name}",
-            [volume],
-            [{"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}],
-        )
-    if scheme == "pvc":
-        claim, _, path_in_claim = rest.partition("/")
-        mount = f"{WEIGHTS_ROOT}/{claim}"
-        volume = {"name": WEIGHTS_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return (
-            (f"{mount}/{path_in_claim}" if path_in_claim else mount),
-            [volume],
-            [{"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}],
-        )
-    volume = {"name": WEIGHTS_VOLUME, "image": {"reference": rest, "pullPolicy": "IfNotPresent"}}
-    return WEIGHTS_ROOT, [volume], [{"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_ROOT, "readOnly": True}]
+    try:
+        mounted = source_mount(source, model.spec.backend, WEIGHTS_VOLUME, WEIGHTS_ROOT)
+    except SourceUnsupported as exc:
+        raise RenderError("SourceUnsupported", str(exc)) from None
+    return mounted.argument, list(mounted.volumes), list(mounted.mounts)
 
 
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,19 +340,56 @@ def _affinity(model: Model, cached: str | None = None) -> dict[str, Any] | None:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
+def _adapters(
+    model: Model, adapters: Sequence[LoRAAdapter]
+) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(arguments, environment, volumes, mounts) that give a base's pods its LoRAAdapters.
+
+    llama.cpp loads adapters only at start: `--lora-init-without-apply` and `--lora FILE` for each,
+    in id order, so a changed set rolls the pods. Engines that load at run time get their switch
+    (`--enable-lora --max-loras N`), the adapters' volumes and a readiness gate the operator opens
+    once it loaded them (`GATE_ADAPTERS`); it loads each adapter through their API, so a new
+    adapter rolls nothing unless it needs a volume the pods lack.
+    """
+    backend = BACKENDS[model.spec.backend]
+    if not adapters or not backend.serves_adapters:
+        return [], [], [], []
+    args: list[str] = []
+    volumes: dict[str, dict[str, Any]] = {}
+    mounts: dict[str, dict[str, Any]] = {}
+    for adapter in adapters:
+        mounted = adapter_mount(adapter, model.spec.backend)
+        volumes.update((v["name"], v) for v in mounted.volumes)
+        mounts.update((m["name"], m) for m in mounted.mounts)
+        if backend.lora_arg:
+            args += [backend.lora_arg, mounted.argument]
+    if backend.lora_arg:
+        args = [*backend.lora_start_args, *args]
+        env: list[dict[str, Any]] = []
+    else:
+        values = {"max_adapters": str(model.spec.adapters.maxAdapters)}
+        args = [_substitute(a, values) for a in backend.lora_runtime_args]
+        env = [{"name": k, "value": v} for k, v in backend.lora_runtime_env]
+    return args, env, list(volumes.values()), list(mounts.values())
+
+
 def pod_template(
     body: Mapping[str, Any],
     model: Model,
     runtime: InferenceRuntime,
     weights_state: Weights | None = None,
     settings: Settings | None = None,
+    adapters: Sequence[LoRAAdapter] = (),
 ) -> dict[str, Any]:
     rt = runtime.spec
     cached = weights_state.digest if weights_state is not None else None
     weights, volumes, mounts = _weights(model, weights_state, settings)
     values = {"model": weights, "served_name": model.served_name, "port": str(rt.port), "host": "0.0.0.0"}
     shm_volumes, shm_mounts = _shm(runtime)
-    volumes, mounts = [*volumes, *shm_volumes], [*mounts, *shm_mounts]
+    lora_args, lora_env, lora_volumes, lora_mounts = _adapters(model, adapters)
+    volumes, mounts = [*volumes, *lora_volumes, *shm_volumes], [*mounts, *lora_mounts, *shm_mounts]
+    env = _env(model, runtime, values)
+    env += [item for item in lora_env if all(e["name"] != item["name"] for e in env)]
     resources: dict[str, dict[str, str]] = {}
     gpu = _gpu_resources(model, runtime)
     requests = {k: v for k, v in (("cpu", model.spec.resources.cpu), ("memory", model.spec.resources.memory)) if v}
@@ -385,9 +401,9 @@ def pod_template(
         "name": "backend",
         "image": rt.image,
         **({"command": [_substitute(c, values) for c in rt.command]} if rt.command else {}),
-        "args": [*(_substitute(a, values) for a in rt.args), *model.spec.args],
+        "args": [*(_substitute(a, values) for a in rt.args), *lora_args, *model.spec.args],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
-        "env": _env(model, runtime, values),
+        "env": env,
         **_probes(runtime, values),
     }
     if resources:
@@ -404,6 +420,10 @@ def pod_template(
     if rt.metrics.prefix:
         annotations[names.ANNOTATION_METRICS_PATH] = rt.metrics.path
         annotations[names.ANNOTATION_METRICS_PREFIX] = rt.metrics.prefix
+
+    lora = BACKENDS[model.spec.backend]
+    if adapters and lora.lora_arg:
+        annotations[ANNOTATION_ADAPTERS] = ",".join(a.name for a in adapters)
     spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": max(
@@ -428,6 +448,8 @@ def pod_template(
         spec["priorityClassName"] = rt.scheduling.priorityClassName
     if rt.scheduling.schedulerName:
         spec["schedulerName"] = rt.scheduling.schedulerName
+    if adapters and lora.lora_runtime_args and not lora.lora_arg:
+        spec["readinessGates"] = [{"conditionType": GATE_ADAPTERS}]
     return {"metadata": {"labels": names.backend_labels(model.name), "annotations": annotations}, "spec": spec}
 
 
@@ -438,13 +460,14 @@ def deployment(
     initial_replicas: int | None,
     weights: Weights | None = None,
     settings: Settings | None = None,
+    adapters: Sequence[LoRAAdapter] = (),
 ) -> dict[str, Any]:
     """The backend Deployment. `replicas` only when given: the scaler (KEDA or builtin) owns it."""
     spec: dict[str, Any] = {
         "selector": {"matchLabels": names.selector_labels(model.name)},
         "progressDeadlineSeconds": runtime.spec.lifecycle.progressDeadlineSeconds,
         "revisionHistoryLimit": 2,
-        "template": pod_template(body, model, runtime, weights, settings),
+        "template": pod_template(body, model, runtime, weights, settings, adapters),
     }
     if model.spec.resources.gpu.count > 0:
         # An accelerator cannot host old and new replica at once: replace, never surge.
@@ -552,6 +575,7 @@ def render(
     settings: Settings,
     initial_replicas: int | None = None,
     weights: Weights | None = None,
+    adapters: Sequence[LoRAAdapter] = (),
 ) -> Rendered:
     """Everything a Model owns. `body` is the Model object (metadata with namespace and uid).
 
@@ -559,6 +583,7 @@ def render(
     for `cache: node|prewarm` Models: until they are Ready on some node only the Service (and
     the ModelCache the operator keeps for a `prewarm` Model) is rendered, so no pod exists to
     claim a GPU; then the pods mount the cache entry and go only to nodes that hold it.
+    `adapters` are the LoRAAdapters the base serves, in id order (`k8s.adapters.select`).
     """
     model = model_from_object(body)
     engine = model.spec.scaling.engine
@@ -578,7 +603,7 @@ def render(
             "install KEDA or set spec.scaling.engine: builtin",
         )
         return Rendered(objects, autoscaling, runtime.metadata.name, conditions)
-    objects.append(deployment(body, model, runtime, initial_replicas, weights, settings))
+    objects.append(deployment(body, model, runtime, initial_replicas, weights, settings, adapters))
     if model.spec.scaling.max > 1:
         objects.append(pod_disruption_budget(body, model))
     if engine is ScalingEngine.KEDA:

@@ -105,8 +105,13 @@ async def run(settings: Settings) -> int:
         source.on_slice(event.get("type"), body)
         publisher.publish_soon()
 
+    async def adapter_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        if source.on_adapter(event.get("type"), body):
+            publisher.publish_soon()
+
     registry = kopfing.registry(settings.kubeconfig)
     kopf.on.event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
+    kopf.on.event(names.GROUP, names.VERSION, names.LORAADAPTER_PLURAL, registry=registry)(adapter_event)
     kopf.on.event(
         "discovery.k8s.io",
         "v1",

@@ -170,6 +170,7 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-agent") if v in writes} == {
         ("", "nodes", "patch"), ("wakegate.io", "modelcaches/status", "patch")}
     assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
+                                                             ("wakegate.io", "loraadapters"),
                                                              ("discovery.k8s.io", "endpointslices"),
                                                              ("", "nodes"))
                                         for v in ("get", "list", "watch")} | {
@@ -187,6 +188,10 @@ def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     assert {(r, v) for _, r, v in rules("wg-wakegate-operator") if r.startswith("modelcatalogs")} == {
         ("modelcatalogs", "get"), ("modelcatalogs", "list"), ("modelcatalogs", "watch"),
         ("modelcatalogs/status", "patch")}
+    # LoRAAdapters: the operator reads them and writes only their status; the feeder reads them.
+    assert {(r, v) for _, r, v in rules("wg-wakegate-operator") if r.startswith("loraadapters")} == {
+        ("loraadapters", "get"), ("loraadapters", "list"), ("loraadapters", "watch"),
+        ("loraadapters/status", "patch")}
     # The operator gets exactly the rules its e2e test proves enough (docs/operator.md).
     from e2e.gateway import OPERATOR_RULES
 

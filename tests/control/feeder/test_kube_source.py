@@ -153,3 +153,42 @@ def test_endpoints_on_a_leaving_node_leave_the_routes_before_the_pod_stops() -> 
     assert source.on_node("MODIFIED", node("b")) is True
     assert source.on_node("DELETED", node("a", unschedulable=True)) is True
     assert source.routed()[0].endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))
+
+
+def lora(name: str, base: str, created: str, namespace: str = "ns", **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created, "generation": 1},
+        "spec": {"baseModel": base, "source": f"file:///weights/{name}.gguf", **spec},
+        "status": {"ready": "False"},
+    }
+
+
+def test_a_bases_adapters_travel_in_its_route_with_the_ids_its_pods_start_with() -> None:
+    source = KubeSource()
+    source.on_model(None, model("tiny", backend="llamacpp", source="file:///weights/tiny.gguf"))
+    assert source.on_adapter(None, lora("sql", "tiny", "2026-12-01T10:00:00Z", servedName="tiny-sql",
+                                        aliases=["sql-v1"], scale=0.5))
+    assert source.on_adapter(None, lora("poet", "tiny", "2026-12-01T10:00:05Z"))
+    assert source.on_adapter(None, lora("stray", "nothing", "2026-12-01T10:00:00Z"))
+    assert source.on_adapter(None, lora("elsewhere", "tiny", "2026-12-01T10:00:00Z", namespace="other"))
+    (routed,) = source.routed()
+    assert [(a.name, a.names, a.served_name, a.lora_id, a.scale) for a in routed.adapters] == [
+        ("sql", ("sql", "tiny-sql", "sql-v1"), "tiny-sql", 0, 0.5),
+        ("poet", ("poet",), "poet", 1, 1.0),
+    ]
+    # A status write changes nothing a route shows: no new snapshot for it.
+    written = lora("sql", "tiny", "2026-12-01T10:00:00Z", servedName="tiny-sql", aliases=["sql-v1"], scale=0.5)
+    written["status"] = {"ready": "True", "loadedReplicas": 1}
+    assert not source.on_adapter("MODIFIED", written)
+    assert source.on_adapter("DELETED", lora("sql", "tiny", ""))
+    (routed,) = source.routed()
+    assert [(a.name, a.lora_id) for a in routed.adapters] == [("poet", 0)]
+
+
+def test_vllm_adapters_are_routed_by_name_and_refused_ones_not_at_all() -> None:
+    source = KubeSource()
+    source.on_model(None, model("chat", adapters={"maxAdapters": 1}))
+    source.on_adapter(None, lora("a", "chat", "2026-12-01T10:00:00Z", source="hf://org/a"))
+    source.on_adapter(None, lora("b", "chat", "2026-12-01T10:00:01Z", source="hf://org/b"))
+    (routed,) = source.routed()
+    assert [(a.name, a.lora_id) for a in routed.adapters] == [("a", -1)]
