@@ -40,8 +40,6 @@ from wakegate.control.k8s.adapters import GATE_ADAPTERS, Selection, adapter_moun
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.metrics import OperatorMetrics
-
 from wakegate.control.operator.lora_loading import RuntimeLoader, Wanted
 from wakegate.control.operator.lora_status import (
     AdapterObserved,
@@ -50,6 +48,7 @@ from wakegate.control.operator.lora_status import (
     ready_pods,
     started_with,
 )
+from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
@@ -312,7 +311,6 @@ class Reconciler:
             await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
             if status["readyReplicas"] > 0 and not int(previous.get("readyReplicas", 0) or 0):
                 self.metrics.observe_cold_start(key, observed.pods)
-
         if model is not None and BACKENDS[model.spec.backend].lora_runtime_args:
             await self._load_adapters(key, model, adapters)
         self._poke_adapters_of(key)

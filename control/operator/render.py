@@ -32,7 +32,6 @@ from wakegate.control.k8s.adapters import (
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.scaling.core import policy_of
-
 from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model, RuntimeProbe, ScalingEngine
 
 if TYPE_CHECKING:
