@@ -33,6 +33,15 @@ ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 #: generic `activation_failed`.
 WEIGHTS_UNAVAILABLE = "weights_unavailable"
 
+#: The error code of requests held for a LoRA adapter that `up` could not load (its weights,
+#: or the engine refused): a 503 whose message has the reason.
+ADAPTER_UNAVAILABLE = "adapter_unavailable"
+
+#: Waiting requests at which an engine counts as saturated: extproc's capacity filter takes it out
+#: of the candidates, and `up` loads an on-demand LoRA adapter on one more replica when every
+#: replica holding it is this busy.
+QUEUE_LIMIT = 5
+
 #: Envoy's static clusters (the bootstrap) that routes and the ext_proc filter refer to.
 XDS_CLUSTER = "wakegate_xds"
 EXTPROC_CLUSTER = "wakegate_extproc"
