@@ -317,7 +317,7 @@ class HotSwap:
 
     def _note_use(self, totals: Mapping[str, AdapterLoad], now: float) -> None:
         for ep, slots in self.loader.replicas.items():
-            for name in list(slots.names):
+            for name in slots.used_at:  # in LRU order: uses seen at once keep their order
                 load = totals.get(name)
                 flight = load.in_flight.get(ep, 0) if load is not None else 0
                 routed = load.routed.get(ep, 0) if load is not None else 0
