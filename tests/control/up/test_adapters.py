@@ -14,7 +14,10 @@ import pytest
 
 from tests.bench.bench_lora import run_policy, workload
 from tests.support.sim import SimFactory, SimProcess, start_sim
+from wakegate.control.demand.book import DemandBook
 from wakegate.control.up.adapters import AdapterError, AdapterLoader, AdapterSlots
+from wakegate.control.up.hotswap import choose
+from wakegate.v1 import demand_pb2
 
 
 @pytest.fixture
@@ -102,3 +105,47 @@ async def test_affinity_keeps_loads_well_below_random_placement() -> None:
     placed_at_random = await run_policy("random", args, names)
     assert affinity["loads"] < 0.7 * placed_at_random["loads"], (affinity, placed_at_random)
     assert affinity["answered_without_load"] > placed_at_random["answered_without_load"]
+
+
+def slots_with(cap: int, used: dict[str, float], pins: dict[str, int] | None = None) -> AdapterSlots:
+    slots = AdapterSlots(cap)
+    for name, at in sorted(used.items(), key=lambda kv: kv[1]):
+        slots.touch(name, at)
+    slots.pins.update(pins or {})
+    return slots
+
+
+def test_a_load_goes_to_a_free_slot_on_the_least_loaded_replica_first() -> None:
+    slots = {"a": slots_with(2, {"x": 1}), "b": slots_with(2, {"y": 2, "z": 3})}
+    ready = {"a": (5, 0), "b": (0, 0), "c": (3, 0)}  # c holds nothing yet
+    assert choose(ready, slots, {}, set(), cap=2) == ("c", None)
+    assert choose(ready, slots, {"c": 2}, set(), cap=2) == ("a", None)  # c's slots are being filled
+
+
+def test_else_the_least_recently_used_adapter_no_request_uses_is_evicted() -> None:
+    slots = {"a": slots_with(2, {"x": 1, "w": 4}, pins={"x": 1}), "b": slots_with(2, {"y": 2, "z": 3})}
+    ready = {"a": (0, 0), "b": (9, 0)}
+    # x is the oldest but in use; y (on the busier replica) is the oldest one free to go.
+    assert choose(ready, slots, {}, set(), cap=2) == ("b", "y")
+    assert choose(ready, slots, {}, {("b", "y")}, cap=2) == ("b", "z")  # y is already on its way out
+    every = {"a": slots_with(1, {"x": 1}, pins={"x": 1}), "b": slots_with(1, {"y": 2}, pins={"y": 3})}
+    assert choose(ready, every, {}, set(), cap=1) is None  # all in use: the request waits
+
+
+def test_the_demand_book_sums_adapter_use_over_gateways() -> None:
+    book = DemandBook()
+    for gateway, (queued, in_flight, routed) in {"g1": (1, 2, 5), "g2": (2, 0, 3)}.items():
+        report = demand_pb2.DemandReport(gateway_id=gateway, instance=gateway, sequence=1, models=[
+            demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=queued, uses=[
+                demand_pb2.AdapterUse(endpoint="e1", in_flight=in_flight, routed=routed),
+                demand_pb2.AdapterUse(endpoint="e2", queued=1),
+            ])]),
+        ])
+        assert book.apply(report, now=0.0) == (True, "")
+    (total,) = book.adapter_totals("chat").values()
+    assert (total.queued, total.wanted, total.in_flight, total.routed["e1"], total.held) == (3, {"e2": 2}, {"e1": 2}, 8, 5)
+    assert book.adapter_totals("other") == {}
+    huge = demand_pb2.DemandReport(gateway_id="g3", instance="g3", sequence=1, models=[
+        demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=10**7)]),
+    ])
+    assert book.apply(huge, now=0.0)[0] is False
