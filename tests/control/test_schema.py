@@ -266,7 +266,7 @@ def test_engines_that_load_adapters_at_run_time_may_have_more_than_max_adapters(
         (["127.0.0.1:9000"], 1, "gone"), (["127.0.0.1:9000"], 1, "gone"),
     ]
     assert not model_route(routed_model(base, ())).adapters_on_demand
-    with pytest.raises(ManifestError, match="spec.adapters.placement"):
+    with pytest.raises(ManifestError, match=r"spec\.adapters\.placement"):
         parse_models(many.replace("placement: random", "placement: nearest"), "m.yaml")
 
 
