@@ -426,6 +426,7 @@ class Processor:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
             if place.endpoints:
+                self.gw.metrics.adapter_requests.labels(route.key, "direct").inc()
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body, place=place)
             # No endpoint holds the adapter: held (whatever the cold mode) while `up` loads it.
             return _Cold(resolved, parsed, raw_body, in_body, for_adapter=True, wanted=place.wanted)
@@ -493,6 +494,8 @@ class Processor:
             if not place.endpoints:  # woken without it: wait for its load
                 held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, for_adapter=True, wanted=place.wanted)
                 return await self.hold(ex, held, deadline)
+        if place is not None:
+            self.gw.metrics.adapter_requests.labels(resolved.route.key, "waited").inc()
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:

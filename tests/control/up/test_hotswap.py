@@ -18,31 +18,20 @@ import openai
 import pytest
 
 from tests.support.http import get_json
-from tests.support.up import UpProcess
+from tests.support.up import UpProcess, adapter_doc, model_doc
 
 ADAPTERS = ("a0", "a1", "a2", "a3", "a4")
 
 
 def fleet(scaling: str, adapters: str, sources: dict[str, str] | None = None) -> str:
-    docs = [f"""---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {{name: chat}}
-spec:
-  backend: sim
-  servedName: org/chat
+    extra = f"""  servedName: org/chat
   args: [--tokens-per-second, "50"]
   adapters: {adapters}
   scaling: {scaling}
-"""]
+"""
+    docs = [model_doc("chat", extra=extra)]
     for name in ADAPTERS:
-        source = (sources or {}).get(name, f"file://adapters/{name}")
-        docs.append(f"""---
-apiVersion: wakegate.io/v1alpha1
-kind: LoRAAdapter
-metadata: {{name: {name}}}
-spec: {{baseModel: chat, source: "{source}", servedName: chat-{name}}}
-""")
+        docs.append(adapter_doc(name, "chat", (sources or {}).get(name, f"file://adapters/{name}"), f"chat-{name}"))
     return "".join(docs)
 
 
