@@ -19,8 +19,8 @@ a demand report, a replica change, the end of a load, an idle deadline) decides,
 An unload is two-phase, so that no request is sent to an endpoint that lost its adapter: the
 endpoint leaves the adapter's holders in the route (gateways stop choosing it for that adapter),
 and after :data:`UNROUTE_SECONDS` (longer than the gateways' coalesced report interval) the
-engine is told only if no gateway reported the adapter in flight or routed there meanwhile;
-otherwise it is put back. A failed fetch or load is counted in the route (the gateways fail the
+engine is told only if no gateway reported the adapter in flight or routed there meanwhile, and
+no request is held for it; otherwise it is put back. A failed fetch or load is counted in the route (the gateways fail the
 requests they hold for it with the reason) and not tried again for :data:`FAILURE_COOLDOWN`.
 """
 
@@ -201,6 +201,7 @@ class HotSwap:
         if len(self.records) <= self.cap:
             order += [name for name in self.records if name not in order]
         now = self._clock()
+        session = self._session or session  # the engine's probe session times out after 2 s
         for name in order[: self.cap]:
             record = self.records[name]
             if record.failed_at is not None and now - record.failed_at < FAILURE_COOLDOWN:
@@ -441,7 +442,8 @@ class HotSwap:
             slots = self.loader.slots(endpoint)
             in_flight = load.in_flight.get(endpoint, 0) if load is not None else 0
             used = in_flight > 0 or self._routed_at(name, endpoint) != before
-            if used or slots.pins.get(name):
+            wanted = load is not None and load.held > 0  # a request waits for it: keep it here
+            if used or wanted or slots.pins.get(name):
                 slots.touch(name, self._clock())
                 log.info("adapter kept model=%s adapter=%s endpoint=%s: in use", self.model.key, name, endpoint)
                 return False
