@@ -1,17 +1,18 @@
 """LoRA adapters held by running replicas of engines that load them at run time (vLLM's
 `--enable-lora` API): at most `maxAdapters` per replica, the least recently used unloaded to make
-room, and unused ones unloaded after `idleTimeout`.
+room, adapters in use never.
 
     loader = AdapterLoader(cap=4)
     loaded_now = await loader.ensure(session, "127.0.0.1:8001", "sql", "/cache/…/sql")  # pinned
     ...                                                                               # the request
     loader.release("127.0.0.1:8001", "sql")
-    await loader.sweep(session, idle_seconds=600)
 
 `AdapterSlots` is the bookkeeping of one replica (no I/O); `AdapterLoader` does the engine calls
 (`POST /v1/load_lora_adapter` {lora_name, lora_path}, `POST /v1/unload_lora_adapter` {lora_name}),
-one at a time per replica, and keeps the numbers /status and the benchmark report: loads, unloads,
-failures with their reason, each load's latency.
+one at a time per replica (`turn`), and keeps the numbers: loads, unloads, failures with their
+reason, each load's latency. `ensure` pins per request (the benchmark's direct mode);
+`wakegate up` decides loads and unloads from the gateways' demand in control/up/hotswap.py and
+uses `load`, `unload` and `turn`.
 """
 
 from __future__ import annotations
@@ -182,18 +183,6 @@ class AdapterLoader:
         slots = self.replicas.get(endpoint)
         if slots is not None:
             slots.unpin(name)
-
-    async def sweep(self, session: aiohttp.ClientSession, idle_seconds: float) -> list[tuple[str, str]]:
-        """Unload every adapter unused for `idle_seconds`; returns the (endpoint, adapter) pairs."""
-        now = self._clock()
-        done = []
-        for endpoint, slots in list(self.replicas.items()):
-            for name in slots.idle(now, idle_seconds):
-                async with self.turn(endpoint):
-                    if name in slots.idle(self._clock(), idle_seconds):  # not used while we waited
-                        await self.unload(session, endpoint, name)
-                        done.append((endpoint, name))
-        return done
 
     async def unload(self, session: aiohttp.ClientSession, endpoint: str, name: str) -> None:
         """One engine call that unloads `name` from `endpoint` (the caller holds its turn there)."""

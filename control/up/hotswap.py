@@ -20,8 +20,9 @@ An unload is two-phase, so that no request is sent to an endpoint that lost its 
 endpoint leaves the adapter's holders in the route (gateways stop choosing it for that adapter),
 and after :data:`UNROUTE_SECONDS` (longer than the gateways' coalesced report interval) the
 engine is told only if no gateway reported the adapter in flight or routed there meanwhile, and
-no request is held for it; otherwise it is put back. A failed fetch or load is counted in the route (the gateways fail the
-requests they hold for it with the reason) and not tried again for :data:`FAILURE_COOLDOWN`.
+no request is held for it; otherwise it is put back. A failed fetch or load is counted in the
+route (the gateways fail the requests they hold for it with the reason) and not tried again for
+:data:`FAILURE_COOLDOWN`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hot swap of LoRA adapters on engines that load them at run time, against real sim processes
 with vLLM's adapter API: the per-replica cap with LRU, adapters in use never unloaded, idle ones
-unloaded, failures kept with the engine's reason; and on a fleet, affinity picking keeps the
-loads well below random placement."""
+unloaded, failures kept with the engine's reason; on a fleet, affinity picking keeps the loads
+well below random placement; `up`'s choice of replica and the demand book's adapter sums."""
 
 from __future__ import annotations
 
@@ -76,10 +76,12 @@ async def test_lru_cap_pins_and_idle_unloads_on_a_real_engine(sim_factory: SimFa
         loader.release(ep, "d")
         loader.release(ep, "e")
         assert (loader.stats.loads, loader.stats.unloads) == (5, 3)
-        # Idle for the timeout: unloaded.
+        # Idle long enough: AdapterSlots names them, oldest first, and an unload takes them off.
         clock.now = 1000
-        assert sorted(await loader.sweep(s, idle_seconds=600)) == [(ep, "d"), (ep, "e")]
-        assert await loaded(s, sim.url) == set()
+        assert loader.slots(ep).idle(clock.now, 600) == ["d", "e"]
+        for name in ("d", "e"):
+            await loader.unload(s, ep, name)
+        assert await loaded(s, sim.url) == set() and loader.holders("d") == []
 
 
 async def test_a_refused_load_is_an_error_with_the_engines_reason(sim_factory: SimFactory) -> None:
