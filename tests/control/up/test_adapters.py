@@ -8,15 +8,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.bench.bench_lora import run_policy, workload
 from tests.support.sim import SimFactory, SimProcess, start_sim
-from wakegate.control.demand.book import DemandBook
+from tests.support.up import adapter_doc, model_doc
+from wakegate.control.delivery.resolver import Access
+from wakegate.control.demand.book import AdapterLoad, DemandBook
+from wakegate.control.feeder.resources import routed_adapters
+from wakegate.control.schema import parse_models
 from wakegate.control.up.adapters import AdapterError, AdapterLoader, AdapterSlots
-from wakegate.control.up.hotswap import choose
+from wakegate.control.up.hotswap import HotSwap, choose
+from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.v1 import demand_pb2
 
 
@@ -152,3 +158,27 @@ def test_the_demand_book_sums_adapter_use_over_gateways() -> None:
         demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=10**7)]),
     ])
     assert book.apply(huge, now=0.0)[0] is False
+
+
+def hotswap_of(ready: dict[str, tuple[int, int]], totals: dict[str, AdapterLoad], tmp_path: Path) -> HotSwap:
+    manifest = model_doc("chat", extra="  adapters: {maxAdapters: 2}\n") + adapter_doc("sql", "chat", "file://sql")
+    (model,) = parse_models(manifest)
+    return HotSwap(model, Delivery(DeliveryConfig(tmp_path), Access()), base_dir=tmp_path,
+                   demand=lambda: totals, ready=lambda: ready, publish=lambda: None)
+
+
+async def test_a_copy_goes_elsewhere_only_when_every_holder_is_saturated(tmp_path: Path) -> None:
+    busy = {"e1": (9, 6), "e2": (1, 0)}
+    in_use = {"sql": AdapterLoad(in_flight={"e1": 3})}
+    swap = hotswap_of(busy, in_use, tmp_path)
+    swap.loader.slots("e1").touch("sql", 0.0)
+    swap.reconcile()
+    assert swap.records["sql"].loading == {"e2"}  # a copy into e2's free slot
+    calm = hotswap_of({"e1": (5, 4), "e2": (1, 0)}, in_use, tmp_path)
+    calm.loader.slots("e1").touch("sql", 0.0)
+    calm.reconcile()
+    assert calm.records["sql"].loading == set()  # 4 waiting is not saturated: requests stay on e1
+    held = hotswap_of({"e1": (0, 0), "e2": (3, 0)}, {"sql": AdapterLoad(queued=2)}, tmp_path)
+    held.reconcile()
+    assert held.records["sql"].loading == {"e1"}  # held, on no replica: the least loaded loads it
+    assert held.routed(routed_adapters(held.model))[0].endpoints == ()  # not until it is loaded
