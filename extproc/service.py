@@ -6,7 +6,9 @@ scope) -> model from header or path (else ask Envoy for the buffered body) ->
 resolve name -> in the key's scope? -> rate limit -> ready endpoint?
 -> pick + mutations (cluster header, endpoint header + envoy.lb metadata, body
 rewrite). A model with no ready endpoint takes the cold path: demand first,
-then its cold mode (hold here, keepalive via the activator, or reject).
+then its cold mode (hold here, keepalive via the activator, or reject). A request
+for a LoRA adapter loaded on demand goes to an endpoint that holds it, or is held
+until `up` has loaded it (extproc/adapters.py).
 """
 
 from __future__ import annotations
