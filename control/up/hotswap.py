@@ -19,8 +19,9 @@ a demand report, a replica change, the end of a load, an idle deadline) decides,
 An unload is two-phase, so that no request is sent to an endpoint that lost its adapter: the
 endpoint leaves the adapter's holders in the route (gateways stop choosing it for that adapter),
 and after :data:`UNROUTE_SECONDS` (longer than the gateways' coalesced report interval) the
-engine is told only if no gateway reported the adapter in flight or routed there meanwhile, and
-no request is held for it; otherwise it is put back. A failed fetch or load is counted in the
+engine is told only if no gateway reported the adapter in flight or routed there meanwhile, no
+request is held for it and the engine itself reports none running or waiting with it; otherwise
+it is put back. A failed fetch or load is counted in the
 route (the gateways fail the requests they hold for it with the reason) and not tried again for
 :data:`FAILURE_COOLDOWN`.
 """
@@ -40,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from wakegate import contract
+from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.demand.book import AdapterLoad
 from wakegate.control.feeder.resources import RoutedAdapter
@@ -444,6 +446,8 @@ class HotSwap:
             in_flight = load.in_flight.get(endpoint, 0) if load is not None else 0
             used = in_flight > 0 or self._routed_at(name, endpoint) != before
             wanted = load is not None and load.held > 0  # a request waits for it: keep it here
+            if not (used or wanted) and await self._engine_runs(session, endpoint, name):
+                used = True  # a request whose use no gateway has reported yet
             if used or wanted or slots.pins.get(name):
                 slots.touch(name, self._clock())
                 log.info("adapter kept model=%s adapter=%s endpoint=%s: in use", self.model.key, name, endpoint)
@@ -458,6 +462,20 @@ class HotSwap:
         self.events.unloaded(name, reason)
         log.info("adapter unloaded model=%s adapter=%s endpoint=%s reason=%s", self.model.key, name, endpoint, reason)
         return True
+
+    async def _engine_runs(self, session: aiohttp.ClientSession, endpoint: str, name: str) -> bool:
+        """Whether the engine itself reports `name` running or waiting (`vllm:lora_requests_info`);
+        an engine that does not answer in time says no."""
+        try:
+            url = f"http://{endpoint}{BACKENDS[self.model.spec.backend].metrics_path}"
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+        for line in text.splitlines():
+            if line.startswith(contract.VLLM_LORA_INFO + "{"):
+                return name in contract.lora_info(line)[0]
+        return False
 
     def _routed_at(self, name: str, endpoint: str) -> int:
         load = self._demand().get(name)
