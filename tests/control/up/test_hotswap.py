@@ -204,3 +204,22 @@ def test_a_base_at_zero_wakes_once_for_adapters_and_idle_or_broken_adapters_say_
     assert chat(up)["replicas"][0]["pid"] == replica["pid"]
     assert ask(up, "chat-a1") == "chat-a1"  # and comes back on demand
     assert up.log().count("scale model=chat from=0 to=1") == 1
+
+
+def test_random_placement_loads_the_adapter_where_the_request_was_drawn(tmp_path: Path) -> None:
+    make_adapters(tmp_path)
+    up = UpProcess(tmp_path, fleet("{min: 2, max: 2, activationTimeout: 30}", "{maxAdapters: 2, placement: random}"))
+    try:
+        up.wait_ready({"chat": 2}, timeout=60)
+        for name in ("a0", "a1", "a0", "a2", "a1", "a0", "a3", "a0"):
+            assert ask(up, f"chat-{name}") == f"chat-{name}"
+        status = chat(up)
+        # Each request went wherever it was drawn, holder or not; a0, asked four times, was loaded
+        # wherever it was missing. The engines hold what /status says, within the cap.
+        held = engine_adapters(up)
+        assert all(len(names) <= 2 for names in held.values()), held
+        for name in ADAPTERS:
+            assert sorted(status["adapters"][name]["replicas"]) == sorted(r for r, n in held.items() if name in n)
+        assert status["adapter_loads"]["loads"] >= 4  # a0..a3 each at least once
+    finally:
+        assert up.stop() == 0, up.log()
