@@ -302,7 +302,12 @@ class HotSwap:
                 next_at = _sooner(next_at, record.failed_at + FAILURE_COOLDOWN)
                 continue
             for ep in load.wanted:
-                if ep in ready and name not in self.loader.slots(ep) and ep not in record.loading:
+                if ep not in ready or ep in record.loading:
+                    continue
+                slots = self.loader.slots(ep)
+                if name in slots:
+                    continue
+                if len(slots) + pending.get(ep, 0) < self.cap or victim_of(slots, ep, self.leaving) is not None:
                     self._spawn(self._load_on(record, ep, None), record, ep, pending)
             if load.queued and not record.loading and not self.holders(name, ready):
                 choice = choose(ready, self.loader.replicas, pending, self.leaving, self.cap)
