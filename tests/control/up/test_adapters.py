@@ -182,3 +182,19 @@ async def test_a_copy_goes_elsewhere_only_when_every_holder_is_saturated(tmp_pat
     held.reconcile()
     assert held.records["sql"].loading == {"e1"}  # held, on no replica: the least loaded loads it
     assert held.routed(routed_adapters(held.model))[0].endpoints == ()  # not until it is loaded
+
+
+async def test_a_load_asked_for_one_replica_waits_while_every_adapter_there_is_in_use(tmp_path: Path) -> None:
+    totals = {
+        "sql": AdapterLoad(wanted={"e1": 1}),
+        "x": AdapterLoad(in_flight={"e1": 1}),
+        "y": AdapterLoad(in_flight={"e1": 2}),
+    }
+    swap = hotswap_of({"e1": (3, 0)}, totals, tmp_path)
+    swap.loader.slots("e1").touch("x", 0.0)
+    swap.loader.slots("e1").touch("y", 1.0)
+    swap.reconcile()
+    assert swap.records["sql"].loading == set()  # nothing to evict: no load started (nor retried)
+    del totals["x"]  # x's request ended: now it can make room
+    swap.reconcile()
+    assert swap.records["sql"].loading == {"e1"}
