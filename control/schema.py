@@ -332,6 +332,18 @@ class AdapterSettings(_Spec):
         description="LoRA adapters one replica holds at once; the least recently used is unloaded to make room "
         "(llama.cpp loads every adapter of the base at start, so there it caps how many the base may have).",
     )
+    idleTimeout: int | None = Field(
+        None,
+        ge=1,
+        le=86400,
+        description="Seconds an adapter loaded at run time stays unused on a replica before it is unloaded; "
+        "default: the base's scaling.idleTimeout.",
+    )
+    placement: Literal["affinity", "random"] = Field(
+        "affinity",
+        description="Where a request for an adapter goes: affinity (a replica that holds it, else one loads it) "
+        "or random (any replica, loading it there: a baseline for comparison).",
+    )
 
 
 class ModelSpec(_Spec):
@@ -610,8 +622,9 @@ def _check_adapters(model: Model, count: int, source: str) -> None:
     if not backend.serves_adapters:
         raise ManifestError(f"{source}: Model {model.name!r}: backend {backend.name} cannot load LoRAAdapters")
     cap = model.spec.adapters.maxAdapters
-    if count > cap:
-        # Every replica holds all of its base's adapters (llama.cpp's server loads them only at start).
+    if backend.lora_arg and count > cap:
+        # Every replica holds all of its base's adapters (llama.cpp's server loads them only at start);
+        # engines that load adapters at run time swap them in and out instead.
         raise ManifestError(
             f"{source}: Model {model.name!r} has {count} LoRAAdapters, more than spec.adapters.maxAdapters ({cap}); "
             "each replica holds every adapter of its base"

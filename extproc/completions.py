@@ -36,19 +36,20 @@ REQUEST_ID_HEADER = "x-request-id"
 class Completions:
     """Routed requests waiting for their access-log entry, by request id."""
 
-    def __init__(self, on_end: Callable[[str, str | None], None]) -> None:
+    def __init__(self, on_end: Callable[[str, str | None, str | None], None]) -> None:
         self._on_end = on_end
-        self._pending: dict[str, tuple[str, str | None]] = {}
+        #: request id -> (model key, endpoint, on-demand adapter)
+        self._pending: dict[str, tuple[str, str | None, str | None]] = {}
         self._streams: set[_LogStream] = set()
         self.entries = 0
         """Access-log entries received (all of them, ours or not)."""
 
-    def track(self, request_id: str, model_key: str, endpoint: str | None) -> bool:
+    def track(self, request_id: str, model_key: str, endpoint: str | None, adapter: str | None = None) -> bool:
         """A request was routed and counted; False if its id is already pending (then the
         caller keeps the request's ext_proc stream open and releases it when that ends)."""
         if not request_id or request_id in self._pending:
             return False
-        self._pending[request_id] = (model_key, endpoint)
+        self._pending[request_id] = (model_key, endpoint, adapter)
         return True
 
     @property

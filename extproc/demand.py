@@ -24,6 +24,8 @@ log = logging.getLogger("wakegate.extproc.demand")
 #: (queued, leases, failures_seen) per model from the cold queues; in-flight per model from the gateway.
 ColdSnapshot = Callable[[], dict[str, tuple[int, int, int]]]
 InFlightSnapshot = Callable[[], dict[str, int]]
+#: model -> its on-demand LoRA adapters as this gateway holds for and uses them (extproc/adapters.py).
+AdapterSnapshot = Callable[[], dict[str, list[demand_pb2.AdapterDemand]]]
 
 #: Longest a lazy change (in-flight going to or from zero) waits to be reported, seconds.
 LAZY_INTERVAL = 0.25
@@ -40,6 +42,7 @@ class DemandReporter:
         token: TokenSource | None = None,
         interval: float = 2.0,
         on_delivered: Callable[[], None] = lambda: None,
+        adapters: AdapterSnapshot = dict,
     ) -> None:
         self._target = target
         self._gateway_id = gateway_id
@@ -47,6 +50,7 @@ class DemandReporter:
         self._sequence = 0
         self._cold = cold
         self._in_flight = in_flight
+        self._adapters = adapters
         self._token = token
         self._interval = interval
         self._on_delivered = on_delivered
@@ -85,6 +89,8 @@ class DemandReporter:
         for key, count in self._in_flight().items():
             if count:
                 models.setdefault(key, demand_pb2.ModelDemand(model=key)).in_flight = count
+        for key, adapters in self._adapters().items():
+            models.setdefault(key, demand_pb2.ModelDemand(model=key)).adapters.extend(adapters)
         return demand_pb2.DemandReport(
             gateway_id=self._gateway_id,
             instance=self._instance,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 
 import aiohttp
@@ -40,25 +39,6 @@ _KV = (contract.VLLM_KV_USAGE, contract.VLLM_KV_USAGE_OLD, contract.LLAMACPP_KV_
 _NAMES = {**dict.fromkeys(_WAITING, "waiting"), **dict.fromkeys(_RUNNING, "running"), **dict.fromkeys(_KV, "kv")}
 
 
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def _lora_info(line: str) -> tuple[frozenset[str], int | None]:
-    """The adapters vLLM's ``vllm:lora_requests_info`` sample names running or waiting, and max_lora."""
-    labels = dict(_LABEL.findall(line[line.find("{") : line.rfind("}") + 1]))
-    names = frozenset(
-        name
-        for key in ("running_lora_adapters", "waiting_lora_adapters")
-        for name in labels.get(key, "").split(",")
-        if name
-    )
-    try:
-        most = int(labels["max_lora"])
-    except (KeyError, ValueError):
-        most = None
-    return names, most
-
-
 def parse(text: str) -> EngineState | None:
     """The engine state in a Prometheus text exposition, or None when it names none of it."""
     found: dict[str, float] = {}
@@ -74,7 +54,7 @@ def parse(text: str) -> EngineState | None:
         kind = _NAMES.get(name)
         if kind is None:
             if name == contract.VLLM_LORA_INFO and brace > 0:
-                lora = _lora_info(line)
+                lora = contract.lora_info(line)
             continue
         try:
             value = float(line.rsplit(" ", 1)[1] if brace < 0 else line[line.rindex("}") + 1 :].split()[0])

@@ -241,6 +241,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         lambda: gateway.in_flight,
         token=settings.internal_token,
         on_delivered=gateway.demand_delivered,
+        adapters=gateway.adapters.report,
     )
     gateway.on_demand_change = reporter.changed
     gateway.on_load_change = reporter.changed_lazily

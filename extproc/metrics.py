@@ -55,6 +55,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "wakegate_gateway_adapter_requests",
+            "Requests for a LoRA adapter loaded on demand, by outcome: direct (an endpoint held it) or "
+            "waited (held for its load, or for its base to wake).",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)
         self.route_updates = Counter(
             "wakegate_gateway_route_updates", "Route table updates received from the feeder.", registry=r

@@ -365,8 +365,11 @@ class Picker:
             if chosen:
                 weights[route.key] = chosen
                 scored |= endpoints
-                if route.lora_adapters or route.adapters:
-                    adapters[route.key] = frozenset(route.lora_adapters) | {a.served_name for a in route.adapters}
+                # On-demand adapters are placed by their holders (extproc/adapters.py), not by
+                # what the engines report running.
+                own = () if route.adapters_on_demand else route.adapters
+                if route.lora_adapters or own:
+                    adapters[route.key] = frozenset(route.lora_adapters) | {a.served_name for a in own}
                 if chosen.get("precise") and route.kv_events_offset:
                     for e in route.endpoints:
                         targets[f"{e.address}:{e.port}"] = target_for(

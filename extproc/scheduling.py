@@ -56,7 +56,7 @@ __all__ = [
 
 _TIE = 1e-9
 
-QUEUE_LIMIT = 5
+QUEUE_LIMIT = contract.QUEUE_LIMIT
 """Waiting requests at which the capacity filter takes an endpoint out of the candidates."""
 
 

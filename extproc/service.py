@@ -6,12 +6,15 @@ scope) -> model from header or path (else ask Envoy for the buffered body) ->
 resolve name -> in the key's scope? -> rate limit -> ready endpoint?
 -> pick + mutations (cluster header, endpoint header + envoy.lb metadata, body
 rewrite). A model with no ready endpoint takes the cold path: demand first,
-then its cold mode (hold here, keepalive via the activator, or reject).
+then its cold mode (hold here, keepalive via the activator, or reject). A request
+for a LoRA adapter loaded on demand goes to an endpoint that holds it, or is held
+until `up` has loaded it (extproc/adapters.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,11 +32,13 @@ from prometheus_client import generate_latest
 from wakegate.contract import (
     ACTIVATOR_CLUSTER,
     ACTIVATOR_MODEL_HEADER,
+    ADAPTER_UNAVAILABLE,
     CLUSTER_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     STRATEGY_NAMES,
 )
+from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
@@ -99,6 +104,8 @@ class Gateway:
         #: Load changes that may be reported a little later (coalesced).
         self.on_load_change: Callable[[], None] = lambda: None
         self.cold = ColdQueues(self._demand_changed)
+        #: LoRA adapters loaded on demand: requests held for one, and use per endpoint.
+        self.adapters = AdapterBook(self._demand_changed)
         #: One line per refused request (no traceback), a few per second per error code at most.
         self.refusals = ThrottledLog(log)
         #: Where routed requests are released when Envoy logs their end; None: when their
@@ -127,6 +134,7 @@ class Gateway:
             self.metrics.queue_limit.labels(key).set(route.cold.max_queue)
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
+        self.adapters.on_routes(self.table.routes)
 
     def demand_delivered(self) -> None:
         """A demand report reached the scaler: time the activation signal of new leases."""
@@ -166,17 +174,24 @@ class Gateway:
             ]
         }
 
-    def routed(self, key: str, endpoint: str | None) -> None:
+    def routed(self, key: str, endpoint: str | None, adapter: str | None = None) -> None:
         count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
-        if count == 1:
+        if adapter is not None and endpoint is not None:
+            # Every use of an on-demand adapter reaches `up` soon (coalesced): it must not be unloaded now.
+            self.adapters.started(key, adapter, endpoint)
+            self.on_load_change()
+        elif count == 1:
             self.on_load_change()  # a model going from idle to busy: the scaler's idle timer
         self.metrics.in_flight.labels(key).inc()
         self.metrics.requests.labels(key, "routed", "").inc()
         if endpoint is not None:
             self.picker.inflight.acquire(endpoint)
 
-    def finished(self, key: str, endpoint: str | None) -> None:
+    def finished(self, key: str, endpoint: str | None, adapter: str | None = None) -> None:
         self.in_flight[key] -= 1
+        if adapter is not None and endpoint is not None:
+            self.adapters.ended(key, adapter, endpoint)
+            self.on_load_change()
         if not self.in_flight[key]:
             del self.in_flight[key]
             self.on_load_change()
@@ -200,6 +215,7 @@ class _Exchange:
     """Per-request state between the headers and body phases."""
 
     __slots__ = (
+        "adapter",
         "endpoint",
         "headers",
         "headers_only",
@@ -223,6 +239,8 @@ class _Exchange:
         #: The body re-encoded with the name its backend knows (None: forwarded unchanged).
         self.new_body: bytes | None = None
         self.endpoint: str | None = None
+        #: The on-demand LoRA adapter the request was routed with (its use is counted per endpoint).
+        self.adapter: str | None = None
         self.model_key: str | None = None
         #: The models the request's API key may use.
         self.scope: Scope = ALL_MODELS
@@ -237,6 +255,10 @@ class _Cold:
     parsed: dict[str, Any] | None
     raw_body: bytes | None
     in_body: bool
+    #: The model is ready but no endpoint holds the request's adapter: wait for a load (on this
+    #: endpoint, for random placement; anywhere when empty).
+    for_adapter: bool = False
+    wanted: str = ""
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -400,14 +422,27 @@ class Processor:
                 ex.new_body = resolved.rewrite(parsed)
             except BadRequest as exc:
                 return self._reject(route.key, 400, exc.code, str(exc))
+        lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
-            return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
+            if lora is None:
+                return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
+            place = placement(route, lora, self.gw.adapters.draw)
+            if place.endpoints:
+                self.gw.metrics.adapter_requests.labels(route.key, "direct").inc()
+                return self._forward(ex, resolved, parsed, raw_body, in_body=in_body, place=place)
+            # No endpoint holds the adapter: held (whatever the cold mode) while `up` loads it.
+            return _Cold(resolved, parsed, raw_body, in_body, for_adapter=True, wanted=place.wanted)
         # Cold: demand is registered before anything that can wait or refuse.
         self.gw.cold.demand(route)
         mode = route.cold.mode
         if mode == routing_pb2.COLD_MODE_REJECT:
             return self._retry_later(route, 503, "model_not_ready", f"model {ex.model_name!r} is starting; retry later")
-        if mode == routing_pb2.COLD_MODE_KEEPALIVE and parsed is not None and parsed.get("stream") is True:
+        if (
+            mode == routing_pb2.COLD_MODE_KEEPALIVE
+            and lora is None  # the activator forwards without waiting for an adapter's load
+            and parsed is not None
+            and parsed.get("stream") is True
+        ):
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
@@ -415,20 +450,35 @@ class Processor:
 
     async def hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
         route = cold.resolved.route
+        lora = adapter_route(route, cold.resolved.adapter)
+        place: Placement | None = None
         self.gw.metrics.queue_depth.labels(route.key).inc()
         try:
-            await self.gw.cold.wait(route, deadline)
+            if cold.for_adapter and lora is not None:
+                place = await self.gw.adapters.wait(
+                    route.key, lora.served_name, cold.wanted, deadline, route.cold.max_queue,
+                    self.gw.cold.depth(route.key),
+                )
+            else:
+                # A request for an adapter of a cold base is its demand too: `up` loads it before
+                # the woken replica is routed.
+                wanting = self.gw.adapters.holding(route.key, lora.served_name) if lora is not None else None
+                with wanting or contextlib.nullcontext():
+                    await self.gw.cold.wait(route, deadline)
         except QueueFull:
             return self._queue_full(route)
         except ActivationTimeout:
+            what = f"adapter {ex.model_name!r} was not loaded" if cold.for_adapter else (
+                f"model {ex.model_name!r} did not become ready"
+            )
             return self._reject(
-                route.key,
-                503,
-                "activation_timeout",
-                f"model {ex.model_name!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
+                route.key, 503, "activation_timeout", f"{what} within {route.cold.activation_timeout_ms // 1000}s"
             )
         except ActivationFailed as exc:
             return self._retry_later(route, 503, exc.code, exc.answer(ex.model_name or route.key))
+        except AdapterFailed as exc:
+            message = f"adapter {ex.model_name!r} cannot be loaded: {exc}"
+            return self._retry_later(route, 503, ADAPTER_UNAVAILABLE, message)
         finally:
             self.gw.metrics.queue_depth.labels(route.key).dec()
         resolved = self.gw.table.resolve(ex.model_name or "")
@@ -436,10 +486,19 @@ class Processor:
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
             return await self.hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
-        waited = self.gw.cold.flushed(resolved.route.key)
-        if waited is not None:
-            self.gw.metrics.cold_start.labels(resolved.route.key, "first_byte").observe(waited)
-        return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
+        if not cold.for_adapter:
+            waited = self.gw.cold.flushed(resolved.route.key)
+            if waited is not None:
+                self.gw.metrics.cold_start.labels(resolved.route.key, "first_byte").observe(waited)
+        lora = adapter_route(resolved.route, resolved.adapter)
+        if lora is not None and place is None:
+            place = placement(resolved.route, lora, self.gw.adapters.draw)
+            if not place.endpoints:  # woken without it: wait for its load
+                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, for_adapter=True, wanted=place.wanted)
+                return await self.hold(ex, held, deadline)
+        if place is not None:
+            self.gw.metrics.adapter_requests.labels(resolved.route.key, "waited").inc()
+        return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
         return self._retry_later(route, 429, "queue_full", f"too many requests waiting for model {route.key!r}")
@@ -482,18 +541,32 @@ class Processor:
         return common
 
     def _forward(
-        self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
+        self,
+        ex: _Exchange,
+        resolved: Resolved,
+        parsed: dict[str, Any] | None,
+        raw_body: bytes | None,
+        *,
+        in_body: bool,
+        place: Placement | None = None,
     ) -> ep.ProcessingResponse:
+        """Route to one of the model's ready endpoints (with `place`: one of those that hold its
+        on-demand adapter, which the picker then need not ask the engines about)."""
         route = resolved.route
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
         endpoints = []
         loads: dict[str, int] = {}  # engines' own counts, for the strategies that may go least-loaded
         for e in route.endpoints:
             key = f"{e.address}:{e.port}"
+            if place is not None and key not in place.endpoints:
+                continue
             endpoints.append(key)
             if e.engine_load:
                 loads[key] = e.engine_load
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads, resolved.adapter)
+        adapter = None if place is not None else resolved.adapter
+        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads, adapter)
+        if endpoint is None and place is not None:
+            endpoint = endpoints[0] if endpoints else None  # Envoy must not choose: only these hold it
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:
@@ -503,9 +576,11 @@ class Processor:
         common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
         ex.model_key = route.key
         ex.endpoint = endpoint
-        self.gw.routed(route.key, endpoint)
+        ex.adapter = resolved.adapter if place is not None else None
+        self.gw.routed(route.key, endpoint, ex.adapter)
         completions = self.gw.completions
-        if completions is not None and completions.track(ex.headers.get(REQUEST_ID_HEADER, ""), route.key, endpoint):
+        request_id = ex.headers.get(REQUEST_ID_HEADER, "")
+        if completions is not None and completions.track(request_id, route.key, endpoint, ex.adapter):
             ex.model_key = None  # released by its access-log entry, not by this stream
         self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
         if in_body:
@@ -528,7 +603,7 @@ class Processor:
         """The request is over: release its in-flight count (once)."""
         if ex.model_key is None:
             return
-        self.gw.finished(ex.model_key, ex.endpoint)
+        self.gw.finished(ex.model_key, ex.endpoint, ex.adapter)
         ex.model_key = None
 
     def _metrics(self) -> ep.ProcessingResponse:

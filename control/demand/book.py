@@ -37,6 +37,21 @@ class ModelLoad:
 
 
 @dataclass(slots=True)
+class AdapterLoad:
+    """One on-demand LoRA adapter of a model, summed over gateways: requests held for it (anywhere,
+    or per endpoint), and per endpoint the requests in flight with it and routed with it so far."""
+
+    queued: int = 0
+    wanted: dict[str, int] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def held(self) -> int:
+        return self.queued + sum(self.wanted.values())
+
+
+@dataclass(slots=True)
 class _Member:
     instance: str
     sequence: int
@@ -44,6 +59,8 @@ class _Member:
     models: dict[str, ModelLoad]
     #: Earlier instances of this gateway id (restarts): their reports are replays.
     retired: tuple[str, ...] = ()
+    #: model -> its on-demand adapters as this gateway reported them
+    adapters: dict[str, tuple[demand_pb2.AdapterDemand, ...]] = field(default_factory=dict)
 
 
 #: Earlier instances remembered per gateway id.
@@ -125,6 +142,7 @@ class DemandBook:
                 return False, f"more than {self.limits.max_members} gateways report"
         cap = self.limits.max_value
         models: dict[str, ModelLoad] = {}
+        adapters: dict[str, tuple[demand_pb2.AdapterDemand, ...]] = {}
         for entry in report.models:
             if not entry.model or len(entry.model) > self.limits.max_model_key:
                 self.rejections.invalid += 1
@@ -132,7 +150,12 @@ class DemandBook:
             if entry.queued > cap or entry.in_flight > cap or entry.leases > cap:
                 self.rejections.oversized += 1
                 return False, f"values for {entry.model!r} exceed {cap}"
+            if any(a.queued > cap or any(u.queued > cap or u.in_flight > cap for u in a.uses) for a in entry.adapters):
+                self.rejections.oversized += 1
+                return False, f"adapter values for {entry.model!r} exceed {cap}"
             models[entry.model] = ModelLoad(entry.queued, entry.in_flight, entry.leases, entry.failures_seen)
+            if entry.adapters:
+                adapters[entry.model] = tuple(entry.adapters)
         retired: tuple[str, ...] = ()
         if last is not None:
             retired = last.retired
@@ -140,11 +163,12 @@ class DemandBook:
                 # A new instance under the same gateway id replaces the old one (restart).
                 retired = (*last.retired, last.instance)[-_RETIRED_KEPT:]
         self._tombstones.pop(report.gateway_id, None)
-        self._members[report.gateway_id] = _Member(report.instance, report.sequence, now, models, retired)
+        self._members[report.gateway_id] = _Member(report.instance, report.sequence, now, models, retired, adapters)
         return True, ""
 
     def _bury(self, gateway_id: str, member: _Member) -> None:
         member.models = {}
+        member.adapters = {}
         self._tombstones.pop(gateway_id, None)
         self._tombstones[gateway_id] = member
         while len(self._tombstones) > self.limits.max_tombstones:
@@ -178,3 +202,19 @@ class DemandBook:
                 if load.leases:
                     acc[3] = max(acc[3], load.newest_failures_seen)
         return {k: ModelLoad(q, f, le, max(s, 0)) for k, (q, f, le, s) in sums.items()}
+
+    def adapter_totals(self, key: str) -> dict[str, AdapterLoad]:
+        """Adapter (served name) -> its demand for model `key`, summed over every live member."""
+        out: dict[str, AdapterLoad] = {}
+        for member in self._members.values():
+            for demand in member.adapters.get(key, ()):
+                total = out.setdefault(demand.adapter, AdapterLoad())
+                total.queued += demand.queued
+                for use in demand.uses:
+                    ep = use.endpoint
+                    if use.queued:
+                        total.wanted[ep] = total.wanted.get(ep, 0) + use.queued
+                    if use.in_flight:
+                        total.in_flight[ep] = total.in_flight.get(ep, 0) + use.in_flight
+                    total.routed[ep] = total.routed.get(ep, 0) + use.routed
+        return out

@@ -63,6 +63,10 @@ class RoutedAdapter:
     #: The adapter's id in a llama.cpp server's `--lora` list; -1: the engine takes `served_name` as `model`.
     lora_id: int = -1
     scale: float = 1.0
+    #: Loaded at run time: the endpoints ("ip:port") that hold it, loads failed so far, the last reason.
+    endpoints: tuple[str, ...] = ()
+    failed_loads: int = 0
+    last_failure: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class RoutedModel:
     served_name: str
     lora_adapters: tuple[str, ...] = ()
     adapters: tuple[RoutedAdapter, ...] = ()
+    #: The adapters are loaded into running endpoints on demand (each lists its holders), placed so.
+    adapters_on_demand: bool = False
+    adapter_placement: str = "affinity"
     strategy: str = "default"
     #: scored picking: a named profile, or (scorer, weight) pairs; both empty: `strategy` decides
     profile: str = ""
@@ -112,8 +119,10 @@ def routed_model(
     failure_code: str = "",
     admitted: bool = True,
     loads: Iterable[tuple[str, int, int]] = (),
+    adapters: Iterable[RoutedAdapter] | None = None,
 ) -> RoutedModel:
-    """What the gateway needs of a Model manifest plus its current ready endpoints."""
+    """What the gateway needs of a Model manifest plus its current ready endpoints; `adapters`
+    (with their holders) means they are loaded on demand."""
     spec = model.spec
     kv = spec.routing.kvEvents
     return RoutedModel(
@@ -121,7 +130,9 @@ def routed_model(
         names=tuple(model.client_names),
         served_name=model.served_name,
         lora_adapters=tuple(spec.loraAdapters),
-        adapters=routed_adapters(model),
+        adapters=routed_adapters(model) if adapters is None else tuple(adapters),
+        adapters_on_demand=adapters is not None,
+        adapter_placement=spec.adapters.placement,
         strategy=spec.routing.strategy.value,
         profile=_profile(spec.routing),
         weights=tuple(sorted(spec.routing.weights.scorers().items())) if spec.routing.weights is not None else (),
@@ -622,9 +633,14 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
                 served_name=a.served_name,
                 lora_id=a.lora_id if a.lora_id >= 0 else None,
                 scale=a.scale,
+                endpoints=list(a.endpoints),
+                failed_loads=a.failed_loads,
+                last_failure=a.last_failure,
             )
             for a in model.adapters
         ],
+        adapters_on_demand=model.adapters_on_demand,
+        adapter_placement=model.adapter_placement if model.adapters_on_demand else "",
         cluster=model.cluster,
         strategy=contract.STRATEGIES[model.strategy],
         profile=model.profile,

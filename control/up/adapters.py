@@ -1,17 +1,18 @@
 """LoRA adapters held by running replicas of engines that load them at run time (vLLM's
 `--enable-lora` API): at most `maxAdapters` per replica, the least recently used unloaded to make
-room, and unused ones unloaded after `idleTimeout`.
+room, adapters in use never.
 
     loader = AdapterLoader(cap=4)
     loaded_now = await loader.ensure(session, "127.0.0.1:8001", "sql", "/cache/…/sql")  # pinned
     ...                                                                               # the request
     loader.release("127.0.0.1:8001", "sql")
-    await loader.sweep(session, idle_seconds=600)
 
 `AdapterSlots` is the bookkeeping of one replica (no I/O); `AdapterLoader` does the engine calls
 (`POST /v1/load_lora_adapter` {lora_name, lora_path}, `POST /v1/unload_lora_adapter` {lora_name}),
-one at a time per replica, and keeps the numbers /status and the benchmark report: loads, unloads,
-failures with their reason, each load's latency.
+one at a time per replica (`turn`), and keeps the numbers: loads, unloads, failures with their
+reason, each load's latency. `ensure` pins per request (the benchmark's direct mode);
+`wakegate up` decides loads and unloads from the gateways' demand in control/up/hotswap.py and
+uses `load`, `unload` and `turn`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 log = logging.getLogger("wakegate.up.adapters")
+
+#: Load latencies kept for the percentiles /status and the benchmark report.
+LATENCIES_KEPT = 4096
 
 
 class AdapterError(Exception):
@@ -81,6 +85,11 @@ class AdapterSlots:
     def remove(self, name: str) -> None:
         self._used.pop(name, None)
 
+    @property
+    def used_at(self) -> dict[str, float]:
+        """Adapter -> when it was last used, least recently used first (read only)."""
+        return dict(self._used)
+
     def idle(self, now: float, seconds: float) -> list[str]:
         """Adapters unused for `seconds` or longer and not in use, oldest first."""
         return [name for name, used in self._used.items() if now - used >= seconds and not self.pins.get(name)]
@@ -92,7 +101,7 @@ class AdapterStats:
     unloads: int = 0
     failures: int = 0
     last_failure: str = ""
-    #: Seconds each load took, as the engine answered it.
+    #: Seconds each load took, as the engine answered it (the last LATENCIES_KEPT).
     load_seconds: list[float] = field(default_factory=list)
     #: When each adapter was last loaded anywhere (wall clock).
     last_load: dict[str, float] = field(default_factory=dict)
@@ -119,6 +128,10 @@ class AdapterLoader:
         self.replicas.pop(endpoint, None)
         self._locks.pop(endpoint, None)
 
+    def turn(self, endpoint: str) -> asyncio.Lock:
+        """The lock that keeps engine calls on `endpoint` one at a time."""
+        return self._locks.setdefault(endpoint, asyncio.Lock())
+
     def holders(self, name: str) -> list[str]:
         return sorted(ep for ep, slots in self.replicas.items() if name in slots)
 
@@ -131,7 +144,7 @@ class AdapterLoader:
             slots.touch(name, self._clock())
             slots.pin(name)
             return False
-        async with self._locks.setdefault(endpoint, asyncio.Lock()):
+        async with self.turn(endpoint):
             if name in slots:  # loaded by a request that waited on the same lock
                 slots.touch(name, self._clock())
                 slots.pin(name)
@@ -141,21 +154,29 @@ class AdapterLoader:
                 if victim is None:
                     await asyncio.sleep(0.005)  # every adapter is in use: wait for a request to end
                     continue
-                await self._unload(session, endpoint, victim)
-            started = time.perf_counter()
-            body = {"lora_name": name, "lora_path": path}
-            status, text = await _post(session, endpoint, "/v1/load_lora_adapter", body)
-            if status != 200 and "already been loaded" not in text:
-                self.stats.failures += 1
-                self.stats.last_failure = f"{name} on {endpoint}: HTTP {status}: {text[:200]}"
-                log.warning("adapter load failed adapter=%s endpoint=%s status=%d", name, endpoint, status)
-                raise AdapterError(self.stats.last_failure)
-            self.stats.load_seconds.append(time.perf_counter() - started)
-            self.stats.loads += 1
-            self.stats.last_load[name] = time.time()
-            slots.touch(name, self._clock())
+                await self.unload(session, endpoint, victim)
+            await self.load(session, endpoint, name, path)
             slots.pin(name)
             return True
+
+    async def load(self, session: aiohttp.ClientSession, endpoint: str, name: str, path: str) -> float:
+        """One engine call that loads `name` into `endpoint`, which has room (the caller made it);
+        returns the seconds it took. Raises AdapterError with the engine's answer."""
+        started = time.perf_counter()
+        body = {"lora_name": name, "lora_path": path}
+        status, text = await _post(session, endpoint, "/v1/load_lora_adapter", body)
+        if status != 200 and "already been loaded" not in text:
+            self.stats.failures += 1
+            self.stats.last_failure = f"{name} on {endpoint}: HTTP {status}: {text[:200]}"
+            log.warning("adapter load failed adapter=%s endpoint=%s status=%d", name, endpoint, status)
+            raise AdapterError(self.stats.last_failure)
+        seconds = time.perf_counter() - started
+        self.stats.load_seconds.append(seconds)
+        del self.stats.load_seconds[:-LATENCIES_KEPT]
+        self.stats.loads += 1
+        self.stats.last_load[name] = time.time()
+        self.slots(endpoint).touch(name, self._clock())
+        return seconds
 
     def release(self, endpoint: str, name: str) -> None:
         """One request of adapter `name` on `endpoint` ended."""
@@ -163,19 +184,8 @@ class AdapterLoader:
         if slots is not None:
             slots.unpin(name)
 
-    async def sweep(self, session: aiohttp.ClientSession, idle_seconds: float) -> list[tuple[str, str]]:
-        """Unload every adapter unused for `idle_seconds`; returns the (endpoint, adapter) pairs."""
-        now = self._clock()
-        done = []
-        for endpoint, slots in list(self.replicas.items()):
-            for name in slots.idle(now, idle_seconds):
-                async with self._locks.setdefault(endpoint, asyncio.Lock()):
-                    if name in slots.idle(self._clock(), idle_seconds):  # not used while we waited
-                        await self._unload(session, endpoint, name)
-                        done.append((endpoint, name))
-        return done
-
-    async def _unload(self, session: aiohttp.ClientSession, endpoint: str, name: str) -> None:
+    async def unload(self, session: aiohttp.ClientSession, endpoint: str, name: str) -> None:
+        """One engine call that unloads `name` from `endpoint` (the caller holds its turn there)."""
         self.slots(endpoint).remove(name)  # first: no request may pick it while it goes
         status, _ = await _post(session, endpoint, "/v1/unload_lora_adapter", {"lora_name": name})
         if status not in (200, 404):  # 404: the engine had lost it already

@@ -59,7 +59,10 @@ def _models(raws: list[dict[str, Any]]) -> list[RoutedModel]:
     for raw in raws:
         raw["names"] = tuple(raw["names"])
         raw["lora_adapters"] = tuple(raw["lora_adapters"])
-        raw["adapters"] = tuple(RoutedAdapter(**{**a, "names": tuple(a["names"])}) for a in raw["adapters"])
+        raw["adapters"] = tuple(
+            RoutedAdapter(**{**a, "names": tuple(a["names"]), "endpoints": tuple(a["endpoints"])})
+            for a in raw["adapters"]
+        )
         raw["endpoints"] = tuple((host, int(port)) for host, port in raw["endpoints"])
         models.append(RoutedModel(**raw))
     return models

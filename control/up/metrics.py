@@ -48,6 +48,29 @@ class UpMetrics:
             ["model"],
             registry=r,
         )
+        self.adapter_loads = Counter(
+            "wakegate_adapter_loads", "LoRA adapters loaded into a running replica on demand.", ["model", "adapter"],
+            registry=r,
+        )
+        self.adapter_unloads = Counter(
+            "wakegate_adapter_unloads",
+            "LoRA adapters unloaded from a replica: evicted (least recently used, to make room) or idle.",
+            ["model", "adapter", "reason"],
+            registry=r,
+        )
+        self.adapter_load_failures = Counter(
+            "wakegate_adapter_load_failures",
+            "LoRA adapter loads that failed (weights unavailable, or the engine refused).",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "wakegate_adapter_load_seconds",
+            "Duration of each on-demand LoRA adapter load: the engine's call, once its weights are in the cache.",
+            ["model"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=r,
+        )
         self.swaps = Counter("wakegate_gpu_swaps", "GPU-group hand-overs between models.", ["group"], registry=r)
         self.replicas = Gauge("wakegate_model_replicas", "Backend replicas (any state).", ["model"], registry=r)
         self.ready = Gauge("wakegate_model_ready_replicas", "Backend replicas passing health.", ["model"], registry=r)

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,12 +30,13 @@ from wakegate.control.backends.base import fill
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
-from wakegate.control.feeder.resources import RoutedModel, routed_model
+from wakegate.control.demand.book import AdapterLoad
+from wakegate.control.feeder.resources import RoutedModel, routed_adapters, routed_model
 from wakegate.control.schema import Model
-from wakegate.control.up.adapters import AdapterError, AdapterLoader
 from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
+from wakegate.control.up.hotswap import HotSwap
 from wakegate.control.up.weights import Delivery, DeliveryConfig, Weights, WeightsWatch
 
 log = logging.getLogger("wakegate.up")
@@ -111,6 +112,7 @@ class Replica:
     #: The weights the current process loads, leased until it exits.
     weights: Weights | None = None
     #: Its LoRAAdapters' weights (llama.cpp: all of the base's, given at start), leased likewise.
+    #: Engines that load adapters at run time get them from the model's HotSwap instead.
     adapter_weights: list[Weights] = field(default_factory=list)
 
 
@@ -165,9 +167,19 @@ class ModelRuntime:
             a.name: WeightsWatch(f"{model.key}/{a.name}", a.spec.source) for a in model.adapters
         }
         self.adapter_loaded_at: dict[str, float] = {}
-        #: Engines that load adapters at run time: which replica holds which (LRU, maxAdapters).
-        self.adapter_loader = AdapterLoader(model.spec.adapters.maxAdapters)
-        self.adapter_failures: dict[str, str] = {}
+        #: The base's LoRAAdapters as the gateways hold for and use them (up's demand book).
+        self.adapter_demand: Callable[[], Mapping[str, AdapterLoad]] = dict
+        #: Engines that load adapters at run time: loads and unloads on demand (LRU, maxAdapters).
+        self.hotswap: HotSwap | None = None
+        if model.adapters and self.backend.lora_runtime_args and not self.backend.lora_arg:
+            self.hotswap = HotSwap(
+                model,
+                self.delivery,
+                base_dir=settings.base_dir,
+                demand=lambda: self.adapter_demand(),
+                ready=self._ready_loads,
+                publish=self._on_change,
+            )
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
 
@@ -184,6 +196,14 @@ class ModelRuntime:
             if r.state is ReplicaState.READY and r.load is not None
         )
 
+    def _ready_loads(self) -> dict[str, tuple[int, int]]:
+        """Ready replicas' endpoints -> (requests their engine holds, requests waiting), 0 when unknown."""
+        return {
+            f"{self.settings.host}:{r.port}": (r.load.queue, r.load.waiting) if r.load is not None else (0, 0)
+            for r in self.replicas
+            if r.state is ReplicaState.READY
+        }
+
     def routed(self) -> RoutedModel:
         return routed_model(
             self.model,
@@ -194,6 +214,7 @@ class ModelRuntime:
             last_failure=self.last_failure,
             failure_code=self.last_failure_code,
             admitted=self.admitted,
+            adapters=None if self.hotswap is None else self.hotswap.routed(routed_adapters(self.model)),
         )
 
     @property
@@ -227,6 +248,8 @@ class ModelRuntime:
         in flight through the gateway and no drain is waited for."""
         await asyncio.gather(*(self._stop_replica(r, drain=False) for r in self.replicas))
         self.replicas.clear()
+        if self.hotswap is not None:
+            self.hotswap.close()
 
     # -- replicas ---------------------------------------------------------------------------------
 
@@ -265,10 +288,10 @@ class ModelRuntime:
         return env
 
     async def _acquire_adapters(self, replica: Replica) -> None:
-        """The base's LoRAAdapters, through the cache: llama.cpp loads every one at start, so that
-        a first request for one never restarts the base; vLLM gets them loaded once it is up
-        (:meth:`_load_adapters`), before the replica is routed."""
-        if not self.backend.serves_adapters:
+        """The base's LoRAAdapters, through the cache, for an engine that loads every one at start
+        (llama.cpp), so that a first request for one never restarts the base. Engines that load
+        them at run time get them from the HotSwap, on demand."""
+        if not self.backend.lora_arg:
             return
         try:
             for adapter in self.model.adapters:
@@ -279,35 +302,18 @@ class ModelRuntime:
             self._release_weights(replica)
             raise DeliveryError(f"LoRAAdapter {adapter.name}: {exc}", exc.reason) from None
 
-    async def _load_adapters(self, replica: Replica, session: aiohttp.ClientSession) -> None:
-        """Load the base's adapters into a replica that loads them at run time, before it is routed
-        (held requests for an adapter are released only once it is there). A refused load is kept
-        with the engine's answer for /status; the base serves on without that adapter."""
-        endpoint = f"{self.settings.host}:{replica.port}"
-        for adapter, weights in zip(self.model.adapters, replica.adapter_weights, strict=True):
-            try:
-                await self.adapter_loader.ensure(session, endpoint, adapter.served_name, str(weights.path))
-            except AdapterError as exc:
-                self.adapter_failures[adapter.name] = str(exc)
-                continue
-            self.adapter_loader.release(endpoint, adapter.served_name)
-            self.adapter_failures.pop(adapter.name, None)
-            self.adapter_loaded_at[adapter.name] = time.time()
-
     def adapter_status(self) -> dict[str, dict[str, Any]]:
         """Per LoRAAdapter: the replicas that hold it, when it was last loaded, its weights' state."""
         ready = [r for r in self.replicas if r.state is ReplicaState.READY]
+        if self.hotswap is not None:
+            names = {f"{self.settings.host}:{r.port}": f"{self.model.name}-{r.index}" for r in ready}
+            return self.hotswap.status(names)
         out: dict[str, dict[str, Any]] = {}
         for adapter in self.model.adapters:
             watch = self.adapter_watches[adapter.name]
             loaded_at = self.adapter_loaded_at.get(adapter.name)
             weights = watch.status()
-            if self.backend.lora_arg:
-                holders = [] if watch.error is not None else [f"{self.model.name}-{r.index}" for r in ready]
-            else:
-                held = set(self.adapter_loader.holders(adapter.served_name))
-                holders = [f"{self.model.name}-{r.index}" for r in ready if f"{self.settings.host}:{r.port}" in held]
-            refused = self.adapter_failures.get(adapter.name)
+            holders = [] if watch.error is not None else [f"{self.model.name}-{r.index}" for r in ready]
             out[adapter.name] = {
                 "base": self.model.name,
                 "served_name": adapter.served_name,
@@ -316,8 +322,7 @@ class ModelRuntime:
                 "loaded_replicas": len(holders),
                 "last_load": None if loaded_at is None else time.strftime(
                     "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded_at)),
-                "failure": weights["error"] or (None if refused is None else {"reason": "load_refused",
-                                                                              "message": refused}),
+                "failure": weights["error"],
                 "weights": weights,
             }
         return out
@@ -353,7 +358,8 @@ class ModelRuntime:
         for weights in replica.adapter_weights:
             weights.release()
         replica.adapter_weights.clear()
-        self.adapter_loader.forget(f"{self.settings.host}:{replica.port}")
+        if self.hotswap is not None:
+            self.hotswap.forget(f"{self.settings.host}:{replica.port}")
 
     @property
     def capacity(self) -> int:
@@ -443,6 +449,8 @@ class ModelRuntime:
     def _changed(self) -> None:
         self.generation += 1
         self._on_change()
+        if self.hotswap is not None:
+            self.hotswap.poke()
 
     async def _supervise(self, replica: Replica) -> None:
         backoff = self.settings.restart_backoff_min
@@ -573,8 +581,8 @@ class ModelRuntime:
             if time.monotonic() > deadline:
                 raise EngineError(f"the model was not loaded 30s after {self.backend.name}'s load steps")
             await asyncio.sleep(self.settings.probe_interval_loading)
-        if replica.adapter_weights and self.backend.lora_runtime_args:
-            await self._load_adapters(replica, engine.session)
+        if self.hotswap is not None:
+            await self.hotswap.preload(engine.session, f"{self.settings.host}:{replica.port}")
         replica.loaded_at = time.monotonic()
 
     async def _watch(
@@ -710,3 +718,5 @@ class ModelRuntime:
         replica.load = load
         if (load.queue if load is not None else None) != before:
             self._on_change()  # new load numbers for picking; not a new backend generation
+            if self.hotswap is not None:
+                self.hotswap.poke()  # holders may be saturated now

@@ -239,6 +239,7 @@ class Up:
                 rt.model.key
             ).inc()
             self._watch_weights(runtime)
+            self._watch_adapters(runtime)
         self.components: dict[str, Supervised] = {}
         self.ports: Ports | None = None
         self.drain_seconds = DRAIN_SECONDS
@@ -257,6 +258,23 @@ class Up:
         runtime.weights_watch.on_pulled = pulled
         runtime.weights_watch.on_corrupt = lambda _problem: self.metrics.weights_corrupt.labels(key).inc()
 
+    def _watch_adapters(self, runtime: ModelRuntime) -> None:
+        """On-demand adapters: what the gateways want of them, and their metrics."""
+        hotswap = runtime.hotswap
+        if hotswap is None:
+            return
+        key = runtime.model.key
+        runtime.adapter_demand = lambda: self.book.adapter_totals(key)
+        metrics = self.metrics
+
+        def loaded(adapter: str, seconds: float) -> None:
+            metrics.adapter_loads.labels(key, adapter).inc()
+            metrics.adapter_load_seconds.labels(key).observe(seconds)
+
+        hotswap.events.loaded = loaded
+        hotswap.events.unloaded = lambda adapter, reason: metrics.adapter_unloads.labels(key, adapter, reason).inc()
+        hotswap.events.failed = lambda adapter: metrics.adapter_load_failures.labels(key, adapter).inc()
+
     def _in_flight_of(self, key: str) -> Callable[[], int]:
         def in_flight() -> int:
             load = self.scaler.loads.get(key)
@@ -266,6 +284,9 @@ class Up:
 
     def _demand_changed(self) -> None:
         self.scaler.poke()
+        for runtime in self.runtimes.values():
+            if runtime.hotswap is not None:
+                runtime.hotswap.poke()
         if self.scaler_hub is not None:
             self.scaler_hub.poke()
 
@@ -364,6 +385,7 @@ class Up:
                 await component.start()
             watchers = [asyncio.create_task(self._watch(c)) for c in self.components.values()]
             watchers.append(asyncio.create_task(self.scaler.run()))
+            watchers += [asyncio.create_task(rt.hotswap.run()) for rt in self.runtimes.values() if rt.hotswap]
             self.scaler.poke()
             if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
@@ -454,6 +476,7 @@ class Up:
                     ),
                     "leases": self.scaler.loads[rt.model.key].leases if rt.model.key in self.scaler.loads else 0,
                     "adapters": rt.adapter_status(),
+                    "adapter_loads": rt.hotswap.load_summary() if rt.hotswap is not None else None,
                 }
                 for rt in self.runtimes.values()
             ],

@@ -11,6 +11,7 @@ schema's enums are checked against them (tests/test_contract.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import cast
 
@@ -32,6 +33,15 @@ ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 #: (fetched, checked, or fitted in the cache); the held requests' error code, instead of the
 #: generic `activation_failed`.
 WEIGHTS_UNAVAILABLE = "weights_unavailable"
+
+#: The error code of requests held for a LoRA adapter that `up` could not load (its weights,
+#: or the engine refused): a 503 whose message has the reason.
+ADAPTER_UNAVAILABLE = "adapter_unavailable"
+
+#: Waiting requests at which an engine counts as saturated: extproc's capacity filter takes it out
+#: of the candidates, and `up` loads an on-demand LoRA adapter on one more replica when every
+#: replica holding it is this busy.
+QUEUE_LIMIT = 5
 
 #: Envoy's static clusters (the bootstrap) that routes and the ext_proc filter refer to.
 XDS_CLUSTER = "wakegate_xds"
@@ -58,6 +68,26 @@ VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
 VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 #: vLLM's LoRA gauge: labels max_lora, waiting_lora_adapters, running_lora_adapters (comma-separated).
 VLLM_LORA_INFO = "vllm:lora_requests_info"
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def lora_info(line: str) -> tuple[frozenset[str], int | None]:
+    """The adapters one ``vllm:lora_requests_info`` sample names running or waiting, and its
+    max_lora (None: absent). Read by extproc (the adapter filters) and `up` (no unload of an
+    adapter its engine is still running)."""
+    labels = dict(_LABEL.findall(line[line.find("{") : line.rfind("}") + 1]))
+    names = frozenset(
+        name
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in labels.get(key, "").split(",")
+        if name
+    )
+    try:
+        most = int(labels["max_lora"])
+    except (KeyError, ValueError):
+        most = None
+    return names, most
 LLAMACPP_RUNNING = "llamacpp:requests_processing"
 LLAMACPP_WAITING = "llamacpp:requests_deferred"
 LLAMACPP_KV_USAGE = "llamacpp:kv_cache_usage_ratio"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import yaml
 
 from wakegate.control import crd
-from wakegate.control.feeder.resources import model_route, routed_model
+from wakegate.control.feeder.resources import model_route, routed_adapters, routed_model
 from wakegate.control.schema import ColdMode, ManifestError, parse_manifest, parse_models
 from wakegate.v1 import routing_pb2
 
@@ -247,6 +249,27 @@ def test_the_loraadapter_crd_shows_base_loaded_and_ready() -> None:
     assert set(spec["required"]) == {"baseModel", "source"}
 
 
+def test_engines_that_load_adapters_at_run_time_may_have_more_than_max_adapters() -> None:
+    many = ADAPTERS.replace('backend: llamacpp, source: "file://w/base.gguf"', "backend: sim").replace(
+        "maxAdapters: 2", "maxAdapters: 1, idleTimeout: 60, placement: random"
+    )
+    (base,) = parse_models(many, "m.yaml")
+    assert len(base.adapters) == 2 and base.spec.adapters.idleTimeout == 60
+    # On demand, the route says so and lists each adapter's holders and failures.
+    routed = routed_model(base, [("127.0.0.1", 9000)], adapters=[
+        replace(a, endpoints=("127.0.0.1:9000",), failed_loads=1, last_failure="gone")
+        for a in routed_adapters(base)
+    ])
+    route = model_route(routed)
+    assert route.adapters_on_demand and route.adapter_placement == "random"
+    assert [(list(a.endpoints), a.failed_loads, a.last_failure) for a in route.adapters] == [
+        (["127.0.0.1:9000"], 1, "gone"), (["127.0.0.1:9000"], 1, "gone"),
+    ]
+    assert not model_route(routed_model(base, ())).adapters_on_demand
+    with pytest.raises(ManifestError, match=r"spec\.adapters\.placement"):
+        parse_models(many.replace("placement: random", "placement: nearest"), "m.yaml")
+
+
 def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
     from wakegate.control.up.feeder import decode, encode
 
@@ -254,3 +277,10 @@ def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
     routed = routed_model(base, [("127.0.0.1", 9000)])
     (again,), _ = decode(encode([routed]))
     assert again.adapters == routed.adapters and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")
+
+    # On demand: the holders and failures survive too.
+    on_demand = routed_model(base, [("127.0.0.1", 9000)], adapters=[
+        replace(a, endpoints=("127.0.0.1:9000",), failed_loads=2, last_failure="refused") for a in routed.adapters
+    ])
+    (again,), _ = decode(encode([on_demand]))
+    assert again.adapters == on_demand.adapters and again.adapters_on_demand

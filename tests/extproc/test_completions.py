@@ -20,7 +20,7 @@ def _message(*request_ids: str) -> bytes:
 
 def test_each_tracked_request_is_released_once_by_its_entry() -> None:
     ended: list[tuple[str, str | None]] = []
-    completions = Completions(lambda key, endpoint: ended.append((key, endpoint)))
+    completions = Completions(lambda key, endpoint, _adapter: ended.append((key, endpoint)))
     assert completions.track("r1", "m", "10.0.0.1:8000")
     assert completions.track("r2", "m", None)
     completions.logged(_message("r2"))
@@ -33,7 +33,7 @@ def test_each_tracked_request_is_released_once_by_its_entry() -> None:
 
 def test_entries_of_requests_routed_elsewhere_are_ignored() -> None:
     ended: list[tuple[str, str | None]] = []
-    completions = Completions(lambda key, endpoint: ended.append((key, endpoint)))
+    completions = Completions(lambda key, endpoint, _adapter: ended.append((key, endpoint)))
     assert completions.track("mine", "m", None)
     completions.logged(_message("the-other-extprocs", ""))
     assert ended == []
@@ -41,7 +41,7 @@ def test_entries_of_requests_routed_elsewhere_are_ignored() -> None:
 
 
 def test_an_id_already_pending_or_missing_is_not_tracked() -> None:
-    completions = Completions(lambda key, endpoint: None)
+    completions = Completions(lambda key, endpoint, _adapter: None)
     assert completions.track("r1", "m", None)
     assert not completions.track("r1", "m", None)  # the caller keeps that request's stream instead
     assert not completions.track("", "m", None)

@@ -113,6 +113,17 @@ spec:
 {extra}"""
 
 
+def adapter_doc(name: str, base: str, source: str, served_name: str | None = None) -> str:
+    """A LoRAAdapter document of `base` with its weights at `source`."""
+    served = f", servedName: {served_name}" if served_name else ""
+    return f"""---
+apiVersion: wakegate.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{baseModel: {base}, source: "{source}"{served}}}
+"""
+
+
 def pids_alive(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:

@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18wakegate/v1/demand.proto\x12\x0bwakegate.v1\"f\n\x0bModelDemand\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x0e\n\x06leases\x18\x04 \x01(\r\x12\x15\n\rfailures_seen\x18\x05 \x01(\x04\"\x82\x01\n\x0c\x44\x65mandReport\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12(\n\x06models\x18\x04 \x03(\x0b\x32\x18.wakegate.v1.ModelDemand\x12\x10\n\x08withdraw\x18\x05 \x01(\x08\"/\n\x0bReportReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2N\n\rDemandService\x12=\n\x06Report\x12\x19.wakegate.v1.DemandReport\x1a\x18.wakegate.v1.ReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18wakegate/v1/demand.proto\x12\x0bwakegate.v1\"\x94\x01\n\x0bModelDemand\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x0e\n\x06leases\x18\x04 \x01(\r\x12\x15\n\rfailures_seen\x18\x05 \x01(\x04\x12,\n\x08\x61\x64\x61pters\x18\x32 \x03(\x0b\x32\x1a.wakegate.v1.AdapterDemand\"W\n\rAdapterDemand\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12%\n\x04uses\x18\x03 \x03(\x0b\x32\x17.wakegate.v1.AdapterUse\"Q\n\nAdapterUse\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x0e\n\x06routed\x18\x04 \x01(\x04\"\x82\x01\n\x0c\x44\x65mandReport\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12(\n\x06models\x18\x04 \x03(\x0b\x32\x18.wakegate.v1.ModelDemand\x12\x10\n\x08withdraw\x18\x05 \x01(\x08\"/\n\x0bReportReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2N\n\rDemandService\x12=\n\x06Report\x12\x19.wakegate.v1.DemandReport\x1a\x18.wakegate.v1.ReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wakegate.v1.demand_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELDEMAND']._serialized_start=41
-  _globals['_MODELDEMAND']._serialized_end=143
-  _globals['_DEMANDREPORT']._serialized_start=146
-  _globals['_DEMANDREPORT']._serialized_end=276
-  _globals['_REPORTREPLY']._serialized_start=278
-  _globals['_REPORTREPLY']._serialized_end=325
-  _globals['_DEMANDSERVICE']._serialized_start=327
-  _globals['_DEMANDSERVICE']._serialized_end=405
+  _globals['_MODELDEMAND']._serialized_start=42
+  _globals['_MODELDEMAND']._serialized_end=190
+  _globals['_ADAPTERDEMAND']._serialized_start=192
+  _globals['_ADAPTERDEMAND']._serialized_end=279
+  _globals['_ADAPTERUSE']._serialized_start=281
+  _globals['_ADAPTERUSE']._serialized_end=362
+  _globals['_DEMANDREPORT']._serialized_start=365
+  _globals['_DEMANDREPORT']._serialized_end=495
+  _globals['_REPORTREPLY']._serialized_start=497
+  _globals['_REPORTREPLY']._serialized_end=544
+  _globals['_DEMANDSERVICE']._serialized_start=546
+  _globals['_DEMANDSERVICE']._serialized_end=624
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelDemand(_message.Message):
-    __slots__ = ("model", "queued", "in_flight", "leases", "failures_seen")
+    __slots__ = ("model", "queued", "in_flight", "leases", "failures_seen", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     queued: int
     in_flight: int
     leases: int
     failures_seen: int
-    def __init__(self, model: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., leases: _Optional[int] = ..., failures_seen: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterDemand]
+    def __init__(self, model: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., leases: _Optional[int] = ..., failures_seen: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterDemand, _Mapping]]] = ...) -> None: ...
+
+class AdapterDemand(_message.Message):
+    __slots__ = ("adapter", "queued", "uses")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    queued: int
+    uses: _containers.RepeatedCompositeFieldContainer[AdapterUse]
+    def __init__(self, adapter: _Optional[str] = ..., queued: _Optional[int] = ..., uses: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
+
+class AdapterUse(_message.Message):
+    __slots__ = ("endpoint", "queued", "in_flight", "routed")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    queued: int
+    in_flight: int
+    routed: int
+    def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., in_flight: _Optional[int] = ..., routed: _Optional[int] = ...) -> None: ...
 
 class DemandReport(_message.Message):
     __slots__ = ("gateway_id", "instance", "sequence", "models", "withdraw")

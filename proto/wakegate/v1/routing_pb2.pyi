@@ -58,21 +58,27 @@ class ColdPolicy(_message.Message):
     def __init__(self, mode: _Optional[_Union[ColdMode, str]] = ..., max_queue: _Optional[int] = ..., activation_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapterRoute(_message.Message):
-    __slots__ = ("name", "names", "served_name", "lora_id", "scale")
+    __slots__ = ("name", "names", "served_name", "lora_id", "scale", "endpoints", "failed_loads", "last_failure")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     name: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
     lora_id: int
     scale: float
-    def __init__(self, name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    failed_loads: int
+    last_failure: str
+    def __init__(self, name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., scale: _Optional[float] = ..., endpoints: _Optional[_Iterable[str]] = ..., failed_loads: _Optional[int] = ..., last_failure: _Optional[str] = ...) -> None: ...
 
 class ModelRoute(_message.Message):
-    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset", "adapters")
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset", "adapters", "adapters_on_demand", "adapter_placement")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +105,8 @@ class ModelRoute(_message.Message):
     KV_EVENTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
@@ -118,4 +126,6 @@ class ModelRoute(_message.Message):
     kv_events_offset: int
     kv_events_replay_offset: int
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterRoute]
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapterRoute, _Mapping]]] = ...) -> None: ...
+    adapters_on_demand: bool
+    adapter_placement: str
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapterRoute, _Mapping]]] = ..., adapters_on_demand: _Optional[bool] = ..., adapter_placement: _Optional[str] = ...) -> None: ...
