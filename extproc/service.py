@@ -32,6 +32,7 @@ from wakegate.contract import (
     CLUSTER_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    STATUS_PATH,
     STRATEGY_NAMES,
 )
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
@@ -166,6 +167,25 @@ class Gateway:
             ]
         }
 
+    def status_body_for(self, scope: Scope) -> bytes:
+        """`GET /wakegate/status` as a key with this scope sees it: per model its names, whether
+        it has ready endpoints, and what this gateway holds and routes for it (a federation's
+        global gateway reads it to pick a member)."""
+        cold = self.cold.snapshot()
+        models = [
+            {
+                "model": route.names[0] if route.names else key,
+                "names": list(route.names),
+                "ready_endpoints": len(route.endpoints),
+                "queued": cold.get(key, (0, 0, 0))[0],
+                "in_flight": self.in_flight.get(key, 0),
+                "max_queue": route.cold.max_queue,
+            }
+            for key, route in sorted(self.table.routes.items())
+            if in_scope(scope, route)
+        ]
+        return json.dumps({"synced": self.synced, "models": models}).encode()
+
     def routed(self, key: str, endpoint: str | None) -> None:
         count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
         if count == 1:
@@ -288,6 +308,8 @@ class Processor:
         if get:
             if path == "/metrics":
                 return self._metrics()
+            if path == STATUS_PATH:
+                return self._done(None, immediate(200, self.gw.status_body_for(scope)))
             listed = self._models_api(path.split("?", 1)[0], scope)
             if listed is not None:
                 return listed
