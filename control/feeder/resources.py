@@ -27,6 +27,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import heade
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import any_pb2, json_format
@@ -195,6 +196,10 @@ class GatewaySettings:
     #: Static clusters of the extproc processes' access-log services (the bootstrap's); every
     #: finished request is logged to each, unbatched: extproc's in-flight counts end there.
     access_log_clusters: tuple[str, ...] = (contract.access_log_cluster(0),)
+    #: Other upstreams a request is tried on when one cannot be connected to or resets before the
+    #: request was sent (never after: nothing reached the client yet); 0: none. The federation's
+    #: global gateway sets it, its upstreams being whole member gateways.
+    upstream_retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -497,7 +502,11 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                                 "prefix": "/",
                                 "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
                             },
-                            "route": {"cluster_header": contract.CLUSTER_HEADER, "timeout": "0s"},
+                            "route": {
+                                "cluster_header": contract.CLUSTER_HEADER,
+                                "timeout": "0s",
+                                **_retry_policy(settings.upstream_retries),
+                            },
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
@@ -510,6 +519,29 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
             ],
         },
     )
+
+
+def _retry_policy(retries: int) -> dict[str, Any]:
+    """Retries only where the upstream cannot have seen the request: no connection, a refused
+    stream, a reset before the request was sent; each on a host not tried yet."""
+    if retries <= 0:
+        return {}
+    return {
+        "retry_policy": {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": retries,
+            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 5,
+        }
+    }
 
 
 def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:

@@ -1,0 +1,375 @@
+"""The global gateway: an Envoy and an extproc fed by their own xDS, member gateways as upstreams.
+
+Nothing here forks the request path. The feeder library (`Publisher`, `SnapshotCache`, the ADS
+server) runs in this process over a source that is the members' newest probes
+(`members.global_routes`): per FederatedModel one `RoutedModel` whose endpoints are the member
+gateways that are reachable and report the model ready, with their held + in-flight requests
+as the endpoint's load. A stock `wakegate extproc` picks among them (least-loaded) and holds
+requests for a model no member has warm, with its bounded queue; a stock Envoy carries them.
+
+Pull, not push: one prober task per member asks `GET /wakegate/status` every health interval.
+A failed probe (past the threshold) takes the member out of every route at once, so new
+requests go elsewhere within one interval; requests Envoy could not connect for are retried on
+another member (never once a member answered). A model cold everywhere reaches us as demand
+from our own extproc (the DemandService on the ADS port, as in `wakegate up`): exactly one
+member is asked to wake it (`members.wake_target`), the next one only if that wake fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from wakegate import internal_token
+from wakegate.control import admin, bootstrap
+from wakegate.control.admin import free_port
+from wakegate.control.demand.book import DemandBook
+from wakegate.control.demand.service import DemandService
+from wakegate.control.federation import members as fed
+from wakegate.control.federation.members import Member, MemberHealth
+from wakegate.control.federation.probe import ProbeFailed, probe, wake
+from wakegate.control.federation_schema import Federation, FederatedModel
+from wakegate.control.feeder.ads import start_server
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.internal_token import Authenticator, TokenSource
+from wakegate.v1 import demand_pb2_grpc
+
+log = logging.getLogger("wakegate.federation")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # between fork and exec: the child gets SIGKILL when we go
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What one global gateway runs with (built by `wakegate federation gateway`)."""
+
+    federation: Federation
+    #: Member token files by cluster name (resolved against the federation file's folder).
+    token_files: Mapping[str, Path]
+    state_dir: Path
+    api_keys_file: Path | None = None
+    admin_listen: tuple[str, int] | None = None
+    upstream_header: bool = False
+    log_level: str = "INFO"
+
+
+@dataclass
+class _Wake:
+    member: str
+    started: float
+    task: asyncio.Task[None]
+
+
+@dataclass
+class Counters:
+    """What the global gateway did, for /status (and the figures in docs/federation.md)."""
+
+    probes: int = 0
+    probe_failures: int = 0
+    #: A member left the routes of a model it served (it went down or stopped serving it).
+    failovers: int = 0
+    #: Wake requests sent, by model key.
+    wakes: dict[str, int] = field(default_factory=dict)
+    wake_failures: int = 0
+
+
+class GlobalGateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        proxy = config.federation.proxy.spec
+        self.check = proxy.healthCheck
+        self.models: list[FederatedModel] = list(config.federation.models)
+        self.members: dict[str, Member] = {c.name: fed.member_of(c) for c in config.federation.clusters}
+        self.health: dict[str, MemberHealth] = {name: MemberHealth() for name in self.members}
+        #: Wall-clock time of each member's last good probe (status shows it).
+        self.seen_at: dict[str, float] = {}
+        listener = proxy.listeners[0]
+        self.gateway = GatewaySettings(
+            listen_host=listener.address,
+            listen_port=listener.port,
+            upstream_header=config.upstream_header,
+            upstream_retries=proxy.retries.attempts,
+        )
+        self._routes: list[RoutedModel] = fed.global_routes(self.models, self.members.values(), self.health)
+        self.publisher = Publisher(SnapshotCache(), self.gateway, lambda: self._routes)
+        self.state_dir = config.state_dir
+        self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
+        self.authenticator = Authenticator(self.token)
+        self.book = DemandBook()
+        self.demand = DemandService(self.book, self._demand_changed, authenticator=self.authenticator)
+        self.counters = Counters()
+        self._wakes: dict[str, _Wake] = {}
+        #: Members whose wake failed during the current activation of a model.
+        self._tried: dict[str, set[str]] = {}
+        self._kicks: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.members}
+        self._children: list[asyncio.subprocess.Process] = []
+        self._session: aiohttp.ClientSession | None = None
+        self.stop = asyncio.Event()
+        self.node_id = f"wakegate-global-{os.getpid()}"
+
+    # -- routes ------------------------------------------------------------------------------
+
+    def _recompute(self) -> None:
+        routes = fed.global_routes(self.models, self.members.values(), self.health)
+        before = {r.key: set(r.endpoints) for r in self._routes}
+        changed = False
+        for route in routes:
+            left = before.get(route.key, set()) - set(route.endpoints)
+            self.counters.failovers += len(left)
+            if set(route.endpoints) != before.get(route.key, set()):
+                changed = True
+                log.info("route model=%s members=%s", route.key, self._names(route.endpoints))
+                if route.endpoints:
+                    self._tried.pop(route.key, None)  # warm somewhere: the activation is over
+        loads_changed = [r.loads for r in routes] != [r.loads for r in self._routes]
+        self._routes = routes
+        if changed or loads_changed:
+            self.publisher.publish_soon()
+        if changed:
+            self._demand_changed()
+
+    def _names(self, endpoints: tuple[tuple[str, int], ...]) -> list[str]:
+        by_endpoint = {m.endpoint: name for name, m in self.members.items()}
+        return [by_endpoint.get(e, f"{e[0]}:{e[1]}") for e in endpoints]
+
+    # -- probing -------------------------------------------------------------------------------
+
+    async def _probe_loop(self, name: str) -> None:
+        member = self.members[name]
+        token = self.config.token_files.get(name)
+        kick = self._kicks[name]
+        assert self._session is not None
+        while not self.stop.is_set():
+            self.counters.probes += 1
+            state = self.health[name]
+            try:
+                report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds)
+            except ProbeFailed as exc:
+                self.counters.probe_failures += 1
+                if state.reachable or state.failures == 0:
+                    log.warning("member=%s probe failed: %s", name, exc)
+                self.health[name] = state.failed(str(exc), self.check.unhealthyThreshold)
+            else:
+                if not state.reachable:
+                    log.info("member=%s reachable (%.1f ms)", name, latency * 1000)
+                self.health[name] = state.observed(report, latency, time.monotonic())
+                self.seen_at[name] = time.time()
+            self._recompute()
+            kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(kick.wait(), self.check.intervalSeconds)
+
+    # -- waking ----------------------------------------------------------------------------------
+
+    def _demand_changed(self) -> None:
+        totals = self.book.totals()
+        warm = {r.key for r in self._routes if r.endpoints}
+        for model in self.models:
+            key = fed.model_key(model)
+            load = totals.get(key)
+            if load is None or not (load.queued or load.leases) or key in warm or key in self._wakes:
+                continue
+            target = fed.wake_target(model, self.members.values(), self.health, self._tried.get(key, ()))
+            if target is None:
+                log.warning("model=%s cold everywhere and no reachable member serves it", key)
+                continue
+            self.counters.wakes[key] = self.counters.wakes.get(key, 0) + 1
+            log.info("model=%s cold everywhere: asking member=%s to wake it", key, target.name)
+            task = asyncio.ensure_future(self._wake(model, target))
+            self._wakes[key] = _Wake(target.name, time.monotonic(), task)
+
+    async def _wake(self, model: FederatedModel, target: Member) -> None:
+        key = fed.model_key(model)
+        assert self._session is not None
+        try:
+            timeout = float(model.spec.template.scaling.activationTimeout)
+            await wake(self._session, target.url, self.config.token_files.get(target.name), model.name, timeout)
+        except ProbeFailed as exc:
+            self.counters.wake_failures += 1
+            log.warning("model=%s member=%s did not wake: %s", key, target.name, exc)
+            self._tried.setdefault(key, set()).add(target.name)
+        finally:
+            self._wakes.pop(key, None)
+        self._kicks[target.name].set()  # probe it now: its routes change at once, not a tick later
+        await asyncio.sleep(0)
+        self._demand_changed()
+
+    # -- processes -------------------------------------------------------------------------------
+
+    async def _spawn(self, name: str, argv: list[str]) -> asyncio.subprocess.Process:
+        path = self.state_dir / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self._children.append(proc)
+        log.info("process started name=%s pid=%d log=%s", name, proc.pid, path)
+        return proc
+
+    async def _start_children(self, xds_port: int) -> None:
+        extproc, extproc_admin, activator = free_port(), free_port(), free_port()
+        self.extproc_admin = extproc_admin
+        argv = [
+            sys.executable, "-m", "wakegate.extproc",
+            "--listen", f"127.0.0.1:{extproc}",
+            "--admin-listen", f"127.0.0.1:{extproc_admin}",
+            "--activator-listen", f"127.0.0.1:{activator}",
+            "--xds", f"127.0.0.1:{xds_port}",
+            "--node-id", f"{self.node_id}-extproc",
+            "--gateway-id", self.node_id,
+            "--internal-token-file", str(self.token.file),
+            "--engine-metrics-interval", "0",
+            "--drain-seconds", "1",
+            "--log-level", self.config.log_level,
+        ]  # fmt: skip
+        if self.config.api_keys_file is not None:
+            argv += ["--api-keys-file", str(self.config.api_keys_file)]
+        await self._spawn("extproc", argv)
+        self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
+        self.envoy_admin.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.envoy_admin.unlink()
+        rendered = bootstrap.render(
+            self.node_id,
+            bootstrap.GatewayPorts(
+                envoy_admin=0, xds=xds_port, extproc=extproc, activator=activator, admin_socket=str(self.envoy_admin)
+            ),
+            bootstrap.TokenRef(file=str(self.token.file)),
+        )
+        config = self.state_dir / "envoy.yaml"
+        config.write_text(rendered, encoding="utf-8")
+        argv = [
+            bootstrap.envoy_binary(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
+            "--log-level", "warn", "--drain-time-s", "1", "--drain-strategy", "immediate",
+        ]  # fmt: skip
+        await self._spawn("envoy", argv)
+
+    async def _wait_ready(self, timeout: float = 60.0) -> bool:
+        """Ready: extproc has its routes and /healthz answers through Envoy and extproc."""
+        urls = [
+            f"http://127.0.0.1:{self.extproc_admin}/healthz",
+            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",
+        ]
+        deadline = time.monotonic() + timeout
+        assert self._session is not None
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if any(proc.returncode is not None for proc in self._children):
+                return False
+            ok = 0
+            for url in urls:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                    async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as response:
+                        ok += response.status == 200
+            if ok == len(urls):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
+            "members": {
+                name: fed.cluster_status(self.health[name], self.seen_at.get(name)) for name in sorted(self.members)
+            },
+            "models": {
+                fed.model_key(m): fed.federated_status(m, self.members.values(), self.health) for m in self.models
+            },
+            "routes": {r.key: self._names(r.endpoints) for r in self._routes},
+            "waking": {key: w.member for key, w in self._wakes.items()},
+            "counters": {
+                "probes": self.counters.probes,
+                "probe_failures": self.counters.probe_failures,
+                "failovers": self.counters.failovers,
+                "wakes": dict(self.counters.wakes),
+                "wake_failures": self.counters.wake_failures,
+            },
+        }
+
+    async def _serve_admin(self) -> web.AppRunner | None:
+        if self.config.admin_listen is None:
+            return None
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        host, port = self.config.admin_listen
+        return await admin.serve({"/status": status, "/healthz": healthz}, host, port)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self._session = aiohttp.ClientSession()
+        probers: list[asyncio.Task[None]] = []
+        server = None
+        runner = None
+        try:
+            await self.publisher.publish()
+            server, self.publisher.ads, xds_port = await start_server(
+                self.publisher.cache,
+                "127.0.0.1:0",
+                extra=lambda s: demand_pb2_grpc.add_DemandServiceServicer_to_server(self.demand, s),
+                on_endpoints_acked=self.publisher.publish_soon,
+                authenticator=self.authenticator,
+            )
+            probers = [asyncio.ensure_future(self._probe_loop(name)) for name in self.members]
+            runner = await self._serve_admin()
+            await self._start_children(xds_port)
+            if not await self._wait_ready():
+                log.error("the global gateway did not become ready; see %s", self.state_dir / "logs")
+                return 1
+            print(
+                f"wakegate federation: global gateway serving on http://{self.gateway.listen_host}:"
+                f"{self.gateway.listen_port} members={','.join(sorted(self.members))}",
+                flush=True,
+            )
+            await self.stop.wait()
+            return 0
+        finally:
+            for task in probers + [w.task for w in self._wakes.values()]:
+                task.cancel()
+            for proc in reversed(self._children):  # Envoy first: nothing new is admitted
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(proc.wait(), 5)
+                    if proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        await proc.wait()
+            if runner is not None:
+                await runner.cleanup()
+            if server is not None:
+                await server.stop(1)
+            await self._session.close()

@@ -1,0 +1,103 @@
+"""`wakegate federation`: one global endpoint over several member gateways.
+
+`wakegate federation gateway -f FILE` runs the global gateway (control/federation/gateway.py)
+from a file of Cluster, FederatedModel and GlobalProxy documents; `wakegate federation
+controller` writes the FederatedModels' Models into the member clusters and their status back
+(control/federation/controller.py). docs/federation.md has the whole picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from wakegate.control.admin import host_port
+from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
+from wakegate.control.federation.members import member_of
+from wakegate.control.federation_schema import Federation, parse_federation
+from wakegate.control.schema import ManifestError
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, log_level, settings_from, start
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="role", metavar="ROLE", required=True)
+    gateway = sub.add_parser("gateway", help="the global gateway: Envoy + extproc over the member gateways")
+    gateway.add_argument("-f", "--file", type=Path, required=True, help="Cluster, FederatedModel, GlobalProxy YAML")
+    gateway.add_argument("--state-dir", type=Path, default=Path(".wakegate-global"), help="logs and rendered configs")
+    gateway.add_argument(
+        "--admin-listen", default=None, help="HTTP address of /status and /healthz (HOST:PORT); none by default"
+    )
+    gateway.add_argument(
+        "--upstream-header", action="store_true", help="add x-wakegate-upstream (the member's address) to responses"
+    )
+    # Either place: `wakegate federation --log-level X gateway …` or `… gateway --log-level X`.
+    gateway.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL", help="as above")
+    add_log_level(parser)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(ProcessSettings):
+    """Everything `wakegate federation gateway` is configured with; built once from its command line."""
+
+    role: str
+    """`gateway`."""
+    federation: Federation
+    """The documents of --file, validated."""
+    token_files: dict[str, Path]
+    """Member token files by cluster, relative names resolved against the file's folder."""
+    api_keys_file: Path | None
+    """The clients' API keys (GlobalProxy spec.auth.apiKeysFile); None: no auth."""
+    state_dir: Path
+    """Logs, the internal token and Envoy's bootstrap."""
+    admin_listen: tuple[str, int] | None
+    """/status and /healthz; None: not served."""
+    upstream_header: bool
+    """Add x-wakegate-upstream to responses."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Raises ValueError with a message for the user: a missing or invalid file, a bad address."""
+        try:
+            federation = parse_federation(args.file.read_text(encoding="utf-8"), str(args.file))
+        except OSError as exc:
+            raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
+        except ManifestError as exc:
+            raise ValueError(str(exc)) from None
+        folder = args.file.resolve().parent
+        tokens = {}
+        for cluster in federation.clusters:
+            member_of(cluster)  # a URL the global Envoy can use, or a ValueError naming the Cluster
+            if cluster.spec.gateway.tokenFile is not None:
+                tokens[cluster.name] = folder / cluster.spec.gateway.tokenFile
+        keys = federation.proxy.spec.auth.apiKeysFile
+        admin = host_port(args.admin_listen, "127.0.0.1") if args.admin_listen is not None else None
+        return settings_from(
+            cls,
+            args,
+            federation=federation,
+            token_files=tokens,
+            api_keys_file=folder / keys if keys is not None else None,
+            admin_listen=admin,
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    return start(args, Settings.from_args, lambda settings: asyncio.run(_run(settings)), "federation")
+
+
+async def _run(settings: Settings) -> int:
+    gateway = GlobalGateway(
+        GatewayConfig(
+            federation=settings.federation,
+            token_files=settings.token_files,
+            state_dir=settings.state_dir.resolve(),
+            api_keys_file=settings.api_keys_file,
+            admin_listen=settings.admin_listen,
+            upstream_header=settings.upstream_header,
+            log_level=settings.log_level,
+        )
+    )
+    graceful_exit(gateway.stop, "federation")
+    return await gateway.run()

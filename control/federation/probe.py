@@ -1,0 +1,73 @@
+"""Talking to member gateways over HTTP: the status probe and the one wake request.
+
+Both go to the member's public listener with the member's bearer token (a file named by the
+Cluster, read on every call so a rotated token applies at once; never logged). The probe is
+`GET /wakegate/status`; a wake is `GET /model/<name>/v1/models`, which the member's own
+extproc holds while the model starts (its cold path registers the demand that wakes it there)
+and then hands to the engine, whose model list answers it: an activation that costs the
+engine no generation.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import aiohttp
+
+from wakegate.contract import MODEL_PATH_PREFIX, STATUS_PATH
+from wakegate.control.federation.members import MAX_STATUS_BYTES, MemberReport, parse_status
+
+
+class ProbeFailed(Exception):
+    """A member gateway did not answer as one should; the message is one short line."""
+
+
+def _headers(token_file: Path | None) -> dict[str, str]:
+    if token_file is None:
+        return {}
+    try:
+        token = token_file.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ProbeFailed(f"cannot read the member token file {token_file}: {exc.strerror}") from None
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+async def probe(
+    session: aiohttp.ClientSession, url: str, token_file: Path | None, timeout: float
+) -> tuple[MemberReport, float]:
+    """The member's report and how long it took, seconds; ProbeFailed otherwise."""
+    started = time.monotonic()
+    try:
+        async with session.get(
+            url + STATUS_PATH, headers=_headers(token_file), timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as response:
+            body = await response.content.read(MAX_STATUS_BYTES + 1)
+            if response.status != 200:
+                raise ProbeFailed(f"status {response.status} from {STATUS_PATH}")
+    except (aiohttp.ClientError, OSError) as exc:
+        raise ProbeFailed(f"unreachable: {type(exc).__name__}") from None
+    except TimeoutError:
+        raise ProbeFailed(f"no answer in {timeout:g}s") from None
+    try:
+        report = parse_status(body)
+    except ValueError as exc:
+        raise ProbeFailed(str(exc)) from None
+    return report, time.monotonic() - started
+
+
+async def wake(session: aiohttp.ClientSession, url: str, token_file: Path | None, model: str, timeout: float) -> None:
+    """Ask one member to wake `model`; returns once the member's engine answered. ProbeFailed otherwise."""
+    path = f"{MODEL_PATH_PREFIX}{quote(model, safe='')}/v1/models"
+    try:
+        async with session.get(
+            url + path, headers=_headers(token_file), timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as response:
+            await response.read()
+            if response.status != 200:
+                raise ProbeFailed(f"wake answered {response.status}")
+    except (aiohttp.ClientError, OSError) as exc:
+        raise ProbeFailed(f"wake failed: {type(exc).__name__}") from None
+    except TimeoutError:
+        raise ProbeFailed(f"wake not answered in {timeout:g}s") from None
