@@ -49,7 +49,9 @@ class MemberGateway(_Spec):
     tokenFile: str | None = Field(
         None, max_length=4096, description="A file holding that token (`wakegate federation` on one machine)."
     )
-    ca: ClusterSecretRef | None = Field(None, description="A Secret key with the CA bundle the gateway's TLS chains to.")
+    ca: ClusterSecretRef | None = Field(
+        None, description="A Secret key with the CA bundle the gateway's TLS chains to."
+    )
     clientCert: ClusterSecretRef | None = Field(
         None, description="A `kubernetes.io/tls` Secret's key for a client certificate (the key beside it is used)."
     )
@@ -143,10 +145,23 @@ class HealthCheck(_Spec):
         return self
 
 
+class RetryWhen(StrEnum):
+    #: Only requests no member can have seen: no connection, a refused stream, a reset before
+    #: the request was written.
+    UNSENT = "unsent"
+    #: Also a member that reset before answering (it may have started on the request, which then
+    #: runs twice), but never once a byte of the answer reached the client.
+    BEFORE_RESPONSE = "before-response"
+
+
 class Retries(_Spec):
     attempts: int = Field(
-        2, ge=0, le=5, description="Other members tried when one cannot be connected to or resets before "
-        "answering; never once a byte reached the client."
+        2, ge=0, le=5, description="Other members a request is tried on when the first cannot take it (`when`)."
+    )
+    when: RetryWhen = Field(
+        RetryWhen.BEFORE_RESPONSE,
+        description="unsent: only requests no member saw; before-response: also a member that reset before "
+        "answering. Never once a byte reached the client.",
     )
 
 

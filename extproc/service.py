@@ -519,9 +519,13 @@ class Processor:
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:
-            extra.append(header(DESTINATION_HEADER, endpoint))
+            destination = endpoint
+            if route.fallback_endpoints:  # where Envoy retries a request no upstream saw
+                others = [e for e in endpoints if e != endpoint][: route.fallback_endpoints]
+                destination = ",".join([endpoint, *others])
+            extra.append(header(DESTINATION_HEADER, destination))
             metadata = struct_pb2.Struct()
-            metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = endpoint
+            metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
         common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
         ex.model_key = route.key
         ex.endpoint = endpoint

@@ -41,7 +41,7 @@ from wakegate.control.demand.service import DemandService
 from wakegate.control.federation import members as fed
 from wakegate.control.federation.members import Member, MemberHealth
 from wakegate.control.federation.probe import ProbeFailed, probe, wake
-from wakegate.control.federation_schema import Federation, FederatedModel
+from wakegate.control.federation_schema import FederatedModel, Federation, RetryWhen
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
@@ -52,6 +52,12 @@ from wakegate.v1 import demand_pb2_grpc
 log = logging.getLogger("wakegate.federation")
 
 _PR_SET_PDEATHSIG = 1
+
+#: Envoy's retry_on per GlobalProxy `retries.when`: both end once a byte of the answer went out.
+_RETRY_ON = {
+    RetryWhen.UNSENT: "connect-failure,refused-stream,reset-before-request",
+    RetryWhen.BEFORE_RESPONSE: "connect-failure,refused-stream,reset",
+}
 
 
 def _die_with_parent() -> None:  # between fork and exec: the child gets SIGKILL when we go
@@ -103,14 +109,18 @@ class GlobalGateway:
         self.health: dict[str, MemberHealth] = {name: MemberHealth() for name in self.members}
         #: Wall-clock time of each member's last good probe (status shows it).
         self.seen_at: dict[str, float] = {}
+        self.retries = proxy.retries.attempts
         listener = proxy.listeners[0]
         self.gateway = GatewaySettings(
             listen_host=listener.address,
             listen_port=listener.port,
             upstream_header=config.upstream_header,
             upstream_retries=proxy.retries.attempts,
+            upstream_retry_on=_RETRY_ON[proxy.retries.when],
         )
-        self._routes: list[RoutedModel] = fed.global_routes(self.models, self.members.values(), self.health)
+        self._routes: list[RoutedModel] = fed.global_routes(
+            self.models, self.members.values(), self.health, self.retries
+        )
         self.publisher = Publisher(SnapshotCache(), self.gateway, lambda: self._routes)
         self.state_dir = config.state_dir
         self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
@@ -130,7 +140,7 @@ class GlobalGateway:
     # -- routes ------------------------------------------------------------------------------
 
     def _recompute(self) -> None:
-        routes = fed.global_routes(self.models, self.members.values(), self.health)
+        routes = fed.global_routes(self.models, self.members.values(), self.health, self.retries)
         before = {r.key: set(r.endpoints) for r in self._routes}
         changed = False
         for route in routes:
@@ -155,29 +165,33 @@ class GlobalGateway:
     # -- probing -------------------------------------------------------------------------------
 
     async def _probe_loop(self, name: str) -> None:
-        member = self.members[name]
-        token = self.config.token_files.get(name)
         kick = self._kicks[name]
-        assert self._session is not None
         while not self.stop.is_set():
-            self.counters.probes += 1
-            state = self.health[name]
-            try:
-                report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds)
-            except ProbeFailed as exc:
-                self.counters.probe_failures += 1
-                if state.reachable or state.failures == 0:
-                    log.warning("member=%s probe failed: %s", name, exc)
-                self.health[name] = state.failed(str(exc), self.check.unhealthyThreshold)
-            else:
-                if not state.reachable:
-                    log.info("member=%s reachable (%.1f ms)", name, latency * 1000)
-                self.health[name] = state.observed(report, latency, time.monotonic())
-                self.seen_at[name] = time.time()
-            self._recompute()
+            await self._probe_once(name)
             kick.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(kick.wait(), self.check.intervalSeconds)
+
+    async def _probe_once(self, name: str) -> None:
+        member = self.members[name]
+        assert self._session is not None
+        self.counters.probes += 1
+        try:
+            report, latency = await probe(
+                self._session, member.url, self.config.token_files.get(name), self.check.timeoutSeconds
+            )
+        except ProbeFailed as exc:
+            self.counters.probe_failures += 1
+            state = self.health[name]
+            if state.reachable or state.failures == 0:
+                log.warning("member=%s probe failed: %s", name, exc)
+            self.health[name] = state.failed(str(exc), self.check.unhealthyThreshold)
+        else:
+            if not self.health[name].reachable:
+                log.info("member=%s reachable (%.1f ms)", name, latency * 1000)
+            self.health[name] = self.health[name].observed(report, latency, time.monotonic())
+            self.seen_at[name] = time.time()
+        self._recompute()
 
     # -- waking ----------------------------------------------------------------------------------
 
@@ -208,10 +222,12 @@ class GlobalGateway:
             self.counters.wake_failures += 1
             log.warning("model=%s member=%s did not wake: %s", key, target.name, exc)
             self._tried.setdefault(key, set()).add(target.name)
+        else:
+            # Probe it now: the held requests go as soon as its answer says the model is ready,
+            # and the wake stays ours until then (no second one for the same activation).
+            await self._probe_once(target.name)
         finally:
             self._wakes.pop(key, None)
-        self._kicks[target.name].set()  # probe it now: its routes change at once, not a tick later
-        await asyncio.sleep(0)
         self._demand_changed()
 
     # -- processes -------------------------------------------------------------------------------
@@ -302,7 +318,7 @@ class GlobalGateway:
             "models": {
                 fed.model_key(m): fed.federated_status(m, self.members.values(), self.health) for m in self.models
             },
-            "routes": {r.key: self._names(r.endpoints) for r in self._routes},
+            "routes": {r.key: sorted(self._names(r.endpoints)) for r in self._routes},
             "waking": {key: w.member for key, w in self._wakes.items()},
             "counters": {
                 "probes": self.counters.probes,

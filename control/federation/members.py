@@ -207,9 +207,13 @@ def model_key(model: FederatedModel) -> str:
 
 
 def global_routes(
-    models: Iterable[FederatedModel], members: Iterable[Member], health: Mapping[str, MemberHealth]
+    models: Iterable[FederatedModel],
+    members: Iterable[Member],
+    health: Mapping[str, MemberHealth],
+    retries: int = 0,
 ) -> list[RoutedModel]:
-    """The global gateway's routes: per FederatedModel, the warm members as endpoints."""
+    """The global gateway's routes: per FederatedModel, the warm members as endpoints (with up to
+    `retries` others named after each pick, where Envoy retries a request no member saw)."""
     members = list(members)
     routes = []
     for model in models:
@@ -230,6 +234,7 @@ def global_routes(
                 activation_timeout_s=float(template.scaling.activationTimeout),
                 endpoints=tuple(sorted(m.endpoint for m, _ in warm)),
                 loads=tuple(sorted((m.host, m.port, report.load) for m, report in warm)),
+                fallback_endpoints=retries,
             )
         )
     return routes

@@ -97,6 +97,8 @@ class RoutedModel:
     admitted: bool = True
     #: (ip, port, requests the engine holds) from the engine's own metrics, where it has them.
     loads: tuple[tuple[str, int, int], ...] = ()
+    #: Other ready endpoints named after the pick, for Envoy's retries (`ModelRoute.fallback_endpoints`).
+    fallback_endpoints: int = 0
 
     @property
     def cluster(self) -> str:
@@ -200,6 +202,9 @@ class GatewaySettings:
     #: request was sent (never after: nothing reached the client yet); 0: none. The federation's
     #: global gateway sets it, its upstreams being whole member gateways.
     upstream_retries: int = 0
+    #: Envoy's retry_on for those retries; `reset` (before the response began) may repeat a request
+    #: an upstream had started on, never one whose answer reached the client.
+    upstream_retry_on: str = "connect-failure,refused-stream,reset-before-request"
 
 
 @dataclass(frozen=True)
@@ -505,7 +510,7 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                             "route": {
                                 "cluster_header": contract.CLUSTER_HEADER,
                                 "timeout": "0s",
-                                **_retry_policy(settings.upstream_retries),
+                                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
                             },
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
@@ -521,21 +526,22 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
     )
 
 
-def _retry_policy(retries: int) -> dict[str, Any]:
-    """Retries only where the upstream cannot have seen the request: no connection, a refused
-    stream, a reset before the request was sent; each on a host not tried yet."""
+def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
+    """Retries before the response began (what `retry_on` allows), each on a host not tried yet
+    (the pick's fallbacks in the destination header, `ModelRoute.fallback_endpoints`)."""
     if retries <= 0:
         return {}
     return {
         "retry_policy": {
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "retry_on": retry_on,
             "num_retries": retries,
             "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
             "retry_host_predicate": [
                 {
                     "name": "envoy.retry_host_predicates.previous_hosts",
                     "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+                        ".PreviousHostsPredicate"
                     },
                 }
             ],
@@ -663,6 +669,7 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         weights=dict(model.weights),
         kv_events_offset=model.kv_events_offset,
         kv_events_replay_offset=model.kv_events_replay_offset,
+        fallback_endpoints=model.fallback_endpoints,
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(

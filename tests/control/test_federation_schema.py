@@ -26,7 +26,7 @@ def test_the_example_federation_parses() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (("url: \"http://127.0.0.1:8080\"", "url: \"ftp://127.0.0.1\""), "spec.gateway.url"),
+        (('url: "http://127.0.0.1:8080"', 'url: "ftp://127.0.0.1"'), "spec.gateway.url"),
         (("failover: [east, west]", "failover: [east, north]"), "no Cluster 'north'"),
         (("    min: 0\n    max: 1", "    min: 2\n    max: 1"), "min (2) exceeds max (1)"),
         (("clusterSelector: {tier: gpu}", "clusterSelector: {}"), "name clusters or a clusterSelector"),
@@ -34,8 +34,13 @@ def test_the_example_federation_parses() -> None:
         (("timeoutSeconds: 0.5", "timeoutSeconds: 5"), "timeoutSeconds exceeds intervalSeconds"),
         (("metadata: {name: west,", "metadata: {name: east,"), "a Cluster named 'east' is already defined"),
         (("kind: GlobalProxy", "kind: GlobalProxi"), "kind must be one of Cluster, FederatedModel, GlobalProxy"),
-        (("weight: 100\n---\napiVersion: wakegate.io/v1alpha1\nkind: FederatedModel", "weight: 0\n---\n"
-          "apiVersion: wakegate.io/v1alpha1\nkind: FederatedModel"), "spec.weight"),
+        (
+            (
+                "weight: 100\n---\napiVersion: wakegate.io/v1alpha1\nkind: FederatedModel",
+                "weight: 0\n---\napiVersion: wakegate.io/v1alpha1\nkind: FederatedModel",
+            ),
+            "spec.weight",
+        ),
     ],
 )
 def test_bad_federation_documents_are_refused_naming_the_document(change: tuple[str, str], message: str) -> None:

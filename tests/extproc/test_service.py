@@ -491,7 +491,7 @@ def test_an_adapter_named_in_the_headers_has_its_body_read_and_rewritten() -> No
 
 
 async def test_status_path_reports_readiness_and_held_requests_in_the_keys_scope(tmp_path: Path) -> None:
-    gw, proc = scoped(tmp_path)
+    _, proc = scoped(tmp_path)
     status_of = headers(contract.STATUS_PATH, method="GET", end=True, authorization="Bearer mine")
     exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "waiting", "authorization": "Bearer mine"}))
     held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
@@ -505,3 +505,17 @@ async def test_status_path_reports_readiness_and_held_requests_in_the_keys_scope
     held.cancel()
     refused = immediate(decide(proc, headers(contract.STATUS_PATH, method="GET", end=True))[1])
     assert refused[0] == 401 and refused[2]["error"]["code"] == "invalid_api_key"
+
+
+def test_fallback_endpoints_follow_the_pick_in_the_destination() -> None:
+    fallback = route("chat", "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+    fallback.fallback_endpoints = 1
+    gw = Gateway(Settings(), ApiKeys(None))
+    gw.set_routes([fallback])
+    decided = decide(Processor(gw), headers("/v1/x", **{"x-model-id": "chat"}))[1]
+    destination = set_headers(decided.request_headers.response)[contract.DESTINATION_HEADER].split(",")
+    assert len(destination) == 2 and len(set(destination)) == 2
+    assert set(destination) <= {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+    lb = decided.dynamic_metadata.fields[contract.LB_METADATA_NAMESPACE].struct_value
+    assert lb.fields[contract.DESTINATION_HEADER].string_value == ",".join(destination)
+    assert gw.in_flight == {"chat": 1}  # one request, counted once on its pick

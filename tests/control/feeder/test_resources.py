@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
 from wakegate import contract
@@ -54,9 +55,26 @@ def test_select_named_and_wildcard() -> None:
     assert set(built.select(r.CLUSTER, ["ignored"])) == {"model.a", "model.ns.b"}
 
 
-def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
+    plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.ROUTE][r.ROUTE_NAME])
+    assert "retryPolicy" not in plain["virtualHosts"][0]["routes"][0]["route"]
+    federated = [MODELS[0].__class__(**{**MODELS[0].__dict__, "fallback_endpoints": 2})]
+    built = r.build(federated, r.GatewaySettings(upstream_retries=2))
+    route = json_format.MessageToDict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtualHosts"][0]["routes"][0]
+    policy = route["route"]["retryPolicy"]
+    assert policy["retryOn"] == "connect-failure,refused-stream,reset-before-request" and policy["numRetries"] == 2
+    assert policy["retryHostPredicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert built.by_type[r.MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [r.GatewaySettings(upstream_header=True), r.GatewaySettings(upstream_retries=2, upstream_retry_on="reset")],
+    ids=["plain", "retries"],
+)
+def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.GatewaySettings) -> None:
     """Put the dynamic resources into a static bootstrap and let the real Envoy validate it."""
-    built = r.build(MODELS, r.GatewaySettings(upstream_header=True))
+    built = r.build(MODELS, settings)
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
     hcm.pop("rds")
