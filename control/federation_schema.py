@@ -86,7 +86,7 @@ class Placement(_Spec):
     clusters: list[Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]] = Field(
         default_factory=list, max_length=64, description="Clusters by name."
     )
-    clusterSelector: dict[Annotated[str, Field(max_length=317)], str] = Field(
+    clusterSelector: dict[str, str] = Field(
         default_factory=dict, description="Clusters whose labels include all of these (with `clusters`, either)."
     )
     min: int = Field(0, ge=0, le=1000, description="Replicas each placed cluster keeps (its Model's scaling.min).")

@@ -40,7 +40,7 @@ from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
 from wakegate.control.federation import members as fed
 from wakegate.control.federation.members import Member, MemberHealth
-from wakegate.control.federation.probe import ProbeFailed, probe, wake
+from wakegate.control.federation.probe import ProbeFailed, probe, read_token, wake
 from wakegate.control.federation_schema import FederatedModel, Federation, RetryWhen
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
@@ -177,9 +177,8 @@ class GlobalGateway:
         assert self._session is not None
         self.counters.probes += 1
         try:
-            report, latency = await probe(
-                self._session, member.url, self.config.token_files.get(name), self.check.timeoutSeconds
-            )
+            token = read_token(self.config.token_files.get(name))
+            report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds)
         except ProbeFailed as exc:
             self.counters.probe_failures += 1
             state = self.health[name]
@@ -217,7 +216,8 @@ class GlobalGateway:
         assert self._session is not None
         try:
             timeout = float(model.spec.template.scaling.activationTimeout)
-            await wake(self._session, target.url, self.config.token_files.get(target.name), model.name, timeout)
+            token = read_token(self.config.token_files.get(target.name))
+            await wake(self._session, target.url, token, model.name, timeout)
         except ProbeFailed as exc:
             self.counters.wake_failures += 1
             log.warning("model=%s member=%s did not wake: %s", key, target.name, exc)

@@ -17,6 +17,7 @@ from wakegate.control.admin import host_port
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.members import member_of
 from wakegate.control.federation_schema import Federation, parse_federation
+from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.schema import ManifestError
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, log_level, settings_from, start
 
@@ -32,8 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--upstream-header", action="store_true", help="add x-wakegate-upstream (the member's address) to responses"
     )
-    # Either place: `wakegate federation --log-level X gateway …` or `… gateway --log-level X`.
-    gateway.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL", help="as above")
+    controller = sub.add_parser(
+        "controller", help="write FederatedModels' Models into the member clusters, statuses back"
+    )
+    add_kubeconfig(controller)
+    controller.add_argument("--interval", type=float, default=5.0, help="seconds between passes")
+    controller.add_argument("--probe-timeout", type=float, default=2.0, help="a member gateway slower is unreachable")
+    for role in (gateway, controller):
+        # Either place: `wakegate federation --log-level X ROLE …` or `… ROLE --log-level X`.
+        role.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL", help="as above")
     add_log_level(parser)
 
 
@@ -41,8 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Settings(ProcessSettings):
     """Everything `wakegate federation gateway` is configured with; built once from its command line."""
 
-    role: str
-    """`gateway`."""
     federation: Federation
     """The documents of --file, validated."""
     token_files: dict[str, Path]
@@ -83,8 +89,42 @@ class Settings(ProcessSettings):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ControllerSettings(ProcessSettings):
+    """Everything `wakegate federation controller` is configured with."""
+
+    kubeconfig: str | None
+    """The federation's own cluster (Clusters, FederatedModels, their Secrets)."""
+    interval: float
+    """Seconds between passes."""
+    probe_timeout: float
+    """A member gateway that answers slower counts as unreachable."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ControllerSettings:
+        if not 0 < args.probe_timeout <= args.interval:
+            raise ValueError("--probe-timeout must be positive and at most --interval")
+        return settings_from(cls, args)
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.role == "controller":
+        return start(
+            args, ControllerSettings.from_args, lambda s: asyncio.run(_control(s)), "federation", quiet=("kubernetes",)
+        )
     return start(args, Settings.from_args, lambda settings: asyncio.run(_run(settings)), "federation")
+
+
+async def _control(settings: ControllerSettings) -> int:
+    from wakegate.control.federation.controller import Controller
+    from wakegate.control.k8s.client import Kube, api_client
+
+    stop = asyncio.Event()
+    graceful_exit(stop, "federation")
+    controller = Controller(Kube(api_client(settings.kubeconfig)), settings.interval, settings.probe_timeout)
+    print("wakegate federation: controller running", flush=True)
+    await controller.run(stop)
+    return 0
 
 
 async def _run(settings: Settings) -> int:

@@ -24,24 +24,28 @@ class ProbeFailed(Exception):
     """A member gateway did not answer as one should; the message is one short line."""
 
 
-def _headers(token_file: Path | None) -> dict[str, str]:
+def read_token(token_file: Path | None) -> str | None:
+    """The member token in `token_file` (read on every call: a rotated one applies at once)."""
     if token_file is None:
-        return {}
+        return None
     try:
-        token = token_file.read_text(encoding="utf-8").strip()
+        return token_file.read_text(encoding="utf-8").strip() or None
     except OSError as exc:
         raise ProbeFailed(f"cannot read the member token file {token_file}: {exc.strerror}") from None
+
+
+def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
 async def probe(
-    session: aiohttp.ClientSession, url: str, token_file: Path | None, timeout: float
+    session: aiohttp.ClientSession, url: str, token: str | None, timeout: float
 ) -> tuple[MemberReport, float]:
     """The member's report and how long it took, seconds; ProbeFailed otherwise."""
     started = time.monotonic()
     try:
         async with session.get(
-            url + STATUS_PATH, headers=_headers(token_file), timeout=aiohttp.ClientTimeout(total=timeout)
+            url + STATUS_PATH, headers=_headers(token), timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
             body = await response.content.read(MAX_STATUS_BYTES + 1)
             if response.status != 200:
@@ -57,12 +61,12 @@ async def probe(
     return report, time.monotonic() - started
 
 
-async def wake(session: aiohttp.ClientSession, url: str, token_file: Path | None, model: str, timeout: float) -> None:
+async def wake(session: aiohttp.ClientSession, url: str, token: str | None, model: str, timeout: float) -> None:
     """Ask one member to wake `model`; returns once the member's engine answered. ProbeFailed otherwise."""
     path = f"{MODEL_PATH_PREFIX}{quote(model, safe='')}/v1/models"
     try:
         async with session.get(
-            url + path, headers=_headers(token_file), timeout=aiohttp.ClientTimeout(total=timeout)
+            url + path, headers=_headers(token), timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
             await response.read()
             if response.status != 200:

@@ -1,0 +1,279 @@
+"""Federation on two real control planes: a FederatedModel placed in both, one global endpoint.
+
+The session's cluster is `east` and also the federation's own cluster (its API server holds
+the Cluster and FederatedModel objects and the members' kubeconfig Secrets); a second control
+plane started here is `west`. Each member runs the cluster form of wakegate (operator, `wakegate
+xds`, extproc, Envoy) on its own loopback ports; `wakegate federation controller` writes the
+Model into both and the statuses back; `wakegate federation gateway` is the global endpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.cluster import Cluster
+from e2e.gateway import Gateway, Operator, install_crds, python_env, running
+from e2e.helpers import Kube, wait_for
+from e2e.procs import Proc
+from tests.support.federation import GlobalProcess
+from tests.support.http import Response, request
+
+pytestmark = pytest.mark.e2e
+
+GROUP, VERSION = "wakegate.io", "v1alpha1"
+INTERVAL = 0.5
+
+
+@pytest.fixture
+def west(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A second control plane beside the session's, on its own ports and pod range (one node)."""
+    started = Cluster(tmp_path_factory.mktemp("west"), nodes=1)
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def kubectl(kubeconfig: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["kubectl", "--kubeconfig", str(kubeconfig), *args], capture_output=True, text=True, timeout=60, check=True
+    )
+    return done.stdout
+
+
+def member_phase(custom: client.CustomObjectsApi, ns: str) -> str:
+    try:
+        body = custom.get_namespaced_custom_object(GROUP, VERSION, ns, "models", "chat")
+    except client.ApiException:
+        return ""
+    return str((body.get("status") or {}).get("phase", ""))
+
+
+def chat(url: str) -> Response:
+    return request(
+        "POST",
+        f"{url}/v1/chat/completions",
+        body={"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+        timeout=60,
+    )
+
+
+def federation_objects(ns: str, suffix: str, gateways: dict[str, Gateway]) -> list[dict[str, Any]]:
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Cluster",
+            "metadata": {"name": f"{name}-{suffix}", "labels": {"federation": suffix}},
+            "spec": {
+                "gateway": {"url": gateway.url},
+                "region": name,
+                "kubeconfig": {"namespace": ns, "name": f"kubeconfig-{name}", "key": "kubeconfig"},
+            },
+        }
+        for name, gateway in gateways.items()
+    ]
+    objects.append(
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FederatedModel",
+            "metadata": {"name": "chat", "namespace": ns},
+            "spec": {
+                "template": {"backend": "sim", "scaling": {"min": 1, "max": 1, "engine": "builtin"}},
+                "placement": {"clusterSelector": {"federation": suffix}, "min": 1, "max": 1},
+            },
+        }
+    )
+    return objects
+
+
+def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_survives_a_gateway_loss(
+    kube: Kube, west: Cluster, tmp_path: Path
+) -> None:
+    ns = kube.ns
+    suffix = uuid.uuid4().hex[:6]
+    install_crds(kube.api)
+    with west.api_client() as west_api:
+        install_crds(west_api)
+        west_core = client.CoreV1Api(west_api)
+        west_core.create_namespace({"metadata": {"name": ns}})
+        wait_for(
+            lambda: any(sa.metadata.name == "default" for sa in west_core.list_namespaced_service_account(ns).items),
+            30,
+            "west's default service account",
+        )
+        for name, cluster in (("east", kube.cluster), ("west", west)):
+            kube.core.create_namespaced_secret(
+                ns,
+                {
+                    "metadata": {"name": f"kubeconfig-{name}"},
+                    "data": {"kubeconfig": base64.b64encode(cluster.kubeconfig.read_bytes()).decode()},
+                },
+            )
+        (tmp_path / "east").mkdir()
+        (tmp_path / "west").mkdir()
+        gateways = {
+            "east": Gateway(tmp_path / "east", kube.cluster.kubeconfig),
+            "west": Gateway(tmp_path / "west", west.kubeconfig),
+        }
+        operators = [
+            Operator(tmp_path / "east", kube.cluster.kubeconfig, ns, "operator-east", ["--renew-seconds", "1"]),
+            Operator(tmp_path / "west", west.kubeconfig, ns, "operator-west", ["--renew-seconds", "1"]),
+        ]
+        controller = Proc(
+            "federation",
+            [
+                "python", "-m", "wakegate", "federation", "controller", "--kubeconfig", str(kube.cluster.kubeconfig),
+                "--interval", "1", "--probe-timeout", "1",
+            ],
+            tmp_path / "federation.log",
+            env=python_env(),
+        )  # fmt: skip
+        with running(*operators, *gateways.values()):
+            controller.start()
+            glob: GlobalProcess | None = None
+            try:
+                started = time.monotonic()
+                objects = federation_objects(ns, suffix, gateways)
+                subprocess.run(
+                    ["kubectl", "--kubeconfig", str(kube.cluster.kubeconfig), "apply", "-f", "-"],
+                    input=yaml.safe_dump_all(objects),
+                    text=True,
+                    check=True,
+                    capture_output=True,
+                    timeout=60,
+                )
+                west_custom = client.CustomObjectsApi(west_api)
+                wait_for(lambda: member_phase(kube.custom, ns) == "Ready", 120, "east's Model Ready", every=0.5)
+                wait_for(lambda: member_phase(west_custom, ns) == "Ready", 120, "west's Model Ready", every=0.5)
+                placed_after = time.monotonic() - started
+
+                def summary() -> str:
+                    body = kube.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "federatedmodels", "chat")
+                    return str((body.get("status") or {}).get("summary", ""))
+
+                want = f"east-{suffix}=Ready west-{suffix}=Ready"
+                wait_for(lambda: summary() == want, 60, "both clusters Ready in the FederatedModel", every=0.5)
+                listed = kubectl(kube.cluster.kubeconfig, "get", "clusters,federatedmodels", "-n", ns)
+                assert f"east-{suffix}" in listed and "True" in listed and want in listed, listed
+                member_models = kube.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "models", "chat")
+                managers = {m["manager"] for m in member_models["metadata"]["managedFields"]}
+                assert "wakegate-federation" in managers
+
+                # The global gateway over both member gateways.
+                docs = [o for o in objects if o["kind"] == "Cluster"]
+                for doc in docs:
+                    doc["spec"].pop("kubeconfig")
+                template = {"backend": "sim"}
+                glob = GlobalProcess(
+                    tmp_path,
+                    lambda port: yaml.safe_dump_all(
+                        [
+                            *docs,
+                            {
+                                "apiVersion": f"{GROUP}/{VERSION}",
+                                "kind": "FederatedModel",
+                                "metadata": {"name": "chat"},
+                                "spec": {
+                                    "template": template,
+                                    "placement": {"clusterSelector": {"federation": suffix}},
+                                },
+                            },
+                            {
+                                "apiVersion": f"{GROUP}/{VERSION}",
+                                "kind": "GlobalProxy",
+                                "metadata": {"name": "global"},
+                                "spec": {
+                                    "listeners": [{"address": "127.0.0.1", "port": port}],
+                                    "healthCheck": {"intervalSeconds": INTERVAL, "timeoutSeconds": INTERVAL},
+                                },
+                            },
+                        ]
+                    ),
+                )
+                both = sorted([f"east-{suffix}", f"west-{suffix}"])
+                glob.wait_for(lambda s: s["routes"]["chat"] == both, timeout=60)
+                by_port = {gateways["east"].port: "east", gateways["west"].port: "west"}
+
+                def member(answer: Response) -> str:
+                    return by_port[int(answer.headers["x-wakegate-upstream"].rsplit(":", 1)[1])]
+
+                spread = Counter(member(chat(glob.url)) for _ in range(20))
+                assert spread["east"] >= 3 and spread["west"] >= 3, spread
+
+                # East's Model scaled to zero (as its scaler would): the global gateway routes to west.
+                scaled = time.monotonic()
+                kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=0")
+                glob.wait_for(lambda s: s["routes"]["chat"] == [f"west-{suffix}"], timeout=60)
+                rerouted_after_scale = time.monotonic() - scaled
+                assert {member(chat(glob.url)) for _ in range(8)} == {"west"}
+                kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=1")
+                glob.wait_for(lambda s: s["routes"]["chat"] == both, timeout=90)
+
+                # West's gateway stopped mid-run: nothing that had not reached it fails.
+                sent: list[tuple[float, int, str]] = []
+                stop_at = time.monotonic() + 6.0
+
+                def worker() -> None:
+                    while time.monotonic() < stop_at:
+                        began = time.monotonic()
+                        answer = chat(glob.url)
+                        sent.append((began, answer.status, answer.text[:160]))
+
+                threads = [threading.Thread(target=worker) for _ in range(3)]
+                for thread in threads:
+                    thread.start()
+                time.sleep(2.0)
+                killed = time.monotonic()
+                envoy = gateways["west"].envoy.popen
+                assert envoy is not None
+                envoy.send_signal(signal.SIGKILL)
+                envoy.wait()
+                gone = time.monotonic()
+                glob.wait_for(lambda s: s["routes"]["chat"] == [f"east-{suffix}"], timeout=10)
+                rerouted = time.monotonic() - killed
+                for thread in threads:
+                    thread.join(60)
+                after = [s for s in sent if s[0] >= gone]
+                failed = [s for s in sent if s[1] != 200]
+                assert after and not [s for s in after if s[1] != 200], failed[:3]
+                assert all("connection termination" in s[2] for s in failed), failed[:3]
+                status = glob.status()
+                retries = glob.envoy_stats(r"model_chat\.upstream_(rq_retry|rq_retry_success)$")
+                print(
+                    "\nfederation e2e: "
+                    + json.dumps(
+                        {
+                            "placed_ready_s": round(placed_after, 1),
+                            "spread": dict(spread),
+                            "reroute_after_scale_to_zero_s": round(rerouted_after_scale, 2),
+                            "requests": len(sent),
+                            "after_gateway_gone": len(after),
+                            "failed": len(failed),
+                            "reroute_after_gateway_loss_s": round(rerouted, 2),
+                            "route_failovers": status["counters"]["failovers"],
+                            "envoy_retries": retries,
+                        }
+                    )
+                )
+            finally:
+                if glob is not None:
+                    glob.stop()
+                controller.stop()
+                for name in gateways:  # cluster-scoped: the namespace's deletion does not take them
+                    kube.custom.delete_cluster_custom_object(GROUP, VERSION, "clusters", f"{name}-{suffix}")
+        west_core.delete_namespace(ns)
