@@ -18,6 +18,7 @@ Decisions take `now` as a parameter and return plain data, so tests are exact.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -142,8 +143,10 @@ def member_of(cluster: Cluster) -> Member:
     host = parts.hostname or ""
     if parts.port is None:
         raise ValueError(f"Cluster {cluster.name!r}: gateway.url names no port")
-    if not _is_ip(host):
-        raise ValueError(f"Cluster {cluster.name!r}: gateway.url host {host!r} is not an IP address")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"Cluster {cluster.name!r}: gateway.url host {host!r} is not an IP address") from None
     return Member(
         cluster.name,
         host,
@@ -153,16 +156,6 @@ def member_of(cluster: Cluster) -> Member:
         cluster.spec.weight,
         cluster.spec.gpus,
     )
-
-
-def _is_ip(host: str) -> bool:
-    import ipaddress
-
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def placed(model: FederatedModel, members: Iterable[Member]) -> list[Member]:

@@ -38,40 +38,37 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
+async def _get(
+    session: aiohttp.ClientSession, url: str, token: str | None, timeout: float, what: str
+) -> tuple[int, bytes]:
+    """One GET to a member gateway: its status and (at most MAX_STATUS_BYTES + 1 of) its body."""
+    try:
+        async with session.get(url, headers=_headers(token), timeout=aiohttp.ClientTimeout(total=timeout)) as answer:
+            return answer.status, await answer.content.read(MAX_STATUS_BYTES + 1)
+    except (aiohttp.ClientError, OSError) as exc:
+        raise ProbeFailed(f"{what}: unreachable: {type(exc).__name__}") from None
+    except TimeoutError:
+        raise ProbeFailed(f"{what}: no answer in {timeout:g}s") from None
+
+
 async def probe(
     session: aiohttp.ClientSession, url: str, token: str | None, timeout: float
 ) -> tuple[MemberReport, float]:
     """The member's report and how long it took, seconds; ProbeFailed otherwise."""
     started = time.monotonic()
-    try:
-        async with session.get(
-            url + STATUS_PATH, headers=_headers(token), timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as response:
-            body = await response.content.read(MAX_STATUS_BYTES + 1)
-            if response.status != 200:
-                raise ProbeFailed(f"status {response.status} from {STATUS_PATH}")
-    except (aiohttp.ClientError, OSError) as exc:
-        raise ProbeFailed(f"unreachable: {type(exc).__name__}") from None
-    except TimeoutError:
-        raise ProbeFailed(f"no answer in {timeout:g}s") from None
+    status, body = await _get(session, url + STATUS_PATH, token, timeout, "probe")
+    if status != 200:
+        raise ProbeFailed(f"probe: status {status} from {STATUS_PATH}")
     try:
         report = parse_status(body)
     except ValueError as exc:
-        raise ProbeFailed(str(exc)) from None
+        raise ProbeFailed(f"probe: {exc}") from None
     return report, time.monotonic() - started
 
 
 async def wake(session: aiohttp.ClientSession, url: str, token: str | None, model: str, timeout: float) -> None:
     """Ask one member to wake `model`; returns once the member's engine answered. ProbeFailed otherwise."""
     path = f"{MODEL_PATH_PREFIX}{quote(model, safe='')}/v1/models"
-    try:
-        async with session.get(
-            url + path, headers=_headers(token), timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as response:
-            await response.read()
-            if response.status != 200:
-                raise ProbeFailed(f"wake answered {response.status}")
-    except (aiohttp.ClientError, OSError) as exc:
-        raise ProbeFailed(f"wake failed: {type(exc).__name__}") from None
-    except TimeoutError:
-        raise ProbeFailed(f"wake not answered in {timeout:g}s") from None
+    status, _ = await _get(session, url + path, token, timeout, "wake")
+    if status != 200:
+        raise ProbeFailed(f"wake: answered {status}")

@@ -10,6 +10,8 @@ not reached it yet, and new requests go elsewhere within one health interval.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -191,3 +193,26 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
         f"reroute_s={reroute[0]:.3f} kill_to_gone_s={gone_at - killed_at[0]:.3f} health_interval_s={INTERVAL} "
         f"route_failovers={status['counters']['failovers']} envoy={retries}"
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("127.0.0.1:1111", "gw.example:1111"), "Cluster 'east': gateway.url host 'gw.example' is not an IP address"),
+        (("failover: [east]", "failover: [north]"), "FederatedModel 'chat': no Cluster 'north'"),
+    ],
+)
+def test_a_bad_federation_file_is_one_line_and_status_2(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    text = federation_doc({"east": 1111}, port=1112, placement="clusters: [east], failover: [east]")
+    bad = tmp_path / "global.yaml"
+    bad.write_text(text.replace(*change))
+    done = subprocess.run(
+        [sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(bad), "--state-dir", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wakegate federation: ") and message in lines[0], done.stderr
+    assert not (tmp_path / "s").exists()  # nothing started, nothing written
