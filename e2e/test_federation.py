@@ -174,39 +174,25 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                 managers = {m["manager"] for m in member_models["metadata"]["managedFields"]}
                 assert "wakegate-federation" in managers
 
-                # The global gateway over both member gateways.
-                docs = [o for o in objects if o["kind"] == "Cluster"]
-                for doc in docs:
-                    doc["spec"].pop("kubeconfig")
-                template = {"backend": "sim"}
-                glob = GlobalProcess(
-                    tmp_path,
-                    lambda port: yaml.safe_dump_all(
-                        [
-                            *docs,
-                            {
-                                "apiVersion": f"{GROUP}/{VERSION}",
-                                "kind": "FederatedModel",
-                                "metadata": {"name": "chat"},
-                                "spec": {
-                                    "template": template,
-                                    "placement": {"clusterSelector": {"federation": suffix}},
-                                },
-                            },
-                            {
-                                "apiVersion": f"{GROUP}/{VERSION}",
-                                "kind": "GlobalProxy",
-                                "metadata": {"name": "global"},
-                                "spec": {
-                                    "listeners": [{"address": "127.0.0.1", "port": port}],
-                                    "healthCheck": {"intervalSeconds": INTERVAL, "timeoutSeconds": INTERVAL},
-                                },
-                            },
-                        ]
-                    ),
-                )
+                # The global gateway over both member gateways, reading its GlobalProxy, the Clusters
+                # and the FederatedModels from the federation cluster.
+                def proxy(port: int) -> list[str]:
+                    body = {
+                        "apiVersion": f"{GROUP}/{VERSION}",
+                        "kind": "GlobalProxy",
+                        "metadata": {"name": "global", "namespace": ns},
+                        "spec": {
+                            "listeners": [{"address": "127.0.0.1", "port": port}],
+                            "healthCheck": {"intervalSeconds": INTERVAL, "timeoutSeconds": INTERVAL},
+                        },
+                    }
+                    kube.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "globalproxies", body)
+                    return ["--kubeconfig", str(kube.cluster.kubeconfig), "--proxy", f"{ns}/global", "--refresh", "1"]
+
+                glob = GlobalProcess(tmp_path, source=proxy)
+                key = f"{ns}/chat"  # the FederatedModel's key: namespaced on a cluster
                 both = sorted([f"east-{suffix}", f"west-{suffix}"])
-                glob.wait_for(lambda s: s["routes"]["chat"] == both, timeout=60)
+                glob.wait_for(lambda s: s["routes"][key] == both, timeout=60)
                 by_port = {gateways["east"].port: "east", gateways["west"].port: "west"}
 
                 def member(answer: Response) -> str:
@@ -218,11 +204,11 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                 # East's Model scaled to zero (as its scaler would): the global gateway routes to west.
                 scaled = time.monotonic()
                 kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=0")
-                glob.wait_for(lambda s: s["routes"]["chat"] == [f"west-{suffix}"], timeout=60)
+                glob.wait_for(lambda s: s["routes"][key] == [f"west-{suffix}"], timeout=60)
                 rerouted_after_scale = time.monotonic() - scaled
                 assert {member(chat(glob.url)) for _ in range(8)} == {"west"}
                 kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=1")
-                glob.wait_for(lambda s: s["routes"]["chat"] == both, timeout=90)
+                glob.wait_for(lambda s: s["routes"][key] == both, timeout=90)
 
                 # West's gateway stopped mid-run: nothing that had not reached it fails.
                 sent: list[tuple[float, int, str]] = []
@@ -244,7 +230,7 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                 envoy.send_signal(signal.SIGKILL)
                 envoy.wait()
                 gone = time.monotonic()
-                glob.wait_for(lambda s: s["routes"]["chat"] == [f"east-{suffix}"], timeout=10)
+                glob.wait_for(lambda s: s["routes"][key] == [f"east-{suffix}"], timeout=10)
                 rerouted = time.monotonic() - killed
                 for thread in threads:
                     thread.join(60)
@@ -253,7 +239,14 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                 assert after and not [s for s in after if s[1] != 200], failed[:3]
                 assert all("connection termination" in s[2] for s in failed), failed[:3]
                 status = glob.status()
-                retries = glob.envoy_stats(r"model_chat\.upstream_(rq_retry|rq_retry_success)$")
+
+                def proxy_status() -> dict[str, Any]:
+                    body = kube.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "globalproxies", "global")
+                    return dict(body.get("status") or {})
+
+                wait_for(lambda: proxy_status() == {"members": 2, "healthyMembers": 1}, 10, "the GlobalProxy's status")
+                stat = "model_" + key.replace("/", "_").replace("-", "_")
+                retries = glob.envoy_stats(stat + r"\.upstream_(rq_retry|rq_retry_success)$")
                 print(
                     "\nfederation e2e: "
                     + json.dumps(

@@ -31,20 +31,17 @@ from typing import Any
 import aiohttp
 import yaml
 from kubernetes import client, config
-from pydantic import ValidationError
 
 from wakegate.control.federation import members as fed
+from wakegate.control.federation.kube import BASE, CLUSTERS, FEDERATED_MODELS, secret, valid
 from wakegate.control.federation.members import FEDERATED_LABEL, FIELD_MANAGER, Member, MemberHealth
 from wakegate.control.federation.probe import ProbeFailed, probe
-from wakegate.control.federation_schema import Cluster, ClusterSecretRef, FederatedModel
+from wakegate.control.federation_schema import Cluster, FederatedModel
 from wakegate.control.k8s.client import Kube, KubeError
-from wakegate.control.schema import GROUP, VERSION
 
 log = logging.getLogger("wakegate.federation")
 
-_BASE = f"/apis/{GROUP}/{VERSION}"
-CLUSTERS = f"{_BASE}/clusters"
-FEDERATED_MODELS = f"{_BASE}/federatedmodels"
+_BASE = BASE
 
 
 def _models_path(namespace: str, name: str | None = None) -> str:
@@ -81,8 +78,10 @@ class Controller:
     # -- one pass ----------------------------------------------------------------------------------
 
     async def reconcile(self, session: aiohttp.ClientSession) -> None:
-        clusters = self._valid(Cluster, (await asyncio.to_thread(self.host.get, CLUSTERS))["items"])
-        models = self._valid(FederatedModel, (await asyncio.to_thread(self.host.get, FEDERATED_MODELS))["items"])
+        clusters = valid(Cluster, (await asyncio.to_thread(self.host.get, CLUSTERS))["items"], self._refuse)
+        models = valid(
+            FederatedModel, (await asyncio.to_thread(self.host.get, FEDERATED_MODELS))["items"], self._refuse
+        )
         members: dict[str, Member] = {}
         for cluster in clusters:
             try:
@@ -108,20 +107,6 @@ class Controller:
             namespace = model.metadata.namespace or "default"
             await self._write_status(f"{_BASE}/namespaces/{namespace}/federatedmodels/{model.name}", status)
 
-    def _valid(self, kind: type[Any], items: list[dict[str, Any]]) -> list[Any]:
-        valid = []
-        for item in items:
-            try:  # status and the server's metadata are not the manifest's business
-                valid.append(
-                    kind.model_validate({k: item[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in item})
-                )
-            except ValidationError as exc:
-                name = item.get("metadata", {}).get("name", "?")
-                first = exc.errors()[0]
-                where = ".".join(str(part) for part in first["loc"])
-                self._refuse(f"{kind.__name__}/{name}", f"{where}: {first['msg']}")
-        return valid
-
     def _refuse(self, what: str, why: str) -> None:
         if what not in self._refused:  # one line per object, not one per pass
             self._refused.add(what)
@@ -132,7 +117,7 @@ class Controller:
     async def _probe(self, session: aiohttp.ClientSession, cluster: Cluster, member: Member) -> None:
         state = self.health.get(cluster.name, MemberHealth())
         try:
-            token = await self._secret(cluster.spec.gateway.token)
+            token = await secret(self.host, cluster.spec.gateway.token)
             report, latency = await probe(session, member.url, token, self.probe_timeout)
         except (ProbeFailed, KubeError) as exc:
             self.health[cluster.name] = state.failed(str(exc), self.unhealthy_threshold)
@@ -140,27 +125,18 @@ class Controller:
         self.health[cluster.name] = state.observed(report, latency, time.monotonic())
         self.seen_at[cluster.name] = time.time()
 
-    async def _secret(self, ref: ClusterSecretRef | None) -> str | None:
-        if ref is None:
-            return None
-        secret = await asyncio.to_thread(self.host.get, f"/api/v1/namespaces/{ref.namespace}/secrets/{ref.name}")
-        value = (secret.get("data") or {}).get(ref.key)
-        if value is None:
-            raise KubeError(404, "Not Found", f"secret {ref.namespace}/{ref.name} has no key {ref.key}")
-        return base64.b64decode(value).decode()
-
     async def _member_kube(self, cluster: Cluster) -> Kube | None:
         """A client of the member's API server from its kubeconfig Secret (rebuilt when it changes)."""
         ref = cluster.spec.kubeconfig
         if ref is None:
             return None
         try:
-            secret = await asyncio.to_thread(self.host.get, f"/api/v1/namespaces/{ref.namespace}/secrets/{ref.name}")
-            version = str(secret["metadata"].get("resourceVersion", ""))
+            body = await asyncio.to_thread(self.host.get, f"/api/v1/namespaces/{ref.namespace}/secrets/{ref.name}")
+            version = str(body["metadata"].get("resourceVersion", ""))
             cached = self._clients.get(cluster.name)
             if cached is not None and cached.version == version:
                 return cached.kube
-            text = base64.b64decode((secret.get("data") or {})[ref.key]).decode()
+            text = base64.b64decode((body.get("data") or {})[ref.key]).decode()
             configuration = client.Configuration()
             config.load_kube_config_from_dict(yaml.safe_load(text), client_configuration=configuration)
         except (KubeError, KeyError, ValueError, yaml.YAMLError, config.ConfigException) as exc:

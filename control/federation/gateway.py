@@ -65,6 +65,17 @@ def _die_with_parent() -> None:  # between fork and exec: the child gets SIGKILL
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _members_of(federation: Federation) -> dict[str, Member]:
+    """The Clusters the global Envoy can route to (a gateway URL by IP); the others skipped, logged."""
+    members: dict[str, Member] = {}
+    for cluster in federation.clusters:
+        try:
+            members[cluster.name] = fed.member_of(cluster)
+        except ValueError as exc:
+            log.warning("federation: skipping %s", exc)
+    return members
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """What one global gateway runs with (built by `wakegate federation gateway`)."""
@@ -105,7 +116,7 @@ class GlobalGateway:
         proxy = config.federation.proxy.spec
         self.check = proxy.healthCheck
         self.models: list[FederatedModel] = list(config.federation.models)
-        self.members: dict[str, Member] = {c.name: fed.member_of(c) for c in config.federation.clusters}
+        self.members: dict[str, Member] = _members_of(config.federation)
         self.health: dict[str, MemberHealth] = {name: MemberHealth() for name in self.members}
         #: Wall-clock time of each member's last good probe (status shows it).
         self.seen_at: dict[str, float] = {}
@@ -133,6 +144,9 @@ class GlobalGateway:
         self._tried: dict[str, set[str]] = {}
         self._kicks: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.members}
         self._children: list[asyncio.subprocess.Process] = []
+        self._probers: dict[str, asyncio.Task[None]] = {}
+        #: Member tokens read from the federation cluster's Secrets (`follow`), by cluster.
+        self.member_tokens: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self.stop = asyncio.Event()
         self.node_id = f"wakegate-global-{os.getpid()}"
@@ -162,11 +176,34 @@ class GlobalGateway:
         by_endpoint = {m.endpoint: name for name, m in self.members.items()}
         return [by_endpoint.get(e, f"{e[0]}:{e[1]}") for e in endpoints]
 
+    def update(self, federation: Federation, tokens: Mapping[str, str]) -> None:
+        """New Clusters and FederatedModels (from the federation cluster): members that left stop
+        being probed and leave the routes, new ones are probed at once. The listener, retries and
+        health check stay as they were at start."""
+        members = _members_of(federation)
+        for name in self.members.keys() - members.keys():
+            task = self._probers.pop(name, None)
+            if task is not None:
+                task.cancel()
+            self.health.pop(name, None)
+            self._kicks.pop(name, None)
+        for name, member in members.items():
+            if self.members.get(name) != member:
+                self.health[name] = MemberHealth()  # a new address: nothing known of it yet
+            self._kicks.setdefault(name, asyncio.Event())
+        self.members = members
+        self.models = list(federation.models)
+        self.member_tokens = dict(tokens)
+        if self._session is not None:
+            for name in members.keys() - self._probers.keys():
+                self._probers[name] = asyncio.ensure_future(self._probe_loop(name))
+        self._recompute()
+
     # -- probing -------------------------------------------------------------------------------
 
     async def _probe_loop(self, name: str) -> None:
         kick = self._kicks[name]
-        while not self.stop.is_set():
+        while not self.stop.is_set() and name in self.members:
             await self._probe_once(name)
             kick.clear()
             with contextlib.suppress(TimeoutError):
@@ -177,7 +214,7 @@ class GlobalGateway:
         assert self._session is not None
         self.counters.probes += 1
         try:
-            token = read_token(self.config.token_files.get(name))
+            token = self.member_tokens.get(name) or read_token(self.config.token_files.get(name))
             report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds)
         except ProbeFailed as exc:
             self.counters.probe_failures += 1
@@ -216,7 +253,7 @@ class GlobalGateway:
         assert self._session is not None
         try:
             timeout = float(model.spec.template.scaling.activationTimeout)
-            token = read_token(self.config.token_files.get(target.name))
+            token = self.member_tokens.get(target.name) or read_token(self.config.token_files.get(target.name))
             await wake(self._session, target.url, token, model.name, timeout)
         except ProbeFailed as exc:
             self.counters.wake_failures += 1
@@ -225,7 +262,8 @@ class GlobalGateway:
         else:
             # Probe it now: the held requests go as soon as its answer says the model is ready,
             # and the wake stays ours until then (no second one for the same activation).
-            await self._probe_once(target.name)
+            if target.name in self.members:
+                await self._probe_once(target.name)
         finally:
             self._wakes.pop(key, None)
         self._demand_changed()
@@ -309,6 +347,11 @@ class GlobalGateway:
 
     # -- status ----------------------------------------------------------------------------------
 
+    def proxy_status(self) -> dict[str, Any]:
+        """The GlobalProxy's status: its members as this gateway sees them."""
+        healthy = sum(1 for name in self.members if self.health.get(name, MemberHealth()).reachable)
+        return {"members": len(self.members), "healthyMembers": healthy}
+
     def status(self) -> dict[str, Any]:
         return {
             "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
@@ -346,7 +389,6 @@ class GlobalGateway:
 
     async def run(self) -> int:
         self._session = aiohttp.ClientSession()
-        probers: list[asyncio.Task[None]] = []
         server = None
         runner = None
         try:
@@ -358,7 +400,7 @@ class GlobalGateway:
                 on_endpoints_acked=self.publisher.publish_soon,
                 authenticator=self.authenticator,
             )
-            probers = [asyncio.ensure_future(self._probe_loop(name)) for name in self.members]
+            self._probers = {name: asyncio.ensure_future(self._probe_loop(name)) for name in self.members}
             runner = await self._serve_admin()
             await self._start_children(xds_port)
             if not await self._wait_ready():
@@ -372,7 +414,7 @@ class GlobalGateway:
             await self.stop.wait()
             return 0
         finally:
-            for task in probers + [w.task for w in self._wakes.values()]:
+            for task in [*self._probers.values(), *(w.task for w in self._wakes.values())]:
                 task.cancel()
             for proc in reversed(self._children):  # Envoy first: nothing new is admitted
                 if proc.returncode is None:

@@ -54,20 +54,31 @@ spec:
 
 
 class GlobalProcess:
-    """`wakegate federation gateway -f FILE` with its own ports and state dir."""
+    """`wakegate federation gateway` with its own ports and state dir: from a file of documents
+    (`document(port)`), or from wherever `source(port)`'s arguments say (`--proxy NS/NAME …`)."""
 
-    def __init__(self, tmp: Path, document: Callable[[int], str]) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        document: Callable[[int], str] | None = None,
+        source: Callable[[int], list[str]] | None = None,
+    ) -> None:
         self.port = free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.file = tmp / "global.yaml"
-        self.file.write_text(document(self.port))
+        if document is not None:
+            file = tmp / "global.yaml"
+            file.write_text(document(self.port))
+            args = ["-f", str(file)]
+        else:
+            assert source is not None, "a document or a source"
+            args = source(self.port)
         self.envoy_admin = tmp / "global-state" / "run" / "envoy-admin.sock"
         self.log_path = tmp / "global.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(self.file),
+                sys.executable, "-m", "wakegate", "federation", "gateway", *args,
                 "--admin-listen", f"127.0.0.1:{self.admin_port}", "--state-dir", str(tmp / "global-state"),
                 "--upstream-header",
             ],
