@@ -263,6 +263,16 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                         }
                     )
                 )
+                print(listed)
+
+                # Placed in east only from now on: the controller removes the Model it wrote in west.
+                kube.custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, ns, "federatedmodels", "chat",
+                    {"spec": {"placement": {"clusterSelector": None, "clusters": [f"east-{suffix}"]}}},
+                )  # fmt: skip
+                wait_for(lambda: member_phase(west_custom, ns) == "", 30, "west's Model removed", every=0.5)
+                assert member_phase(kube.custom, ns) == "Ready"
+                wait_for(lambda: summary() == f"east-{suffix}=Ready", 30, "the FederatedModel placed in east only")
             finally:
                 if glob is not None:
                     glob.stop()
