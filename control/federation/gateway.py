@@ -154,7 +154,7 @@ class GlobalGateway:
     # -- routes ------------------------------------------------------------------------------
 
     def _recompute(self) -> None:
-        routes = fed.global_routes(self.models, self.members.values(), self.health, self.retries)
+        routes = fed.global_routes(self.models, self.members.values(), self.health, self.retries, self._tokens())
         before = {r.key: set(r.endpoints) for r in self._routes}
         changed = False
         for route in routes:
@@ -171,6 +171,16 @@ class GlobalGateway:
             self.publisher.publish_soon()
         if changed:
             self._demand_changed()
+
+    def _tokens(self) -> dict[str, str]:
+        """Each member's token (the cluster's Secret, or its file read now), for Envoy to present."""
+        tokens = dict(self.member_tokens)
+        for name, path in self.config.token_files.items():
+            with contextlib.suppress(ProbeFailed):
+                token = read_token(path)
+                if token:
+                    tokens[name] = token
+        return tokens
 
     def _names(self, endpoints: tuple[tuple[str, int], ...]) -> list[str]:
         by_endpoint = {m.endpoint: name for name, m in self.members.items()}

@@ -204,9 +204,12 @@ def global_routes(
     members: Iterable[Member],
     health: Mapping[str, MemberHealth],
     retries: int = 0,
+    tokens: Mapping[str, str] | None = None,
 ) -> list[RoutedModel]:
     """The global gateway's routes: per FederatedModel, the warm members as endpoints (with up to
-    `retries` others named after each pick, where Envoy retries a request no member saw)."""
+    `retries` others named after each pick, where Envoy retries a request no member saw); a
+    member with a token in `tokens` (by cluster) gets it as the requests' bearer token."""
+    tokens = tokens or {}
     members = list(members)
     routes = []
     for model in models:
@@ -228,6 +231,9 @@ def global_routes(
                 endpoints=tuple(sorted(m.endpoint for m, _ in warm)),
                 loads=tuple(sorted((m.host, m.port, report.load) for m, report in warm)),
                 fallback_endpoints=retries,
+                endpoint_authorization=tuple(
+                    sorted((m.host, m.port, f"Bearer {tokens[m.name]}") for m, _ in warm if tokens.get(m.name))
+                ),
             )
         )
     return routes

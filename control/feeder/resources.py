@@ -21,7 +21,9 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2 as upstream_header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
@@ -99,6 +101,9 @@ class RoutedModel:
     loads: tuple[tuple[str, int, int], ...] = ()
     #: Other ready endpoints named after the pick, for Envoy's retries (`ModelRoute.fallback_endpoints`).
     fallback_endpoints: int = 0
+    #: (ip, port, authorization header) Envoy sets on requests to that endpoint (the federation's
+    #: member tokens: EDS metadata read by an upstream filter; never in extproc's ModelRoute).
+    endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def cluster(self) -> str:
@@ -621,13 +626,19 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                     "common_http_protocol_options": {"idle_timeout": "60s"},
                     "explicit_http_config": {"http_protocol_options": {}},
+                    **(_endpoint_authorization() if model.endpoint_authorization else {}),
                 }
             },
         },
     )
 
 
+#: EDS metadata namespace of what Envoy adds to requests to one endpoint (`endpoint_authorization`).
+ENDPOINT_METADATA = "wakegate"
+
+
 def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
+    authorization = {(ip, port): value for ip, port, value in model.endpoint_authorization}
     return _parse(
         endpoint_pb2.ClusterLoadAssignment(),
         {
@@ -638,6 +649,11 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
                         {
                             "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}},
                             "health_status": "HEALTHY",
+                            **(
+                                {"metadata": {"filter_metadata": {ENDPOINT_METADATA: {"authorization": value}}}}
+                                if (value := authorization.get((ip, port)))
+                                else {}
+                            ),
                         }
                         for ip, port in sorted(model.endpoints)
                     ]
@@ -645,6 +661,40 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
             ],
         },
     )
+
+
+def _endpoint_authorization() -> dict[str, Any]:
+    """Upstream filters that set `authorization` from the picked endpoint's EDS metadata (a member
+    gateway's token), replacing the client's; no metadata, no header."""
+    return {
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                    "mutations": {
+                        "request_mutations": [
+                            {
+                                "append": {
+                                    "header": {
+                                        "key": "authorization",
+                                        "value": f'%UPSTREAM_METADATA(["{ENDPOINT_METADATA}", "authorization"])%',
+                                    },
+                                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                                }
+                            }
+                        ]
+                    },
+                },
+            },
+            {
+                "name": "envoy.filters.http.upstream_codec",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+                },
+            },
+        ]
+    }
 
 
 def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:

@@ -9,6 +9,7 @@ not reached it yet, and new requests go elsewhere within one health interval.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -216,3 +217,45 @@ def test_a_bad_federation_file_is_one_line_and_status_2(tmp_path: Path, change: 
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wakegate federation: ") and message in lines[0], done.stderr
     assert not (tmp_path / "s").exists()  # nothing started, nothing written
+
+
+def test_members_get_their_own_token_and_clients_only_the_global_key(tmp_path: Path) -> None:
+    """Each member gateway checks its own API key; the global gateway checks the clients' keys,
+    drops them, and presents each member its token (from the Cluster's token file)."""
+    started: list[UpProcess | GlobalProcess] = []
+    try:
+        for name in ("east", "west"):
+            folder = tmp_path / name
+            folder.mkdir()
+            (folder / "keys").write_text(f"sk-member-{name}-0123456789\n")
+            (tmp_path / f"{name}.token").write_text(f"sk-member-{name}-0123456789\n")
+            extra = "  servedName: org/chat\n  aliases: [small]\n"
+            started.append(UpProcess(folder, model_doc("chat", extra=extra), "--api-keys-file", str(folder / "keys")))
+        east, west = started  # type: ignore[misc]
+        for member in (east, west):
+            member.wait_ready()
+        (tmp_path / "clients").write_text("sk-client-0123456789\n")
+        glob = GlobalProcess(
+            tmp_path,
+            lambda port: federation_doc(
+                {"east": east.port, "west": west.port}, port=port, interval=INTERVAL, token_files=True,
+                api_keys_file="clients",
+            ),
+        )  # fmt: skip
+        started.append(glob)
+        glob.wait_for(lambda s: s["routes"]["chat"] == ["east", "west"])
+        fleet = Fleet(east, west, glob)
+        client = {"authorization": "Bearer sk-client-0123456789"}
+        body = {"model": "small", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        answers = [request("POST", f"{glob.url}/v1/chat/completions", headers=client, body=body) for _ in range(8)]
+        assert [a.status for a in answers] == [200] * 8, answers[0].text
+        assert {fleet.member_of(a) for a in answers} == {"east", "west"}  # each accepted its own token
+        member_key = {"authorization": "Bearer sk-member-east-0123456789"}
+        refused = request("POST", f"{glob.url}/v1/chat/completions", headers=member_key, body=body)
+        assert refused.status == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        direct = request("POST", f"{east.url}/v1/chat/completions", headers=client, body=body)
+        assert direct.status == 401  # the members do check: the client's key is not theirs
+        assert "sk-member" not in json.dumps(glob.status()) and "sk-member" not in glob.log()
+    finally:
+        for process in reversed(started):
+            process.stop()

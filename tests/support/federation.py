@@ -25,14 +25,17 @@ def federation_doc(
     placement: str = "clusterSelector: {tier: gpu}",
     interval: float = 0.5,
     template: str = "backend: sim, servedName: org/chat, aliases: [small]",
+    token_files: bool = False,
+    api_keys_file: str | None = None,
 ) -> str:
     """Cluster documents for `members` (name -> member gateway port on 127.0.0.1), a FederatedModel
-    `chat` with `placement`, and the GlobalProxy on `port`."""
+    `chat` with `placement`, and the GlobalProxy on `port`. `token_files`: each member's token is
+    in `<name>.token` beside the file; `api_keys_file`: the global gateway's client keys."""
     docs = [
         f"""apiVersion: wakegate.io/v1alpha1
 kind: Cluster
 metadata: {{name: {name}, labels: {{tier: gpu}}}}
-spec: {{gateway: {{url: "http://127.0.0.1:{member_port}"}}}}
+spec: {{gateway: {{url: "http://127.0.0.1:{member_port}"{f", tokenFile: {name}.token" if token_files else ""}}}}}
 """
         for name, member_port in members.items()
     ]
@@ -43,13 +46,16 @@ spec:
   template: {{{template}}}
   placement: {{{placement}}}
 """)
-    docs.append(f"""apiVersion: wakegate.io/v1alpha1
+    docs.append(
+        f"""apiVersion: wakegate.io/v1alpha1
 kind: GlobalProxy
 metadata: {{name: global}}
 spec:
   listeners: [{{address: 127.0.0.1, port: {port}}}]
   healthCheck: {{intervalSeconds: {interval}, timeoutSeconds: {interval}}}
-""")
+"""
+        + (f"  auth: {{apiKeysFile: {api_keys_file}}}\n" if api_keys_file else "")
+    )
     return "---\n".join(docs)
 
 
