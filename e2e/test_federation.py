@@ -170,6 +170,11 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
                 wait_for(lambda: summary() == want, 60, "both clusters Ready in the FederatedModel", every=0.5)
                 listed = kubectl(kube.cluster.kubeconfig, "get", "clusters,federatedmodels", "-n", ns)
                 assert f"east-{suffix}" in listed and "True" in listed and want in listed, listed
+                east_status = kube.custom.get_cluster_custom_object(GROUP, VERSION, "clusters", f"east-{suffix}")[
+                    "status"
+                ]
+                assert east_status["reachable"] == "True" and east_status["readyModels"] >= 1
+                assert set(east_status["gpus"]) == {"total", "allocated"}  # the member's capacity summary
                 member_models = kube.custom.get_namespaced_custom_object(GROUP, VERSION, ns, "models", "chat")
                 managers = {m["manager"] for m in member_models["metadata"]["managedFields"]}
                 assert "wakegate-federation" in managers

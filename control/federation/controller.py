@@ -101,6 +101,11 @@ class Controller:
             await self._collect_garbage(kube, cluster.name, placed_here)
         for cluster in clusters:
             status = fed.cluster_status(self.health.get(cluster.name), self.seen_at.get(cluster.name))
+            member_client = self._clients.get(cluster.name)
+            if member_client is not None:
+                gpus = await self._gpus(member_client.kube, cluster.name)
+                if gpus is not None:
+                    status["gpus"] = gpus
             await self._write_status(f"{CLUSTERS}/{cluster.name}", status)
         for model in models:
             status = fed.federated_status(model, members.values(), self.health, phases[fed.model_key(model)])
@@ -175,6 +180,16 @@ class Controller:
                 )
                 with contextlib.suppress(KubeError):
                     await asyncio.to_thread(kube.delete, _models_path(meta["namespace"], meta["name"]))
+
+    async def _gpus(self, kube: Kube, cluster: str) -> dict[str, int] | None:
+        """The member's accelerator summary (its Nodes' allocatable, its Pods' requests)."""
+        try:
+            nodes = await asyncio.to_thread(kube.get, "/api/v1/nodes")
+            pods = await asyncio.to_thread(kube.get, "/api/v1/pods")
+        except KubeError as exc:
+            self._refuse(f"cluster/{cluster} capacity", exc.message)
+            return None
+        return fed.gpu_summary(nodes.get("items", []), pods.get("items", []))
 
     async def _write_status(self, resource: str, status: Mapping[str, Any]) -> None:
         try:

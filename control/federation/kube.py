@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from wakegate.control.federation.members import free_gpus
 from wakegate.control.federation_schema import Cluster, ClusterSecretRef, FederatedModel, Federation, GlobalProxy
 from wakegate.control.k8s.client import Kube, KubeError
 from wakegate.control.schema import GROUP, VERSION
@@ -69,7 +70,17 @@ async def read_federation(
     if not found:
         raise KubeError(422, "Invalid", f"GlobalProxy {proxy_namespace}/{proxy_name} does not validate")
     proxy = found[0]
-    clusters = valid(Cluster, (await asyncio.to_thread(host.get, CLUSTERS))["items"], refuse)
+    items = (await asyncio.to_thread(host.get, CLUSTERS))["items"]
+    clusters = valid(Cluster, items, refuse)
+    # What the controller last counted free wins over the accelerators a Cluster says it offers:
+    # the member to wake is the one with the most free now.
+    free = {item["metadata"]["name"]: free_gpus(item.get("status")) for item in items}
+    clusters = [
+        c
+        if free.get(c.name) is None
+        else c.model_copy(update={"spec": c.spec.model_copy(update={"gpus": free[c.name]})})
+        for c in clusters
+    ]
     listed = await asyncio.to_thread(host.get, f"{BASE}/namespaces/{proxy_namespace}/federatedmodels")
     models = valid(FederatedModel, listed["items"], refuse)
     tokens = {}

@@ -279,6 +279,42 @@ def member_model(model: FederatedModel, namespace: str) -> dict[str, Any]:
     }
 
 
+#: Extended resources counted as accelerators in a member's capacity summary.
+ACCELERATOR_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+
+
+def gpu_summary(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """A member cluster's accelerators: allocatable on its nodes, and requested by its pods that
+    hold them (not finished), from the API's Node and Pod objects."""
+    total = 0
+    for node in nodes:
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        total += sum(_count(allocatable.get(r)) for r in ACCELERATOR_RESOURCES)
+    allocated = 0
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            requests = (container.get("resources") or {}).get("requests") or {}
+            allocated += sum(_count(requests.get(r)) for r in ACCELERATOR_RESOURCES)
+    return {"total": total, "allocated": allocated}
+
+
+def _count(value: Any) -> int:
+    try:
+        return int(str(value)) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+def free_gpus(status: Mapping[str, Any] | None) -> int | None:
+    """Free accelerators from a Cluster's status (the controller's summary); None: not known."""
+    gpus = (status or {}).get("gpus")
+    if not isinstance(gpus, Mapping) or "total" not in gpus:
+        return None
+    return max(_count(gpus.get("total")) - _count(gpus.get("allocated")), 0)
+
+
 def _time(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

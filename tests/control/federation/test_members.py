@@ -176,3 +176,23 @@ def test_statuses_show_reachability_and_per_cluster_readiness() -> None:
     )
     assert fed.cluster_status(health["west"].failed("no answer in 1s", 1), None)["reachable"] == "False"
     assert fed.cluster_status(None, None)["reachable"] == "Unknown"
+
+
+def test_capacity_counts_allocatable_accelerators_and_what_live_pods_request() -> None:
+    nodes = [
+        {"status": {"allocatable": {"nvidia.com/gpu": "4", "cpu": "8"}}},
+        {"status": {"allocatable": {"amd.com/gpu": "2"}}},
+        {"status": {}},
+    ]
+    gpu = {"resources": {"requests": {"nvidia.com/gpu": "1"}}}
+    pods = [
+        {"status": {"phase": "Running"}, "spec": {"containers": [gpu, gpu]}},
+        {"status": {"phase": "Pending"}, "spec": {"containers": [gpu]}},
+        {"status": {"phase": "Succeeded"}, "spec": {"containers": [gpu]}},  # done: holds nothing
+        {"status": {"phase": "Running"}, "spec": {"containers": [{"resources": {}}]}},
+    ]
+    summary = fed.gpu_summary(nodes, pods)
+    assert summary == {"total": 6, "allocated": 3}
+    assert fed.free_gpus({"gpus": summary}) == 3
+    assert fed.free_gpus({"gpus": {"total": 1, "allocated": 4}}) == 0
+    assert fed.free_gpus({}) is None and fed.free_gpus(None) is None
