@@ -173,26 +173,25 @@ class GlobalProxySpec(_Spec):
     healthCheck: HealthCheck = Field(default_factory=HealthCheck)
 
 
-class Cluster(_Spec):
+class _Object(_Spec):
+    """What every federation object has besides its kind and spec."""
+
     apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
-    kind: Literal["Cluster"] = "Cluster"
     metadata: Metadata
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+class Cluster(_Object):
+    kind: Literal["Cluster"] = "Cluster"
     spec: ClusterSpec
 
-    @property
-    def name(self) -> str:
-        return self.metadata.name
 
-
-class FederatedModel(_Spec):
-    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+class FederatedModel(_Object):
     kind: Literal["FederatedModel"] = "FederatedModel"
-    metadata: Metadata
     spec: FederatedModelSpec
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
 
     @field_validator("spec")
     @classmethod
@@ -202,10 +201,8 @@ class FederatedModel(_Spec):
         return spec
 
 
-class GlobalProxy(_Spec):
-    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
+class GlobalProxy(_Object):
     kind: Literal["GlobalProxy"] = "GlobalProxy"
-    metadata: Metadata
     spec: GlobalProxySpec = Field(default_factory=GlobalProxySpec)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 from tests.support.http import get_json
+from tests.support.up import stop_process
 from wakegate.control.admin import free_port
 
 
@@ -130,12 +131,4 @@ class GlobalProcess:
         raise AssertionError(f"not so in {timeout}s: {last}\n{self.log()}")
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+        return stop_process(self.proc, self._log, signal.SIGTERM, timeout)
