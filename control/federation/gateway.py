@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -33,7 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from wakegate import internal_token
+from wakegate import contract, internal_token
 from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.demand.book import DemandBook
@@ -46,23 +44,17 @@ from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.federation")
-
-_PR_SET_PDEATHSIG = 1
 
 #: Envoy's retry_on per GlobalProxy `retries.when`: both end once a byte of the answer went out.
 _RETRY_ON = {
     RetryWhen.UNSENT: "connect-failure,refused-stream,reset-before-request",
     RetryWhen.BEFORE_RESPONSE: "connect-failure,refused-stream,reset",
 }
-
-
-def _die_with_parent() -> None:  # between fork and exec: the child gets SIGKILL when we go
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _members_of(federation: Federation) -> dict[str, Member]:
@@ -128,6 +120,7 @@ class GlobalGateway:
             upstream_header=config.upstream_header,
             upstream_retries=proxy.retries.attempts,
             upstream_retry_on=_RETRY_ON[proxy.retries.when],
+            access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
         )
         self._routes: list[RoutedModel] = fed.global_routes(
             self.models, self.members.values(), self.health, self.retries
@@ -143,7 +136,10 @@ class GlobalGateway:
         #: Members whose wake failed during the current activation of a model.
         self._tried: dict[str, set[str]] = {}
         self._kicks: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.members}
-        self._children: list[asyncio.subprocess.Process] = []
+        self._children: list[Supervised] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        #: A child kept crashing past its restart budget: the gateway stops with status 1.
+        self.failed = False
         self._probers: dict[str, asyncio.Task[None]] = {}
         #: Member tokens read from the federation cluster's Secrets (`follow`), by cluster.
         self.member_tokens: dict[str, str] = {}
@@ -280,32 +276,14 @@ class GlobalGateway:
 
     # -- processes -------------------------------------------------------------------------------
 
-    async def _spawn(self, name: str, argv: list[str]) -> asyncio.subprocess.Process:
-        path = self.state_dir / "logs" / f"{name}.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self._children.append(proc)
-        log.info("process started name=%s pid=%d log=%s", name, proc.pid, path)
-        return proc
-
-    async def _start_children(self, xds_port: int) -> None:
-        extproc, extproc_admin, activator = free_port(), free_port(), free_port()
-        self.extproc_admin = extproc_admin
+    def _extproc(self, index: int, port: int, admin_port: int, activator: int, xds_port: int) -> Supervised:
         argv = [
             sys.executable, "-m", "wakegate.extproc",
-            "--listen", f"127.0.0.1:{extproc}",
-            "--admin-listen", f"127.0.0.1:{extproc_admin}",
+            "--listen", f"127.0.0.1:{port}",
+            "--admin-listen", f"127.0.0.1:{admin_port}",
             "--activator-listen", f"127.0.0.1:{activator}",
             "--xds", f"127.0.0.1:{xds_port}",
-            "--node-id", f"{self.node_id}-extproc",
+            "--node-id", f"{self.node_id}-extproc-{index}",
             "--gateway-id", self.node_id,
             "--internal-token-file", str(self.token.file),
             "--engine-metrics-interval", "0",
@@ -314,15 +292,30 @@ class GlobalGateway:
         ]  # fmt: skip
         if self.config.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.config.api_keys_file)]
-        await self._spawn("extproc", argv)
+        name = f"extproc-{index}"
+        return Supervised(Child(name, argv, self.state_dir / "logs" / f"{name}.log"))
+
+    async def _start_children(self, xds_port: int) -> None:
+        """Two extprocs (the active one and a standby, as in `wakegate up`: Envoy's extproc cluster
+        holds them as priorities 0 and 1) and Envoy, each restarted when it exits."""
+        extprocs, admins, activators = (
+            [free_port(), free_port()],
+            [free_port(), free_port()],
+            [free_port(), free_port()],
+        )
+        self.extproc_admins = admins
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
         self.envoy_admin.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.envoy_admin.unlink()
         rendered = bootstrap.render(
             self.node_id,
             bootstrap.GatewayPorts(
-                envoy_admin=0, xds=xds_port, extproc=extproc, activator=activator, admin_socket=str(self.envoy_admin)
+                envoy_admin=0,
+                xds=xds_port,
+                extproc=extprocs[0],
+                extproc_standby=extprocs[1],
+                activator=activators[0],
+                activator_standby=activators[1],
+                admin_socket=str(self.envoy_admin),
             ),
             bootstrap.TokenRef(file=str(self.token.file)),
         )
@@ -332,27 +325,57 @@ class GlobalGateway:
             bootstrap.envoy_binary(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
             "--log-level", "warn", "--drain-time-s", "1", "--drain-strategy", "immediate",
         ]  # fmt: skip
-        await self._spawn("envoy", argv)
 
-    async def _wait_ready(self, timeout: float = 60.0) -> bool:
-        """Ready: extproc has its routes and /healthz answers through Envoy and extproc."""
-        urls = [
-            f"http://127.0.0.1:{self.extproc_admin}/healthz",
-            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",
+        async def clear_socket() -> None:  # a killed Envoy leaves its admin socket behind
+            with contextlib.suppress(FileNotFoundError):
+                self.envoy_admin.unlink()
+
+        self._children = [
+            *(self._extproc(i, extprocs[i], admins[i], activators[i], xds_port) for i in range(2)),
+            Supervised(Child("envoy", argv, self.state_dir / "logs" / "envoy.log"), before_start=clear_socket),
         ]
-        deadline = time.monotonic() + timeout
+        for child in self._children:
+            await child.start()
+            self._watchers.append(asyncio.ensure_future(self._watch(child)))
+
+    async def _watch(self, child: Supervised) -> None:
+        try:
+            await child.run()
+        except CrashLoop as exc:
+            log.error("%s", exc)
+            self.failed = True
+            self.stop.set()
+
+    async def _wait_ready(self, timeout: float = 60.0, standby_grace: float = 10.0) -> bool:
+        """Ready: both extprocs have their routes, /healthz answers through Envoy and extproc, and
+        Envoy's health checks see both extprocs (so the standby can take over at once); after
+        `standby_grace` seconds the active one alone is enough, as in `wakegate up`."""
+        urls = [f"http://127.0.0.1:{port}/healthz" for port in self.extproc_admins]
+        urls.append(f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz")
+        healthy = f"/stats?filter=^cluster.{contract.EXTPROC_CLUSTER}.membership_healthy$&format=json"
+        started = time.monotonic()
         assert self._session is not None
-        while time.monotonic() < deadline and not self.stop.is_set():
-            if any(proc.returncode is not None for proc in self._children):
-                return False
-            ok = 0
-            for url in urls:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                    async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as response:
-                        ok += response.status == 200
-            if ok == len(urls):
-                return True
-            await asyncio.sleep(0.05)
+        envoy = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(self.envoy_admin)))
+        async with envoy:
+            while time.monotonic() < started + timeout and not self.stop.is_set():
+                if self.failed:
+                    return False
+                answering = []
+                for url in urls:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as response:
+                            answering.append(response.status == 200)
+                            continue
+                    answering.append(False)
+                if answering[0] and answering[-1]:
+                    if time.monotonic() - started >= standby_grace:
+                        return True
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError, LookupError):
+                        async with envoy.get("http://envoy" + healthy, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                            stats = (await r.json()).get("stats", [])
+                            if all(answering) and stats and int(stats[0]["value"]) >= len(self.extproc_admins):
+                                return True
+                await asyncio.sleep(0.05)
         return False
 
     # -- status ----------------------------------------------------------------------------------
@@ -373,6 +396,10 @@ class GlobalGateway:
             },
             "routes": {r.key: sorted(self._names(r.endpoints)) for r in self._routes},
             "waking": {key: w.member for key, w in self._wakes.items()},
+            "components": {
+                c.child.name: {"pid": c.child.pid, "running": c.child.running, "restarts": c.restarts}
+                for c in self._children
+            },
             "counters": {
                 "probes": self.counters.probes,
                 "probe_failures": self.counters.probe_failures,
@@ -422,20 +449,14 @@ class GlobalGateway:
                 flush=True,
             )
             await self.stop.wait()
-            return 0
+            return 1 if self.failed else 0
         finally:
             for task in [*self._probers.values(), *(w.task for w in self._wakes.values())]:
                 task.cancel()
-            for proc in reversed(self._children):  # Envoy first: nothing new is admitted
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGTERM)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(proc.wait(), 5)
-                    if proc.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(proc.pid, signal.SIGKILL)
-                        await proc.wait()
+            for watcher in self._watchers:
+                watcher.cancel()
+            for child in reversed(self._children):  # Envoy first: nothing new is admitted
+                await child.stop(5.0)
             if runner is not None:
                 await runner.cleanup()
             if server is not None:

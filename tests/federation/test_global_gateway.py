@@ -10,6 +10,7 @@ not reached it yet, and new requests go elsewhere within one health interval.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -139,6 +140,16 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     fleet = warm_fleet
     glob = fleet.glob
     glob.wait_for(lambda s: s["routes"]["chat"] == ["east", "west"])
+    # The global gateway's own extproc dies: it is restarted, and meanwhile a request gets 200
+    # from the standby or the gateway's retriable 503 (never a 500), for a moment only.
+    os.kill(glob.status()["components"]["extproc-0"]["pid"], signal.SIGKILL)
+    during = [chat(glob.url) for _ in range(10)]
+    assert {a.status for a in during} <= {200, 503}
+    assert all(a.json()["error"]["code"] == "gateway_unavailable" for a in during if a.status == 503)
+    glob.wait_for(lambda s: s["components"]["extproc-0"]["restarts"] == 1 and s["components"]["extproc-0"]["running"])
+    time.sleep(1.0)  # Envoy's health checks (every 250 ms) see it again
+    assert {chat(glob.url).status for _ in range(10)} == {200}
+    print(f"\nglobal extproc killed: {sum(a.status == 503 for a in during)} of 10 requests right after got 503")
     sent: list[Sent] = []
     reroute: list[float] = []
     stop_at = time.monotonic() + 6.0
