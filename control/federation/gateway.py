@@ -161,9 +161,10 @@ class GlobalGateway:
                 log.info("route model=%s members=%s", route.key, self._names(route.endpoints))
                 if route.endpoints:
                     self._tried.pop(route.key, None)  # warm somewhere: the activation is over
-        loads_changed = [r.loads for r in routes] != [r.loads for r in self._routes]
+        # Anything else too: loads, a member's token, a FederatedModel added or removed (`update`).
+        republish = routes != self._routes
         self._routes = routes
-        if changed or loads_changed:
+        if republish:
             self.publisher.publish_soon()
         if changed:
             self._demand_changed()
