@@ -1,4 +1,5 @@
-"""Generate the Kubernetes CRDs (Model, InferenceRuntime, ModelCache, ModelCatalog, LoRAAdapter) from control/schema.py.
+"""Generate the Kubernetes CRDs (Model, InferenceRuntime, ModelCache, ModelCatalog, LoRAAdapter, and the
+federation's Cluster, FederatedModel, GlobalProxy) from control/schema.py and control/federation_schema.py.
 
 Pydantic's JSON Schema is turned into a structural OpenAPI v3 schema as the API
 server wants it: references inlined, `Optional[X]` as `nullable`, no titles,
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from wakegate.control.federation_schema import ClusterSpec, FederatedModelSpec, GlobalProxySpec
 from wakegate.control.k8s.names import MAX_MODEL_NAME
 from wakegate.control.schema import (
     GROUP,
@@ -180,9 +182,10 @@ def _crd(
     columns: list[dict[str, str]],
     schema: dict[str, Any],
     version_extra: dict[str, Any],
+    plural: str | None = None,
 ) -> dict[str, Any]:
     """The CustomResourceDefinition envelope every wakegate kind shares (one served, stored version)."""
-    plural = f"{kind.lower()}s"
+    plural = plural or f"{kind.lower()}s"
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -227,12 +230,14 @@ def _properties(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
     }
 
 
+#: A Model's name becomes its backend Service's (wg-<name>); a FederatedModel's becomes its Models'.
+NAME_RULE = {
+    "rule": f"self.metadata.name.size() <= {MAX_MODEL_NAME}",
+    "message": f"metadata.name must be at most {MAX_MODEL_NAME} characters (the backend Service is named wg-<name>)",
+}
+
+
 def model_crd() -> dict[str, Any]:
-    name_rule = {
-        "rule": f"self.metadata.name.size() <= {MAX_MODEL_NAME}",
-        "message": f"metadata.name must be at most {MAX_MODEL_NAME} characters "
-        "(the backend Service is named wg-<name>)",
-    }
     columns = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
@@ -241,7 +246,7 @@ def model_crd() -> dict[str, Any]:
         {"name": "Waiting For", "type": "string", "jsonPath": ".status.waitingFor"},
         {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     ]
-    schema = {"x-kubernetes-validations": [name_rule], **_properties(spec_schema(), status=STATUS_SCHEMA)}
+    schema = {"x-kubernetes-validations": [NAME_RULE], **_properties(spec_schema(), status=STATUS_SCHEMA)}
     return _crd("Model", "Namespaced", "mdl", columns, schema, {"subresources": {"status": {}}})
 
 
@@ -323,6 +328,121 @@ def loraadapter_crd() -> dict[str, Any]:
     return _crd("LoRAAdapter", "Namespaced", "lora", columns, schema, {"subresources": {"status": {}}})
 
 
+#: Cluster status, written by the federation controller from its probes of the member gateway.
+CLUSTER_STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reachable": {"type": "string", "enum": ["True", "False", "Unknown"]},
+        "latencyMs": {"type": "number"},
+        "lastSeen": {"type": "string", "format": "date-time"},
+        "reason": {"type": "string"},
+        "readyModels": {"type": "integer"},
+        "models": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "ready": {"type": "boolean"},
+                    "readyEndpoints": {"type": "integer"},
+                    "queued": {"type": "integer"},
+                    "inFlight": {"type": "integer"},
+                },
+            },
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-list-type": "map",
+        },
+        "gpus": {
+            "type": "object",
+            "properties": {"total": {"type": "integer"}, "allocated": {"type": "integer"}},
+        },
+        "conditions": CONDITIONS_SCHEMA,
+    },
+}
+
+#: FederatedModel status: one entry per placed cluster, and a one-word-per-cluster summary for kubectl.
+FEDERATED_STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "clusters": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["cluster"],
+                "properties": {
+                    "cluster": {"type": "string"},
+                    "phase": {"type": "string"},
+                    "ready": {"type": "boolean"},
+                    "readyReplicas": {"type": "integer"},
+                    "reachable": {"type": "boolean"},
+                    "reason": {"type": "string"},
+                },
+            },
+            "x-kubernetes-list-map-keys": ["cluster"],
+            "x-kubernetes-list-type": "map",
+        },
+        "placed": {"type": "integer"},
+        "readyClusters": {"type": "integer"},
+        "summary": {"type": "string"},
+        "observedGeneration": {"type": "integer"},
+        "conditions": CONDITIONS_SCHEMA,
+    },
+}
+
+#: GlobalProxy status, written by the global gateway: its members as it sees them.
+PROXY_STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "members": {"type": "integer"},
+        "healthyMembers": {"type": "integer"},
+        "observedGeneration": {"type": "integer"},
+        "conditions": CONDITIONS_SCHEMA,
+    },
+}
+
+
+def cluster_crd() -> dict[str, Any]:
+    """Cluster: a member cluster of the federation (cluster-scoped), probed through its gateway."""
+    columns = [
+        {"name": "Region", "type": "string", "jsonPath": ".spec.region"},
+        {"name": "Reachable", "type": "string", "jsonPath": ".status.reachable"},
+        {"name": "Latency(ms)", "type": "number", "jsonPath": ".status.latencyMs"},
+        {"name": "Ready Models", "type": "integer", "jsonPath": ".status.readyModels"},
+        {"name": "Last Seen", "type": "date", "jsonPath": ".status.lastSeen"},
+    ]
+    schema = _properties(spec_schema(ClusterSpec), status=CLUSTER_STATUS_SCHEMA)
+    return _crd("Cluster", "Cluster", "wgc", columns, schema, {"subresources": {"status": {}}})
+
+
+def federatedmodel_crd() -> dict[str, Any]:
+    """FederatedModel: a Model template placed in member clusters; per-cluster status."""
+    columns = [
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyClusters"},
+        {"name": "Placed", "type": "integer", "jsonPath": ".status.placed"},
+        {"name": "Clusters", "type": "string", "jsonPath": ".status.summary"},
+        {"name": "Mode", "type": "string", "jsonPath": ".spec.placement.mode"},
+    ]
+    schema = {
+        "x-kubernetes-validations": [NAME_RULE],
+        **_properties(spec_schema(FederatedModelSpec), status=FEDERATED_STATUS_SCHEMA),
+    }
+    return _crd("FederatedModel", "Namespaced", "fdm", columns, schema, {"subresources": {"status": {}}})
+
+
+def globalproxy_crd() -> dict[str, Any]:
+    """GlobalProxy: the global gateway's settings."""
+    columns = [
+        {"name": "Port", "type": "integer", "jsonPath": ".spec.listeners[0].port"},
+        {"name": "Healthy", "type": "integer", "jsonPath": ".status.healthyMembers"},
+        {"name": "Members", "type": "integer", "jsonPath": ".status.members"},
+    ]
+    schema = _properties(spec_schema(GlobalProxySpec), status=PROXY_STATUS_SCHEMA)
+    return _crd(
+        "GlobalProxy", "Namespaced", "gpx", columns, schema, {"subresources": {"status": {}}}, plural="globalproxies"
+    )
+
+
 def render() -> dict[str, str]:
     """File name -> YAML text for every CRD we ship."""
     header = "# Generated by `python -m wakegate.control.crd` from control/schema.py; do not edit.\n"
@@ -334,6 +454,9 @@ def render() -> dict[str, str]:
             ("modelcaches", modelcache_crd),
             ("modelcatalogs", modelcatalog_crd),
             ("loraadapters", loraadapter_crd),
+            ("clusters", cluster_crd),
+            ("federatedmodels", federatedmodel_crd),
+            ("globalproxies", globalproxy_crd),
         )
     }
 

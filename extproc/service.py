@@ -36,6 +36,7 @@ from wakegate.contract import (
     CLUSTER_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    STATUS_PATH,
     STRATEGY_NAMES,
 )
 from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
@@ -174,6 +175,25 @@ class Gateway:
             ]
         }
 
+    def status_body_for(self, scope: Scope) -> bytes:
+        """`GET /wakegate/status` as a key with this scope sees it: per model its names, whether
+        it has ready endpoints, and what this gateway holds and routes for it (a federation's
+        global gateway reads it to pick a member)."""
+        cold = self.cold.snapshot()
+        models = [
+            {
+                "model": route.names[0] if route.names else key,
+                "names": list(route.names),
+                "ready_endpoints": len(route.endpoints),
+                "queued": cold.get(key, (0, 0, 0))[0],
+                "in_flight": self.in_flight.get(key, 0),
+                "max_queue": route.cold.max_queue,
+            }
+            for key, route in sorted(self.table.routes.items())
+            if in_scope(scope, route)
+        ]
+        return json.dumps({"synced": self.synced, "models": models}).encode()
+
     def routed(self, key: str, endpoint: str | None, adapter: str | None = None) -> None:
         count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
         if adapter is not None and endpoint is not None:
@@ -310,6 +330,8 @@ class Processor:
         if get:
             if path == "/metrics":
                 return self._metrics()
+            if path == STATUS_PATH:
+                return self._done(None, immediate(200, self.gw.status_body_for(scope)))
             listed = self._models_api(path.split("?", 1)[0], scope)
             if listed is not None:
                 return listed
@@ -570,9 +592,13 @@ class Processor:
         extra = []
         metadata: struct_pb2.Struct | None = None
         if endpoint is not None:
-            extra.append(header(DESTINATION_HEADER, endpoint))
+            destination = endpoint
+            if route.fallback_endpoints:  # where Envoy retries a request no upstream saw
+                others = [e for e in endpoints if e != endpoint][: route.fallback_endpoints]
+                destination = ",".join([endpoint, *others])
+            extra.append(header(DESTINATION_HEADER, destination))
             metadata = struct_pb2.Struct()
-            metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = endpoint
+            metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
         common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
         ex.model_key = route.key
         ex.endpoint = endpoint

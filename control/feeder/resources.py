@@ -21,12 +21,15 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2 as upstream_header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2  # noqa: F401
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import any_pb2, json_format
@@ -103,6 +106,11 @@ class RoutedModel:
     admitted: bool = True
     #: (ip, port, requests the engine holds) from the engine's own metrics, where it has them.
     loads: tuple[tuple[str, int, int], ...] = ()
+    #: Other ready endpoints named after the pick, for Envoy's retries (`ModelRoute.fallback_endpoints`).
+    fallback_endpoints: int = 0
+    #: (ip, port, authorization header) Envoy sets on requests to that endpoint (the federation's
+    #: member tokens: EDS metadata read by an upstream filter; never in extproc's ModelRoute).
+    endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def cluster(self) -> str:
@@ -206,6 +214,13 @@ class GatewaySettings:
     #: Static clusters of the extproc processes' access-log services (the bootstrap's); every
     #: finished request is logged to each, unbatched: extproc's in-flight counts end there.
     access_log_clusters: tuple[str, ...] = (contract.access_log_cluster(0),)
+    #: Other upstreams a request is tried on when one cannot be connected to or resets before the
+    #: request was sent (never after: nothing reached the client yet); 0: none. The federation's
+    #: global gateway sets it, its upstreams being whole member gateways.
+    upstream_retries: int = 0
+    #: Envoy's retry_on for those retries; `reset` (before the response began) may repeat a request
+    #: an upstream had started on, never one whose answer reached the client.
+    upstream_retry_on: str = "connect-failure,refused-stream,reset-before-request"
 
 
 @dataclass(frozen=True)
@@ -508,7 +523,11 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                                 "prefix": "/",
                                 "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
                             },
-                            "route": {"cluster_header": contract.CLUSTER_HEADER, "timeout": "0s"},
+                            "route": {
+                                "cluster_header": contract.CLUSTER_HEADER,
+                                "timeout": "0s",
+                                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
+                            },
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
@@ -521,6 +540,30 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
             ],
         },
     )
+
+
+def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
+    """Retries before the response began (what `retry_on` allows), each on a host not tried yet
+    (the pick's fallbacks in the destination header, `ModelRoute.fallback_endpoints`)."""
+    if retries <= 0:
+        return {}
+    return {
+        "retry_policy": {
+            "retry_on": retry_on,
+            "num_retries": retries,
+            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+                        ".PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 5,
+        }
+    }
 
 
 def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:
@@ -594,13 +637,19 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                     "common_http_protocol_options": {"idle_timeout": "60s"},
                     "explicit_http_config": {"http_protocol_options": {}},
+                    **(_endpoint_authorization() if model.endpoint_authorization else {}),
                 }
             },
         },
     )
 
 
+#: EDS metadata namespace of what Envoy adds to requests to one endpoint (`endpoint_authorization`).
+ENDPOINT_METADATA = "wakegate"
+
+
 def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
+    authorization = {(ip, port): value for ip, port, value in model.endpoint_authorization}
     return _parse(
         endpoint_pb2.ClusterLoadAssignment(),
         {
@@ -611,6 +660,11 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
                         {
                             "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}},
                             "health_status": "HEALTHY",
+                            **(
+                                {"metadata": {"filter_metadata": {ENDPOINT_METADATA: {"authorization": value}}}}
+                                if (value := authorization.get((ip, port)))
+                                else {}
+                            ),
                         }
                         for ip, port in sorted(model.endpoints)
                     ]
@@ -618,6 +672,40 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
             ],
         },
     )
+
+
+def _endpoint_authorization() -> dict[str, Any]:
+    """Upstream filters that set `authorization` from the picked endpoint's EDS metadata (a member
+    gateway's token), replacing the client's; no metadata, no header."""
+    return {
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                    "mutations": {
+                        "request_mutations": [
+                            {
+                                "append": {
+                                    "header": {
+                                        "key": "authorization",
+                                        "value": f'%UPSTREAM_METADATA(["{ENDPOINT_METADATA}", "authorization"])%',
+                                    },
+                                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                                }
+                            }
+                        ]
+                    },
+                },
+            },
+            {
+                "name": "envoy.filters.http.upstream_codec",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+                },
+            },
+        ]
+    }
 
 
 def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
@@ -647,6 +735,7 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         weights=dict(model.weights),
         kv_events_offset=model.kv_events_offset,
         kv_events_replay_offset=model.kv_events_replay_offset,
+        fallback_endpoints=model.fallback_endpoints,
         rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(

@@ -88,6 +88,12 @@ def _flashload() -> ModuleType:
     return main
 
 
+def _federation() -> ModuleType:
+    from wakegate.control.federation import main
+
+    return main
+
+
 #: subcommand -> (its process's main module, one-line help)
 COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "up": (_up, "run gateway, feeder and model backends on this machine"),
@@ -102,6 +108,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "cache": (_cache, "the model cache: pull, ls, rm, push (OCI registries, Hugging Face Hub)"),
     "catalog": (_catalog, "what OCI registries publish (ls), and a Model manifest for one tag (deploy)"),
     "flash-load": (_flashload, "stage a cached model into fast storage (tmpfs, page cache), verified"),
+    "federation": (_federation, "one global gateway over several member gateways (Cluster, FederatedModel)"),
 }
 
 

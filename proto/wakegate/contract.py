@@ -26,6 +26,10 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 #: How a request names its model without a body: this header, or a /model/<name>/ path prefix.
 MODEL_HEADER = "x-model-id"
 MODEL_PATH_PREFIX = "/model/"
+#: A gateway's own view of its models on its listener (API-key auth, the key's scope): per model
+#: its names, ready endpoints, held and in-flight requests. What a federation's global gateway
+#: probes on each member gateway (docs/federation.md).
+STATUS_PATH = "/wakegate/status"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 

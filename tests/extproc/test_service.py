@@ -488,3 +488,34 @@ def test_an_adapter_named_in_the_headers_has_its_body_read_and_rewritten() -> No
     # A request without a body is routed from its headers as before.
     _, bodiless = decide(proc, headers("/v1/completions", end=True, **{"x-model-id": "sql"}))
     assert bodiless.WhichOneof("response") == "request_headers"
+
+
+async def test_status_path_reports_readiness_and_held_requests_in_the_keys_scope(tmp_path: Path) -> None:
+    _, proc = scoped(tmp_path)
+    status_of = headers(contract.STATUS_PATH, method="GET", end=True, authorization="Bearer mine")
+    exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "waiting", "authorization": "Bearer mine"}))
+    held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
+    await asyncio.sleep(0.01)
+    status, _, payload = immediate(decide(proc, status_of)[1])
+    by_model = {m["model"]: m for m in payload["models"]}
+    assert status == 200 and payload["synced"] is True
+    assert set(by_model) == {"chat", "waiting"}  # the key's scope, as /v1/models
+    assert by_model["chat"]["ready_endpoints"] == 2 and by_model["chat"]["names"] == ["chat", "small"]
+    assert (by_model["waiting"]["ready_endpoints"], by_model["waiting"]["queued"]) == (0, 1)
+    held.cancel()
+    refused = immediate(decide(proc, headers(contract.STATUS_PATH, method="GET", end=True))[1])
+    assert refused[0] == 401 and refused[2]["error"]["code"] == "invalid_api_key"
+
+
+def test_fallback_endpoints_follow_the_pick_in_the_destination() -> None:
+    fallback = route("chat", "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+    fallback.fallback_endpoints = 1
+    gw = Gateway(Settings(), ApiKeys(None))
+    gw.set_routes([fallback])
+    decided = decide(Processor(gw), headers("/v1/x", **{"x-model-id": "chat"}))[1]
+    destination = set_headers(decided.request_headers.response)[contract.DESTINATION_HEADER].split(",")
+    assert len(destination) == 2 and len(set(destination)) == 2
+    assert set(destination) <= {"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+    lb = decided.dynamic_metadata.fields[contract.LB_METADATA_NAMESPACE].struct_value
+    assert lb.fields[contract.DESTINATION_HEADER].string_value == ",".join(destination)
+    assert gw.in_flight == {"chat": 1}  # one request, counted once on its pick

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.error
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tests.support.http import get_json
 from wakegate.control.admin import free_port
@@ -91,15 +91,22 @@ class UpProcess:
         raise KeyError(key)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+        return stop_process(self.proc, self._log, sig, timeout)
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], log: IO[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> int:
+    """Signal `proc`, kill it if it has not exited after `timeout` seconds, close its log; its status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    return int(proc.returncode)
 
 
 def model_doc(name: str, *, backend: str = "sim", extra: str = "") -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
 from wakegate import contract
@@ -54,9 +56,30 @@ def test_select_named_and_wildcard() -> None:
     assert set(built.select(r.CLUSTER, ["ignored"])) == {"model.a", "model.ns.b"}
 
 
-def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
+    plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.ROUTE][r.ROUTE_NAME])
+    assert "retryPolicy" not in plain["virtualHosts"][0]["routes"][0]["route"]
+    federated = [replace(MODELS[0], fallback_endpoints=2)]
+    built = r.build(federated, r.GatewaySettings(upstream_retries=2))
+    route = json_format.MessageToDict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtualHosts"][0]["routes"][0]
+    policy = route["route"]["retryPolicy"]
+    assert policy["retryOn"] == "connect-failure,refused-stream,reset-before-request" and policy["numRetries"] == 2
+    assert policy["retryHostPredicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert built.by_type[r.MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [r.GatewaySettings(upstream_header=True), r.GatewaySettings(upstream_retries=2, upstream_retry_on="reset")],
+    ids=["plain", "federation"],
+)
+def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.GatewaySettings) -> None:
     """Put the dynamic resources into a static bootstrap and let the real Envoy validate it."""
-    built = r.build(MODELS, r.GatewaySettings(upstream_header=True))
+    models = MODELS
+    if settings.upstream_retries:  # the global gateway's routes: fallbacks and member tokens too
+        token = (("127.0.0.1", 9000, "Bearer member-token"),)
+        models = [replace(MODELS[0], fallback_endpoints=1, endpoint_authorization=token), MODELS[1]]
+    built = r.build(models, settings)
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
     hcm.pop("rds")
@@ -98,3 +121,24 @@ def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
         [str(envoy), "--mode", "validate", "-c", str(config)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_member_tokens_go_to_their_endpoint_only_and_never_to_extproc() -> None:
+    token = (("127.0.0.1", 9000, "Bearer member-token"),)
+    built = r.build([replace(MODELS[0], endpoint_authorization=token)], r.GatewaySettings())
+    cla = json_format.MessageToDict(built.by_type[r.ENDPOINT]["model.a"])
+    metadata = {
+        e["endpoint"]["address"]["socketAddress"]["portValue"]: e.get("metadata")
+        for e in cla["endpoints"][0]["lbEndpoints"]
+    }
+    assert metadata[9000] == {"filterMetadata": {"wakegate": {"authorization": "Bearer member-token"}}}
+    assert metadata[9001] is None
+    cluster = json_format.MessageToDict(built.by_type[r.CLUSTER]["model.a"])
+    options = next(iter(cluster["typedExtensionProtocolOptions"].values()))
+    assert [f["name"] for f in options["httpFilters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.upstream_codec",
+    ]
+    assert "member-token" not in str(built.by_type[r.MODEL_ROUTE]["a"])
+    plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.CLUSTER]["model.a"])
+    assert "httpFilters" not in next(iter(plain["typedExtensionProtocolOptions"].values()))

@@ -1,0 +1,1 @@
+"""Federation: one global gateway over several member clusters (docs/federation.md)."""
