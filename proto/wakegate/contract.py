@@ -25,6 +25,11 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 #: How a request names its model without a body: this header, or a /model/<name>/ path prefix.
 MODEL_HEADER = "x-model-id"
 MODEL_PATH_PREFIX = "/model/"
+#: Set by Envoy's native routes on the requests they route (a client's copy is dropped first):
+#: the access log to extproc skips them, extproc never saw them.
+NATIVE_HEADER = "x-wakegate-native"
+#: Dynamic-metadata namespace Envoy's json_to_metadata filter writes the body's `model` to.
+NATIVE_METADATA_NAMESPACE = "wakegate.native"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 

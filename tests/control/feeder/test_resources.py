@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
 from wakegate import contract
@@ -54,9 +55,22 @@ def test_select_named_and_wildcard() -> None:
     assert set(built.select(r.CLUSTER, ["ignored"])) == {"model.a", "model.ns.b"}
 
 
-def test_envoy_validates_the_generated_config(tmp_path: Path) -> None:
+NATIVE = r.RoutedModel(
+    key="ns/n",
+    names=("n", "n-alias"),
+    served_name="n",
+    strategy="round-robin",
+    path="native",
+    endpoints=(("127.0.0.1", 9002),),
+)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["decided", "native"])
+def test_envoy_validates_the_generated_config(tmp_path: Path, native: bool) -> None:
     """Put the dynamic resources into a static bootstrap and let the real Envoy validate it."""
-    built = r.build(MODELS, r.GatewaySettings(upstream_header=True))
+    models = [*MODELS, NATIVE] if native else MODELS
+    built = r.build(models, r.GatewaySettings(upstream_header=True, native_allowed=native))
+    assert bool(r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME])) is native
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
     hcm.pop("rds")
