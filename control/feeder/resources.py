@@ -537,8 +537,14 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                     "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3"
                     ".HeaderMutation",
                     # A client's x-wakegate-native would hide its request from extproc's access
-                    # log (see _completion_log): only Envoy's native routes set it.
-                    "mutations": [{"remove": "x-request-id"}, {"remove": contract.NATIVE_HEADER}],
+                    # log (see _completion_log), and its destination header would pick the backend
+                    # on a native route (extproc drops it on the decided path): only Envoy's native
+                    # routes and extproc set them.
+                    "mutations": [
+                        {"remove": "x-request-id"},
+                        {"remove": contract.NATIVE_HEADER},
+                        {"remove": contract.DESTINATION_HEADER},
+                    ],
                 },
             }
         ],

@@ -131,6 +131,7 @@ def test_the_listener_hides_native_requests_from_extproc_and_drops_a_clients_mar
     assert hcm["http_filters"][0]["name"] == r.JSON_TO_METADATA
     mutations = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     assert {"remove": contract.NATIVE_HEADER} in mutations
+    assert {"remove": contract.DESTINATION_HEADER} in mutations
     for log in hcm["access_log"]:
         header = log["filter"]["header_filter"]["header"]
         assert header["name"] == contract.NATIVE_HEADER and header["invert_match"] is True
