@@ -418,16 +418,19 @@ def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) ->
     }
 
 
-def _completion_log(cluster: str) -> dict[str, Any]:
-    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. Only the natively
-    routed ones are left out (extproc never saw them); otherwise unfiltered on purpose: a request
-    extproc counted whose routing mutation Envoy refused still ends here."""
-    return {
-        "name": "envoy.access_loggers.http_grpc",
-        # Requests Envoy routed natively never met extproc: their entries would only cost it CPU.
+def _completion_log(cluster: str, native: bool = False) -> dict[str, Any]:
+    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. With `native`,
+    the natively routed ones are left out (extproc never saw them: their entries would only cost
+    it CPU); otherwise unfiltered on purpose: a request extproc counted whose routing mutation
+    Envoy refused still ends here."""
+    unless_native = {
         "filter": {
             "header_filter": {"header": {"name": contract.NATIVE_HEADER, "present_match": True, "invert_match": True}}
-        },
+        }
+    }
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        **(unless_native if native else {}),
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
@@ -445,10 +448,10 @@ def _completion_log(cluster: str) -> dict[str, Any]:
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 
 #: Reads the body's `model` into dynamic metadata for the native routes (route_configuration).
-#: Every route turns it off but the catch-all, and that one too while no model is native, so a
-#: gateway with decided models only works exactly as before. (A filter off by default cannot
-#: be turned on by a route: Envoy refuses an empty per-route FilterConfig, and this filter
-#: takes no per-route config.)
+#: In the chain only where some model asks for the native path (`may_go_native`); then every
+#: route turns it off but the catch-all, and that one too while no model is native now. (A
+#: filter off by default cannot be turned on by a route: Envoy refuses an empty per-route
+#: FilterConfig, and this filter takes no per-route config.)
 _JSON_TO_METADATA_FILTER = {
     "name": JSON_TO_METADATA,
     "typed_config": {
@@ -469,9 +472,18 @@ _JSON_TO_METADATA_FILTER = {
 }
 
 
-def listener(settings: GatewaySettings) -> listener_pb2.Listener:
+def may_go_native(models: Iterable[RoutedModel], settings: GatewaySettings) -> bool:
+    """Whether any model asks for the native path where the gateway allows it: the listener then
+    has what native routes need. It follows the manifests only, not warm and cold, so the
+    listener (whose updates drain connections) does not change when a model wakes or sleeps, and
+    a gateway whose models are all decided has exactly the listener it had before."""
+    return settings.native_allowed and any(m.path == "native" for m in models)
+
+
+def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Listener:
+    """The one listener; `native` (may_go_native) adds what native routes need."""
     http_filters: list[dict[str, Any]] = [
-        _JSON_TO_METADATA_FILTER,
+        *([_JSON_TO_METADATA_FILTER] if native else []),
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
@@ -536,19 +548,22 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3"
                     ".HeaderMutation",
-                    # A client's x-wakegate-native would hide its request from extproc's access
-                    # log (see _completion_log), and its destination header would pick the backend
-                    # on a native route (extproc drops it on the decided path): only Envoy's native
-                    # routes and extproc set them.
+                    # With native routes, a client's x-wakegate-native would hide its request from
+                    # extproc's access log (see _completion_log), and its destination header would
+                    # pick the backend on a native route (extproc drops it on the decided path):
+                    # only Envoy's native routes and extproc set them.
                     "mutations": [
                         {"remove": "x-request-id"},
-                        {"remove": contract.NATIVE_HEADER},
-                        {"remove": contract.DESTINATION_HEADER},
+                        *(
+                            [{"remove": contract.NATIVE_HEADER}, {"remove": contract.DESTINATION_HEADER}]
+                            if native
+                            else []
+                        ),
                     ],
                 },
             }
         ],
-        "access_log": [_completion_log(cluster) for cluster in settings.access_log_clusters],
+        "access_log": [_completion_log(cluster, native) for cluster in settings.access_log_clusters],
     }
     return _parse(
         listener_pb2.Listener(),
@@ -579,7 +594,6 @@ _STREAM_BODY: dict[str, Any] = {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "overrides": {"processing_mode": _processing_mode("NONE")},
         },
-        **_JSON_TO_METADATA_OFF,
     }
 }
 
@@ -656,9 +670,13 @@ def _native_routes(models: Sequence[RoutedModel]) -> tuple[list[Any], list[Any],
     return by_header, by_path, by_body
 
 
-def route_configuration(settings: GatewaySettings, native: Sequence[RoutedModel] = ()) -> route_pb2.RouteConfiguration:
+def route_configuration(
+    settings: GatewaySettings, native: Sequence[RoutedModel] = (), *, body_metadata: bool = False
+) -> route_pb2.RouteConfiguration:
     """The one route table. `native`: the models Envoy routes alone (native_keys); every other
-    request finds no cluster until extproc names one."""
+    request finds no cluster until extproc names one. `body_metadata`: the listener has the
+    json_to_metadata filter (may_go_native), which every route but the catch-all turns off."""
+    off = _JSON_TO_METADATA_OFF if body_metadata or native else {}
     extra: dict[str, Any] = {}
     if settings.upstream_header:
         extra["response_headers_to_add"] = [
@@ -668,10 +686,11 @@ def route_configuration(settings: GatewaySettings, native: Sequence[RoutedModel]
             }
         ]
     by_header, by_path, by_body = _native_routes(native)
+    stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     catch_all: dict[str, Any] = {**_NO_ROUTE, "match": {"prefix": "/"}}
-    if not native:
+    if off and not native:
         # With a native model, the body's `model` is read into metadata here, for the body routes.
-        catch_all["typed_per_filter_config"] = _JSON_TO_METADATA_OFF
+        catch_all["typed_per_filter_config"] = off
     return _parse(
         route_pb2.RouteConfiguration(),
         {
@@ -688,15 +707,15 @@ def route_configuration(settings: GatewaySettings, native: Sequence[RoutedModel]
                                 "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
                             },
                             "route": {"cluster_header": contract.CLUSTER_HEADER, "timeout": "0s"},
-                            "typed_per_filter_config": _JSON_TO_METADATA_OFF,
+                            **({"typed_per_filter_config": off} if off else {}),
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
                         # needs no body, so it streams through; everything else is buffered.
                         *by_header,
-                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
                         *by_path,
-                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **_STREAM_BODY},
+                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
                         *by_body,
                         catch_all,
                     ],
@@ -860,10 +879,12 @@ def build(
     endpoint, ungated. With them it is `for_gateway(build(models, settings), ...)`.
     """
     native = native_keys(models, settings)
+    body_metadata = may_go_native(models, settings)
+    routes = route_configuration(settings, [m for m in models if m.key in native], body_metadata=body_metadata)
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: listener(settings)},
-            ROUTE: {ROUTE_NAME: route_configuration(settings, [m for m in models if m.key in native])},
+            LISTENER: {LISTENER_NAME: listener(settings, body_metadata)},
+            ROUTE: {ROUTE_NAME: routes},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
             ENDPOINT: {m.cluster: load_assignment(m) for m in models},
             MODEL_ROUTE: {m.key: model_route(m) for m in models},
@@ -924,7 +945,10 @@ def for_gateway(
     if settings is not None:
         native = native_keys(models, settings, confirmed)
         if native != native_keys(models, settings):
-            route_config = {ROUTE_NAME: route_configuration(settings, [m for m in models if m.key in native])}
+            chosen = [m for m in models if m.key in native]
+            route_config = {
+                ROUTE_NAME: route_configuration(settings, chosen, body_metadata=may_go_native(models, settings))
+            }
             changed = True
     if not changed:
         return base

@@ -79,13 +79,26 @@ def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native(
     assert "picking" in r.native_blocker(routed, ON)
 
 
-def test_decided_only_route_table_reads_no_body_and_routes_nothing_itself() -> None:
-    built = r.build([replace(NATIVE, path="decided"), DECIDED], ON)
-    table = routes(built)
-    for route in table:
-        off = route["typed_per_filter_config"][r.JSON_TO_METADATA]
-        assert off["disabled"] is True, route
+def test_a_gateway_of_decided_models_has_the_listener_and_routes_it_always_had() -> None:
+    decided = [replace(NATIVE, path="decided"), DECIDED]
+    built = r.build(decided, ON)
+    assert built.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(ON)
+    assert r.JSON_TO_METADATA not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    assert r.JSON_TO_METADATA not in str(built.by_type[r.ROUTE][r.ROUTE_NAME])
     assert native_routes(built) == []
+    # No API keys allowed it, but keys on the gateway make the same ask decided-only too.
+    keyed = r.build([NATIVE, DECIDED], r.GatewaySettings())
+    assert keyed.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(r.GatewaySettings())
+
+
+def test_a_cold_native_model_reads_no_body_but_keeps_the_listener_it_will_need() -> None:
+    cold = r.build([replace(NATIVE, endpoints=()), DECIDED], ON)
+    warm = r.build([NATIVE, DECIDED], ON)
+    # Waking changes routes only: a listener update would drain every connection.
+    assert cold.by_type[r.LISTENER] == warm.by_type[r.LISTENER]
+    for route in routes(cold):
+        assert route["typed_per_filter_config"][r.JSON_TO_METADATA]["disabled"] is True, route
+    assert native_routes(cold) == []
 
 
 def test_native_routes_by_header_path_and_body_skip_extproc_and_mark_the_request() -> None:
@@ -126,7 +139,7 @@ def test_native_routes_by_header_path_and_body_skip_extproc_and_mark_the_request
 
 
 def test_the_listener_hides_native_requests_from_extproc_and_drops_a_clients_mark() -> None:
-    listener = json_format.MessageToDict(r.listener(ON), preserving_proto_field_name=True)
+    listener = json_format.MessageToDict(r.listener(ON, native=True), preserving_proto_field_name=True)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["http_filters"][0]["name"] == r.JSON_TO_METADATA
     mutations = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
