@@ -275,3 +275,59 @@ def test_cold_to_warm_to_idle_under_load_loses_nothing_and_releases_on_time(
     # Cold again: the next request is held and wakes it.
     again = post(gw, "/v1/chat/completions", chat(model))
     assert again.status == 200, again.text
+
+
+def test_with_api_keys_or_a_rate_limit_a_model_asking_for_native_stays_decided(tmp_path: Path) -> None:
+    """Envoy's native routes check no key and keep no token bucket: with keys on the gateway,
+    or a rate limit on the model, every request meets extproc, exactly as on the decided path."""
+    key = "sk-native-test-0123456789"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{key}\n")
+    fleet = model_doc(
+        "nk", extra="  routing: {strategy: round-robin, path: native}\n  scaling: {min: 1, max: 1}\n"
+    ) + model_doc(
+        "nr",
+        extra="  routing: {strategy: round-robin, path: native}\n  limits: {requestsPerSecond: 0.5, burst: 2}\n"
+        "  scaling: {min: 1, max: 1}\n",
+    )
+    (tmp_path / "keyed").mkdir()
+    keyed = UpProcess(tmp_path / "keyed", fleet, "--api-keys-file", str(keys))
+    try:
+        keyed.wait_ready({"nk": 1, "nr": 1}, timeout=60)
+        status = {m["key"]: m for m in keyed.status()["models"]}
+        assert status["nk"]["routingPath"] == "decided"
+        assert status["nk"]["routingPathReason"] == "the gateway checks API keys"
+        url = keyed.url + "/v1/chat/completions"
+        for naming in ({}, {"x-model-id": "nk"}):
+            refused = request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nk"))
+            assert refused.status == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            ok = request(
+                "POST",
+                url,
+                headers={"content-type": "application/json", "authorization": f"Bearer {key}", **naming},
+                body=chat("nk"),
+            )
+            assert ok.status == 200, ok.text
+            assert "authorization" not in ok.text
+    finally:
+        assert keyed.stop() == 0, keyed.log()
+    # No keys: the rate-limited model is still decided, and its one bucket refuses past the burst.
+    (tmp_path / "open").mkdir()
+    opened = UpProcess(tmp_path / "open", fleet)
+    try:
+        opened.wait_ready({"nk": 1, "nr": 1}, timeout=60)
+        deadline = time.monotonic() + 10
+        while opened.status()["models"][0]["routingPath"] != "native" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = {m["key"]: m for m in opened.status()["models"]}
+        assert status["nk"]["routingPath"] == "native"
+        assert status["nr"]["routingPath"] == "decided" and status["nr"]["routingPathReason"] == "a rate limit"
+        url = opened.url + "/v1/chat/completions"
+        codes = [
+            request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nr")).status
+            for naming in ({}, {"x-model-id": "nr"}) * 3
+        ]
+        # burst 2 (up to twice that right after start, one bucket per extproc: docs/reliability.md)
+        assert codes[:2] == [200, 200] and 429 in codes[2:], codes
+    finally:
+        assert opened.stop() == 0, opened.log()
