@@ -651,6 +651,9 @@ class Up:
             while True:
                 await asyncio.sleep(POLL_SECONDS)
                 keys = [key for key, rt in self.runtimes.items() if self._routing_path(rt)["routingPath"] == "native"]
+                # A model that just left the native path still has native requests finishing on
+                # its draining replica: it stays counted until they are done.
+                keys += [key for key, count in native.reported.items() if count and key not in keys]
                 if not keys and not native.reported:
                     continue
                 counters: dict[str, tuple[int, int]] = {}
