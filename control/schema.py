@@ -39,6 +39,13 @@ class Strategy(StrEnum):
     ROUND_ROBIN = "round-robin"
 
 
+class RoutingPath(StrEnum):
+    """Who routes a warm request: wakegate's extproc (decided) or Envoy alone where it can (native)."""
+
+    DECIDED = "decided"
+    NATIVE = "native"
+
+
 class ColdMode(StrEnum):
     HOLD = "hold"
     KEEPALIVE = "keepalive"
@@ -130,6 +137,13 @@ class Routing(_Spec):
     weights: Weights | None = Field(None, description="Scored picking with these weights per scorer.")
     kvEvents: KVEvents | None = Field(
         None, description="Where the engines publish KV events, for the precise scorer (profile precise)."
+    )
+    path: RoutingPath = Field(
+        RoutingPath.DECIDED,
+        description="native: while the model is warm and needs nothing only wakegate's extproc can do "
+        "(strategy round-robin, no rate limit, no adapters, no API keys on the gateway), Envoy routes "
+        "its requests alone; otherwise, and while it is cold, they take the decided path (extproc). "
+        "Status routingPath says which path it is on now.",
     )
 
     @property

@@ -23,12 +23,22 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import ENDPOINT, MODEL_ROUTE, WILDCARD_TYPES, Resources, pack, version_of
+from wakegate.control.feeder.resources import (
+    ENDPOINT,
+    MODEL_ROUTE,
+    ROUTE,
+    WILDCARD_TYPES,
+    Resources,
+    natively_routed,
+    pack,
+    version_of,
+)
 from wakegate.internal_token import Authenticator
 from wakegate.v1 import routing_pb2
 
@@ -79,8 +89,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         self._authenticator = authenticator
         self._streams = itertools.count(1)
         #: type URL -> stream -> (node, what that stream acknowledged). Envoys acknowledge
-        #: EDS (ENDPOINT), extprocs acknowledge ModelRoutes.
-        self._acked: dict[str, dict[int, tuple[str, Acked]]] = {ENDPOINT: {}, MODEL_ROUTE: {}}
+        #: EDS (ENDPOINT) and their routes (ROUTE: the clusters routed natively, no endpoints),
+        #: extprocs acknowledge ModelRoutes.
+        self._acked: dict[str, dict[int, tuple[str, Acked]]] = {ENDPOINT: {}, MODEL_ROUTE: {}, ROUTE: {}}
 
     def gateways(self) -> set[str]:
         """Node ids with at least one acknowledgement on record: the gateways that get their own view."""
@@ -103,6 +114,10 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             for cluster, endpoints in clusters.items():
                 out[cluster] = out.get(cluster, frozenset()) | endpoints
         return out
+
+    def routed_natively(self, node: str) -> frozenset[str]:
+        """Clusters some Envoy of this node may still route to natively (its acknowledged routes)."""
+        return frozenset(c for n, clusters in self._acked[ROUTE].values() if n == node for c in clusters)
 
     async def StreamAggregatedResources(
         self,
@@ -192,6 +207,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         for message in watch.sent.values():
             if isinstance(message, routing_pb2.ModelRoute):
                 acked[message.cluster] = frozenset((e.address, e.port) for e in message.endpoints)
+            elif isinstance(message, route_pb2.RouteConfiguration):
+                acked.update((cluster, frozenset()) for cluster in natively_routed(message))
             elif isinstance(message, endpoint_pb2.ClusterLoadAssignment):
                 acked[message.cluster_name] = frozenset(
                     (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value)

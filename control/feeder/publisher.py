@@ -41,7 +41,14 @@ class Publisher:
         views = {}
         if self.ads is not None:
             views = {
-                node: for_gateway(base, routed, self._confirmed(node), self.ads.retained(node))
+                node: for_gateway(
+                    base,
+                    routed,
+                    self._confirmed(node),
+                    self.ads.retained(node),
+                    self.gateway,
+                    self.ads.routed_natively(node),
+                )
                 for node in self.ads.gateways()
             }
         await self.cache.set(self._for_unknown(routed, base), views)

@@ -8,7 +8,9 @@ Kubernetes watch (`wakegate xds`): both describe what is routable as
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -22,6 +24,7 @@ from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2 as upstream_header_mutation_pb2  # noqa: F401
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
@@ -111,6 +114,8 @@ class RoutedModel:
     #: (ip, port, authorization header) Envoy sets on requests to that endpoint (the federation's
     #: member tokens: EDS metadata read by an upstream filter; never in extproc's ModelRoute).
     endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
+    #: The routing path the Model asks for (`routing.path`): "decided" or "native" (where it can).
+    path: str = "decided"
 
     @property
     def cluster(self) -> str:
@@ -158,6 +163,7 @@ def routed_model(
         failure_code=failure_code,
         admitted=admitted,
         loads=tuple(sorted(loads)),
+        path=spec.routing.path.value,
     )
 
 
@@ -188,6 +194,60 @@ def _profile(routing: Routing) -> str:
 
 def cluster_name(model_key: str) -> str:
     return "model." + model_key.replace("/", ".")
+
+
+def stat_name(model_key: str) -> str:
+    """The model cluster's name in Envoy's stats (`cluster.<this>.upstream_rq_total`)."""
+    # Envoy splits stat names at dots; a dot-free name keeps per-model stats one label value.
+    return "model_" + model_key.replace("/", "_").replace(".", "_").replace("-", "_")
+
+
+#: Strategies Envoy's own load balancing does exactly as extproc would (docs/decisions.md).
+NATIVE_STRATEGIES = frozenset({"round-robin"})
+
+
+def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
+    """Why `model` takes the decided path (extproc) now; empty when Envoy can route it alone.
+
+    Static reasons first (what the spec or the gateway needs of extproc), then the moment's:
+    a model with no ready endpoint is cold, and only extproc holds or wakes.
+    """
+    if model.path != "native":
+        return "routing.path is decided"
+    if not settings.native_allowed:
+        return "the gateway checks API keys"
+    if model.strategy not in NATIVE_STRATEGIES or model.profile or model.weights:
+        return "scored or sticky picking (native takes strategy round-robin)"
+    if model.adapters or model.lora_adapters:
+        return "LoRA adapters"
+    if model.requests_per_second > 0:
+        return "a rate limit"
+    if not model.admitted:
+        return "waiting for its GPU group"
+    if not model.endpoints:
+        return "no ready endpoint"
+    return ""
+
+
+def native_keys(
+    models: Sequence[RoutedModel],
+    settings: GatewaySettings,
+    confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+) -> frozenset[str]:
+    """Models Envoy routes alone in one gateway's view.
+
+    With `confirmed` (what the gateway's Envoy acknowledged), a model goes native only once its
+    Envoy has at least one of its ready endpoints: a native route never points at a cluster
+    Envoy has no host in. Clusters missing from `confirmed` are not gated (no Envoy to wait for).
+    """
+    out = set()
+    for m in models:
+        if native_blocker(m, settings):
+            continue
+        if confirmed is not None and m.cluster in confirmed and not set(m.endpoints) & confirmed[m.cluster]:
+            continue
+        out.add(m.key)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -221,6 +281,9 @@ class GatewaySettings:
     #: Envoy's retry_on for those retries; `reset` (before the response began) may repeat a request
     #: an upstream had started on, never one whose answer reached the client.
     upstream_retry_on: str = "connect-failure,refused-stream,reset-before-request"
+    #: Models may take the native path (Envoy routes them alone). Only where extproc checks no
+    #: API keys: Envoy's native routes do not check them.
+    native_allowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -381,11 +444,19 @@ def http_listener(name: str, host: str, port: int | str, hcm: dict[str, Any]) ->
     }
 
 
-def _completion_log(cluster: str) -> dict[str, Any]:
-    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. Unfiltered on
-    purpose: a request extproc counted whose routing mutation Envoy refused still ends here."""
+def _completion_log(cluster: str, native: bool = False) -> dict[str, Any]:
+    """Envoy's gRPC access logger to one extproc: every request, sent as it ends. With `native`,
+    the natively routed ones are left out (extproc never saw them: their entries would only cost
+    it CPU); otherwise unfiltered on purpose: a request extproc counted whose routing mutation
+    Envoy refused still ends here."""
+    unless_native = {
+        "filter": {
+            "header_filter": {"header": {"name": contract.NATIVE_HEADER, "present_match": True, "invert_match": True}}
+        }
+    }
     return {
         "name": "envoy.access_loggers.http_grpc",
+        **(unless_native if native else {}),
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
@@ -400,8 +471,45 @@ def _completion_log(cluster: str) -> dict[str, Any]:
     }
 
 
-def listener(settings: GatewaySettings) -> listener_pb2.Listener:
+JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
+
+#: Reads the body's `model` into dynamic metadata for the native routes (route_configuration).
+#: In the chain only where some model asks for the native path (`may_go_native`); then every
+#: route turns it off but the catch-all, and that one too while no model is native now. (A
+#: filter off by default cannot be turned on by a route: Envoy refuses an empty per-route
+#: FilterConfig, and this filter takes no per-route config.)
+_JSON_TO_METADATA_FILTER = {
+    "name": JSON_TO_METADATA,
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+        "request_rules": {
+            "rules": [
+                {
+                    "selectors": [{"key": "model"}],
+                    "on_present": {
+                        "metadata_namespace": contract.NATIVE_METADATA_NAMESPACE,
+                        "key": "model",
+                        "type": "STRING",
+                    },
+                }
+            ]
+        },
+    },
+}
+
+
+def may_go_native(models: Iterable[RoutedModel], settings: GatewaySettings) -> bool:
+    """Whether any model asks for the native path where the gateway allows it: the listener then
+    has what native routes need. It follows the manifests only, not warm and cold, so the
+    listener (whose updates drain connections) does not change when a model wakes or sleeps, and
+    a gateway whose models are all decided has exactly the listener it had before."""
+    return settings.native_allowed and any(m.path == "native" for m in models)
+
+
+def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Listener:
+    """The one listener; `native` (may_go_native) adds what native routes need."""
     http_filters: list[dict[str, Any]] = [
+        *([_JSON_TO_METADATA_FILTER] if native else []),
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
@@ -466,11 +574,22 @@ def listener(settings: GatewaySettings) -> listener_pb2.Listener:
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3"
                     ".HeaderMutation",
-                    "mutations": [{"remove": "x-request-id"}],
+                    # With native routes, a client's x-wakegate-native would hide its request from
+                    # extproc's access log (see _completion_log), and its destination header would
+                    # pick the backend on a native route (extproc drops it on the decided path):
+                    # only Envoy's native routes and extproc set them.
+                    "mutations": [
+                        {"remove": "x-request-id"},
+                        *(
+                            [{"remove": contract.NATIVE_HEADER}, {"remove": contract.DESTINATION_HEADER}]
+                            if native
+                            else []
+                        ),
+                    ],
                 },
             }
         ],
-        "access_log": [_completion_log(cluster) for cluster in settings.access_log_clusters],
+        "access_log": [_completion_log(cluster, native) for cluster in settings.access_log_clusters],
     }
     return _parse(
         listener_pb2.Listener(),
@@ -489,17 +608,101 @@ _NO_ROUTE: dict[str, Any] = {
         "body": {"inline_string": "no route"},
     }
 }
+_JSON_TO_METADATA_OFF = {
+    "envoy.filters.http.json_to_metadata": {
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+        "disabled": True,
+    }
+}
 _STREAM_BODY: dict[str, Any] = {
     "typed_per_filter_config": {
         "envoy.filters.http.ext_proc": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "overrides": {"processing_mode": _processing_mode("NONE")},
-        }
+        },
     }
 }
 
 
-def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfiguration:
+_POST = {"name": ":method", "string_match": {"exact": "POST"}}
+_NO_MODEL_HEADER = {"name": contract.MODEL_HEADER, "present_match": True, "invert_match": True}
+#: Names a native /model/<name>/ route is made for: what needs no percent-decoding in a path.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._~:@!$&'()*+,;=-]+")
+
+
+def _native(model: RoutedModel, match: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A route Envoy serves alone: straight to the model's cluster, extproc off, marked for the log."""
+    return {
+        "match": match,
+        "route": {"cluster": model.cluster, "timeout": "0s", **(extra or {})},
+        "request_headers_to_add": [
+            {"header": {"key": contract.NATIVE_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        ],
+        "typed_per_filter_config": {
+            "envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True,
+            },
+            **_JSON_TO_METADATA_OFF,
+        },
+    }
+
+
+def _native_routes(models: Sequence[RoutedModel]) -> tuple[list[Any], list[Any], list[Any]]:
+    """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) routes of the native models.
+
+    Only POSTs (extproc answers GETs like /v1/models itself). Each kind goes right before the
+    decided route of the same kind, so the header beats the path beats the body, as in extproc.
+    The body route takes only the name the engine serves: any other name needs extproc's
+    rewrite of `model` (a header or path names the model without touching the body, as today).
+    """
+    by_header, by_path, by_body = [], [], []
+    for m in sorted(models, key=lambda m: m.key):
+        for name in m.names:
+            by_header.append(
+                _native(
+                    m,
+                    {
+                        "prefix": "/",
+                        "headers": [{"name": contract.MODEL_HEADER, "string_match": {"exact": name}}, _POST],
+                    },
+                )
+            )
+            if _PLAIN_NAME.fullmatch(name):
+                by_path.append(
+                    _native(
+                        m,
+                        {"prefix": f"{contract.MODEL_PATH_PREFIX}{name}/", "headers": [_NO_MODEL_HEADER, _POST]},
+                        {"prefix_rewrite": "/"},
+                    )
+                )
+        if m.served_name in m.names:
+            by_body.append(
+                _native(
+                    m,
+                    {
+                        "prefix": "/",
+                        "headers": [_NO_MODEL_HEADER, _POST],
+                        "dynamic_metadata": [
+                            {
+                                "filter": contract.NATIVE_METADATA_NAMESPACE,
+                                "path": [{"key": "model"}],
+                                "value": {"string_match": {"exact": m.served_name}},
+                            }
+                        ],
+                    },
+                )
+            )
+    return by_header, by_path, by_body
+
+
+def route_configuration(
+    settings: GatewaySettings, native: Sequence[RoutedModel] = (), *, body_metadata: bool = False
+) -> route_pb2.RouteConfiguration:
+    """The one route table. `native`: the models Envoy routes alone (native_keys); every other
+    request finds no cluster until extproc names one. `body_metadata`: the listener has the
+    json_to_metadata filter (may_go_native), which every route but the catch-all turns off."""
+    off = _JSON_TO_METADATA_OFF if body_metadata or native else {}
     extra: dict[str, Any] = {}
     if settings.upstream_header:
         extra["response_headers_to_add"] = [
@@ -508,6 +711,12 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
         ]
+    by_header, by_path, by_body = _native_routes(native)
+    stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
+    catch_all: dict[str, Any] = {**_NO_ROUTE, "match": {"prefix": "/"}}
+    if off and not native:
+        # With a native model, the body's `model` is read into metadata here, for the body routes.
+        catch_all["typed_per_filter_config"] = off
     return _parse(
         route_pb2.RouteConfiguration(),
         {
@@ -528,13 +737,17 @@ def route_configuration(settings: GatewaySettings) -> route_pb2.RouteConfigurati
                                 "timeout": "0s",
                                 **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
                             },
+                            **({"typed_per_filter_config": off} if off else {}),
                         },
                         # Before extproc has named a cluster: these pick how its filter treats the
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
                         # needs no body, so it streams through; everything else is buffered.
-                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **_STREAM_BODY},
-                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **_STREAM_BODY},
-                        {**_NO_ROUTE, "match": {"prefix": "/"}},
+                        *by_header,
+                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
+                        *by_path,
+                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
+                        *by_body,
+                        catch_all,
                     ],
                 }
             ],
@@ -581,8 +794,7 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
         cluster_pb2.Cluster(),
         {
             "name": model.cluster,
-            # Envoy splits stat names at dots; a dot-free name keeps per-model stats one label value.
-            "alt_stat_name": "model_" + model.key.replace("/", "_").replace(".", "_").replace("-", "_"),
+            "alt_stat_name": stat_name(model.key),
             "type": "EDS",
             "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
             "connect_timeout": f"{settings.upstream_connect_timeout_ms / 1000:.3f}s",
@@ -764,24 +976,28 @@ def build(
     settings: GatewaySettings,
     confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
     retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
+    routed_natively: AbstractSet[str] | None = None,
 ) -> Resources:
     """Every resource for one consistent view of the fleet, as one gateway should see it.
 
-    Without `confirmed` and `retained` this is the base snapshot: every ready endpoint,
-    ungated. With them it is `for_gateway(build(models, settings), ...)`.
+    Without `confirmed`, `retained` and `routed_natively` this is the base snapshot: every ready
+    endpoint, ungated. With them it is `for_gateway(build(models, settings), ...)`.
     """
+    native = native_keys(models, settings)
+    body_metadata = may_go_native(models, settings)
+    routes = route_configuration(settings, [m for m in models if m.key in native], body_metadata=body_metadata)
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: listener(settings)},
-            ROUTE: {ROUTE_NAME: route_configuration(settings)},
+            LISTENER: {LISTENER_NAME: listener(settings, body_metadata)},
+            ROUTE: {ROUTE_NAME: routes},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
             ENDPOINT: {m.cluster: load_assignment(m) for m in models},
             MODEL_ROUTE: {m.key: model_route(m) for m in models},
         }
     )
-    if confirmed is None and retained is None:
+    if confirmed is None and retained is None and routed_natively is None:
         return base
-    return for_gateway(base, models, confirmed, retained)
+    return for_gateway(base, models, confirmed, retained, settings, routed_natively)
 
 
 def for_gateway(
@@ -789,6 +1005,8 @@ def for_gateway(
     models: Sequence[RoutedModel],
     confirmed: Mapping[str, frozenset[tuple[str, int]]] | None,
     retained: Mapping[str, frozenset[tuple[str, int]]] | None,
+    settings: GatewaySettings | None = None,
+    routed_natively: AbstractSet[str] | None = None,
 ) -> Resources:
     """One gateway's view of `base` (built from the same `models`), gated by its own acknowledgements.
 
@@ -796,20 +1014,31 @@ def for_gateway(
     extproc sees: a new endpoint reaches extproc's route only once Envoy can route to it, so
     a held request is never flushed to a cluster that does not know the host yet. Clusters
     missing from `confirmed`, or no `confirmed` at all, are not gated (no Envoy to wait for).
+    It gates the native routes the same way (native_keys): a model turns native only once its
+    Envoy has one of its endpoints.
 
     `retained` (cluster -> endpoints this gateway's extproc may still pick) keeps a removed
     endpoint in its Envoy's cluster until that extproc has dropped it, so the other
     direction has no gap either. The backend is still draining meanwhile.
+
+    `routed_natively` (clusters this gateway's Envoy has acknowledged native routes to) does
+    the same for Envoy's own routes: a cluster keeps the endpoints its Envoy has until that
+    Envoy has dropped its native routes, so a model's last endpoint leaves only after its
+    requests go to extproc again (which holds them).
 
     Only the messages that differ from the base are rebuilt; in the steady state (every
     acknowledgement current) the base itself is returned.
     """
     endpoints = dict(base.by_type[ENDPOINT])
     routes = dict(base.by_type[MODEL_ROUTE])
+    route_config = base.by_type[ROUTE]
     changed = False
+    native_clusters = routed_natively or frozenset()
     for m in models:
         ready = set(m.endpoints)
         kept = (retained or {}).get(m.cluster, frozenset()) - ready
+        if not ready | kept and m.cluster in native_clusters:
+            kept = (confirmed or {}).get(m.cluster, frozenset())
         if kept:
             endpoints[m.cluster] = load_assignment(replace(m, endpoints=tuple(sorted(ready | kept))))
             changed = True
@@ -818,6 +1047,21 @@ def for_gateway(
             if len(allowed) != len(m.endpoints):
                 routes[m.key] = model_route(replace(m, endpoints=allowed))
                 changed = True
+    if settings is not None:
+        native = native_keys(models, settings, confirmed)
+        if native != native_keys(models, settings):
+            chosen = [m for m in models if m.key in native]
+            route_config = {
+                ROUTE_NAME: route_configuration(settings, chosen, body_metadata=may_go_native(models, settings))
+            }
+            changed = True
     if not changed:
         return base
-    return Resources(by_type={**base.by_type, ENDPOINT: endpoints, MODEL_ROUTE: routes})
+    return Resources(by_type={**base.by_type, ENDPOINT: endpoints, MODEL_ROUTE: routes, ROUTE: route_config})
+
+
+def natively_routed(config: route_pb2.RouteConfiguration) -> frozenset[str]:
+    """Clusters a route table sends requests to without extproc (the native routes)."""
+    return frozenset(
+        route.route.cluster for host in config.virtual_hosts for route in host.routes if route.route.cluster
+    )

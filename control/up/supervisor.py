@@ -16,10 +16,12 @@ import os
 import socket
 import ssl
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import grpc
@@ -34,7 +36,7 @@ from wakegate.control.delivery.registry import RegistrySettings, load_auths
 from wakegate.control.delivery.resolver import Access, Verify
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, native_blocker, stat_name
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.schema import ManifestError, Model, parse_models
@@ -43,6 +45,7 @@ from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
+from wakegate.control.up.native import POLL_SECONDS, NativeDemand, parse_counters
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
@@ -192,6 +195,8 @@ class Up:
             max_request_bytes=settings.max_body_bytes,
             upstream_header=settings.upstream_header,
             access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
+            # Envoy's native routes check no API keys: with keys, every request takes the decided path.
+            native_allowed=settings.api_keys_file is None,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
@@ -386,6 +391,7 @@ class Up:
             watchers = [asyncio.create_task(self._watch(c)) for c in self.components.values()]
             watchers.append(asyncio.create_task(self.scaler.run()))
             watchers += [asyncio.create_task(rt.hotswap.run()) for rt in self.runtimes.values() if rt.hotswap]
+            watchers.append(asyncio.create_task(self._native_demand()))
             self.scaler.poke()
             if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
@@ -422,6 +428,13 @@ class Up:
             print(f"wakegate up: stopped: {self._failure.splitlines()[0]}", file=sys.stderr, flush=True)
             return 1
         return 0
+
+    def _routing_path(self, runtime: ModelRuntime) -> dict[str, str]:
+        """Which path the model's warm requests take now, and why not native when they cannot."""
+        blocker = native_blocker(runtime.routed(), self.gateway)
+        if not blocker:
+            return {"routingPath": "native"}
+        return {"routingPath": "decided", "routingPathReason": blocker}
 
     def status(self) -> dict[str, Any]:
         return {
@@ -463,6 +476,7 @@ class Up:
                     ],
                     "ready": len(rt.ready_endpoints),
                     "state": _model_state(rt),
+                    **self._routing_path(rt),
                     "admitted": rt.admitted,
                     "waiting_for": rt.waiting_for,
                     "failed_activations": rt.failed_activations,
@@ -650,6 +664,33 @@ class Up:
             connector = aiohttp.UnixConnector(path=str(self.envoy_admin))
             return aiohttp.ClientSession(base_url="http://envoy", connector=connector, timeout=timeout)
         return aiohttp.ClientSession(base_url=f"http://{self.settings.envoy_admin_listen}", timeout=timeout)
+
+    async def _native_demand(self) -> None:
+        """Envoy's counters of the natively routed models into the demand book, every POLL_SECONDS
+        while any model takes the native path (docs/architecture.md, "The native path")."""
+        native = NativeDemand(f"{self.node_id}/envoy-native")
+        stat_names = {stat_name(key): key for key in self.runtimes}
+        query = "/stats?format=json&filter=" + quote(r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$")
+        async with self._admin_session() as session:
+            while True:
+                await asyncio.sleep(POLL_SECONDS)
+                keys = [key for key, rt in self.runtimes.items() if self._routing_path(rt)["routingPath"] == "native"]
+                # A model that just left the native path still has native requests finishing on
+                # its draining replica: it stays counted until they are done.
+                keys += [key for key, count in native.reported.items() if count and key not in keys]
+                if not keys and not native.reported:
+                    continue
+                counters: dict[str, tuple[int, int]] = {}
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                    async with session.get(query) as response:
+                        counters = parse_counters((await response.json()).get("stats", []), stat_names)
+                if not counters and keys:
+                    continue  # Envoy not answering: keep the last report (the book expires it if this lasts)
+                before = dict(native.reported)
+                in_flight = {key: load.in_flight for key, load in self.scaler.loads.items()}
+                self.book.apply(native.report(counters, keys, in_flight), time.monotonic())
+                if native.reported != before:
+                    self._demand_changed()
 
     async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):

@@ -30,6 +30,11 @@ MODEL_PATH_PREFIX = "/model/"
 #: its names, ready endpoints, held and in-flight requests. What a federation's global gateway
 #: probes on each member gateway (docs/federation.md).
 STATUS_PATH = "/wakegate/status"
+#: Set by Envoy's native routes on the requests they route (a client's copy is dropped first):
+#: the access log to extproc skips them, extproc never saw them.
+NATIVE_HEADER = "x-wakegate-native"
+#: Dynamic-metadata namespace Envoy's json_to_metadata filter writes the body's `model` to.
+NATIVE_METADATA_NAMESPACE = "wakegate.native"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 

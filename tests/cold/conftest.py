@@ -19,6 +19,14 @@ def fleet(faults: Path) -> str:
   scaling: {min: 0, max: 1, idleTimeout: 3}
 """,
             ),
+            # cold-a's twin on the native path once warm (tests parametrized over both).
+            model_doc(
+                "cold-an",
+                extra="""  args: [--startup-seconds, "2"]
+  routing: {strategy: round-robin, path: native}
+  scaling: {min: 0, max: 1, idleTimeout: 3}
+""",
+            ),
             model_doc(
                 "cold-q",
                 extra="""  args: [--startup-seconds, "3"]

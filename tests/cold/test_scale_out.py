@@ -7,22 +7,31 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.support.up import UpProcess, model_doc
 
 
-async def test_sustained_demand_adds_replicas_up_to_max(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["decided", "native"])
+async def test_sustained_demand_adds_replicas_up_to_max(tmp_path: Path, native: bool) -> None:
+    """On the native path extproc never sees these streams: Envoy's counters are the demand."""
+    routing = "  routing: {strategy: round-robin, path: native}\n" if native else ""
     up = UpProcess(
         tmp_path,
         model_doc(
             "busy",
-            extra="""  args: [--tokens-per-second, "20"]
-  scaling: {min: 1, max: 3, targetInFlight: 1, idleTimeout: 120}
-""",
+            extra=f"""  args: [--tokens-per-second, "20"]
+  scaling: {{min: 1, max: 3, targetInFlight: 1, idleTimeout: 120}}
+{routing}""",
         ),
     )
     try:
         up.wait_ready({"busy": 1})
+        if native:
+            deadline = time.monotonic() + 10
+            while up.status()["models"][0]["routingPath"] != "native":
+                assert time.monotonic() < deadline, up.status()["models"][0]
+                await asyncio.sleep(0.1)
         peak = 0
 
         async def stream(session: aiohttp.ClientSession) -> None:

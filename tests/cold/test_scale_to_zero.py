@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 
 from tests.support.http import request
 from tests.support.up import UpProcess, pids_alive
@@ -20,6 +21,10 @@ def replicas(up: UpProcess, key: str) -> list[dict[str, object]]:
         if model["key"] == key:
             return list(model["replicas"])
     raise KeyError(key)
+
+
+def path_of(up: UpProcess, key: str) -> str:
+    return str(next(m for m in up.status()["models"] if m["key"] == key)["routingPath"])
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -34,29 +39,31 @@ def chat_body(model: str, **extra: object) -> dict[str, object]:
     return {"model": model, "messages": [{"role": "user", "content": "wake up"}], "max_tokens": 4, **extra}
 
 
-def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpProcess) -> None:
+@pytest.mark.parametrize("model", ["cold-a", "cold-an"], ids=["decided", "native"])
+def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpProcess, model: str) -> None:
     up = cold_gateway
     client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=60)
-    assert replicas(up, "cold-a") == []
+    assert replicas(up, model) == []
     started = time.monotonic()
-    reply = client.chat.completions.create(model="cold-a", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert reply.choices[0].message.content
     assert time.monotonic() - started >= 1.5, "answered before the 2 s load could finish"
-    (replica,) = replicas(up, "cold-a")
+    (replica,) = replicas(up, model)
+    wait_for(lambda: path_of(up, model) == ("native" if model == "cold-an" else "decided"), 5, "the warm path")
     pid = int(replica["pid"])  # type: ignore[call-overload]
     stream = client.chat.completions.create(
-        model="cold-a", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
     )
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 5
     # idleTimeout 3 s (+ the lease's grace after readiness): the process goes away...
-    wait_for(lambda: replicas(up, "cold-a") == [], 30, "cold-a to scale to zero")
+    wait_for(lambda: replicas(up, model) == [], 30, f"{model} to scale to zero")
     wait_for(lambda: pids_alive([pid]) == [], 10, "the backend process to exit")
     # ...and the next request, streaming this time, brings it back.
     stream = client.chat.completions.create(
-        model="cold-a", messages=[{"role": "user", "content": "again"}], max_tokens=4, stream=True
+        model=model, messages=[{"role": "user", "content": "again"}], max_tokens=4, stream=True
     )
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 4
-    assert len(replicas(up, "cold-a")) == 1
+    assert len(replicas(up, model)) == 1
 
 
 async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(cold_gateway: UpProcess) -> None:

@@ -235,3 +235,71 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
     while publisher.ads.gateways() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert publisher.ads.gateways() == set(), "closed streams leave no record"
+
+
+async def test_a_native_models_last_endpoint_leaves_only_after_envoy_acked_routes_without_it() -> None:
+    """Over real gRPC: the model goes cold; its Envoy first gets routes without the native ones
+    while its cluster keeps the endpoint, and only the ACK of those routes empties the cluster."""
+    ep = ("127.0.0.1", 9000)
+    models = [
+        r.RoutedModel(key="m", names=("m",), served_name="m", strategy="round-robin", path="native", endpoints=(ep,))
+    ]
+    settings = r.GatewaySettings(native_allowed=True)
+    publisher = Publisher(SnapshotCache(), settings, lambda: models)
+    await publisher.publish()
+    srv, publisher.ads, port = await start_server(
+        publisher.cache, "127.0.0.1:0", on_endpoints_acked=publisher.publish_soon
+    )
+    names = {r.ENDPOINT: ["model.m"], r.ROUTE: [r.ROUTE_NAME]}
+
+    def native(response: discovery_pb2.DiscoveryResponse) -> frozenset[str]:
+        config = r.route_pb2.RouteConfiguration()
+        response.resources[0].Unpack(config)
+        return r.natively_routed(config)
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            envoy = Client(channel, base_pb2.Node(id="gw"))
+
+            async def ack(response: discovery_pb2.DiscoveryResponse) -> None:
+                await envoy.send(
+                    type_url=response.type_url,
+                    resource_names=names[response.type_url],
+                    response_nonce=response.nonce,
+                    version_info=response.version_info,
+                )
+
+            async def next_of(type_url: str) -> discovery_pb2.DiscoveryResponse:
+                while True:
+                    response = await envoy.receive()
+                    if response.type_url == type_url:
+                        return response
+
+            await envoy.send(type_url=r.ENDPOINT, resource_names=names[r.ENDPOINT])
+            eds = await next_of(r.ENDPOINT)
+            await ack(eds)
+            await envoy.send(type_url=r.ROUTE, resource_names=names[r.ROUTE])
+            rds = await next_of(r.ROUTE)
+            assert native(rds) == {"model.m"}
+            await ack(rds)
+            for _ in range(100):
+                if publisher.ads.routed_natively("gw") == {"model.m"}:
+                    break
+                await asyncio.sleep(0.01)
+            assert publisher.ads.routed_natively("gw") == {"model.m"}
+            # Cold: routes without the native ones first; the endpoint stays in the cluster.
+            models[0] = replace(models[0], endpoints=())
+            publisher.publish_soon()
+            rds = await next_of(r.ROUTE)
+            assert native(rds) == frozenset()
+            view = publisher.cache.view("gw").by_type[r.ENDPOINT]["model.m"]
+            assert [lb.endpoint.address.socket_address.port_value for lb in view.endpoints[0].lb_endpoints] == [9000]  # type: ignore[attr-defined]
+            # Envoy applies them: now the cluster empties.
+            await ack(rds)
+            eds = await next_of(r.ENDPOINT)
+            cla = r.endpoint_pb2.ClusterLoadAssignment()
+            eds.resources[0].Unpack(cla)
+            assert [lb for locality in cla.endpoints for lb in locality.lb_endpoints] == []
+            envoy.call.cancel()
+    finally:
+        await srv.stop(0)

@@ -68,10 +68,24 @@ def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     assert built.by_type[r.MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
 
 
+NATIVE = r.RoutedModel(
+    key="ns/n",
+    names=("n", "n-alias"),
+    served_name="n",
+    strategy="round-robin",
+    path="native",
+    endpoints=(("127.0.0.1", 9002),),
+)
+
+
 @pytest.mark.parametrize(
     "settings",
-    [r.GatewaySettings(upstream_header=True), r.GatewaySettings(upstream_retries=2, upstream_retry_on="reset")],
-    ids=["plain", "federation"],
+    [
+        r.GatewaySettings(upstream_header=True),
+        r.GatewaySettings(upstream_retries=2, upstream_retry_on="reset"),
+        r.GatewaySettings(upstream_header=True, native_allowed=True),
+    ],
+    ids=["plain", "federation", "native"],
 )
 def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.GatewaySettings) -> None:
     """Put the dynamic resources into a static bootstrap and let the real Envoy validate it."""
@@ -79,7 +93,10 @@ def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.Gatewa
     if settings.upstream_retries:  # the global gateway's routes: fallbacks and member tokens too
         token = (("127.0.0.1", 9000, "Bearer member-token"),)
         models = [replace(MODELS[0], fallback_endpoints=1, endpoint_authorization=token), MODELS[1]]
+    if settings.native_allowed:
+        models = [*MODELS, NATIVE]
     built = r.build(models, settings)
+    assert bool(r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME])) is settings.native_allowed
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
     hcm.pop("rds")

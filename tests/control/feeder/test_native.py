@@ -1,0 +1,183 @@
+"""The native path in the pure snapshot builder: which models Envoy routes alone, and the
+ACK-ordered switch between the native and the decided path (docs/architecture.md)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from wakegate import contract
+from wakegate.control.feeder import resources as r
+
+ON = r.GatewaySettings(native_allowed=True)
+EP = ("127.0.0.1", 9100)
+NATIVE = r.RoutedModel(
+    key="ns/n",
+    names=("n", "n-alias"),
+    served_name="n",
+    strategy="round-robin",
+    path="native",
+    endpoints=(EP,),
+)
+DECIDED = r.RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
+
+
+def routes(built: r.Resources) -> list[dict[str, Any]]:
+    config = json_format.MessageToDict(built.by_type[r.ROUTE][r.ROUTE_NAME], preserving_proto_field_name=True)
+    return list(config["virtual_hosts"][0]["routes"])
+
+
+def native_routes(built: r.Resources) -> list[dict[str, Any]]:
+    return [x for x in routes(built) if x.get("route", {}).get("cluster")]
+
+
+def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
+    cla = built.by_type[r.ENDPOINT][cluster]
+    return {
+        (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value)  # type: ignore[attr-defined]
+        for locality in cla.endpoints  # type: ignore[attr-defined]
+        for lb in locality.lb_endpoints
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "settings", "reason"),
+    [
+        ({"path": "decided"}, ON, "routing.path is decided"),
+        ({}, r.GatewaySettings(), "the gateway checks API keys"),
+        ({"strategy": "default", "profile": "balanced"}, ON, "scored or sticky picking"),
+        ({"strategy": "least-loaded"}, ON, "scored or sticky picking"),
+        ({"strategy": "session-affinity"}, ON, "scored or sticky picking"),
+        ({"lora_adapters": ("sql",)}, ON, "LoRA adapters"),
+        ({"requests_per_second": 5.0}, ON, "a rate limit"),
+        ({"admitted": False}, ON, "waiting for its GPU group"),
+        ({"endpoints": ()}, ON, "no ready endpoint"),
+    ],
+)
+def test_what_keeps_a_model_on_the_decided_path(
+    change: dict[str, Any], settings: r.GatewaySettings, reason: str
+) -> None:
+    model = replace(NATIVE, **change)
+    assert r.native_blocker(model, settings).startswith(reason)
+    built = r.build([model, DECIDED], settings)
+    assert native_routes(built) == []
+    assert r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME]) == frozenset()
+
+
+def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native() -> None:
+    from wakegate.control.schema import parse_models
+
+    (model,) = parse_models(
+        "apiVersion: wakegate.io/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec:\n  backend: sim\n"
+        "  routing: {path: native}\n"
+    )
+    routed = r.routed_model(model, [EP])
+    assert routed.profile == "balanced"
+    assert "picking" in r.native_blocker(routed, ON)
+
+
+def test_a_gateway_of_decided_models_has_the_listener_and_routes_it_always_had() -> None:
+    decided = [replace(NATIVE, path="decided"), DECIDED]
+    built = r.build(decided, ON)
+    assert built.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(ON)
+    assert r.JSON_TO_METADATA not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    assert r.JSON_TO_METADATA not in str(built.by_type[r.ROUTE][r.ROUTE_NAME])
+    assert native_routes(built) == []
+    # No API keys allowed it, but keys on the gateway make the same ask decided-only too.
+    keyed = r.build([NATIVE, DECIDED], r.GatewaySettings())
+    assert keyed.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(r.GatewaySettings())
+
+
+def test_a_cold_native_model_reads_no_body_but_keeps_the_listener_it_will_need() -> None:
+    cold = r.build([replace(NATIVE, endpoints=()), DECIDED], ON)
+    warm = r.build([NATIVE, DECIDED], ON)
+    # Waking changes routes only: a listener update would drain every connection.
+    assert cold.by_type[r.LISTENER] == warm.by_type[r.LISTENER]
+    for route in routes(cold):
+        assert route["typed_per_filter_config"][r.JSON_TO_METADATA]["disabled"] is True, route
+    assert native_routes(cold) == []
+
+
+def test_native_routes_by_header_path_and_body_skip_extproc_and_mark_the_request() -> None:
+    built = r.build([NATIVE, DECIDED], ON)
+    table = routes(built)
+    mine = native_routes(built)
+    assert {x["route"]["cluster"] for x in mine} == {"model.ns.n"}
+    for route in mine:
+        assert route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+        assert route["request_headers_to_add"][0]["header"] == {"key": contract.NATIVE_HEADER, "value": "1"}
+        assert {"name": ":method", "string_match": {"exact": "POST"}} in route["match"]["headers"]
+    by_header = [
+        x
+        for x in mine
+        if any(h["name"] == contract.MODEL_HEADER and "string_match" in h for h in x["match"]["headers"])
+    ]
+    assert sorted(
+        h["string_match"]["exact"]
+        for x in by_header
+        for h in x["match"]["headers"]
+        if h["name"] == contract.MODEL_HEADER
+    ) == ["n", "n-alias"]
+    by_path = [x for x in mine if x["match"]["prefix"].startswith(contract.MODEL_PATH_PREFIX)]
+    assert sorted(x["match"]["prefix"] for x in by_path) == ["/model/n-alias/", "/model/n/"]
+    assert all(x["route"]["prefix_rewrite"] == "/" for x in by_path)
+    # The body names only the served name natively: an alias in the body needs extproc's rewrite.
+    by_body = [x for x in mine if "dynamic_metadata" in x["match"]]
+    (body,) = by_body
+    assert body["match"]["dynamic_metadata"][0]["filter"] == contract.NATIVE_METADATA_NAMESPACE
+    assert body["match"]["dynamic_metadata"][0]["value"]["string_match"]["exact"] == "n"
+    # Header beats path beats body, as in extproc: each kind sits right before its decided twin.
+    order = [table.index(x) for x in (by_header[0], by_path[0], body)]
+    header_any = next(i for i, x in enumerate(table) if "safe_regex" in str(x["match"].get("headers", "")))
+    path_any = next(i for i, x in enumerate(table) if x["match"].get("prefix") == contract.MODEL_PATH_PREFIX)
+    assert order[0] < header_any < order[1] < path_any < order[2] < len(table) - 1
+    # The catch-all reads the body's model into metadata now.
+    assert "typed_per_filter_config" not in table[-1]
+
+
+def test_the_listener_hides_native_requests_from_extproc_and_drops_a_clients_mark() -> None:
+    listener = json_format.MessageToDict(r.listener(ON, native=True), preserving_proto_field_name=True)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["name"] == r.JSON_TO_METADATA
+    mutations = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {"remove": contract.NATIVE_HEADER} in mutations
+    assert {"remove": contract.DESTINATION_HEADER} in mutations
+    for log in hcm["access_log"]:
+        header = log["filter"]["header_filter"]["header"]
+        assert header["name"] == contract.NATIVE_HEADER and header["invert_match"] is True
+
+
+def test_a_model_goes_native_only_once_its_envoy_has_an_endpoint() -> None:
+    cluster = NATIVE.cluster
+    waiting = r.build([NATIVE, DECIDED], ON, confirmed={cluster: frozenset()})
+    assert native_routes(waiting) == []
+    arrived = r.build([NATIVE, DECIDED], ON, confirmed={cluster: frozenset({EP})})
+    assert {x["route"]["cluster"] for x in native_routes(arrived)} == {cluster}
+
+
+def test_the_last_endpoint_leaves_only_after_envoy_dropped_its_native_routes() -> None:
+    cluster = NATIVE.cluster
+    cold = replace(NATIVE, endpoints=())
+    # Envoy still routes natively (its acknowledged routes): its endpoint stays, the routes go.
+    switching = r.build([cold, DECIDED], ON, confirmed={cluster: frozenset({EP})}, routed_natively={cluster})
+    assert native_routes(switching) == []
+    assert endpoints(switching, cluster) == {EP}
+    # extproc, which holds the model's requests from now on, sees no endpoint at all.
+    assert list(switching.by_type[r.MODEL_ROUTE]["ns/n"].endpoints) == []  # type: ignore[attr-defined]
+    # Envoy acknowledged the routes without native ones: the endpoint may go.
+    switched = r.build([cold, DECIDED], ON, confirmed={cluster: frozenset({EP})}, routed_natively=frozenset())
+    assert endpoints(switched, cluster) == set()
+
+
+def test_a_draining_replica_leaves_a_native_model_at_once_while_another_serves() -> None:
+    cluster = NATIVE.cluster
+    other = ("127.0.0.1", 9101)
+    two = replace(NATIVE, endpoints=(EP, other))
+    one = replace(NATIVE, endpoints=(other,))
+    view = r.build([one], ON, confirmed={cluster: frozenset({EP, other})}, routed_natively={cluster})
+    assert endpoints(view, cluster) == {other}
+    assert {x["route"]["cluster"] for x in native_routes(view)} == {cluster}
+    assert r.native_keys([two], ON) == r.native_keys([one], ON) == {"ns/n"}
