@@ -236,13 +236,15 @@ class InFlight:
     "busy", every release on an endpoint after a reading takes one off that reading.
     """
 
-    __slots__ = ("_counts", "_engine", "_turn")
+    __slots__ = ("_counts", "_credit", "_engine", "_turn")
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
         # endpoint -> [engine's reported count, releases here since that report]
         self._engine: dict[str, list[int]] = {}
         self._turn = 0
+        # endpoint -> its credit in the smooth weighted rotation among tied endpoints (`weights`)
+        self._credit: dict[str, int] = {}
 
     def acquire(self, endpoint: str) -> None:
         """A request was sent to ``endpoint``."""
@@ -280,13 +282,19 @@ class InFlight:
         """In-flight requests over all endpoints."""
         return sum(self._counts.values())
 
-    def least_loaded(self, endpoints: Sequence[str], engine_loads: Mapping[str, int] | None = None) -> str | None:
+    def least_loaded(
+        self,
+        endpoints: Sequence[str],
+        engine_loads: Mapping[str, int] | None = None,
+        weights: Mapping[str, int] | None = None,
+    ) -> str | None:
         """The endpoint with the fewest requests; None if ``endpoints`` is empty.
 
         An endpoint's count is its in-flight count, or what its engine reports holding
         (``engine_loads``) when that is larger. Ties rotate round-robin among the tied endpoints
         (in the order given), so equally idle endpoints share the traffic instead of the first
-        one taking it all.
+        one taking it all; with ``weights`` (endpoint -> share, missing: 1) the rotation is
+        weighted, so tied endpoints take picks in proportion to their weights.
         """
         if not endpoints:
             return None
@@ -304,8 +312,28 @@ class InFlight:
                 tied.append(ep)
         if len(tied) == 1:
             return tied[0]
+        if weights:
+            return self._weighted(tied, weights)
         self._turn += 1
         return tied[self._turn % len(tied)]
+
+    def _weighted(self, tied: Sequence[str], weights: Mapping[str, int]) -> str:
+        """Smooth weighted round robin (as nginx's): every tied endpoint gains its weight in credit,
+        the richest is picked and pays the sum. Over any run of picks among the same endpoints each
+        has its share within one pick, and a heavy endpoint's picks are spread, not bunched."""
+        credit = self._credit
+        if len(credit) >= _MAX_RINGS:
+            credit.clear()  # endpoints that left with credit: defensive bound
+        total = 0
+        best = tied[0]
+        for ep in tied:
+            share = max(weights.get(ep, 1), 1)
+            total += share
+            credit[ep] = credit.get(ep, 0) + share
+            if credit[ep] > credit[best]:
+                best = ep
+        credit[best] -= total
+        return best
 
 
 class Picker:
@@ -406,12 +434,14 @@ class Picker:
         body: Mapping[str, Any] | None,
         engine_loads: Mapping[str, int] | None = None,
         adapter: str | None = None,
+        shares: Mapping[str, int] | None = None,
     ) -> str | None:
         """The endpoint for this request, or None to let Envoy's load balancer choose.
 
         Returns None for ``default``, unknown strategies and empty ``endpoints``. Reads but never
         changes :attr:`inflight` (see the module docstring for the acquire/release contract).
-        ``engine_loads`` (endpoint -> requests its engine reports) weighs in on least-loaded picks.
+        ``engine_loads`` (endpoint -> requests its engine reports) weighs in on least-loaded picks;
+        ``shares`` (endpoint -> weight) divide the picks among endpoints tied on load.
         A model configured for scored picking is scored whatever ``strategy`` says.
         """
         if not endpoints:
@@ -422,13 +452,13 @@ class Picker:
         if strategy not in STRATEGIES or strategy in ("default", "round-robin"):
             return None
         if strategy == "least-loaded":
-            return self.inflight.least_loaded(endpoints, engine_loads)
+            return self.inflight.least_loaded(endpoints, engine_loads, shares)
         if strategy == "session-affinity":
             key = session_key(headers, body)
         else:  # prefix
             key = prefix_key(headers, body, self.prefix_chars)
         if key is None:
-            return self.inflight.least_loaded(endpoints, engine_loads)
+            return self.inflight.least_loaded(endpoints, engine_loads, shares)
         return self._ring(model_key, endpoints).lookup(key)
 
     def _scored(

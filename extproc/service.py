@@ -578,6 +578,7 @@ class Processor:
         strategy = STRATEGY_NAMES.get(route.strategy, "default")
         endpoints = []
         loads: dict[str, int] = {}  # engines' own counts, for the strategies that may go least-loaded
+        weights: dict[str, int] = {}  # shares among endpoints tied on load (federation members)
         for e in route.endpoints:
             key = f"{e.address}:{e.port}"
             if place is not None and key not in place.endpoints:
@@ -585,8 +586,12 @@ class Processor:
             endpoints.append(key)
             if e.engine_load:
                 loads[key] = e.engine_load
+            if e.weight:
+                weights[key] = e.weight
         adapter = None if place is not None else resolved.adapter
-        endpoint = self.gw.picker.pick(route.key, strategy, endpoints, ex.headers, parsed, loads, adapter)
+        endpoint = self.gw.picker.pick(
+            route.key, strategy, endpoints, ex.headers, parsed, loads, adapter, shares=weights or None
+        )
         if endpoint is None and place is not None:
             endpoint = endpoints[0] if endpoints else None  # Envoy must not choose: only these hold it
         extra = []

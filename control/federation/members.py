@@ -231,6 +231,7 @@ def global_routes(
                 endpoints=tuple(sorted(m.endpoint for m, _ in warm)),
                 loads=tuple(sorted((m.host, m.port, report.load) for m, report in warm)),
                 fallback_endpoints=retries,
+                endpoint_weights=tuple(sorted((m.host, m.port, m.weight) for m, _ in warm)),
                 endpoint_authorization=tuple(
                     sorted((m.host, m.port, f"Bearer {tokens[m.name]}") for m, _ in warm if tokens.get(m.name))
                 ),

@@ -111,6 +111,9 @@ class RoutedModel:
     loads: tuple[tuple[str, int, int], ...] = ()
     #: Other ready endpoints named after the pick, for Envoy's retries (`ModelRoute.fallback_endpoints`).
     fallback_endpoints: int = 0
+    #: (ip, port, weight): that endpoint's share among endpoints tied on load (`Endpoint.weight`;
+    #: the federation's Cluster.spec.weight); none: equal shares.
+    endpoint_weights: tuple[tuple[str, int, int], ...] = ()
     #: (ip, port, authorization header) Envoy sets on requests to that endpoint (the federation's
     #: member tokens: EDS metadata read by an upstream filter; never in extproc's ModelRoute).
     endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
@@ -965,8 +968,11 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
 
 def _route_endpoints(model: RoutedModel) -> list[routing_pb2.Endpoint]:
     loads = {(ip, port): queue for ip, port, queue in model.loads}
+    weights = {(ip, port): weight for ip, port, weight in model.endpoint_weights}
     return [
-        routing_pb2.Endpoint(address=ip, port=port, engine_load=loads.get((ip, port), 0))
+        routing_pb2.Endpoint(
+            address=ip, port=port, engine_load=loads.get((ip, port), 0), weight=weights.get((ip, port), 0)
+        )
         for ip, port in sorted(model.endpoints)
     ]
 

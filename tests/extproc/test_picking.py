@@ -348,6 +348,38 @@ def test_least_loaded_ties_rotate() -> None:
     assert picks == Counter({ep: 100 for ep in EPS4[1:]})
 
 
+def test_tied_endpoints_split_the_picks_by_weight() -> None:
+    """Weights (a federation's Cluster.spec.weight) divide the picks among endpoints tied on load."""
+    inflight = InFlight()
+    weights = {EPS4[0]: 300, EPS4[1]: 100, EPS4[2]: 50}  # EPS4[3] unnamed: weight 1
+    picks = Counter(inflight.least_loaded(EPS4, weights=weights) for _ in range(4510))
+    total = sum(weights.values()) + 1
+    for ep in EPS4:
+        share = weights.get(ep, 1) / total
+        assert abs(picks[ep] / 4510 - share) < 0.01, (ep, picks[ep])
+    # A heavy endpoint's picks are spread out, not taken in one run.
+    run = [inflight.least_loaded(EPS4[:2], weights=weights) for _ in range(8)]
+    assert run.count(EPS4[0]) == 6 and EPS4[1] in run[:4]
+
+
+def test_weights_never_outrank_load() -> None:
+    inflight = InFlight()
+    inflight.acquire(EPS4[0])
+    weights = {EPS4[0]: 1000, EPS4[1]: 1}
+    assert {inflight.least_loaded(EPS4[:2], weights=weights) for _ in range(20)} == {EPS4[1]}
+    # Engines' own reported loads count as well.
+    inflight.release(EPS4[0])
+    loads = {EPS4[0]: 4, EPS4[1]: 2}
+    assert {inflight.least_loaded(EPS4[:2], loads, weights) for _ in range(20)} == {EPS4[1]}
+
+
+def test_picker_passes_weights_to_least_loaded() -> None:
+    picker = Picker()
+    weights = {EPS4[0]: 3, EPS4[1]: 1}
+    picks = Counter(picker.pick("m", "least-loaded", EPS4[:2], NO_HEADERS, None, shares=weights) for _ in range(400))
+    assert picks == Counter({EPS4[0]: 300, EPS4[1]: 100})
+
+
 def test_least_loaded_with_streaming_requests() -> None:
     """Short requests plus long-held streams: every pick is an endpoint with the fewest in flight."""
     inflight = InFlight()

@@ -30,14 +30,16 @@ COLD_MODE_KEEPALIVE: ColdMode
 COLD_MODE_REJECT: ColdMode
 
 class Endpoint(_message.Message):
-    __slots__ = ("address", "port", "engine_load")
+    __slots__ = ("address", "port", "engine_load", "weight")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     address: str
     port: int
     engine_load: int
-    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., engine_load: _Optional[int] = ...) -> None: ...
+    weight: int
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., engine_load: _Optional[int] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("requests_per_second", "burst")

@@ -78,6 +78,38 @@ def test_routes_hold_only_members_that_are_reachable_and_report_the_model_ready(
     assert fed.global_routes([model], members, health)[0].endpoints == (("10.0.0.2", 8080),)
 
 
+def test_routes_carry_each_members_weight_to_the_pick() -> None:
+    from collections import Counter
+
+    from wakegate.control.feeder import resources
+    from wakegate.extproc.picking import Picker
+
+    text = FILE.replace("gpus: 2}", "gpus: 2, weight: 300}")
+    model, members = federation(text)
+    health = {"east": up(report(ready=1, queued=1)), "west": up(report(ready=1, queued=1))}
+    (route,) = fed.global_routes([model], members, health)
+    assert route.endpoint_weights == (("10.0.0.1", 8080, 300), ("10.0.0.2", 8080, 100))
+    proto = resources.model_route(route)
+    assert [(e.address, e.weight) for e in proto.endpoints] == [("10.0.0.1", 300), ("10.0.0.2", 100)]
+    # What extproc does with the route (service._forward): equally loaded members split 3 : 1.
+    endpoints = [f"{e.address}:{e.port}" for e in proto.endpoints]
+    loads = {f"{e.address}:{e.port}": e.engine_load for e in proto.endpoints}
+    weights = {f"{e.address}:{e.port}": e.weight for e in proto.endpoints}
+    picker = Picker()
+    picks = Counter(
+        picker.pick(route.key, "least-loaded", endpoints, {}, None, loads, shares=weights) for _ in range(2000)
+    )
+    assert abs(picks["10.0.0.1:8080"] / 2000 - 0.75) < 0.02
+    # A busier member is not picked for its weight.
+    health["east"] = up(report(ready=1, queued=5))
+    (route,) = fed.global_routes([model], members, health)
+    proto = resources.model_route(route)
+    loads = {f"{e.address}:{e.port}": e.engine_load for e in proto.endpoints}
+    assert {picker.pick(route.key, "least-loaded", endpoints, {}, None, loads, shares=weights) for _ in range(10)} == {
+        "10.0.0.2:8080"
+    }
+
+
 def test_a_member_that_does_not_serve_the_model_is_never_its_endpoint() -> None:
     model, members = federation()
     health = {"east": up(report(ready=3, names=("other",))), "west": up(report(ready=1, names=("small",)))}
