@@ -29,6 +29,8 @@ from wakegate.control.schema import (
 #: An http(s) URL of a member gateway: scheme, host (name, IPv4 or [IPv6]) and port, no path.
 GATEWAY_URL_PATTERN = r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A DNS name a member gateway's certificate is issued to (SNI and the SAN checked).
+SERVER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$"
 
 
 class ClusterSecretRef(_Spec):
@@ -53,13 +55,47 @@ class MemberGateway(_Spec):
         None, description="A Secret key with the CA bundle the gateway's TLS chains to."
     )
     clientCert: ClusterSecretRef | None = Field(
-        None, description="A `kubernetes.io/tls` Secret's key for a client certificate (the key beside it is used)."
+        None,
+        description="A `kubernetes.io/tls` Secret's key for a client certificate (mTLS); the private key is the "
+        "Secret's `tls.key`.",
+    )
+    caFile: str | None = Field(
+        None, max_length=4096, description="A file with that CA bundle (one machine; relative to the file)."
+    )
+    clientCertFile: str | None = Field(
+        None, max_length=4096, description="A file with the client certificate chain (one machine; mTLS)."
+    )
+    clientKeyFile: str | None = Field(
+        None, max_length=4096, description="A file with the client certificate's private key (with clientCertFile)."
+    )
+    serverName: str | None = Field(
+        None,
+        pattern=SERVER_NAME_PATTERN,
+        max_length=253,
+        description="The DNS name the gateway's certificate is issued to: sent as SNI and checked against its "
+        "SANs. Default: the URL's host, checked as an IP SAN (no SNI).",
     )
 
     @model_validator(mode="after")
     def _one_token(self) -> MemberGateway:
         if self.token is not None and self.tokenFile is not None:
             raise ValueError("name the token once: token (a Secret) or tokenFile")
+        if self.ca is not None and self.caFile is not None:
+            raise ValueError("name the CA once: ca (a Secret) or caFile")
+        if self.clientCert is not None and (self.clientCertFile is not None or self.clientKeyFile is not None):
+            raise ValueError("name the client certificate once: clientCert (a Secret) or clientCertFile")
+        if (self.clientCertFile is None) != (self.clientKeyFile is None):
+            raise ValueError("clientCertFile and clientKeyFile go together")
+        tls = [
+            name
+            for name in ("ca", "caFile", "clientCert", "clientCertFile", "serverName")
+            if getattr(self, name) is not None
+        ]
+        if self.url.startswith("https://"):
+            if self.ca is None and self.caFile is None:
+                raise ValueError("an https:// gateway needs the CA its certificate chains to: ca or caFile")
+        elif tls:
+            raise ValueError(f"{', '.join(tls)}: only for an https:// gateway url")
         return self
 
 

@@ -40,8 +40,14 @@ def test_the_wheel_installs_only_the_wakegate_package(tmp_path: Path) -> None:
         entry_points = next(wheel.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     tops = {name.split("/")[0] for name in names}
     assert {t for t in tops if not t.startswith("wakegate-")} == {"wakegate"}
-    assert {"wakegate/cli.py", "wakegate/control/up/main.py", "wakegate/extproc/h2grpc/call.py",
-            "wakegate/v1/routing_pb2.py", "wakegate/contract.py", "wakegate/control/py.typed"} <= set(names)
+    assert {
+        "wakegate/cli.py",
+        "wakegate/control/up/main.py",
+        "wakegate/extproc/h2grpc/call.py",
+        "wakegate/v1/routing_pb2.py",
+        "wakegate/contract.py",
+        "wakegate/control/py.typed",
+    } <= set(names)
     assert any(n.endswith(".data/data/share/wakegate/envoy/bootstrap.yaml") for n in names)
     assert "wakegate = wakegate.cli:main" in entry_points
 

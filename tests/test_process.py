@@ -13,7 +13,8 @@ import time
 
 def test_first_signal_drains_second_exits_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "drainer.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import asyncio, sys
         from wakegate.process import graceful_exit
 
@@ -26,7 +27,8 @@ def test_first_signal_drains_second_exits_at_once(tmp_path) -> None:  # type: ig
             await asyncio.sleep(60)  # a drain that would take long
 
         asyncio.run(main())
-    """))
+    """)
+    )
     with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"

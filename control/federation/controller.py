@@ -33,9 +33,9 @@ import yaml
 from kubernetes import client, config
 
 from wakegate.control.federation import members as fed
-from wakegate.control.federation.kube import BASE, CLUSTERS, FEDERATED_MODELS, secret, valid
+from wakegate.control.federation.kube import BASE, CLUSTERS, FEDERATED_MODELS, secret, tls_material, valid
 from wakegate.control.federation.members import FEDERATED_LABEL, FIELD_MANAGER, Member, MemberHealth
-from wakegate.control.federation.probe import ProbeFailed, probe
+from wakegate.control.federation.probe import ProbeFailed, Tls, probe
 from wakegate.control.federation_schema import Cluster, FederatedModel
 from wakegate.control.k8s.client import Kube, KubeError
 
@@ -123,7 +123,11 @@ class Controller:
         state = self.health.get(cluster.name, MemberHealth())
         try:
             token = await secret(self.host, cluster.spec.gateway.token)
-            report, latency = await probe(session, member.url, token, self.probe_timeout)
+            material = await tls_material(self.host, cluster)
+            if member.tls and material is None:
+                raise ProbeFailed("tls: an https:// gateway's CA is a Secret on the cluster (gateway.ca)")
+            tls = Tls.of(material, member.server_name) if material is not None else None
+            report, latency = await probe(session, member.url, token, self.probe_timeout, tls)
         except (ProbeFailed, KubeError) as exc:
             self.health[cluster.name] = state.failed(str(exc), self.unhealthy_threshold)
             return

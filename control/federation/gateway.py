@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -38,12 +39,20 @@ from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
 from wakegate.control.federation import members as fed
 from wakegate.control.federation.members import Member, MemberHealth
-from wakegate.control.federation.probe import ProbeFailed, probe, read_token, wake
+from wakegate.control.federation.probe import (
+    ProbeFailed,
+    Tls,
+    TlsFiles,
+    TlsMaterial,
+    probe,
+    read_token,
+    wake,
+)
 from wakegate.control.federation_schema import FederatedModel, Federation, RetryWhen
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, UpstreamTls
 from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.v1 import demand_pb2_grpc
@@ -80,6 +89,26 @@ class GatewayConfig:
     admin_listen: tuple[str, int] | None = None
     upstream_header: bool = False
     log_level: str = "INFO"
+    #: Member TLS files by cluster name (caFile, clientCertFile, clientKeyFile), resolved likewise.
+    tls_files: Mapping[str, TlsFiles] = field(default_factory=dict)
+
+
+def _write_private(folder: Path, kind: str, text: str) -> str:
+    """`text` in `folder` as `<kind>-<digest>.pem`, readable by this user only (written once;
+    the kind's older files removed); the file's path."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = folder / f"{kind}-{digest}.pem"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        partial = folder / f".{path.name}.partial"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        partial.replace(path)
+        for old in folder.glob(f"{kind}-*.pem"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    return str(path)
 
 
 @dataclass
@@ -143,6 +172,8 @@ class GlobalGateway:
         self._probers: dict[str, asyncio.Task[None]] = {}
         #: Member tokens read from the federation cluster's Secrets (`follow`), by cluster.
         self.member_tokens: dict[str, str] = {}
+        #: Member TLS material read from the federation cluster's Secrets (`follow`), by cluster.
+        self.member_tls: dict[str, TlsMaterial] = {}
         self._session: aiohttp.ClientSession | None = None
         self.stop = asyncio.Event()
         self.node_id = f"wakegate-global-{os.getpid()}"
@@ -150,7 +181,9 @@ class GlobalGateway:
     # -- routes ------------------------------------------------------------------------------
 
     def _recompute(self) -> None:
-        routes = fed.global_routes(self.models, self.members.values(), self.health, self.retries, self._tokens())
+        routes = fed.global_routes(
+            self.models, self.members.values(), self.health, self.retries, self._tokens(), self._upstream_tls()
+        )
         before = {r.key: set(r.endpoints) for r in self._routes}
         changed = False
         for route in routes:
@@ -179,11 +212,60 @@ class GlobalGateway:
                     tokens[name] = token
         return tokens
 
+    def _material(self, name: str) -> TlsMaterial | None:
+        """A member's TLS material now: from its Secrets, or its files read now (ProbeFailed)."""
+        if name in self.member_tls:
+            return self.member_tls[name]
+        files = self.config.tls_files.get(name)
+        return files.read() if files is not None else None
+
+    def _client_tls(self, name: str) -> Tls | None:
+        """How the prober and the waker verify an https:// member; ProbeFailed when they cannot."""
+        member = self.members[name]
+        if not member.tls:
+            return None
+        material = self._material(name)
+        if material is None:
+            raise ProbeFailed("tls: no CA to verify the https:// gateway with (its ca Secret could not be read)")
+        return Tls.of(material, member.server_name)
+
+    def _upstream_tls(self) -> dict[str, UpstreamTls]:
+        """Each https:// member's TLS for the global Envoy: its material written (0600, named by
+        content, so a rotation is a new file Envoy is pointed at) under the state dir's secrets.
+        A member whose material cannot be read is left out (and so out of the routes)."""
+        out: dict[str, UpstreamTls] = {}
+        for name, member in self.members.items():
+            if not member.tls:
+                continue
+            try:
+                material = self._material(name)
+            except ProbeFailed:
+                continue  # its probe fails for the same reason, and says so
+            if material is None:
+                continue
+            folder = self.state_dir / "secrets" / "members" / name
+            files = {
+                kind: _write_private(folder, kind, text)
+                for kind, text in (("ca", material.ca), ("cert", material.cert), ("key", material.key))
+                if text is not None
+            }
+            out[name] = UpstreamTls(
+                name=name,
+                ca_file=files["ca"],
+                server_name=member.server_name,
+                ip_san=None if member.server_name else member.host,
+                cert_file=files.get("cert") if "key" in files else None,
+                key_file=files.get("key") if "cert" in files else None,
+            )
+        return out
+
     def _names(self, endpoints: tuple[tuple[str, int], ...]) -> list[str]:
         by_endpoint = {m.endpoint: name for name, m in self.members.items()}
         return [by_endpoint.get(e, f"{e[0]}:{e[1]}") for e in endpoints]
 
-    def update(self, federation: Federation, tokens: Mapping[str, str]) -> None:
+    def update(
+        self, federation: Federation, tokens: Mapping[str, str], tls: Mapping[str, TlsMaterial] | None = None
+    ) -> None:
         """New Clusters and FederatedModels (from the federation cluster): members that left stop
         being probed and leave the routes, new ones are probed at once. The listener, retries and
         health check stay as they were at start."""
@@ -201,6 +283,7 @@ class GlobalGateway:
         self.members = members
         self.models = list(federation.models)
         self.member_tokens = dict(tokens)
+        self.member_tls = dict(tls or {})
         if self._session is not None:
             for name in members.keys() - self._probers.keys():
                 self._probers[name] = asyncio.ensure_future(self._probe_loop(name))
@@ -222,7 +305,8 @@ class GlobalGateway:
         self.counters.probes += 1
         try:
             token = self.member_tokens.get(name) or read_token(self.config.token_files.get(name))
-            report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds)
+            tls = self._client_tls(name)
+            report, latency = await probe(self._session, member.url, token, self.check.timeoutSeconds, tls)
         except ProbeFailed as exc:
             self.counters.probe_failures += 1
             state = self.health[name]
@@ -261,7 +345,8 @@ class GlobalGateway:
         try:
             timeout = float(model.spec.template.scaling.activationTimeout)
             token = self.member_tokens.get(target.name) or read_token(self.config.token_files.get(target.name))
-            await wake(self._session, target.url, token, model.name, timeout)
+            tls = self._client_tls(target.name) if target.name in self.members else None
+            await wake(self._session, target.url, token, model.name, timeout, tls)
         except ProbeFailed as exc:
             self.counters.wake_failures += 1
             log.warning("model=%s member=%s did not wake: %s", key, target.name, exc)

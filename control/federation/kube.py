@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from wakegate.control.federation.members import free_gpus
+from wakegate.control.federation.probe import TlsMaterial
 from wakegate.control.federation_schema import Cluster, ClusterSecretRef, FederatedModel, Federation, GlobalProxy
 from wakegate.control.k8s.client import Kube, KubeError
 from wakegate.control.schema import GROUP, VERSION
@@ -60,11 +61,25 @@ async def secret(host: Kube, ref: ClusterSecretRef | None) -> str | None:
     return base64.b64decode(value).decode()
 
 
+async def tls_material(host: Kube, cluster: Cluster) -> TlsMaterial | None:
+    """An https:// member's CA (its `gateway.ca`) and client certificate (`gateway.clientCert`, its
+    key the same Secret's `tls.key`); None: a plain member. KubeError when a Secret or key is missing."""
+    gateway = cluster.spec.gateway
+    ca = await secret(host, gateway.ca)
+    if ca is None:
+        return None
+    cert = await secret(host, gateway.clientCert)
+    key = None
+    if gateway.clientCert is not None:
+        key = await secret(host, gateway.clientCert.model_copy(update={"key": "tls.key"}))
+    return TlsMaterial(ca, cert, key)
+
+
 async def read_federation(
     host: Kube, proxy_namespace: str, proxy_name: str, refuse: Callable[[str, str], None]
-) -> tuple[Federation, dict[str, str]]:
+) -> tuple[Federation, dict[str, str], dict[str, TlsMaterial]]:
     """The GlobalProxy, every valid Cluster, the FederatedModels of the proxy's namespace, and the
-    member tokens by cluster (KubeError when the proxy cannot be read)."""
+    member tokens and TLS material by cluster (KubeError when the proxy cannot be read)."""
     raw = await asyncio.to_thread(host.get, proxy_path(proxy_namespace, proxy_name))
     found = valid(GlobalProxy, [raw], refuse)
     if not found:
@@ -92,4 +107,13 @@ async def read_federation(
             continue
         if token is not None:
             tokens[cluster.name] = token
-    return Federation(clusters, models, proxy), tokens
+    tls = {}
+    for cluster in clusters:
+        try:
+            material = await tls_material(host, cluster)
+        except KubeError as exc:
+            refuse(f"cluster/{cluster.name} tls", exc.message)
+            continue
+        if material is not None:
+            tls[cluster.name] = material
+    return Federation(clusters, models, proxy), tokens, tls

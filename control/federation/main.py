@@ -20,6 +20,7 @@ from wakegate.control.admin import host_port
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.kube import proxy_path, read_federation
 from wakegate.control.federation.members import member_of
+from wakegate.control.federation.probe import ProbeFailed, TlsFiles, TlsMaterial, client_context
 from wakegate.control.federation_schema import Federation, parse_federation
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.schema import ManifestError
@@ -74,6 +75,8 @@ class Settings(ProcessSettings):
     """Seconds between reads of the federation cluster."""
     token_files: dict[str, Path]
     """Member token files by cluster, relative names resolved against the file's folder."""
+    tls_files: dict[str, TlsFiles]
+    """Member TLS files by cluster (caFile, clientCertFile, clientKeyFile), resolved likewise."""
     api_keys_file: Path | None
     """The clients' API keys (GlobalProxy spec.auth.apiKeysFile); None: no auth."""
     state_dir: Path
@@ -99,6 +102,7 @@ class Settings(ProcessSettings):
                 federation=None,
                 proxy=(namespace, name),
                 token_files={},
+                tls_files={},
                 api_keys_file=None,
                 admin_listen=admin,
             )
@@ -110,10 +114,28 @@ class Settings(ProcessSettings):
             raise ValueError(str(exc)) from None
         folder = args.file.resolve().parent
         tokens = {}
+        tls = {}
         for cluster in federation.clusters:
             member_of(cluster)  # a URL the global Envoy can use, or a ValueError naming the Cluster
-            if cluster.spec.gateway.tokenFile is not None:
-                tokens[cluster.name] = folder / cluster.spec.gateway.tokenFile
+            gateway = cluster.spec.gateway
+            if gateway.tokenFile is not None:
+                tokens[cluster.name] = folder / gateway.tokenFile
+            if gateway.ca is not None or gateway.clientCert is not None:
+                raise ValueError(
+                    f"Cluster {cluster.name!r}: gateway.ca and gateway.clientCert are Secrets (--proxy); "
+                    "in a file use caFile, clientCertFile and clientKeyFile"
+                )
+            if gateway.caFile is not None:
+                files = TlsFiles(
+                    folder / gateway.caFile,
+                    folder / gateway.clientCertFile if gateway.clientCertFile else None,
+                    folder / gateway.clientKeyFile if gateway.clientKeyFile else None,
+                )
+                try:
+                    client_context(files.read())  # readable, and PEM that loads: else the CLI says so now
+                except ProbeFailed as exc:
+                    raise ValueError(f"Cluster {cluster.name!r}: {exc}") from None
+                tls[cluster.name] = files
         keys = federation.proxy.spec.auth.apiKeysFile
         return settings_from(
             cls,
@@ -121,6 +143,7 @@ class Settings(ProcessSettings):
             federation=federation,
             proxy=None,
             token_files=tokens,
+            tls_files=tls,
             api_keys_file=folder / keys if keys is not None else None,
             admin_listen=admin,
         )
@@ -168,6 +191,7 @@ async def _run(settings: Settings) -> int:
     host = None
     federation = settings.federation
     tokens: dict[str, str] = {}
+    tls: dict[str, TlsMaterial] = {}
     refused: set[str] = set()
 
     def refuse(what: str, why: str) -> None:
@@ -180,7 +204,7 @@ async def _run(settings: Settings) -> int:
 
         host = Kube(api_client(settings.kubeconfig))
         try:
-            federation, tokens = await read_federation(host, *settings.proxy, refuse)
+            federation, tokens, tls = await read_federation(host, *settings.proxy, refuse)
         except KubeError as exc:
             print(f"wakegate federation: cannot read GlobalProxy {'/'.join(settings.proxy)}: {exc}", flush=True)
             return 1
@@ -194,9 +218,11 @@ async def _run(settings: Settings) -> int:
             admin_listen=settings.admin_listen,
             upstream_header=settings.upstream_header,
             log_level=settings.log_level,
+            tls_files=settings.tls_files,
         )
     )
     gateway.member_tokens = tokens
+    gateway.member_tls = tls
     graceful_exit(gateway.stop, "federation")
     follower = None
     if host is not None and settings.proxy is not None:
@@ -217,8 +243,8 @@ async def _follow(
     while True:
         await asyncio.sleep(refresh)
         try:
-            federation, tokens = await read_federation(host, *proxy, refuse)
-            gateway.update(federation, tokens)
+            federation, tokens, tls = await read_federation(host, *proxy, refuse)
+            gateway.update(federation, tokens, tls)
             await asyncio.to_thread(host.patch_status, proxy_path(*proxy), gateway.proxy_status())
         except KubeError as exc:
             log.warning("federation: cannot read the federation cluster: %s", exc)

@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from wakegate.control.federation_schema import Cluster, FederatedModel, PlacementMode
-from wakegate.control.feeder.resources import RoutedModel
+from wakegate.control.feeder.resources import RoutedModel, UpstreamTls
 from wakegate.control.schema import API_VERSION
 
 #: Label on every Model the federation controller writes: the FederatedModel it came from.
@@ -130,6 +130,10 @@ class Member:
     labels: Mapping[str, str] = field(default_factory=dict)
     weight: int = 100
     gpus: int = 0
+    #: An https:// gateway: reached over TLS only (verified against its Cluster's CA).
+    tls: bool = False
+    #: The DNS name its certificate carries (`gateway.serverName`); None: its IP is checked.
+    server_name: str | None = None
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -155,6 +159,8 @@ def member_of(cluster: Cluster) -> Member:
         dict(cluster.metadata.labels),
         cluster.spec.weight,
         cluster.spec.gpus,
+        parts.scheme == "https",
+        cluster.spec.gateway.serverName,
     )
 
 
@@ -205,15 +211,19 @@ def global_routes(
     health: Mapping[str, MemberHealth],
     retries: int = 0,
     tokens: Mapping[str, str] | None = None,
+    tls: Mapping[str, UpstreamTls] | None = None,
 ) -> list[RoutedModel]:
     """The global gateway's routes: per FederatedModel, the warm members as endpoints (with up to
     `retries` others named after each pick, where Envoy retries a request no member saw); a
-    member with a token in `tokens` (by cluster) gets it as the requests' bearer token."""
+    member with a token in `tokens` (by cluster) gets it as the requests' bearer token. An
+    https:// member is reached with its `tls` (by cluster), and without one it is no endpoint:
+    it is never spoken to in plain text."""
     tokens = tokens or {}
+    tls = tls or {}
     members = list(members)
     routes = []
     for model in models:
-        warm = warm_members(model, members, health)
+        warm = [(m, r) for m, r in warm_members(model, members, health) if not m.tls or m.name in tls]
         if model.spec.placement.mode is PlacementMode.FILL_FIRST:
             warm = warm[:1]
         template = model.spec.template
@@ -232,12 +242,17 @@ def global_routes(
                 loads=tuple(sorted((m.host, m.port, report.load) for m, report in warm)),
                 fallback_endpoints=retries,
                 endpoint_weights=tuple(sorted((m.host, m.port, m.weight) for m, _ in warm)),
+                endpoint_tls=tuple(sorted(((m.host, m.port, tls[m.name]) for m, _ in warm if m.tls), key=_address)),
                 endpoint_authorization=tuple(
                     sorted((m.host, m.port, f"Bearer {tokens[m.name]}") for m, _ in warm if tokens.get(m.name))
                 ),
             )
         )
     return routes
+
+
+def _address(entry: tuple[str, int, UpstreamTls]) -> tuple[str, int]:
+    return entry[0], entry[1]
 
 
 def wake_target(

@@ -34,6 +34,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
@@ -76,6 +77,22 @@ class RoutedAdapter:
 
 
 @dataclass(frozen=True)
+class UpstreamTls:
+    """How Envoy speaks TLS to one endpoint (a federation member gateway): files on this machine
+    it reads, and the name its certificate must carry. Never the material itself."""
+
+    #: The endpoints' transport socket match (the member's name).
+    name: str
+    ca_file: str
+    #: Sent as SNI and checked as a DNS SAN; None: `ip_san` is checked, no SNI.
+    server_name: str | None = None
+    ip_san: str | None = None
+    #: The client certificate and key (mTLS); None: none presented.
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@dataclass(frozen=True)
 class RoutedModel:
     """What the gateway needs to know about one model; plain data."""
 
@@ -114,6 +131,9 @@ class RoutedModel:
     #: (ip, port, weight): that endpoint's share among endpoints tied on load (`Endpoint.weight`;
     #: the federation's Cluster.spec.weight); none: equal shares.
     endpoint_weights: tuple[tuple[str, int, int], ...] = ()
+    #: (ip, port, TLS) for endpoints Envoy reaches over TLS (the federation's https:// members);
+    #: the others stay plain.
+    endpoint_tls: tuple[tuple[str, int, UpstreamTls], ...] = ()
     #: (ip, port, authorization header) Envoy sets on requests to that endpoint (the federation's
     #: member tokens: EDS metadata read by an upstream filter; never in extproc's ModelRoute).
     endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
@@ -855,16 +875,64 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                     **(_endpoint_authorization() if model.endpoint_authorization else {}),
                 }
             },
+            **(_transport_socket_matches(model.endpoint_tls) if model.endpoint_tls else {}),
         },
     )
+
+
+#: Endpoint metadata key the TLS transport socket matches on (`endpoint_tls`).
+TLS_MATCH_KEY = "wakegate.member"
+
+
+def _transport_socket_matches(endpoints: Iterable[tuple[str, int, UpstreamTls]]) -> dict[str, Any]:
+    """One TLS transport socket per member (matched by its endpoints' metadata), each trusting only
+    that member's CA and checking its name; endpoints without the metadata stay plain text."""
+    matches = []
+    for tls in sorted({t for _, _, t in endpoints}, key=lambda t: t.name):
+        san = ("DNS", tls.server_name) if tls.server_name else ("IP_ADDRESS", tls.ip_san or "")
+        common: dict[str, Any] = {
+            "validation_context": {
+                "trusted_ca": {"filename": tls.ca_file},
+                "match_typed_subject_alt_names": [{"san_type": san[0], "matcher": {"exact": san[1]}}],
+            }
+        }
+        if tls.cert_file and tls.key_file:
+            common["tls_certificates"] = [
+                {"certificate_chain": {"filename": tls.cert_file}, "private_key": {"filename": tls.key_file}}
+            ]
+        context: dict[str, Any] = {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": common,
+        }
+        if tls.server_name:
+            context["sni"] = tls.server_name
+        matches.append(
+            {
+                "name": f"tls-{tls.name}",
+                "match": {TLS_MATCH_KEY: tls.name},
+                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context},
+            }
+        )
+    return {"transport_socket_matches": matches}
 
 
 #: EDS metadata namespace of what Envoy adds to requests to one endpoint (`endpoint_authorization`).
 ENDPOINT_METADATA = "wakegate"
 
 
+def _endpoint_metadata(model: RoutedModel) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each endpoint's EDS metadata: its authorization (`endpoint_authorization`), its TLS match."""
+    metadata: dict[tuple[str, int], dict[str, Any]] = {}
+    for ip, port, value in model.endpoint_authorization:
+        if value:
+            metadata.setdefault((ip, port), {})[ENDPOINT_METADATA] = {"authorization": value}
+    for ip, port, tls in model.endpoint_tls:
+        metadata.setdefault((ip, port), {})["envoy.transport_socket_match"] = {TLS_MATCH_KEY: tls.name}
+    return metadata
+
+
 def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
-    authorization = {(ip, port): value for ip, port, value in model.endpoint_authorization}
+    metadata = _endpoint_metadata(model)
     return _parse(
         endpoint_pb2.ClusterLoadAssignment(),
         {
@@ -875,11 +943,7 @@ def load_assignment(model: RoutedModel) -> endpoint_pb2.ClusterLoadAssignment:
                         {
                             "endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}},
                             "health_status": "HEALTHY",
-                            **(
-                                {"metadata": {"filter_metadata": {ENDPOINT_METADATA: {"authorization": value}}}}
-                                if (value := authorization.get((ip, port)))
-                                else {}
-                            ),
+                            **({"metadata": {"filter_metadata": found}} if (found := metadata.get((ip, port))) else {}),
                         }
                         for ip, port in sorted(model.endpoints)
                     ]

@@ -81,8 +81,12 @@ def drop_page_cache(*files: Path) -> str:
 def resident(path: Path) -> str:
     if not shutil.which("fincore"):
         return "fincore not installed"
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return f"{out.stdout.strip() or out.stderr.strip()} bytes resident"
 
 
@@ -136,8 +140,19 @@ def first_token(port: int, started: float) -> float:
 @contextlib.contextmanager
 def llama_server(binary: Path, model: Path) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     port = free_port()
-    argv = [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", "2",
-            "--ctx-size", "512"]
+    argv = [
+        str(binary),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        "2",
+        "--ctx-size",
+        "512",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield port, proc
@@ -219,8 +234,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(SHM)
             row["device_after_sweep"] = plain_read(cached_file)
             drop_page_cache(cached_file)
-            row["page_cache_mode"] = flash_load(files_of(record, cache.files_dir(record.key)), None,
-                                                threads=4, chunk_size=4 << 20).rate
+            row["page_cache_mode"] = flash_load(
+                files_of(record, cache.files_dir(record.key)), None, threads=4, chunk_size=4 << 20
+            ).rate
             pull_cache = Cache(work / f"pull-{round_no}")
             drop_page_cache(blob)
             start = time.perf_counter()
@@ -253,28 +269,40 @@ def report(results: dict[str, Any]) -> None:
     size = results["size"]
     mb = 1e6
     device = [r["device"] for r in rounds] + [r["device_after_sweep"] for r in rounds]
-    print(f"\nmodel {size / mb:.1f} MB, {len(rounds)} rounds, page cache dropped by {results['drop']} "
-          f"({results['resident_after_drop']}), load {results['load_before']} -> {results['load_after']}")
-    print(f"device sequential read (plain 16 MiB reads, cold): median {median(device) / mb:.0f} MB/s "
-          f"(min {min(device) / mb:.0f}, max {max(device) / mb:.0f})")
+    print(
+        f"\nmodel {size / mb:.1f} MB, {len(rounds)} rounds, page cache dropped by {results['drop']} "
+        f"({results['resident_after_drop']}), load {results['load_before']} -> {results['load_after']}"
+    )
+    print(
+        f"device sequential read (plain 16 MiB reads, cold): median {median(device) / mb:.0f} MB/s "
+        f"(min {min(device) / mb:.0f}, max {max(device) / mb:.0f})"
+    )
     print("\nflash-load into /dev/shm, verified, cold source (median MB/s; % of the same round's device rate)")
     keys = list(rounds[0]["flash_load"])
     for key in keys:
         rates = [r["flash_load"][key] for r in rounds]
         shares = [r["flash_load"][key] / ((r["device"] + r["device_after_sweep"]) / 2) for r in rounds]
         cpu = [r["flash_load_cpu"][key] for r in rounds]
-        print(f"  threads x chunk {key:>6}: {median(rates) / mb:7.0f} MB/s  {100 * median(shares):5.1f}%  "
-              f"CPU {median(cpu):.2f} cores")
+        print(
+            f"  threads x chunk {key:>6}: {median(rates) / mb:7.0f} MB/s  {100 * median(shares):5.1f}%  "
+            f"CPU {median(cpu):.2f} cores"
+        )
     unverified = [r["flash_load_unverified"] for r in rounds]
-    print(f"  4x4M without the block check (diagnosis only): {median(unverified) / mb:.0f} MB/s "
-          f"{100 * median([r['flash_load_unverified'] / r['device'] for r in rounds]):.1f}%")
+    print(
+        f"  4x4M without the block check (diagnosis only): {median(unverified) / mb:.0f} MB/s "
+        f"{100 * median([r['flash_load_unverified'] / r['device'] for r in rounds]):.1f}%"
+    )
     pcm = [r["page_cache_mode"] for r in rounds]
-    print(f"  page-cache mode 4x4M: {median(pcm) / mb:.0f} MB/s "
-          f"{100 * median([r['page_cache_mode'] / r['device'] for r in rounds]):.1f}%")
+    print(
+        f"  page-cache mode 4x4M: {median(pcm) / mb:.0f} MB/s "
+        f"{100 * median([r['page_cache_mode'] / r['device'] for r in rounds]):.1f}%"
+    )
     pulls, copies = [r["pull_s"] for r in rounds], [r["copy_s"] for r in rounds]
-    print(f"\nOCI pull from the local registry: median {median(pulls):.2f} s ({size / median(pulls) / mb:.0f} MB/s); "
-          f"copy of the same bytes from disk: {median(copies):.2f} s ({size / median(copies) / mb:.0f} MB/s); "
-          f"pull/copy {median([p / c for p, c in zip(pulls, copies, strict=True)]):.2f}x")
+    print(
+        f"\nOCI pull from the local registry: median {median(pulls):.2f} s ({size / median(pulls) / mb:.0f} MB/s); "
+        f"copy of the same bytes from disk: {median(copies):.2f} s ({size / median(copies) / mb:.0f} MB/s); "
+        f"pull/copy {median([p / c for p, c in zip(pulls, copies, strict=True)]):.2f}x"
+    )
     if "engine_from_cache" in rounds[0]:
         cache_h = [r["engine_from_cache"][0] for r in rounds]
         cache_t = [r["engine_from_cache"][1] for r in rounds]
@@ -283,8 +311,10 @@ def report(results: dict[str, Any]) -> None:
         shm_t = [r["engine_from_shm"][1] for r in rounds]
         print("\nllama-server cold start, cold page cache (median s from start)")
         print(f"  from the cache dir:             healthy {median(cache_h):.2f}  first token {median(cache_t):.2f}")
-        print(f"  flash-load to /dev/shm + start: healthy {median(shm_h):.2f}  first token {median(shm_t):.2f} "
-              f"(flash-load {median(shm_l):.2f} of it)")
+        print(
+            f"  flash-load to /dev/shm + start: healthy {median(shm_h):.2f}  first token {median(shm_t):.2f} "
+            f"(flash-load {median(shm_l):.2f} of it)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,8 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", default="1M,4M,16M")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--work", type=Path, default=Path("/var/tmp/wakegate-bench-delivery"),
-                        help="on the disk under test (not a tmpfs)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/var/tmp/wakegate-bench-delivery"),
+        help="on the disk under test (not a tmpfs)",
+    )
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

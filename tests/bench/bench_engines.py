@@ -62,8 +62,13 @@ def ttft(base_url: str, model: str) -> tuple[float, int]:
     started = time.monotonic()
     first = None
     chunks = 0
-    for chunk in client.chat.completions.create(model=model, messages=PROMPT, max_tokens=8,  # type: ignore[arg-type]
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=PROMPT,
+        max_tokens=8,  # type: ignore[arg-type]
+        temperature=0,
+        stream=True,
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             chunks += 1
             if first is None:
@@ -84,18 +89,19 @@ def http_ok(url: str) -> bool:
 def prepare_ollama_store(binary: Path, model: Path, state: Path) -> None:
     """Create `tiny` once in the store the by-hand runs use."""
     port = free_port()
-    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny",
-              "state": str(state)}
+    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny", "state": str(state)}
     env = dict(os.environ, **BACKENDS["ollama"].environment(values))
-    proc = subprocess.Popen([str(binary), "serve"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(binary), "serve"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
     try:
         while not http_ok(f"http://127.0.0.1:{port}/api/version"):
             time.sleep(0.02)
         modelfile = state / "Modelfile"
         modelfile.write_text(f"FROM {model}\n")
-        subprocess.run([str(binary), "create", "tiny", "-f", str(modelfile)], env=env, check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [str(binary), "create", "tiny", "-f", str(modelfile)], env=env, check=True, capture_output=True, timeout=120
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -107,8 +113,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50_ms": statistics.median(values) * 1000, "p90_ms": pct(values, 0.9) * 1000,
-            "min_ms": min(values) * 1000, "max_ms": max(values) * 1000}
+    return {
+        "n": len(values),
+        "p50_ms": statistics.median(values) * 1000,
+        "p90_ms": pct(values, 0.9) * 1000,
+        "min_ms": min(values) * 1000,
+        "max_ms": max(values) * 1000,
+    }
 
 
 def bench_engine(name: str, binary: Path, model: Path, runs: int, tmp: Path) -> dict[str, Any]:
@@ -174,13 +185,11 @@ spec:
 def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> float:
     backend = BACKENDS[name]
     port = free_port()
-    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny",
-              "state": str(state)}
+    values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny", "state": str(state)}
     argv = [str(binary), *backend.command(values)[1:], *ARGS[name]]
     env = dict(os.environ, **backend.environment(values), **ENV[name])
     started = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         while not http_ok(f"http://127.0.0.1:{port}{backend.health_path}"):
             if proc.poll() is not None:
@@ -218,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             result["engines"][name] = bench_engine(name, binary, model, args.runs, tmp)
             res = result["engines"][name]
             stages = json.dumps({k: round(v) for k, v in res["timeline_p50_ms"].items()})
-            print(f"{name}: by hand p50 {res['by_hand']['p50_ms']:.0f} ms, through wakegate p50 "
-                  f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms; "
-                  f"timeline p50 (ms since activation) {stages}", flush=True)
+            print(
+                f"{name}: by hand p50 {res['by_hand']['p50_ms']:.0f} ms, through wakegate p50 "
+                f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms; "
+                f"timeline p50 (ms since activation) {stages}",
+                flush=True,
+            )
         result["loadavg_after"] = loadavg()
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))

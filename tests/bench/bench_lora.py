@@ -64,8 +64,16 @@ def workload(n: int, adapters: int, zipf: float, seed: int = 7) -> list[str]:
 
 async def run_policy(policy: str, args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     sims = [
-        start_sim(0, "--served-model-name", "base", "--enable-lora", "--max-loras", str(args.max_adapters),
-                  "--lora-load-ms", str(args.load_ms))
+        start_sim(
+            0,
+            "--served-model-name",
+            "base",
+            "--enable-lora",
+            "--max-loras",
+            str(args.max_adapters),
+            "--lora-load-ms",
+            str(args.load_ms),
+        )
         for _ in range(args.replicas)
     ]
     endpoints = [f"127.0.0.1:{sim.port}" for sim in sims]

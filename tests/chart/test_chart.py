@@ -24,8 +24,12 @@ from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "wakegate"
-MONITORING = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
-              "--api-versions", "monitoring.coreos.com/v1/PrometheusRule")
+MONITORING = (
+    "--api-versions",
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
 
 #: Every documented option set away from its default.
 EVERY_OPTION: dict[str, Any] = {
@@ -34,30 +38,74 @@ EVERY_OPTION: dict[str, Any] = {
     "commonLabels": {"team": "ml"},
     "internalToken": {"existingSecret": "internal-token", "key": "tok"},
     "networkPolicy": {"enabled": False},
-    "operator": {"replicas": 3, "workers": 8, "scalerHost": "10.0.0.9",
-                 "installRuntimes": False, "leaseSeconds": 20, "logLevel": "debug",
-                 "pdb": {"minAvailable": 2}, "resources": {"requests": {"cpu": "100m"}},
-                 "nodeSelector": {"pool": "system"}, "tolerations": [{"key": "x", "operator": "Exists"}],
-                 "affinity": {"nodeAffinity": {}}},
+    "operator": {
+        "replicas": 3,
+        "workers": 8,
+        "scalerHost": "10.0.0.9",
+        "installRuntimes": False,
+        "leaseSeconds": 20,
+        "logLevel": "debug",
+        "pdb": {"minAvailable": 2},
+        "resources": {"requests": {"cpu": "100m"}},
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "x", "operator": "Exists"}],
+        "affinity": {"nodeAffinity": {}},
+    },
     "xds": {"replicas": 2, "port": 18001, "adminPort": 9211, "logLevel": "DEBUG", "nodeSelector": {"pool": "system"}},
-    "scaler": {"replicas": 2, "demandPort": 9190, "kedaPort": 9191, "adminPort": 8181, "tlsSecret": "scaler-tls",
-               "tls": {"generate": False, "kedaClientSecret": "keda-mtls", "modelNamespaces": ["models"]}},
-    "gateway": {"replicas": 3, "port": 8000, "xdsHost": "10.0.0.7", "scalerHost": "10.0.0.8",
-                "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
-                "apiKeys": {"existingSecret": "api-keys", "key": "k"}, "publicMetrics": "keys",
-                "maxBodyBytes": 1048576, "globalRps": 100,
-                "globalBurst": 200, "keepaliveSeconds": 1, "drainSeconds": 10, "pdb": {"minAvailable": "50%"},
-                "envoy": {"image": {"repository": "mirror/envoy", "tag": "v1.40.1", "pullPolicy": "Always"},
-                          "concurrency": 4, "metricsPort": 9912, "resources": {"limits": {"cpu": "2"}}},
-                "extproc": {"resources": {"limits": {"cpu": "1"}}}},
-    "agent": {"interval": 30, "gpuNodeLabels": ["custom/gpu"], "logLevel": "DEBUG", "tolerations": [],
-              "cache": {"enabled": True, "hostPath": "/mnt/nvme/wakegate", "maxSize": "500G", "retrySeconds": 30,
-                        "readCredentials": False}},
+    "scaler": {
+        "replicas": 2,
+        "demandPort": 9190,
+        "kedaPort": 9191,
+        "adminPort": 8181,
+        "tlsSecret": "scaler-tls",
+        "tls": {"generate": False, "kedaClientSecret": "keda-mtls", "modelNamespaces": ["models"]},
+    },
+    "gateway": {
+        "replicas": 3,
+        "port": 8000,
+        "xdsHost": "10.0.0.7",
+        "scalerHost": "10.0.0.8",
+        "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
+        "apiKeys": {"existingSecret": "api-keys", "key": "k"},
+        "publicMetrics": "keys",
+        "maxBodyBytes": 1048576,
+        "globalRps": 100,
+        "globalBurst": 200,
+        "keepaliveSeconds": 1,
+        "drainSeconds": 10,
+        "pdb": {"minAvailable": "50%"},
+        "envoy": {
+            "image": {"repository": "mirror/envoy", "tag": "v1.40.1", "pullPolicy": "Always"},
+            "concurrency": 4,
+            "metricsPort": 9912,
+            "resources": {"limits": {"cpu": "2"}},
+        },
+        "extproc": {"resources": {"limits": {"cpu": "1"}}},
+    },
+    "agent": {
+        "interval": 30,
+        "gpuNodeLabels": ["custom/gpu"],
+        "logLevel": "DEBUG",
+        "tolerations": [],
+        "cache": {
+            "enabled": True,
+            "hostPath": "/mnt/nvme/wakegate",
+            "maxSize": "500G",
+            "retrySeconds": 30,
+            "readCredentials": False,
+        },
+    },
     "schedulerExtender": {"replicas": 2, "port": 8899, "benchConfigMap": "bench", "exampleSchedulerConfig": False},
-    "metrics": {"serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}},
-                "prometheusRule": {"labels": {"release": "prom"}}},
-    "dashboards": {"label": "grafana_dashboard_x", "labelValue": "yes", "namespace": "monitoring",
-                   "annotations": {"grafana_folder": "wakegate"}},
+    "metrics": {
+        "serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}},
+        "prometheusRule": {"labels": {"release": "prom"}},
+    },
+    "dashboards": {
+        "label": "grafana_dashboard_x",
+        "labelValue": "yes",
+        "namespace": "monitoring",
+        "annotations": {"grafana_folder": "wakegate"},
+    },
 }
 DISABLED = {key: {"enabled": False} for key in ("operator", "xds", "scaler", "agent", "schedulerExtender")}
 
@@ -100,8 +148,9 @@ def test_lint_default_and_every_option(helm: Path, tmp_path: Path) -> None:
 def test_default_render(helm: Path, tmp_path: Path) -> None:
     docs = template(helm, tmp_path)
     deployments = by_kind(docs, "Deployment")
-    assert set(deployments) == {f"wg-wakegate-{c}" for c in ("operator", "xds", "scaler", "gateway",
-                                                             "scheduler-extender")}
+    assert set(deployments) == {
+        f"wg-wakegate-{c}" for c in ("operator", "xds", "scaler", "gateway", "scheduler-extender")
+    }
     operator = deployments["wg-wakegate-operator"]["spec"]
     assert operator["replicas"] == 2
     assert "podAntiAffinity" in operator["template"]["spec"]["affinity"]
@@ -117,11 +166,18 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     agent = by_kind(docs, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
     terms = agent["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {t["matchExpressions"][0]["key"] for t in terms} == {"nvidia.com/gpu.present", "amd.com/gpu.present"}
-    images = {c["image"] for d in [*deployments.values(), by_kind(docs, "DaemonSet")["wg-wakegate-agent"]]
-              for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "envoy"}
+    images = {
+        c["image"]
+        for d in [*deployments.values(), by_kind(docs, "DaemonSet")["wg-wakegate-agent"]]
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if c["name"] != "envoy"
+    }
     assert images == {"ghcr.io/wakegate/wakegate:0.1.0"}, "one image for every wakegate component"
     assert set(by_kind(docs, "Secret")) == {
-        "wg-wakegate-internal-token", "wg-wakegate-scaler-tls", "wakegate-keda-client"}, "only the generated ones"
+        "wg-wakegate-internal-token",
+        "wg-wakegate-scaler-tls",
+        "wakegate-keda-client",
+    }, "only the generated ones"
     assert "wg-wakegate-scheduler-extender-example" in by_kind(docs, "ConfigMap")
     dashboards = [n for n in by_kind(docs, "ConfigMap") if "-dashboard-" in n]
     assert len(dashboards) == 3
@@ -143,60 +199,93 @@ def test_gateway_bootstrap_is_valid_for_envoy(helm: Path, tmp_path: Path) -> Non
             assert xds["address"]["socket_address"] == {"address": "10.0.0.7", "port_value": 18001}
             assert config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 9912
         (tmp_path / "envoy.yaml").write_text(text)
-        out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
-                             capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "WAKEGATE_INTERNAL_TOKEN": "t"})
+        out = subprocess.run(
+            [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "WAKEGATE_INTERNAL_TOKEN": "t"},
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_rbac_least_privilege(helm: Path, tmp_path: Path) -> None:
     docs = template(helm, tmp_path)
-    bound = {b["subjects"][0]["name"] for b in [*by_kind(docs, "ClusterRoleBinding").values(),
-                                                 *by_kind(docs, "RoleBinding").values()]}
+    bound = {
+        b["subjects"][0]["name"]
+        for b in [*by_kind(docs, "ClusterRoleBinding").values(), *by_kind(docs, "RoleBinding").values()]
+    }
     assert "wg-wakegate-gateway" not in bound, "the gateway gets no Kubernetes access at all"
     roles = {**by_kind(docs, "ClusterRole"), **{f"ns/{k}": v for k, v in by_kind(docs, "Role").items()}}
     writes = {"create", "update", "patch", "delete"}
 
     def rules(name: str) -> set[tuple[str, str, str]]:
-        return {(g, r, v) for rule in roles[name]["rules"] for g in rule["apiGroups"]
-                for r in rule["resources"] for v in rule["verbs"]}
+        return {
+            (g, r, v)
+            for rule in roles[name]["rules"]
+            for g in rule["apiGroups"]
+            for r in rule["resources"]
+            for v in rule["verbs"]
+        }
 
     # The agent gets exactly the rules its e2e test (prewarm into the node cache) runs with, and
     # `list` on Pods for the KV-cache annotation (it asks only for those on its node).
     from e2e.gateway import AGENT_RULES
 
-    assert rules("wg-wakegate-agent") == {(g, r, v) for rule in AGENT_RULES for g in rule["apiGroups"]
-                                          for r in rule["resources"] for v in rule["verbs"]} | {("", "pods", "list")}
+    assert rules("wg-wakegate-agent") == {
+        (g, r, v) for rule in AGENT_RULES for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    } | {("", "pods", "list")}
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-agent") if v in writes} == {
-        ("", "nodes", "patch"), ("wakegate.io", "modelcaches/status", "patch")}
-    assert rules("wg-wakegate-xds") == {(g, r, v) for g, r in (("wakegate.io", "models"),
-                                                             ("wakegate.io", "loraadapters"),
-                                                             ("discovery.k8s.io", "endpointslices"),
-                                                             ("", "nodes"))
-                                        for v in ("get", "list", "watch")} | {
-        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
+        ("", "nodes", "patch"),
+        ("wakegate.io", "modelcaches/status", "patch"),
+    }
+    assert rules("wg-wakegate-xds") == {
+        (g, r, v)
+        for g, r in (
+            ("wakegate.io", "models"),
+            ("wakegate.io", "loraadapters"),
+            ("discovery.k8s.io", "endpointslices"),
+            ("", "nodes"),
+        )
+        for v in ("get", "list", "watch")
+    } | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}  # Kopf discovery
     writers = {name for name in roles if any(v in writes for _, r, v in rules(name) if r != "leases")}
     assert writers == {"wg-wakegate-operator", "wg-wakegate-scaler", "wg-wakegate-agent"}
     # The scaler writes replicas (builtin engine) and, of a Model, only its status (`waitingFor`).
     assert {(g, r, v) for g, r, v in rules("wg-wakegate-scaler") if v in writes} == {
-        ("apps", "deployments/scale", "patch"), ("wakegate.io", "models/status", "patch")}
+        ("apps", "deployments/scale", "patch"),
+        ("wakegate.io", "models/status", "patch"),
+    }
     # Secrets: only the agent and the operator, only `get` (the registry credentials a ModelCache or a
     # ModelCatalog names), never list.
     assert {(name, v) for name in roles for _, r, v in rules(name) if r == "secrets"} == {
-        ("wg-wakegate-agent", "get"), ("wg-wakegate-operator", "get")}
+        ("wg-wakegate-agent", "get"),
+        ("wg-wakegate-operator", "get"),
+    }
     # ModelCatalogs: the operator reads them and writes only their status.
     assert {(r, v) for _, r, v in rules("wg-wakegate-operator") if r.startswith("modelcatalogs")} == {
-        ("modelcatalogs", "get"), ("modelcatalogs", "list"), ("modelcatalogs", "watch"),
-        ("modelcatalogs/status", "patch")}
+        ("modelcatalogs", "get"),
+        ("modelcatalogs", "list"),
+        ("modelcatalogs", "watch"),
+        ("modelcatalogs/status", "patch"),
+    }
     # LoRAAdapters: the operator reads them and writes only their status; the feeder reads them.
     assert {(r, v) for _, r, v in rules("wg-wakegate-operator") if r.startswith("loraadapters")} == {
-        ("loraadapters", "get"), ("loraadapters", "list"), ("loraadapters", "watch"),
-        ("loraadapters/status", "patch")}
+        ("loraadapters", "get"),
+        ("loraadapters", "list"),
+        ("loraadapters", "watch"),
+        ("loraadapters/status", "patch"),
+    }
     # The operator gets exactly the rules its e2e test proves enough (docs/operator.md).
     from e2e.gateway import OPERATOR_RULES
 
-    assert rules("wg-wakegate-operator") == {(g, r, v) for rule in OPERATOR_RULES for g in rule["apiGroups"]
-                                             for r in rule["resources"] for v in rule["verbs"]}
+    assert rules("wg-wakegate-operator") == {
+        (g, r, v)
+        for rule in OPERATOR_RULES
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 def _cert(pem_b64: str) -> Any:
@@ -240,10 +329,14 @@ def test_scaler_mtls_is_generated_by_default_for_keda_and_the_scaler(helm: Path,
     # Off: a plaintext KEDA port and no TriggerAuthentication.
     docs = template(helm, tmp_path, {"scaler": {"tls": {"generate": False}}})
     deployments = by_kind(docs, "Deployment")
-    assert not any(a.startswith("--tls") for a in deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"][
-        "containers"][0]["args"])
-    assert not any(a.startswith("--keda-auth-secret") for a in deployments["wg-wakegate-operator"]["spec"][
-        "template"]["spec"]["containers"][0]["args"])
+    assert not any(
+        a.startswith("--tls")
+        for a in deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert not any(
+        a.startswith("--keda-auth-secret")
+        for a in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert not [d for d in docs if d["kind"] == "Secret" and "tls" in d["metadata"]["name"]]
 
 
@@ -256,8 +349,10 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert "--public-metrics=keys" in extproc["args"]
     token_ref = {"secretKeyRef": {"name": "internal-token", "key": "tok"}}
     assert all(_token_env(c) == token_ref for c in _token_parties(deployments)), "the user's Secret, by env"
-    assert "--admin-listen=$(POD_IP):9211" in deployments["wg-wakegate-xds"]["spec"]["template"]["spec"][
-        "containers"][0]["args"]
+    assert (
+        "--admin-listen=$(POD_IP):9211"
+        in deployments["wg-wakegate-xds"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert {v["name"]: v.get("secret", {}).get("secretName") for v in gateway["volumes"]}["api-keys"] == "api-keys"
     assert by_kind(docs, "PodDisruptionBudget")["wg-wakegate-gateway"]["spec"]["minAvailable"] == "50%"
     scaler = deployments["wg-wakegate-scaler"]["spec"]["template"]["spec"]["containers"][0]
@@ -265,8 +360,10 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     operator = deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]
     assert "--keda-auth-secret=keda-mtls" in operator["args"]
     assert not [d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls"], "the user's own"
-    assert "--no-install-runtimes" in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0][
-        "args"]
+    assert (
+        "--no-install-runtimes"
+        in deployments["wg-wakegate-operator"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
     assert "--xds=10.0.0.7:18001" in extproc["args"] and "--demand=10.0.0.8:9190" in extproc["args"]
     assert set(by_kind(docs, "ServiceMonitor")) == {"wg-wakegate-gateway", "wg-wakegate-scaler", "wg-wakegate-xds"}
     scraped = by_kind(docs, "ServiceMonitor")["wg-wakegate-gateway"]["spec"]["endpoints"]
@@ -288,12 +385,16 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     assert rule["metadata"]["labels"]["release"] == "prom"
     assert len(rule["spec"]["groups"][0]["rules"]) >= 6
     dashboards = [d for n, d in by_kind(docs, "ConfigMap").items() if "-dashboard-" in n]
-    assert all(d["metadata"]["namespace"] == "monitoring" and d["metadata"]["labels"]["grafana_dashboard_x"] == "yes"
-               for d in dashboards)
+    assert all(
+        d["metadata"]["namespace"] == "monitoring" and d["metadata"]["labels"]["grafana_dashboard_x"] == "yes"
+        for d in dashboards
+    )
     assert "wg-wakegate-scheduler-extender-example" not in by_kind(docs, "ConfigMap")
     assert not by_kind(docs, "Secret"), "with a named Secret the chart creates none"
-    assert not any("checksum/internal-token" in (d["spec"]["template"]["metadata"].get("annotations") or {})
-                   for d in deployments.values())
+    assert not any(
+        "checksum/internal-token" in (d["spec"]["template"]["metadata"].get("annotations") or {})
+        for d in deployments.values()
+    )
     assert not by_kind(docs, "NetworkPolicy")
     agent = by_kind(docs, "DaemonSet")["wg-wakegate-agent"]["spec"]["template"]["spec"]
     args = agent["containers"][0]["args"]
@@ -371,16 +472,20 @@ def test_internal_token_secret_and_network_policies_by_default(helm: Path, tmp_p
         {"name": "wakegate_internal_token", "generic_secret": {"secret": from_env}}
     ]
     (xds_cluster,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == "wakegate_xds"]
-    filters = xds_cluster["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"]
+    filters = xds_cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+        "http_filters"
+    ]
     assert [f["name"] for f in filters] == [
         "envoy.filters.http.credential_injector",
         "envoy.filters.http.upstream_codec",
     ]
 
     policies = by_kind(docs, "NetworkPolicy")
-    gateway_pods = {"app.kubernetes.io/name": "wakegate", "app.kubernetes.io/instance": "wg",
-                    "app.kubernetes.io/component": "gateway"}
+    gateway_pods = {
+        "app.kubernetes.io/name": "wakegate",
+        "app.kubernetes.io/instance": "wg",
+        "app.kubernetes.io/component": "gateway",
+    }
     gateway_labels = deployments["wg-wakegate-gateway"]["spec"]["template"]["metadata"]["labels"]
     assert gateway_pods.items() <= gateway_labels.items()
     for name, guarded, open_ports in (("wg-wakegate-xds", 18000, {9201}), ("wg-wakegate-scaler", 9090, {9091, 8080})):
@@ -392,8 +497,9 @@ def test_internal_token_secret_and_network_policies_by_default(helm: Path, tmp_p
         assert restricted["from"] == [{"podSelector": {"matchLabels": gateway_pods}}]
         assert restricted["ports"] == [{"protocol": "TCP", "port": guarded}]
         assert "from" not in unrestricted and {p["port"] for p in unrestricted["ports"]} == open_ports
-        container_ports = {p["containerPort"] for c in deployments[name]["spec"]["template"]["spec"]["containers"]
-                           for p in c["ports"]}
+        container_ports = {
+            p["containerPort"] for c in deployments[name]["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+        }
         assert {guarded} | open_ports <= container_ports
 
 

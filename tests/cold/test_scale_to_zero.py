@@ -88,9 +88,12 @@ async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(co
 async def test_keepalive_streams_heartbeats_then_tokens(cold_gateway: UpProcess) -> None:
     up = cold_gateway
     lines: list[str] = []
-    async with aiohttp.ClientSession() as session, session.post(
-        f"{up.base_url}/chat/completions", json=chat_body("cold-k", stream=True, max_tokens=6)
-    ) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{up.base_url}/chat/completions", json=chat_body("cold-k", stream=True, max_tokens=6)
+        ) as response,
+    ):
         assert response.status == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         async for raw in response.content:

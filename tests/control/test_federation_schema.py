@@ -59,6 +59,39 @@ def test_a_member_token_is_named_once() -> None:
         parse_federation(text, "f.yaml")
 
 
+@pytest.mark.parametrize(
+    ("gateway", "message"),
+    [
+        ('url: "https://127.0.0.1:8443"', "an https:// gateway needs the CA"),
+        ('url: "http://127.0.0.1:8080", caFile: ca.pem', "caFile: only for an https:// gateway url"),
+        ('url: "http://127.0.0.1:8080", serverName: east.example', "serverName: only for an https://"),
+        ('url: "https://127.0.0.1:8443", caFile: a, ca: {namespace: a, name: b, key: c}', "name the CA once"),
+        ('url: "https://127.0.0.1:8443", caFile: a, clientCertFile: c', "clientCertFile and clientKeyFile go together"),
+        (
+            'url: "https://127.0.0.1:8443", caFile: a, clientKeyFile: k, clientCert: {namespace: a, name: b, key: c}',
+            "name the client certificate once",
+        ),
+        ('url: "https://127.0.0.1:8443", caFile: a, serverName: "-bad.example"', "spec.gateway.serverName"),
+    ],
+)
+def test_member_tls_is_named_once_and_only_for_https(gateway: str, message: str) -> None:
+    text = EXAMPLE.replace('{url: "http://127.0.0.1:8080"}', "{" + gateway + "}")
+    with pytest.raises(ManifestError, match=r"f\.yaml") as refused:
+        parse_federation(text, "f.yaml")
+    assert message in str(refused.value)
+
+
+def test_an_https_member_with_its_ca_and_client_certificate_parses() -> None:
+    text = EXAMPLE.replace(
+        '{url: "http://127.0.0.1:8080"}',
+        '{url: "https://127.0.0.1:8443", caFile: ca.pem, clientCertFile: c.pem, clientKeyFile: k.pem, '
+        "serverName: east.example}",
+    )
+    gateway = parse_federation(text, "f.yaml").clusters[0].spec.gateway
+    assert (gateway.caFile, gateway.clientCertFile, gateway.clientKeyFile) == ("ca.pem", "c.pem", "k.pem")
+    assert gateway.serverName == "east.example"
+
+
 def test_kubectl_columns_show_reachability_and_per_cluster_readiness() -> None:
     def columns(generated: dict) -> dict[str, str]:
         version = generated["spec"]["versions"][0]

@@ -223,7 +223,7 @@ def test_lora_adapters_attach_to_their_base_and_route_by_id_on_llamacpp() -> Non
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (("baseModel: base, source: \"oci", "baseModel: other, source: \"oci"), "spec.baseModel: no Model 'other'"),
+        (('baseModel: base, source: "oci', 'baseModel: other, source: "oci'), "spec.baseModel: no Model 'other'"),
         (("aliases: [sql-v1]", "aliases: [org/base]"), "name 'org/base' is already used by Model 'base'"),
         (("metadata: {name: poet}", "metadata: {name: sql}"), "already used by LoRAAdapter 'sql'"),
         (("oci://registry.example/loras/poet:v1", "s3://bucket/poet"), "spec.source"),
@@ -256,14 +256,19 @@ def test_engines_that_load_adapters_at_run_time_may_have_more_than_max_adapters(
     (base,) = parse_models(many, "m.yaml")
     assert len(base.adapters) == 2 and base.spec.adapters.idleTimeout == 60
     # On demand, the route says so and lists each adapter's holders and failures.
-    routed = routed_model(base, [("127.0.0.1", 9000)], adapters=[
-        replace(a, endpoints=("127.0.0.1:9000",), failed_loads=1, last_failure="gone")
-        for a in routed_adapters(base)
-    ])
+    routed = routed_model(
+        base,
+        [("127.0.0.1", 9000)],
+        adapters=[
+            replace(a, endpoints=("127.0.0.1:9000",), failed_loads=1, last_failure="gone")
+            for a in routed_adapters(base)
+        ],
+    )
     route = model_route(routed)
     assert route.adapters_on_demand and route.adapter_placement == "random"
     assert [(list(a.endpoints), a.failed_loads, a.last_failure) for a in route.adapters] == [
-        (["127.0.0.1:9000"], 1, "gone"), (["127.0.0.1:9000"], 1, "gone"),
+        (["127.0.0.1:9000"], 1, "gone"),
+        (["127.0.0.1:9000"], 1, "gone"),
     ]
     assert not model_route(routed_model(base, ())).adapters_on_demand
     with pytest.raises(ManifestError, match=r"spec\.adapters\.placement"):
@@ -279,8 +284,12 @@ def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
     assert again.adapters == routed.adapters and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")
 
     # On demand: the holders and failures survive too.
-    on_demand = routed_model(base, [("127.0.0.1", 9000)], adapters=[
-        replace(a, endpoints=("127.0.0.1:9000",), failed_loads=2, last_failure="refused") for a in routed.adapters
-    ])
+    on_demand = routed_model(
+        base,
+        [("127.0.0.1", 9000)],
+        adapters=[
+            replace(a, endpoints=("127.0.0.1:9000",), failed_loads=2, last_failure="refused") for a in routed.adapters
+        ],
+    )
     (again,), _ = decode(encode([on_demand]))
     assert again.adapters == on_demand.adapters and again.adapters_on_demand

@@ -73,12 +73,15 @@ def scrape_configs(prom_dir: Path, up: UpProcess, envoy_admin: str) -> list[dict
 
 def set_backends(prom: Prometheus, up: UpProcess) -> None:
     """File service discovery: each ready backend replica, labelled with its model key."""
-    prom.file_targets("backends", [
-        {"targets": [f"127.0.0.1:{replica['port']}"], "labels": {"model": model["key"]}}
-        for model in up.status()["models"]
-        for replica in model["replicas"]
-        if replica["state"] == "ready"
-    ])
+    prom.file_targets(
+        "backends",
+        [
+            {"targets": [f"127.0.0.1:{replica['port']}"], "labels": {"model": model["key"]}}
+            for model in up.status()["models"]
+            for replica in model["replicas"]
+            if replica["state"] == "ready"
+        ],
+    )
 
 
 @pytest.fixture

@@ -130,13 +130,20 @@ class Reply:
     model: str
 
 
-def chat(server: EngineProcess, model: str = "tiny", max_tokens: int = 8, stream: bool = False,
-         **extra: object) -> Reply:
+def chat(
+    server: EngineProcess, model: str = "tiny", max_tokens: int = 8, stream: bool = False, **extra: object
+) -> Reply:
     """A greedy chat completion of PROMPT through the official openai client; `extra` goes into
     the body (llama-server's `lora`, `cache_prompt`)."""
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    request: dict[str, Any] = {"model": model, "messages": PROMPT, "max_tokens": max_tokens,
-                               "temperature": 0.0, "seed": 7, "extra_body": extra or None}
+    request: dict[str, Any] = {
+        "model": model,
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 7,
+        "extra_body": extra or None,
+    }
     if not stream:
         reply = client.chat.completions.create(**request)
         choice = reply.choices[0]
@@ -170,8 +177,23 @@ def start_engine(argv: list[str], port: int, health: str, env: dict[str, str] | 
 def start_llama_server(binary: Path, model: Path, *args: str, alias: str = "tiny") -> EngineProcess:
     """llama-server serving `model` as `alias`, with metrics; returns once /health says ok."""
     port = free_port()
-    argv = [str(binary), "--model", str(model), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
-            "--metrics", "--threads", "1", "--ctx-size", "512", *args]
+    argv = [
+        str(binary),
+        "--model",
+        str(model),
+        "--alias",
+        alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics",
+        "--threads",
+        "1",
+        "--ctx-size",
+        "512",
+        *args,
+    ]
     return start_engine(argv, port, "/health")
 
 
@@ -200,8 +222,13 @@ def ollama_create(binary: Path, server: EngineProcess, home: Path, name: str, mo
     """`ollama create NAME -f Modelfile` against `server` (the CLI talks to OLLAMA_HOST)."""
     path = home / f"{name.replace(':', '_')}.Modelfile"
     path.write_text(modelfile)
-    out = subprocess.run([str(binary), "create", name, "-f", str(path)], env=ollama_env(server.port, home),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(binary), "create", name, "-f", str(path)],
+        env=ollama_env(server.port, home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, f"ollama create failed:\n{out.stdout}\n{out.stderr}\n{server.log()}"
 
 

@@ -28,12 +28,16 @@ pytestmark = pytest.mark.usefixtures("registry_bin")
 def catalog(*argv: str, config: Path) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join(p for p in (str(REPO_ROOT / "proto"), os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "wakegate", "catalog", "--registry-config", str(config), *argv]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": path, "DOCKER_CONFIG": "/nonexistent"})
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path, "DOCKER_CONFIG": "/nonexistent"},
+    )
 
 
-def test_a_deployed_catalog_entry_serves_a_completion(tmp_path: Path, tiny: TinyFiles,
-                                                      llama_server_bin: Path) -> None:
+def test_a_deployed_catalog_entry_serves_a_completion(tmp_path: Path, tiny: TinyFiles, llama_server_bin: Path) -> None:
     with start_registry(tmp_path / "reg", auth=True) as reg:
         assert reg.credentials is not None
         digest = publish(reg, tiny.model, f"oci://{reg.host}/models/tiny:v1")
@@ -41,11 +45,16 @@ def test_a_deployed_catalog_entry_serves_a_completion(tmp_path: Path, tiny: Tiny
         assert listed.returncode == 0, listed.stderr
         (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
         assert (entry["repository"], entry["tag"], entry["digest"], entry["format"]) == (
-            "models/tiny", "v1", digest, "gguf")
+            "models/tiny",
+            "v1",
+            digest,
+            "gguf",
+        )
 
         manifest = tmp_path / "tiny.yaml"
-        deployed = catalog("deploy", f"{reg.host}/models/tiny:v1", "--as", "tiny", "-o", str(manifest),
-                           config=reg.docker_config)
+        deployed = catalog(
+            "deploy", f"{reg.host}/models/tiny:v1", "--as", "tiny", "-o", str(manifest), config=reg.docker_config
+        )
         assert deployed.returncode == 0, deployed.stderr
         text = manifest.read_text()
         (model,) = parse_models(text, str(manifest))
@@ -56,8 +65,13 @@ def test_a_deployed_catalog_entry_serves_a_completion(tmp_path: Path, tiny: Tiny
         docker_dir = tmp_path / "docker"
         docker_dir.mkdir()
         (docker_dir / "config.json").write_text(reg.docker_config.read_text())
-        up = UpProcess(tmp_path, text, "--cache-dir", str(tmp_path / "cache"),
-                       env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(docker_dir)})
+        up = UpProcess(
+            tmp_path,
+            text,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(docker_dir)},
+        )
         try:
             up.wait_ready({"tiny": 0}, timeout=60)
             resp = chat(up, "tiny", timeout=120)

@@ -116,5 +116,6 @@ def process_ends(pid: int, within: float = 5.0) -> bool:
 
 def test_a_failed_build_step_says_what_failed(tmp_path: Path) -> None:
     with pytest.raises(engines.BuildError, match=r"(?s)fake build failed \(exit 3\).*no such header"):
-        engines._run(["sh", "-c", "echo 'fatal: no such header' >&2; exit 3"], tmp_path, "fake build",
-                     lambda _msg: None)
+        engines._run(
+            ["sh", "-c", "echo 'fatal: no such header' >&2; exit 3"], tmp_path, "fake build", lambda _msg: None
+        )

@@ -84,15 +84,29 @@ def test_lora_adapter_matches_the_model(tmp_path: Path) -> None:
 
 def test_cli_writes_both_files_and_refuses_a_bad_shape(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "e2e.tinymodel", "--out", str(tmp_path / "m.gguf"), "--layers", "1",
-         "--lora-out", str(tmp_path / "l.gguf")],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "e2e.tinymodel",
+            "--out",
+            str(tmp_path / "m.gguf"),
+            "--layers",
+            "1",
+            "--lora-out",
+            str(tmp_path / "l.gguf"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "model:" in out.stdout and "lora:" in out.stdout
     assert fields(tmp_path / "m.gguf")["llama.block_count"] == 1
     assert fields(tmp_path / "l.gguf")["general.type"] == "adapter"
-    bad = subprocess.run([sys.executable, "-m", "e2e.tinymodel", "--out", str(tmp_path / "x.gguf"), "--dim", "40"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "e2e.tinymodel", "--out", str(tmp_path / "x.gguf"), "--dim", "40"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2
     assert "--dim must be a multiple of 16" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -104,7 +104,11 @@ def test_engine_sleeps_wakes_answers_and_sleeps_again(fleet: UpProcess, key: str
     arrivals: list[float] = []
     usage = None
     stream = client.chat.completions.create(
-        model=key, messages=PROMPT, max_tokens=200, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=key,
+        messages=PROMPT,
+        max_tokens=200,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     )
     for chunk in stream:
@@ -163,8 +167,12 @@ def test_least_loaded_avoids_the_replica_its_metrics_say_is_busy(
         def keep_busy() -> None:
             while not stop.is_set():
                 try:
-                    request("POST", f"http://{busy}/v1/completions", timeout=120,
-                            body={"prompt": "tell me a story", "max_tokens": 1500, "cache_prompt": False})
+                    request(
+                        "POST",
+                        f"http://{busy}/v1/completions",
+                        timeout=120,
+                        body={"prompt": "tell me a story", "max_tokens": 1500, "cache_prompt": False},
+                    )
                 except OSError:
                     return  # the engine stopped with the test
 
@@ -181,8 +189,12 @@ def test_least_loaded_avoids_the_replica_its_metrics_say_is_busy(
         wait_for(busy_seen, 30, "the busy replica's metrics to show its queue")
         upstreams = []
         for _ in range(8):
-            reply = request("POST", f"{up.base_url}/chat/completions", timeout=60,
-                            body={"model": "pair", "messages": PROMPT, "max_tokens": 2})
+            reply = request(
+                "POST",
+                f"{up.base_url}/chat/completions",
+                timeout=60,
+                body={"model": "pair", "messages": PROMPT, "max_tokens": 2},
+            )
             assert reply.status == 200, reply.text
             upstreams.append(reply.headers["x-wakegate-upstream"])
         # The gateway's own in-flight counts are equal (0) for both at every pick; without the

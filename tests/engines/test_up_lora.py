@@ -92,7 +92,11 @@ def ask(up: UpProcess, name: str, how: str = "body") -> str:
         base_url, model = f"{up.url}/model/{name}/v1", "also-ignored"
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
-        model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0, seed=7,  # type: ignore[arg-type]
+        model=model,
+        messages=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        seed=7,  # type: ignore[arg-type]
         extra_headers=headers,
     )
     return reply.choices[0].message.content or ""
@@ -118,8 +122,14 @@ def test_adapters_apply_per_request_and_never_restart_the_base(fleet: UpProcess,
 
     # Interleaved, by every way a request names a model: each gets its adapter, the base none.
     for name, how, want in [
-        ("sql", "header", "sql"), ("llama", "body", "base"), ("poet", "path", "poet"), ("tiny-sql", "body", "sql"),
-        ("poet", "header", "poet"), ("sql-v1", "path", "sql"), ("poet", "body", "poet"), ("llama", "header", "base"),
+        ("sql", "header", "sql"),
+        ("llama", "body", "base"),
+        ("poet", "path", "poet"),
+        ("tiny-sql", "body", "sql"),
+        ("poet", "header", "poet"),
+        ("sql-v1", "path", "sql"),
+        ("poet", "body", "poet"),
+        ("llama", "header", "base"),
     ]:
         assert ask(up, name, how) == expected[want], (name, how)
 

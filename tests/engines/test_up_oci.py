@@ -108,8 +108,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: TinyFiles, llama_serve
             + model_doc("stalled", f"oci://127.0.0.1:{stalled.getsockname()[1]}/models/tiny:v1", activation_timeout=4)
         )
         cache = tmp / "cache"
-        up = UpProcess(tmp, fleet_doc, "--cache-dir", str(cache), "--flash-dir", str(tmp / "flash"),
-                       env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(tmp / "no-docker")})
+        up = UpProcess(
+            tmp,
+            fleet_doc,
+            "--cache-dir",
+            str(cache),
+            "--flash-dir",
+            str(tmp / "flash"),
+            env={**engines_path(llama_server_bin), "DOCKER_CONFIG": str(tmp / "no-docker")},
+        )
         try:
             up.wait_ready({"tiny": 0, "pinned": 0}, timeout=60)
             yield Fleet(up, reg, tiny.model, cache, tmp / "flash")
@@ -254,9 +261,15 @@ def test_a_private_registry_with_credentials_from_a_docker_config_leaks_them_now
         doc = model_doc("private", f"oci://{reg.host}/models/tiny:v1").replace("llamacpp", backend)
         if backend == "sim":
             doc = doc.replace('  args: [--threads, "1", --ctx-size, "512"]\n', "")
-        up = UpProcess(tmp_path, doc, "--cache-dir", str(tmp_path / "cache"),
-                       "--registry-config", str(reg.docker_config),
-                       env={**path, "DOCKER_CONFIG": str(tmp_path / "no-docker")})
+        up = UpProcess(
+            tmp_path,
+            doc,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--registry-config",
+            str(reg.docker_config),
+            env={**path, "DOCKER_CONFIG": str(tmp_path / "no-docker")},
+        )
         try:
             up.wait_ready({"private": 0})
             reply = chat(up, "private")

@@ -32,9 +32,7 @@ def route(*endpoints: tuple[str, int], failed: int = 0) -> routing_pb2.ModelRout
         served_name="m",
         cluster="model.m",
         endpoints=[routing_pb2.Endpoint(address=a, port=p) for a, p in endpoints],
-        cold=routing_pb2.ColdPolicy(
-            mode=contract.COLD_MODES["keepalive"], max_queue=4, activation_timeout_ms=10_000
-        ),
+        cold=routing_pb2.ColdPolicy(mode=contract.COLD_MODES["keepalive"], max_queue=4, activation_timeout_ms=10_000),
         failed_activations=failed,
     )
 

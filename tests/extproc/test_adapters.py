@@ -15,14 +15,26 @@ from wakegate.v1 import routing_pb2
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
 
-def route(holders: dict[str, list[str]], *, ready: tuple[str, ...] = (A, B), failed: int = 0,
-          placement_rule: str = "affinity", on_demand: bool = True) -> routing_pb2.ModelRoute:
+def route(
+    holders: dict[str, list[str]],
+    *,
+    ready: tuple[str, ...] = (A, B),
+    failed: int = 0,
+    placement_rule: str = "affinity",
+    on_demand: bool = True,
+) -> routing_pb2.ModelRoute:
     return routing_pb2.ModelRoute(
         key="chat",
         endpoints=[routing_pb2.Endpoint(address=ep.split(":")[0], port=int(ep.split(":")[1])) for ep in ready],
         adapters=[
-            routing_pb2.LoRAAdapterRoute(name=name, names=[name], served_name=name, endpoints=eps,
-                                         failed_loads=failed, last_failure="weights unavailable: gone")
+            routing_pb2.LoRAAdapterRoute(
+                name=name,
+                names=[name],
+                served_name=name,
+                endpoints=eps,
+                failed_loads=failed,
+                last_failure="weights unavailable: gone",
+            )
             for name, eps in holders.items()
         ],
         adapters_on_demand=on_demand,

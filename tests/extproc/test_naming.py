@@ -198,14 +198,21 @@ def adapter_route(*, llama: bool) -> routing_pb2.ModelRoute:
     """A base `m` (served as org/m) with two LoRAAdapter objects; llama.cpp style names them by id."""
     ids = {"lora_id": 0}, {"lora_id": 1}
     return routing_pb2.ModelRoute(
-        key="m", names=["m"], served_name="org/m", cluster="model.m",
+        key="m",
+        names=["m"],
+        served_name="org/m",
+        cluster="model.m",
         adapters=[
             routing_pb2.LoRAAdapterRoute(
-                name="sql", names=["sql", "tiny-sql", "sql-v1"], served_name="tiny-sql", scale=0.5,
+                name="sql",
+                names=["sql", "tiny-sql", "sql-v1"],
+                served_name="tiny-sql",
+                scale=0.5,
                 **(ids[0] if llama else {}),
             ),
-            routing_pb2.LoRAAdapterRoute(name="poet", names=["poet"], served_name="poet", scale=1.0,
-                                         **(ids[1] if llama else {})),
+            routing_pb2.LoRAAdapterRoute(
+                name="poet", names=["poet"], served_name="poet", scale=1.0, **(ids[1] if llama else {})
+            ),
         ],
     )
 
@@ -231,12 +238,20 @@ def test_vllm_adapters_are_named_as_the_model() -> None:
     table = RouteTable([adapter_route(llama=False)])
     sql = table.resolve("sql-v1")
     assert sql is not None and (sql.body_model, sql.adapter, sql.lora, sql.needs_body) == (
-        "tiny-sql", "tiny-sql", None, True
+        "tiny-sql",
+        "tiny-sql",
+        None,
+        True,
     )
     assert json.loads(sql.rewrite({"model": "sql-v1"})) == {"model": "tiny-sql"}
     base = table.resolve("m")
     assert base is not None and (base.lora, base.needs_body) == (None, False)
     listing = {entry["id"]: entry for entry in table.listing()}
     assert {name: entry.get("parent") for name, entry in listing.items()} == {
-        "m": None, "org/m": None, "sql": "org/m", "tiny-sql": "org/m", "sql-v1": "org/m", "poet": "org/m"
+        "m": None,
+        "org/m": None,
+        "sql": "org/m",
+        "tiny-sql": "org/m",
+        "sql-v1": "org/m",
+        "poet": "org/m",
     }

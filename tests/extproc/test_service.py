@@ -43,9 +43,7 @@ def route(
         strategy=contract.STRATEGIES[strategy],
         rate_limit=routing_pb2.RateLimit(requests_per_second=rps, burst=rps),
         endpoints=[routing_pb2.Endpoint(address=e.split(":")[0], port=int(e.split(":")[1])) for e in endpoints],
-        cold=routing_pb2.ColdPolicy(
-            mode=contract.COLD_MODES[cold], max_queue=2, activation_timeout_ms=5000
-        ),
+        cold=routing_pb2.ColdPolicy(mode=contract.COLD_MODES[cold], max_queue=2, activation_timeout_ms=5000),
     )
 
 
@@ -318,7 +316,11 @@ async def test_a_held_request_is_sent_on_when_its_model_becomes_ready() -> None:
     held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
     await asyncio.sleep(0.01)
     assert gw.queue_view()["models"][-1] == {
-        "model": "waiting", "queued": 1, "leases": 1, "in_flight": 0, "ready_endpoints": 0
+        "model": "waiting",
+        "queued": 1,
+        "leases": 1,
+        "in_flight": 0,
+        "ready_endpoints": 0,
     }
     gw.set_routes([*ROUTES[:3], route("waiting", "10.0.0.9:8000"), ROUTES[4]])
     decided = await asyncio.wait_for(held, 2)

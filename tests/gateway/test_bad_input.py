@@ -66,8 +66,13 @@ def _oversized_chunked(port: int) -> tuple[str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     chunks = [b'{"model": "a", "pad": "', *([b"y" * 16384] * 8), b'"}']
     try:
-        conn.request("POST", "/v1/chat/completions", body=iter(chunks), encode_chunked=True,
-                     headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=iter(chunks),
+            encode_chunked=True,
+            headers={**AUTH, "content-type": "application/json", "transfer-encoding": "chunked"},
+        )
         response = conn.getresponse()
         return str(response.status), response.read()
     except (ConnectionResetError, BrokenPipeError):

@@ -24,8 +24,14 @@ WIDE = {"authorization": f"Bearer {API_KEY}"}
 CHAT_A_NAMES = {"chat-a", "a", "gpt-a", "org/chat-a", "a-sql"}
 
 
-def chat(gateway: UpProcess, auth: dict[str, str], *, model: str | None = None, path: str = "/v1/chat/completions",
-         headers: dict[str, str] | None = None) -> Response:
+def chat(
+    gateway: UpProcess,
+    auth: dict[str, str],
+    *,
+    model: str | None = None,
+    path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
+) -> Response:
     body = CHAT if model is None else {**CHAT, "model": model}
     return request("POST", f"{gateway.url}{path}", body=body, headers={**auth, **(headers or {})})
 
@@ -126,6 +132,7 @@ def test_bad_key_file_lines_are_reported_by_number_without_the_key(gateway: UpPr
     logs = [gateway.state_dir / "logs" / f"extproc-{i}.log" for i in (0, 1)]
     keys_file.write_text(f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a\n{bad_key}  chat-b,,chat-p\n")
     try:
+
         def reported() -> bool:
             chat(gateway, WIDE, model="chat-a")  # keys are re-read when a request is checked
             return any("line 4" in log.read_text(errors="replace") for log in logs)

@@ -82,8 +82,11 @@ def test_models_retrieve_of_an_unknown_model_is_not_found(client: openai.OpenAI)
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("no-such-model")
     assert err.value.status_code == 404
-    assert err.value.body == {"message": "model 'no-such-model' does not exist", "type": "not_found_error",
-                              "code": "model_not_found"}
+    assert err.value.body == {
+        "message": "model 'no-such-model' does not exist",
+        "type": "not_found_error",
+        "code": "model_not_found",
+    }
 
 
 def test_completions_and_embeddings(client: openai.OpenAI) -> None:

@@ -19,8 +19,12 @@ def node(
     annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     labels: dict[str, str] = {"kubernetes.io/hostname": name}
-    for key, value in ((names.NODE_GPU_VENDOR, vendor), (names.NODE_GPU_ARCH, arch),
-                       (names.NODE_GPU_COUNT, count), (names.NODE_GPU_VRAM, vram)):
+    for key, value in (
+        (names.NODE_GPU_VENDOR, vendor),
+        (names.NODE_GPU_ARCH, arch),
+        (names.NODE_GPU_COUNT, count),
+        (names.NODE_GPU_VRAM, vram),
+    ):
         if value is not None:
             labels[key] = str(value)
     notes: dict[str, str] = dict(annotations or {})

@@ -48,8 +48,15 @@ def hello(tmp: Path, recipe: str = "1", source: str = MAIN) -> GoTool:
         (pins / "go.sum").write_text("")
         (pins / "hello" / "go.mod").write_text("module example.test/hello\n\ngo 1.26.0\n")
     (pins / "hello" / "main.go").write_text(source)
-    return GoTool("hello", "example.test/hello", "example.test/hello", lambda tool: "-X main.greeting=pinned",
-                  pins, bin_dir=tmp / "bin", recipe=recipe)
+    return GoTool(
+        "hello",
+        "example.test/hello",
+        "example.test/hello",
+        lambda tool: "-X main.greeting=pinned",
+        pins,
+        bin_dir=tmp / "bin",
+        recipe=recipe,
+    )
 
 
 def run(binary: Path) -> str:
@@ -115,11 +122,13 @@ def test_without_go_a_built_tool_is_still_used(tmp_path: Path, monkeypatch: pyte
 def test_cli_prints_each_tool_and_refuses_unknown_names() -> None:
     # h2spec is the smallest pinned tool; built already by the other tests in this folder or by CI.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run([sys.executable, "-m", "e2e.tools", "h2spec"], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "e2e.tools", "h2spec"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"h2spec: {TOOLS['h2spec'].binary}\n"
-    bad = subprocess.run([sys.executable, "-m", "e2e.tools", "h2spec", "nope"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "e2e.tools", "h2spec", "nope"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert bad.returncode == 2
     assert "unknown tool nope" in bad.stderr

@@ -27,10 +27,25 @@ from wakegate.control.admin import free_port
 def running_extproc(logdir: Path) -> Iterator[int]:
     """`python -m wakegate.extproc` on free loopback ports; yields its gRPC (HTTP/2) port."""
     grpc, admin, activator, xds = (free_port() for _ in range(4))
-    proc = Proc("extproc", [sys.executable, "-m", "wakegate.extproc", "--listen", f"127.0.0.1:{grpc}",
-                            "--admin-listen", f"127.0.0.1:{admin}", "--activator-listen", f"127.0.0.1:{activator}",
-                            "--xds", f"127.0.0.1:{xds}", "--drain-seconds", "1"],
-                logdir / "extproc.log")
+    proc = Proc(
+        "extproc",
+        [
+            sys.executable,
+            "-m",
+            "wakegate.extproc",
+            "--listen",
+            f"127.0.0.1:{grpc}",
+            "--admin-listen",
+            f"127.0.0.1:{admin}",
+            "--activator-listen",
+            f"127.0.0.1:{activator}",
+            "--xds",
+            f"127.0.0.1:{xds}",
+            "--drain-seconds",
+            "1",
+        ],
+        logdir / "extproc.log",
+    )
     proc.start()
     try:
         deadline = time.monotonic() + 30
@@ -87,7 +102,9 @@ DATA Frame <length:0></error>
 </testsuites>"""
     cases = parse_junit(xml)
     assert [(c.id, c.outcome) for c in cases] == [
-        ("http2/6.9/1", "passed"), ("http2/6.9/2", "failed"), ("http2/5.1.2/1", "skipped"),
+        ("http2/6.9/1", "passed"),
+        ("http2/6.9/2", "failed"),
+        ("http2/5.1.2/1", "skipped"),
     ]
     assert cases[1].detail == (
         "expected GOAWAY Frame (Error Code: PROTOCOL_ERROR) or Connection closed; got DATA Frame <length:0>"

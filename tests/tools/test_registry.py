@@ -128,10 +128,16 @@ def put_manifest(reg: Registry, repo: str, source: str | None) -> None:
     """A minimal OCI artifact in `repo`; its one blob is mounted from `source` once that holds it."""
     reg.upload_blob(repo, EMPTY_DIGEST, EMPTY, source)
     empty = {"mediaType": EMPTY_TYPE, "digest": EMPTY_DIGEST, "size": len(EMPTY)}
-    manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE,
-                "config": empty, "layers": [empty]}
-    resp = reg.request("PUT", f"/v2/{repo}/manifests/v1", body=json.dumps(manifest).encode(),
-                       headers={"Content-Type": OCI_MANIFEST})
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": empty,
+        "layers": [empty],
+    }
+    resp = reg.request(
+        "PUT", f"/v2/{repo}/manifests/v1", body=json.dumps(manifest).encode(), headers={"Content-Type": OCI_MANIFEST}
+    )
     assert resp.status == 201, resp.body
 
 

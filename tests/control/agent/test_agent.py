@@ -20,8 +20,10 @@ H100 = GpuDevice("nvidia", "sm90", "H100", 81559, 80000, 10.0)
 def test_report_for_a_uniform_node() -> None:
     report = node_report([H100, GpuDevice("nvidia", "sm90", "H100", 81559, 1000, 31.0)])
     assert report.labels == {
-        "wakegate.io/gpu.vendor": "nvidia", "wakegate.io/gpu.arch": "sm90",
-        "wakegate.io/gpu.count": "2", "wakegate.io/gpu.vram-mb": "81559",
+        "wakegate.io/gpu.vendor": "nvidia",
+        "wakegate.io/gpu.arch": "sm90",
+        "wakegate.io/gpu.count": "2",
+        "wakegate.io/gpu.vram-mb": "81559",
     }
     assert report.annotations == {"wakegate.io/gpu-free-memory-mb": "81000", "wakegate.io/gpu-utilization": "20"}
 
@@ -43,11 +45,13 @@ def test_patch_only_changed_keys_and_removes_stale_ones() -> None:
     assert patch_for(report, dict(report.labels), dict(report.annotations)) is None
     changed = dict(report.annotations, **{"wakegate.io/gpu-utilization": "99"})
     assert patch_for(report, dict(report.labels), changed) == {
-        "metadata": {"annotations": {"wakegate.io/gpu-utilization": "10"}}}
+        "metadata": {"annotations": {"wakegate.io/gpu-utilization": "10"}}
+    }
     stale = {"wakegate.io/gpu.vendor": "amd", "other": "keep"}
     patch = patch_for(Report({}, {}), stale, {"wakegate.io/gpu-utilization": "5"})
-    assert patch == {"metadata": {"labels": {"wakegate.io/gpu.vendor": None},
-                                  "annotations": {"wakegate.io/gpu-utilization": None}}}
+    assert patch == {
+        "metadata": {"labels": {"wakegate.io/gpu.vendor": None}, "annotations": {"wakegate.io/gpu-utilization": None}}
+    }
 
 
 class FakeKube:
@@ -80,7 +84,8 @@ def test_agent_patches_on_change_only(tmp_path: Path) -> None:
     path.write_text(json.dumps({"n": []}))
     assert agent.sync() is True
     assert core.patches[-1]["metadata"]["labels"] == dict.fromkeys(
-        ("wakegate.io/gpu.vendor", "wakegate.io/gpu.arch", "wakegate.io/gpu.count", "wakegate.io/gpu.vram-mb"))
+        ("wakegate.io/gpu.vendor", "wakegate.io/gpu.arch", "wakegate.io/gpu.count", "wakegate.io/gpu.vram-mb")
+    )
     assert agent.sync() is False
 
 
@@ -101,8 +106,10 @@ def test_no_gpu_and_no_library_log_one_clear_line(caplog: pytest.LogCaptureFixtu
         assert agent.sync() is False
         assert agent.sync() is False
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["node n: no GPU found (amdsmi: amdsmi not importable; nvml: NVML query failed: GPU is lost); "
-                     "the node gets no wakegate GPU labels"]
+    assert lines == [
+        "node n: no GPU found (amdsmi: amdsmi not importable; nvml: NVML query failed: GPU is lost); "
+        "the node gets no wakegate GPU labels"
+    ]
     assert core.patches == []
 
 

@@ -19,17 +19,25 @@ SOURCE = "oci://reg.example:5000/models/tiny:v1"
 
 
 def cache(**spec: Any) -> ModelCache:
-    return modelcache_from_object({
-        "apiVersion": names.API_VERSION, "kind": "ModelCache",
-        "metadata": {"name": "warm", "namespace": "ns"}, "spec": {"sources": [SOURCE], **spec},
-    })
+    return modelcache_from_object(
+        {
+            "apiVersion": names.API_VERSION,
+            "kind": "ModelCache",
+            "metadata": {"name": "warm", "namespace": "ns"},
+            "spec": {"sources": [SOURCE], **spec},
+        }
+    )
 
 
 def model(name: str = "m", **spec: Any) -> Model:
-    return model_from_object({
-        "apiVersion": names.API_VERSION, "kind": "Model", "metadata": {"name": name, "namespace": "ns"},
-        "spec": {"backend": "llamacpp", "source": SOURCE, **spec},
-    })
+    return model_from_object(
+        {
+            "apiVersion": names.API_VERSION,
+            "kind": "Model",
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"backend": "llamacpp", "source": SOURCE, **spec},
+        }
+    )
 
 
 GPU_NODE = {names.NODE_GPU_VENDOR: "nvidia", names.NODE_GPU_ARCH: "sm90", "zone": "a"}
@@ -57,29 +65,45 @@ def test_model_ref_means_where_the_model_may_run() -> None:
     assert not wants(cache(modelRef={"name": "m"}, nodeSelector={"zone": "c"}), {"zone": "b"}, {"m": picky})
 
 
-@pytest.mark.parametrize("sources, why", [
-    (["file:///models/a.gguf"], "a node cache holds oci:// and hf://"),
-    ([SOURCE, SOURCE], "twice"),
-    ([], "at least 1"),
-    (["oci://reg/repo"], "is not a registry host"),
-])
+@pytest.mark.parametrize(
+    "sources, why",
+    [
+        (["file:///models/a.gguf"], "a node cache holds oci:// and hf://"),
+        ([SOURCE, SOURCE], "twice"),
+        ([], "at least 1"),
+        (["oci://reg/repo"], "is not a registry host"),
+    ],
+)
 def test_bad_sources_are_refused_with_the_reason(sources: list[str], why: str) -> None:
     with pytest.raises(ValidationError) as err:
-        modelcache_from_object({"apiVersion": names.API_VERSION, "kind": "ModelCache",
-                                "metadata": {"name": "x"}, "spec": {"sources": sources}})
+        modelcache_from_object(
+            {
+                "apiVersion": names.API_VERSION,
+                "kind": "ModelCache",
+                "metadata": {"name": "x"},
+                "spec": {"sources": sources},
+            }
+        )
     assert why in str(err.value)
 
 
 def test_status_entries_carry_what_each_phase_knows() -> None:
     pulling = Entry(EntryPhase.PULLING, done=10, total=100).status("n1", SOURCE)
     assert pulling == {"node": "n1", "source": SOURCE, "phase": "Pulling", "bytesDone": 10, "bytesTotal": 100}
-    ready = Entry(EntryPhase.READY, digest=DIGEST, size=100, file="tiny.gguf",
-                  ready_time="2026-12-01T20:00:00Z").status("n1", SOURCE)
-    assert ready == {"node": "n1", "source": SOURCE, "phase": "Ready", "digest": DIGEST, "size": 100,
-                     "file": "tiny.gguf", "readyTime": "2026-12-01T20:00:00Z"}
+    ready = Entry(
+        EntryPhase.READY, digest=DIGEST, size=100, file="tiny.gguf", ready_time="2026-12-01T20:00:00Z"
+    ).status("n1", SOURCE)
+    assert ready == {
+        "node": "n1",
+        "source": SOURCE,
+        "phase": "Ready",
+        "digest": DIGEST,
+        "size": 100,
+        "file": "tiny.gguf",
+        "readyTime": "2026-12-01T20:00:00Z",
+    }
     failed = Entry(EntryPhase.FAILED, reason="not_found", message="no tag v9").status("n1", SOURCE)
-    assert failed == {"node": "n1", "source": SOURCE, "phase": "Failed", "reason": "not_found",
-                      "message": "no tag v9"}
+    assert failed == {"node": "n1", "source": SOURCE, "phase": "Failed", "reason": "not_found", "message": "no tag v9"}
 
 
 def test_status_body_holds_only_this_nodes_entries() -> None:

@@ -68,8 +68,12 @@ class FakeKube:
 
 
 def modelcache(name: str, source: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": names.API_VERSION, "kind": "ModelCache", "metadata": {"name": name, "namespace": "ns"},
-            "spec": {"sources": [source], **spec}}
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": "ModelCache",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"sources": [source], **spec},
+    }
 
 
 class Clock:
@@ -81,8 +85,14 @@ class Clock:
 
 
 def prewarmer(kube: FakeKube, cache_dir: Path, clock: Clock, *caches: dict[str, Any]) -> Prewarmer:
-    agent = Prewarmer(kube, NODE, Cache(cache_dir), Access(RegistrySettings()), retry_seconds=30,  # type: ignore[arg-type]
-                      clock=clock)
+    agent = Prewarmer(
+        kube,
+        NODE,
+        Cache(cache_dir),
+        Access(RegistrySettings()),
+        retry_seconds=30,  # type: ignore[arg-type]
+        clock=clock,
+    )
     agent.caches = Mirror(*caches)  # type: ignore[assignment]
     agent.models = Mirror()  # type: ignore[assignment]
     return agent
@@ -112,10 +122,14 @@ def test_prewarm_with_credentials_reports_ready_labels_the_node_and_keeps_the_se
         secret = {"data": {".dockerconfigjson": base64.b64encode(reg.docker_config.read_bytes()).decode()}}
         kube = FakeKube({"regcred": secret})
         clock = Clock()
-        agent = prewarmer(kube, tmp_path / "cache", clock,
-                          modelcache("private", source, credentials={"name": "regcred"}),
-                          modelcache("anonymous", source, nodeSelector={"pool": "a"}),
-                          modelcache("elsewhere", source, nodeSelector={"pool": "b"}))
+        agent = prewarmer(
+            kube,
+            tmp_path / "cache",
+            clock,
+            modelcache("private", source, credentials={"name": "regcred"}),
+            modelcache("anonymous", source, nodeSelector={"pool": "a"}),
+            modelcache("elsewhere", source, nodeSelector={"pool": "b"}),
+        )
 
         async def run() -> None:
             await agent.round()
@@ -157,8 +171,13 @@ def test_a_missing_secret_is_failed_and_a_deleted_modelcache_gives_its_entries_u
     with start_registry(tmp_path / "reg") as reg:
         source, digest = published(reg, tmp_path, "models/tiny:v1")
         kube = FakeKube()
-        agent = prewarmer(kube, tmp_path / "cache", Clock(), modelcache("c", source, credentials={"name": "gone"}),
-                          modelcache("d", source))
+        agent = prewarmer(
+            kube,
+            tmp_path / "cache",
+            Clock(),
+            modelcache("c", source, credentials={"name": "gone"}),
+            modelcache("d", source),
+        )
         asyncio.run(settle(agent))
         assert kube.status["c"][0]["reason"] == "bad_credentials"
         assert kube.status["c"][0]["message"] == "credentials Secret ns/gone does not exist"

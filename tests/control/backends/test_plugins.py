@@ -18,14 +18,30 @@ VALUES = {"host": "127.0.0.1", "port": "9001", "model": "/m/tiny.gguf", "served_
 #: --help` and vLLM's OpenAI server docs, vLLM-Omni's serving docs (`--omni`), MLC LLM's REST API
 #: docs (`mlc_llm serve MODEL [--host] [--port]`), ComfyUI's startup flags (`--listen`, `--port`).
 DOCUMENTED = {
-    "llamacpp": {"program": ("llama-server",), "positional": None,
-                 "flags": {"--model", "--alias", "--host", "--port"}, "switches": {"--metrics"}},
-    "vllm": {"program": ("vllm", "serve"), "positional": "/m/tiny.gguf",
-             "flags": {"--host", "--port", "--served-model-name"}, "switches": set()},
-    "vllm-omni": {"program": ("vllm", "serve"), "positional": "/m/tiny.gguf",
-                  "flags": {"--host", "--port", "--served-model-name"}, "switches": {"--omni"}},
-    "mlc-llm": {"program": ("mlc_llm", "serve"), "positional": "/m/tiny.gguf",
-                "flags": {"--host", "--port"}, "switches": set()},
+    "llamacpp": {
+        "program": ("llama-server",),
+        "positional": None,
+        "flags": {"--model", "--alias", "--host", "--port"},
+        "switches": {"--metrics"},
+    },
+    "vllm": {
+        "program": ("vllm", "serve"),
+        "positional": "/m/tiny.gguf",
+        "flags": {"--host", "--port", "--served-model-name"},
+        "switches": set(),
+    },
+    "vllm-omni": {
+        "program": ("vllm", "serve"),
+        "positional": "/m/tiny.gguf",
+        "flags": {"--host", "--port", "--served-model-name"},
+        "switches": {"--omni"},
+    },
+    "mlc-llm": {
+        "program": ("mlc_llm", "serve"),
+        "positional": "/m/tiny.gguf",
+        "flags": {"--host", "--port"},
+        "switches": set(),
+    },
     "ollama": {"program": ("ollama", "serve"), "positional": None, "flags": set(), "switches": set()},
 }
 
@@ -36,7 +52,7 @@ def test_command_uses_only_documented_flags(name: str) -> None:
     argv = BACKENDS[name].command(VALUES)
     program = doc["program"]
     assert tuple(argv[: len(program)]) == program
-    rest = argv[len(program):]
+    rest = argv[len(program) :]
     if doc["positional"] is not None:
         assert rest[0] == doc["positional"], "the model comes first, as the engine's CLI documents"
         rest = rest[1:]
@@ -182,8 +198,12 @@ def test_wakegate_up_says_which_model_cannot_start_and_exits_2(tmp_path: Path) -
 
     manifest = tmp_path / "models.yaml"
     manifest.write_text(MODEL.format(spec="backend: llamacpp, source: 'file://missing.gguf'"))
-    out = subprocess.run([sys.executable, "-m", "wakegate", "up", "--check", "-f", str(manifest)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "wakegate", "up", "--check", "-f", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"wakegate up: {manifest}: Model 'm': spec.source file://missing.gguf: {tmp_path}/missing.gguf does not exist"

@@ -18,8 +18,19 @@ from wakegate.control.placement.benchdata import BenchResult, result_key, throug
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimProcess]:
     # 200 tokens/s per request, 50 ms to the first token, 16 tokens per answer
-    proc = start_sim(0, "--served-model-name", "m1", "--tokens-per-second", "200", "--ttft-ms", "50",
-                     "--max-tokens-default", "16", "--drain-seconds", "0")
+    proc = start_sim(
+        0,
+        "--served-model-name",
+        "m1",
+        "--tokens-per-second",
+        "200",
+        "--ttft-ms",
+        "50",
+        "--max-tokens-default",
+        "16",
+        "--drain-seconds",
+        "0",
+    )
     yield proc
     proc.stop()
 
@@ -46,9 +57,28 @@ async def test_nothing_listening() -> None:
 
 def test_cli_prints_a_summary(sim: SimProcess) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "wakegate", "bench", "--url", sim.base_url, "--model", "m1",
-         "--requests", "4", "--concurrency", "2", "--max-tokens", "8", "--json"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "wakegate",
+            "bench",
+            "--url",
+            sim.base_url,
+            "--model",
+            "m1",
+            "--requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -74,7 +104,14 @@ def test_result_key_and_table() -> None:
     result = BenchResult("vllm", "m1", "nvidia-sm90", 123.4, 56.0, "2026-01-01T00:00:00Z")
     assert result.key == result_key("vllm", "m1", "nvidia-sm90")
     assert result.key == hashlib.sha256(b"vllm|m1|nvidia-sm90").hexdigest()
-    table = throughput_table({result.key: result.to_json(), "bad": "{", "nan": '{"tokens_per_second": NaN}',
-                              "list": "[]", "neg": '{"tokens_per_second": -1}'})
+    table = throughput_table(
+        {
+            result.key: result.to_json(),
+            "bad": "{",
+            "nan": '{"tokens_per_second": NaN}',
+            "list": "[]",
+            "neg": '{"tokens_per_second": -1}',
+        }
+    )
     assert table == {result.key: 123.4}
     assert throughput_table(None) == {}

@@ -42,8 +42,9 @@ def layer_gets(reg: Registry) -> list[str]:
     return [r for r in reg.requests() if r.startswith("GET /v2/models/") and "/blobs/" in r]
 
 
-def test_a_corrupted_entry_is_found_reported_and_fetched_again(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_corrupted_entry_is_found_reported_and_fetched_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model = weights(tmp_path / "src", 40 * MB + 7)
     cache = Cache(tmp_path / "cache")
     with start_registry(tmp_path / "reg") as reg:
@@ -97,18 +98,18 @@ def test_eviction_keeps_leased_entries_and_refuses_when_nothing_can_go(tmp_path:
     with start_registry(tmp_path / "reg") as reg:
         refs = [publish(reg, weights(tmp_path / f"m{i}", 3 * MB + i), f"m{i}") for i in range(3)]
         cache = Cache(tmp_path / "cache", max_bytes=7 * MB)
-        first = pull(refs[0][0], cache)     # leased: kept although least recently used
+        first = pull(refs[0][0], cache)  # leased: kept although least recently used
         second = pull(refs[1][0], cache)
         second.release()
-        third = pull(refs[2][0], cache)     # needs room: evicts the second, not the leased first
+        third = pull(refs[2][0], cache)  # needs room: evicts the second, not the leased first
         assert set(cache.keys()) == {refs[0][1], refs[2][1]}
         assert first.model_path.exists()
         with pytest.raises(DeliveryError) as full:
-            pull(refs[1][0], cache)         # both others are leased now
+            pull(refs[1][0], cache)  # both others are leased now
         assert full.value.reason == "cache_full" and "held by entries in use" in str(full.value)
         assert set(cache.keys()) == {refs[0][1], refs[2][1]}
         first.release()
-        again = pull(refs[1][0], cache)     # the first is free: it goes
+        again = pull(refs[1][0], cache)  # the first is free: it goes
         assert set(cache.keys()) == {refs[1][1], refs[2][1]}
         for resolved in (again, third):
             resolved.release()
@@ -119,15 +120,27 @@ def test_two_processes_pulling_one_digest_share_one_download(tmp_path: Path) -> 
     with start_registry(tmp_path / "reg", access_log=True) as reg:
         ref, key = publish(reg, model, "big")
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        argv = [sys.executable, "-m", "wakegate", "cache", "--cache-dir", str(tmp_path / "cache"),
-                "--progress", "plain", "pull", ref]
-        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for _ in range(2)]
+        argv = [
+            sys.executable,
+            "-m",
+            "wakegate",
+            "cache",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--progress",
+            "plain",
+            "pull",
+            ref,
+        ]
+        procs = [
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+        ]
         outputs = [p.communicate(timeout=120) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs
         paths = {out.strip() for out, _ in outputs}
         assert paths == {str(Cache(tmp_path / "cache").files_dir(key) / "tiny.gguf")}
         layer = json.loads((Cache(tmp_path / "cache").entry_dir(key) / "manifest.json").read_text())["layers"][0]
         assert [g for g in layer_gets(reg) if g.endswith(layer["digest"])] == [
-            f"GET /v2/models/big/blobs/{layer['digest']}"]
+            f"GET /v2/models/big/blobs/{layer['digest']}"
+        ]
         assert Path(paths.pop()).read_bytes() == model.read_bytes()

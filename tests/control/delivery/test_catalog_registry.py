@@ -35,9 +35,13 @@ REPOS = [f"models/m{i:03}" for i in range(150)]
 MANY_TAGS = [f"v{i:02}" for i in range(25)]
 WEIGHT = b"not really a gguf, but the registry never looks"
 WEIGHT_DIGEST = "sha256:" + hashlib.sha256(WEIGHT).hexdigest()
-CONFIG = json.dumps({"descriptor": {"name": "tiny"},
-                     "config": {"format": "gguf", "architecture": "llama", "paramSize": "1.1B"},
-                     "modelfs": {"type": "layers", "diff_ids": [WEIGHT_DIGEST]}}).encode()
+CONFIG = json.dumps(
+    {
+        "descriptor": {"name": "tiny"},
+        "config": {"format": "gguf", "architecture": "llama", "paramSize": "1.1B"},
+        "modelfs": {"type": "layers", "diff_ids": [WEIGHT_DIGEST]},
+    }
+).encode()
 CONFIG_DIGEST = "sha256:" + hashlib.sha256(CONFIG).hexdigest()
 
 
@@ -47,15 +51,27 @@ def publish(reg: Registry, repo: str, tags: list[str], quant: str, source: str |
     reg.upload_blob(repo, CONFIG_DIGEST, CONFIG, source)
     reg.upload_blob(repo, WEIGHT_DIGEST, WEIGHT, source)
     manifest = {
-        "schemaVersion": 2, "mediaType": media.OCI_MANIFEST, "artifactType": media.MODEL_ARTIFACT,
+        "schemaVersion": 2,
+        "mediaType": media.OCI_MANIFEST,
+        "artifactType": media.MODEL_ARTIFACT,
         "config": {"mediaType": media.MODEL_CONFIG, "digest": CONFIG_DIGEST, "size": len(CONFIG)},
-        "layers": [{"mediaType": media.WEIGHT_RAW, "digest": WEIGHT_DIGEST, "size": len(WEIGHT),
-                    "annotations": {media.ANNOTATION_TITLE: f"tiny-{quant}.gguf"}}],
+        "layers": [
+            {
+                "mediaType": media.WEIGHT_RAW,
+                "digest": WEIGHT_DIGEST,
+                "size": len(WEIGHT),
+                "annotations": {media.ANNOTATION_TITLE: f"tiny-{quant}.gguf"},
+            }
+        ],
         "annotations": {"org.cncf.model.quantization": quant, "org.opencontainers.image.description": repo},
     }
     for tag in tags:
-        resp = reg.request("PUT", f"/v2/{repo}/manifests/{tag}", body=json.dumps(manifest).encode(),
-                           headers={"Content-Type": media.OCI_MANIFEST})
+        resp = reg.request(
+            "PUT",
+            f"/v2/{repo}/manifests/{tag}",
+            body=json.dumps(manifest).encode(),
+            headers={"Content-Type": media.OCI_MANIFEST},
+        )
         assert resp.status == 201, resp.body
 
 
@@ -78,8 +94,9 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Published]:
         publish(wide, "tagged/many", MANY_TAGS, "Q4_K_M", REPOS[0])
         publish(reg, "tagged/many", MANY_TAGS, "Q4_K_M", None)
         tiny = weights(tmp / "src", 64 * 1024)
-        digest = asyncio.run(push(tiny, f"oci://{reg.host}/own/tiny:v1",
-                                  settings=RegistrySettings(docker_config=reg.docker_config)))
+        digest = asyncio.run(
+            push(tiny, f"oci://{reg.host}/own/tiny:v1", settings=RegistrySettings(docker_config=reg.docker_config))
+        )
         yield Published(reg, tiny, digest, wide)
 
 
@@ -87,8 +104,13 @@ def wakegate(*argv: str, config: Path) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join(p for p in (str(REPO_ROOT / "proto"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "DOCKER_CONFIG": "/nonexistent"}
     command, action, *rest = argv
-    return subprocess.run([sys.executable, "-m", "wakegate", command, "--registry-config", str(config), action,
-                           *rest], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "wakegate", command, "--registry-config", str(config), action, *rest],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_the_client_pages_through_150_repositories_and_25_tags(published: Published) -> None:
@@ -121,7 +143,12 @@ def test_ls_lists_150_repositories_with_their_facts(published: Published) -> Non
     assert [e["repository"] for e in models] == REPOS
     for i, entry in enumerate(models):
         assert (entry["tag"], entry["format"], entry["architecture"], entry["parameters"], entry["quantization"]) == (
-            "v1", "gguf", "llama", "1.1B", f"Q{i % 8}_0")
+            "v1",
+            "gguf",
+            "llama",
+            "1.1B",
+            f"Q{i % 8}_0",
+        )
         assert entry["size"] == len(WEIGHT)
         assert entry["annotations"]["org.opencontainers.image.description"] == entry["repository"]
         assert entry["artifactType"] == media.MODEL_ARTIFACT
@@ -172,8 +199,18 @@ def test_a_prefix_limits_the_listing_to_whole_path_segments(published: Published
 def test_deploy_writes_a_model_pinned_by_digest(published: Published, tmp_path: Path) -> None:
     reg = published.reg
     target = tmp_path / "tiny.yaml"
-    out = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny", "--min", "1", "-o", str(target),
-                   config=reg.docker_config)
+    out = wakegate(
+        "catalog",
+        "deploy",
+        f"{reg.host}/own/tiny:v1",
+        "--as",
+        "tiny",
+        "--min",
+        "1",
+        "-o",
+        str(target),
+        config=reg.docker_config,
+    )
     assert out.returncode == 0, out.stderr
     (model,) = parse_models(target.read_text(), str(target))
     assert model.metadata.name == "tiny"
@@ -214,14 +251,31 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
     thread.start()
     try:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
-            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "stand-in", "context": {"cluster": "c", "user": "u"}}],
-        }))
-        out = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny", "--apply", "-n", "team-a",
-                       "--kubeconfig", str(kubeconfig), config=reg.docker_config)
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "stand-in",
+                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "stand-in", "context": {"cluster": "c", "user": "u"}}],
+                }
+            )
+        )
+        out = wakegate(
+            "catalog",
+            "deploy",
+            f"{reg.host}/own/tiny:v1",
+            "--as",
+            "tiny",
+            "--apply",
+            "-n",
+            "team-a",
+            "--kubeconfig",
+            str(kubeconfig),
+            config=reg.docker_config,
+        )
         assert out.returncode == 0, out.stderr
         ((method, path, content_type, body),) = _ApiServer.seen
         assert (method, content_type) == ("PATCH", "application/apply-patch+yaml")
@@ -231,9 +285,21 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
         assert body["metadata"] == {"name": "tiny", "namespace": "team-a"}
 
         _ApiServer.seen.clear()
-        adapter = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny-sql", "--adapter-of",
-                           "tiny", "--apply", "-n", "team-a", "--kubeconfig", str(kubeconfig),
-                           config=reg.docker_config)
+        adapter = wakegate(
+            "catalog",
+            "deploy",
+            f"{reg.host}/own/tiny:v1",
+            "--as",
+            "tiny-sql",
+            "--adapter-of",
+            "tiny",
+            "--apply",
+            "-n",
+            "team-a",
+            "--kubeconfig",
+            str(kubeconfig),
+            config=reg.docker_config,
+        )
         assert adapter.returncode == 0, adapter.stderr
         assert "applied LoRAAdapter team-a/tiny-sql" in adapter.stderr
         ((method, path, content_type, body),) = _ApiServer.seen
@@ -241,24 +307,47 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
         assert path.startswith("/apis/wakegate.io/v1alpha1/namespaces/team-a/loraadapters/tiny-sql?")
         assert "fieldManager=wakegate-catalog" in path
         assert body["kind"] == "LoRAAdapter" and body["metadata"] == {"name": "tiny-sql", "namespace": "team-a"}
-        assert body["spec"] == {"baseModel": "tiny", "servedName": "tiny-sql",
-                                "source": f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}"}
+        assert body["spec"] == {
+            "baseModel": "tiny",
+            "servedName": "tiny-sql",
+            "source": f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}",
+        }
     finally:
         server.shutdown()
         server.server_close()
 
-    nowhere = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny", "--apply",
-                       "--kubeconfig", str(tmp_path / "missing"), config=reg.docker_config)
+    nowhere = wakegate(
+        "catalog",
+        "deploy",
+        f"{reg.host}/own/tiny:v1",
+        "--as",
+        "tiny",
+        "--apply",
+        "--kubeconfig",
+        str(tmp_path / "missing"),
+        config=reg.docker_config,
+    )
     assert nowhere.returncode == 1 and "no cluster to apply to" in nowhere.stderr
     assert "Traceback" not in nowhere.stderr
 
 
 def test_deploy_writes_a_lora_adapter_for_an_adapter_artifact(published: Published) -> None:
     reg = published.reg
-    out = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "tiny-sql", "--adapter-of", "tiny",
-                   config=reg.docker_config)
+    out = wakegate(
+        "catalog",
+        "deploy",
+        f"{reg.host}/own/tiny:v1",
+        "--as",
+        "tiny-sql",
+        "--adapter-of",
+        "tiny",
+        config=reg.docker_config,
+    )
     assert out.returncode == 0, out.stderr
     (doc,) = yaml.safe_load_all(out.stdout)
     assert (doc["kind"], doc["metadata"]["name"]) == ("LoRAAdapter", "tiny-sql")
-    assert doc["spec"] == {"baseModel": "tiny", "servedName": "tiny-sql",
-                           "source": f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}"}
+    assert doc["spec"] == {
+        "baseModel": "tiny",
+        "servedName": "tiny-sql",
+        "source": f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}",
+    }

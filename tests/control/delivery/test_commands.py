@@ -32,8 +32,9 @@ def wakegate(*argv: str, cache: Path, config: Path | None = None) -> subprocess.
         full = [command, *flags, action, *args]
     else:
         full = [command, *rest, *flags]
-    return subprocess.run([sys.executable, "-m", "wakegate", *full], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "wakegate", *full], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_push_pull_ls_rm_and_flash_load_from_the_command_line(tmp_path: Path) -> None:
@@ -60,8 +61,9 @@ def test_push_pull_ls_rm_and_flash_load_from_the_command_line(tmp_path: Path) ->
         assert [(e["key"], e["source"], e["inUse"]) for e in listed] == [(key, ref, False)]
         assert "1 entries, 6.3 MB" in wakegate("cache", "ls", cache=cache_dir).stdout
 
-        staged = wakegate("flash-load", key, str(tmp_path / "shm"), "--threads", "2", "--chunk-size", "1M",
-                          cache=cache_dir)
+        staged = wakegate(
+            "flash-load", key, str(tmp_path / "shm"), "--threads", "2", "--chunk-size", "1M", cache=cache_dir
+        )
         assert staged.returncode == 0, staged.stderr
         assert Path(staged.stdout.strip()).read_bytes() == model.read_bytes()
         assert re.search(r"wakegate flash-load: 6\.3 MB in [\d.]+s, [\d.]+ [kMG]B/s", staged.stderr)

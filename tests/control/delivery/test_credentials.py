@@ -38,8 +38,9 @@ def test_a_file_that_is_not_a_config_is_refused_without_its_content() -> None:
 def test_the_password_is_in_no_repr() -> None:
     creds = Credentials("alice", "hunter2")
     assert "hunter2" not in repr(creds) and "hunter2" not in str(creds)
-    assert "hunter2" not in repr(parse_docker_config(json.dumps({"auths": {"r.io": {"username": "a",
-                                                                                    "password": "hunter2"}}})))
+    assert "hunter2" not in repr(
+        parse_docker_config(json.dumps({"auths": {"r.io": {"username": "a", "password": "hunter2"}}}))
+    )
 
 
 def test_challenges_keep_quoted_commas() -> None:
@@ -48,7 +49,11 @@ def test_challenges_keep_quoted_commas() -> None:
         'scope="repository:models/tiny:pull,push",error="insufficient_scope"'
     )
     assert challenge.scheme == "bearer"
-    assert challenge.params == {"realm": "https://auth.example/token", "service": "registry.example",
-                                "scope": "repository:models/tiny:pull,push", "error": "insufficient_scope"}
+    assert challenge.params == {
+        "realm": "https://auth.example/token",
+        "service": "registry.example",
+        "scope": "repository:models/tiny:pull,push",
+        "error": "insufficient_scope",
+    }
     assert parse_challenge('Basic realm="wakegate-tests"').scheme == "basic"
     assert normalise_host("http://Reg.Example:80/path") == "reg.example:80"

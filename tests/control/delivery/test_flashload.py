@@ -27,8 +27,9 @@ def cached(cache: Cache, path: Path, block_size: int = 1 * MB) -> EntryRecord:
     staging = cache.staging_dir(digests.digest) / "files"
     staging.mkdir(parents=True)
     (staging / path.name).write_bytes(path.read_bytes())
-    record = EntryRecord(digests.digest, f"file://{path}", digests.size, time.time(),
-                         (FileRecord.of(PurePosixPath(path.name), digests),))
+    record = EntryRecord(
+        digests.digest, f"file://{path}", digests.size, time.time(), (FileRecord.of(PurePosixPath(path.name), digests),)
+    )
     cache.commit(staging.parent, record)
     return record
 
@@ -39,8 +40,14 @@ def test_a_staged_copy_is_the_cached_bytes_and_is_not_copied_twice(tmp_path: Pat
     record = cached(cache, model)
     events: list[Progress] = []
     dest = tmp_path / "shm"
-    staged = flash_load(files_of(record, cache.files_dir(record.key)), dest, key=record.key, threads=3,
-                        chunk_size=256 * 1024, progress=events.append)
+    staged = flash_load(
+        files_of(record, cache.files_dir(record.key)),
+        dest,
+        key=record.key,
+        threads=3,
+        chunk_size=256 * 1024,
+        progress=events.append,
+    )
     assert (dest / "tiny.gguf").read_bytes() == model.read_bytes()
     assert staged.verified and not staged.skipped and staged.bytes == model.stat().st_size
     assert sorted(p.name for p in dest.iterdir()) == [STAGED_MARKER, "tiny.gguf"]
@@ -61,8 +68,9 @@ def test_a_corrupt_block_fails_the_staging_and_leaves_nothing_behind(tmp_path: P
         f.write(bytes([byte[0] ^ 0xFF]))  # flipped: a fixed byte is already there once in 256 runs
     dest = tmp_path / "shm"
     with pytest.raises(DigestMismatch, match=r"block 2 \(bytes 2097152-3145727\)"):
-        flash_load(files_of(record, cache.files_dir(record.key)), dest, key=record.key, threads=2,
-                   chunk_size=128 * 1024)
+        flash_load(
+            files_of(record, cache.files_dir(record.key)), dest, key=record.key, threads=2, chunk_size=128 * 1024
+        )
     assert list(dest.iterdir()) == []
 
 

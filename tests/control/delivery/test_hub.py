@@ -34,8 +34,11 @@ class FakeHub:
 
     def sibling(self, name: str) -> dict[str, object]:
         data = self.files[name]
-        out: dict[str, object] = {"rfilename": name, "size": len(data),
-                                  "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+        out: dict[str, object] = {
+            "rfilename": name,
+            "size": len(data),
+            "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+        }
         if name in self.lfs:
             sha = hashlib.sha256(data).hexdigest() if not self.wrong_sha else "0" * 64
             out["lfs"] = {"sha256": sha, "size": len(data), "pointerSize": 134}
@@ -44,10 +47,18 @@ class FakeHub:
     async def info(self, request: web.Request) -> web.Response:
         self._record(request)
         if request.match_info["repo"] != "org/tiny":
-            return web.json_response({"error": "Repository not found"}, status=404,
-                                     headers={"X-Error-Code": "RepoNotFound"})
-        return web.json_response({"id": "org/tiny", "modelId": "org/tiny", "sha": COMMIT, "private": False,
-                                  "siblings": [self.sibling(n) for n in sorted(self.files)]})
+            return web.json_response(
+                {"error": "Repository not found"}, status=404, headers={"X-Error-Code": "RepoNotFound"}
+            )
+        return web.json_response(
+            {
+                "id": "org/tiny",
+                "modelId": "org/tiny",
+                "sha": COMMIT,
+                "private": False,
+                "siblings": [self.sibling(n) for n in sorted(self.files)],
+            }
+        )
 
     async def resolve_file(self, request: web.Request) -> web.StreamResponse:
         self._record(request)
@@ -94,8 +105,9 @@ def pull(source: str, cache: Cache, monkeypatch: pytest.MonkeyPatch, hub: FakeHu
     return asyncio.run(resolve(source, cache, access=Access.from_env()))
 
 
-def test_a_hub_snapshot_lands_in_the_cache_with_exactly_these_requests(tmp_path: Path, hub: FakeHub,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_snapshot_lands_in_the_cache_with_exactly_these_requests(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = Cache(tmp_path / "cache")
     resolved = pull("hf://org/tiny@main", cache, monkeypatch, hub)
     assert resolved.pulled and resolved.primary is not None
@@ -103,15 +115,17 @@ def test_a_hub_snapshot_lands_in_the_cache_with_exactly_these_requests(tmp_path:
     assert (resolved.root / "config.json").read_bytes() == hub.files["config.json"]
     assert resolved.record is not None and resolved.record.source == f"hf://org/tiny@{COMMIT}"
     assert {f.path: f.digest for f in resolved.record.files}["model.gguf"] == (
-        "sha256:" + hashlib.sha256(hub.files["model.gguf"]).hexdigest())
+        "sha256:" + hashlib.sha256(hub.files["model.gguf"]).hexdigest()
+    )
     resolved.release()
     assert all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.requests)
     first, *files = [(m, p) for m, p, _ in hub.requests]
     # The revision's listing with file metadata, then a HEAD and a GET per file at the commit
     # (files are fetched four at a time, so their order varies).
     assert first == ("GET", "/api/models/org/tiny/revision/main?blobs=true")
-    assert sorted(files) == sorted((method, f"/org/tiny/resolve/{COMMIT}/{name}")
-                                   for name in hub.files for method in ("GET", "HEAD"))
+    assert sorted(files) == sorted(
+        (method, f"/org/tiny/resolve/{COMMIT}/{name}") for name in hub.files for method in ("GET", "HEAD")
+    )
 
     hub.requests.clear()
     pinned = pull(f"hf://org/tiny@{COMMIT}", cache, monkeypatch, hub)
@@ -119,16 +133,18 @@ def test_a_hub_snapshot_lands_in_the_cache_with_exactly_these_requests(tmp_path:
     pinned.release()
 
 
-def test_a_file_filter_fetches_only_matching_files(tmp_path: Path, hub: FakeHub,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_filter_fetches_only_matching_files(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     resolved = pull("hf://org/tiny/*.gguf", Cache(tmp_path / "cache"), monkeypatch, hub)
     assert resolved.files == ("model.gguf",)
     assert not any("config.json" in p for _, p, _ in hub.requests)
     resolved.release()
 
 
-def test_bytes_that_disagree_with_the_listing_are_refused(tmp_path: Path, hub: FakeHub,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bytes_that_disagree_with_the_listing_are_refused(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     hub.wrong_sha = True
     cache = Cache(tmp_path / "cache")
     with pytest.raises(DeliveryError) as err:
@@ -138,7 +154,8 @@ def test_bytes_that_disagree_with_the_listing_are_refused(tmp_path: Path, hub: F
 
 
 def test_an_unknown_repository_is_not_found_and_the_token_is_not_in_the_error(
-        tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(DeliveryError) as err:
         pull("hf://org/missing", Cache(tmp_path / "cache"), monkeypatch, hub)
     assert err.value.reason == "not_found" and "hf://org/missing@main" in str(err.value)

@@ -19,8 +19,11 @@ def key(n: int) -> str:
 
 
 def test_least_recently_used_entries_go_first_and_only_as_many_as_needed() -> None:
-    entries = [EntryUse(key(1), 40, last_used=10, in_use=False), EntryUse(key(2), 40, last_used=5, in_use=False),
-               EntryUse(key(3), 40, last_used=1, in_use=True)]
+    entries = [
+        EntryUse(key(1), 40, last_used=10, in_use=False),
+        EntryUse(key(2), 40, last_used=5, in_use=False),
+        EntryUse(key(3), 40, last_used=1, in_use=True),
+    ]
     plan = plan_eviction(entries, budget=130, incoming=30)
     assert plan.evict == (key(2),) and plan.fits
 
@@ -31,10 +34,14 @@ def test_an_entry_in_use_is_never_evicted_even_when_nothing_then_fits() -> None:
     assert plan.evict == () and not plan.fits and plan.in_use_bytes == 60
 
 
-@given(st.lists(st.tuples(st.integers(1, 100), st.floats(0, 100), st.booleans()), max_size=12),
-       st.integers(0, 600), st.integers(0, 100))
-def test_eviction_keeps_leased_entries_and_fits_when_it_says_so(spec: list[tuple[int, float, bool]], budget: int,
-                                                                incoming: int) -> None:
+@given(
+    st.lists(st.tuples(st.integers(1, 100), st.floats(0, 100), st.booleans()), max_size=12),
+    st.integers(0, 600),
+    st.integers(0, 100),
+)
+def test_eviction_keeps_leased_entries_and_fits_when_it_says_so(
+    spec: list[tuple[int, float, bool]], budget: int, incoming: int
+) -> None:
     entries = [EntryUse(key(i), size, used, busy) for i, (size, used, busy) in enumerate(spec)]
     plan = plan_eviction(entries, budget, incoming)
     busy = {e.key for e in entries if e.in_use}

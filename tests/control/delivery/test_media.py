@@ -22,20 +22,26 @@ def _layer(media_type: str, seed: str, **annotations: str) -> dict[str, Any]:
 
 
 def _manifest(*layers: dict[str, Any], artifact: str | None = media.MODEL_ARTIFACT) -> bytes:
-    doc = {"schemaVersion": 2, "mediaType": media.OCI_MANIFEST, "config": _layer(media.OCI_EMPTY, "c"),
-           "layers": list(layers)}
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": media.OCI_MANIFEST,
+        "config": _layer(media.OCI_EMPTY, "c"),
+        "layers": list(layers),
+    }
     if artifact:
         doc["artifactType"] = artifact
     return json.dumps(doc).encode()
 
 
 def test_titled_layers_become_files_and_tar_layers_unpack() -> None:
-    parsed = media.parse(_manifest(
-        _layer(media.WEIGHT_RAW, "w", **{media.ANNOTATION_TITLE: "model.gguf"}),
-        _layer("application/vnd.oci.image.layer.v1.tar+gzip", "d", **{media.ANNOTATION_TITLE: "tokenizer"}),
-        _layer("application/vnd.kitops.modelkit.model.v1.tar", "k"),
-        _layer(media.WEIGHT_CONFIG_RAW, "cfg", **{media.ANNOTATION_FILEPATH: "conf/config.json"}),
-    ))
+    parsed = media.parse(
+        _manifest(
+            _layer(media.WEIGHT_RAW, "w", **{media.ANNOTATION_TITLE: "model.gguf"}),
+            _layer("application/vnd.oci.image.layer.v1.tar+gzip", "d", **{media.ANNOTATION_TITLE: "tokenizer"}),
+            _layer("application/vnd.kitops.modelkit.model.v1.tar", "k"),
+            _layer(media.WEIGHT_CONFIG_RAW, "cfg", **{media.ANNOTATION_FILEPATH: "conf/config.json"}),
+        )
+    )
     assert isinstance(parsed, media.Manifest)
     files = media.files_of(parsed)
     assert [(f.unpack, str(f.path) if f.path else None) for f in files] == [
@@ -46,11 +52,14 @@ def test_titled_layers_become_files_and_tar_layers_unpack() -> None:
     ]
 
 
-@pytest.mark.parametrize(("layer", "says"), [
-    (_layer("application/octet-stream", "x"), "has no file name"),
-    (_layer(media.WEIGHT_RAW, "x", **{media.ANNOTATION_TITLE: "../../etc/cron.d/x"}), "leave the model"),
-    (_layer("application/vnd.cncf.model.weight.v1.tar+zstd", "x"), "zstd"),
-])
+@pytest.mark.parametrize(
+    ("layer", "says"),
+    [
+        (_layer("application/octet-stream", "x"), "has no file name"),
+        (_layer(media.WEIGHT_RAW, "x", **{media.ANNOTATION_TITLE: "../../etc/cron.d/x"}), "leave the model"),
+        (_layer("application/vnd.cncf.model.weight.v1.tar+zstd", "x"), "zstd"),
+    ],
+)
 def test_layers_that_cannot_become_files_are_refused(layer: dict[str, Any], says: str) -> None:
     parsed = media.parse(_manifest(layer))
     assert isinstance(parsed, media.Manifest)
@@ -71,8 +80,9 @@ def test_an_index_is_narrowed_to_the_model_or_this_platform() -> None:
         return {"mediaType": media.OCI_MANIFEST, "digest": _digest(seed), "size": 100, **extra}
 
     def index(*entries: dict[str, Any]) -> media.Index:
-        parsed = media.parse(json.dumps({"schemaVersion": 2, "mediaType": media.OCI_INDEX,
-                                         "manifests": list(entries)}).encode())
+        parsed = media.parse(
+            json.dumps({"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": list(entries)}).encode()
+        )
         assert isinstance(parsed, media.Index)
         return parsed
 
@@ -85,29 +95,39 @@ def test_an_index_is_narrowed_to_the_model_or_this_platform() -> None:
         media.choose(index(arm, entry("other", platform={"os": "windows", "architecture": "amd64"})))
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    (b"not json", "not JSON"),
-    (json.dumps({"schemaVersion": 1}).encode(), "schema 1"),
-    (json.dumps({"schemaVersion": 2, "mediaType": "application/x-other"}).encode(), "unsupported"),
-    (_manifest({"mediaType": media.WEIGHT_RAW, "digest": "md5:00", "size": 1}), "not a digest"),
-])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"not json", "not JSON"),
+        (json.dumps({"schemaVersion": 1}).encode(), "schema 1"),
+        (json.dumps({"schemaVersion": 2, "mediaType": "application/x-other"}).encode(), "unsupported"),
+        (_manifest({"mediaType": media.WEIGHT_RAW, "digest": "md5:00", "size": 1}), "not a digest"),
+    ],
+)
 def test_malformed_manifests_are_refused(body: bytes, says: str) -> None:
     with pytest.raises(ManifestError, match=says):
         media.parse(body)
 
 
 def test_pushed_manifests_follow_modelpack_and_are_reproducible() -> None:
-    layers = [media.layer_for(PurePosixPath("tiny.gguf"), _digest("w"), 10),
-              media.layer_for(PurePosixPath("tokenizer.json"), _digest("t"), 5),
-              media.layer_for(PurePosixPath("README.md"), _digest("r"), 3)]
+    layers = [
+        media.layer_for(PurePosixPath("tiny.gguf"), _digest("w"), 10),
+        media.layer_for(PurePosixPath("tokenizer.json"), _digest("t"), 5),
+        media.layer_for(PurePosixPath("README.md"), _digest("r"), 3),
+    ]
     assert [layer.media_type for layer in layers] == [media.WEIGHT_RAW, media.WEIGHT_CONFIG_RAW, media.DOC_RAW]
     config = media.model_config(layers, "tiny")
-    assert json.loads(config) == {"descriptor": {"name": "tiny"}, "config": {"format": "gguf"},
-                                  "modelfs": {"type": "layers", "diff_ids": [layer.digest for layer in layers]}}
+    assert json.loads(config) == {
+        "descriptor": {"name": "tiny"},
+        "config": {"format": "gguf"},
+        "modelfs": {"type": "layers", "diff_ids": [layer.digest for layer in layers]},
+    }
     desc = media.Descriptor(media.MODEL_CONFIG, _digest("c"), len(config))
     first, second = media.image_manifest(desc, layers), media.image_manifest(desc, layers)
     assert first == second
     doc = json.loads(first)
     assert doc["artifactType"] == media.MODEL_ARTIFACT and doc["mediaType"] == media.OCI_MANIFEST
-    assert doc["layers"][0]["annotations"] == {media.ANNOTATION_TITLE: "tiny.gguf",
-                                               media.ANNOTATION_FILEPATH: "tiny.gguf"}
+    assert doc["layers"][0]["annotations"] == {
+        media.ANNOTATION_TITLE: "tiny.gguf",
+        media.ANNOTATION_FILEPATH: "tiny.gguf",
+    }

@@ -33,10 +33,18 @@ def settings(reg: Registry, anonymous: bool = False, **extra: object) -> Registr
     return RegistrySettings(docker_config=reg.anonymous_config if anonymous else reg.docker_config, **extra)  # type: ignore[arg-type]
 
 
-def pull(source: str, cache: Cache, reg_settings: RegistrySettings, events: list[Progress] | None = None,
-         **options: object) -> Resolved:
-    return asyncio.run(resolve(source, cache, access=Access(registry=reg_settings),
-                               progress=(events.append if events is not None else lambda _: None), **options))  # type: ignore[arg-type]
+def pull(
+    source: str, cache: Cache, reg_settings: RegistrySettings, events: list[Progress] | None = None, **options: object
+) -> Resolved:
+    return asyncio.run(
+        resolve(
+            source,
+            cache,
+            access=Access(registry=reg_settings),
+            progress=(events.append if events is not None else lambda _: None),
+            **options,
+        )
+    )  # type: ignore[arg-type]
 
 
 def test_a_pushed_gguf_comes_back_through_oras_and_through_the_cache(tmp_path: Path) -> None:
@@ -74,8 +82,15 @@ def test_what_oras_pushes_is_pulled_files_and_directories_alike(tmp_path: Path) 
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text('{"v": 1}')
     with start_registry(tmp_path / "reg") as reg:
-        out = reg.oras("push", f"{reg.host}/models/plain:v1", "--artifact-type", "application/x-test",
-                       f"{model.name}:application/x-gguf", "tok", cwd=src)
+        out = reg.oras(
+            "push",
+            f"{reg.host}/models/plain:v1",
+            "--artifact-type",
+            "application/x-test",
+            f"{model.name}:application/x-gguf",
+            "tok",
+            cwd=src,
+        )
         assert out.returncode == 0, out.stderr
         resolved = pull(f"oci://{reg.host}/models/plain:v1", Cache(tmp_path / "cache"), settings(reg))
         assert sorted(resolved.files) == ["tiny.gguf", "tok/tokenizer.json"]
@@ -99,8 +114,9 @@ def test_a_directory_pushed_by_wakegate_keeps_its_tree_for_oras(tmp_path: Path) 
         resolved.release()
 
 
-def test_htpasswd_auth_pulls_with_credentials_and_refuses_without(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_htpasswd_auth_pulls_with_credentials_and_refuses_without(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     model = weights(tmp_path / "src")
     with start_registry(tmp_path / "reg", auth=True) as reg:
@@ -115,15 +131,26 @@ def test_htpasswd_auth_pulls_with_credentials_and_refuses_without(tmp_path: Path
         assert anonymous.value.reason == "unauthorized"
         assert "none are configured" in str(anonymous.value)
         wrong = tmp_path / "wrong.json"
-        wrong.write_text(json.dumps({"auths": {reg.host: {"username": reg.credentials.user,
-                                                          "password": "not-" + reg.credentials.password}}}))
+        wrong.write_text(
+            json.dumps(
+                {"auths": {reg.host: {"username": reg.credentials.user, "password": "not-" + reg.credentials.password}}}
+            )
+        )
         with pytest.raises(DeliveryError) as refused:
             pull(ref, Cache(tmp_path / "wrong"), RegistrySettings(docker_config=wrong))
         assert refused.value.reason == "unauthorized" and "credentials refused" in str(refused.value)
-        secrets = [reg.credentials.password, reg.credentials.basic().removeprefix("Basic "),
-                   base64.b64encode(f"{reg.credentials.user}:not-{reg.credentials.password}".encode()).decode()]
-        for text in (caplog.text, str(anonymous.value), str(refused.value), repr(refused.value),
-                     *(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.json"))):
+        secrets = [
+            reg.credentials.password,
+            reg.credentials.basic().removeprefix("Basic "),
+            base64.b64encode(f"{reg.credentials.user}:not-{reg.credentials.password}".encode()).decode(),
+        ]
+        for text in (
+            caplog.text,
+            str(anonymous.value),
+            str(refused.value),
+            repr(refused.value),
+            *(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.json")),
+        ):
             for secret in secrets:
                 assert secret not in text
 
@@ -195,13 +222,19 @@ def test_an_index_is_pulled_as_the_manifest_for_this_platform(tmp_path: Path) ->
             digests[name] = asyncio.run(push(path, f"oci://{reg.host}/models/multi:{name}", settings=settings(reg)))
 
         def entry(arch: str) -> dict[str, object]:
-            size = len(reg.request("GET", f"/v2/models/multi/manifests/{arch}",
-                                   headers={"Accept": media.OCI_MANIFEST}).body)
-            return {"mediaType": media.OCI_MANIFEST, "digest": digests[arch], "size": size,
-                    "platform": {"os": "linux", "architecture": arch}}
+            size = len(
+                reg.request("GET", f"/v2/models/multi/manifests/{arch}", headers={"Accept": media.OCI_MANIFEST}).body
+            )
+            return {
+                "mediaType": media.OCI_MANIFEST,
+                "digest": digests[arch],
+                "size": size,
+                "platform": {"os": "linux", "architecture": arch},
+            }
 
-        index = media.canonical_json({"schemaVersion": 2, "mediaType": media.OCI_INDEX,
-                                      "manifests": [entry("arm64"), entry("amd64")]})
+        index = media.canonical_json(
+            {"schemaVersion": 2, "mediaType": media.OCI_INDEX, "manifests": [entry("arm64"), entry("amd64")]}
+        )
 
         async def put_index() -> None:
             async with RegistryClient(reg.host, settings(reg)) as client:
@@ -225,8 +258,9 @@ def test_a_tar_layer_that_escapes_its_directory_is_refused(tmp_path: Path) -> No
     with tarfile.open(evil, "w") as tar:
         tar.add(payload, arcname="../../outside")
     with start_registry(tmp_path / "reg") as reg:
-        out = reg.oras("push", f"{reg.host}/models/evil:v1", "evil.tar:application/vnd.oci.image.layer.v1.tar",
-                       cwd=tmp_path)
+        out = reg.oras(
+            "push", f"{reg.host}/models/evil:v1", "evil.tar:application/vnd.oci.image.layer.v1.tar", cwd=tmp_path
+        )
         assert out.returncode == 0, out.stderr
         with pytest.raises(DeliveryError) as err:
             pull(f"oci://{reg.host}/models/evil:v1", Cache(tmp_path / "cache"), settings(reg))
@@ -240,8 +274,10 @@ def test_a_registry_that_is_down_fails_at_once_with_a_clear_error(tmp_path: Path
     events: list[Progress] = []
 
     async def attempt() -> None:
-        await asyncio.wait_for(resolve(f"oci://127.0.0.1:{port}/models/tiny:v1", Cache(tmp_path / "cache"),
-                                       progress=events.append), timeout=30)
+        await asyncio.wait_for(
+            resolve(f"oci://127.0.0.1:{port}/models/tiny:v1", Cache(tmp_path / "cache"), progress=events.append),
+            timeout=30,
+        )
 
     with pytest.raises(DeliveryError) as err:
         asyncio.run(attempt())
@@ -320,8 +356,9 @@ class _CuttingProxy:
                 end.transport.abort()
 
 
-def test_a_transfer_that_breaks_off_resumes_with_a_range_request(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_transfer_that_breaks_off_resumes_with_a_range_request(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model = weights(tmp_path / "src", 12 * 1024 * 1024)
     with start_registry(tmp_path / "reg") as reg:
         asyncio.run(push(model, f"oci://{reg.host}/models/tiny:v1", settings=settings(reg)))
@@ -331,8 +368,11 @@ def test_a_transfer_that_breaks_off_resumes_with_a_range_request(tmp_path: Path,
             proxy = _CuttingProxy(reg.host, layer, cut=5 * 1024 * 1024)
             server = await proxy.serve()
             try:
-                resolved = await resolve(f"oci://127.0.0.1:{proxy.port}/models/tiny:v1", Cache(tmp_path / "cache"),
-                                         access=Access(registry=settings(reg)))
+                resolved = await resolve(
+                    f"oci://127.0.0.1:{proxy.port}/models/tiny:v1",
+                    Cache(tmp_path / "cache"),
+                    access=Access(registry=settings(reg)),
+                )
             finally:
                 await proxy.close(server)
             return resolved, proxy

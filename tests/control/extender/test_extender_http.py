@@ -57,8 +57,9 @@ async def post(client: TestClient[Any, Any], path: str, body: object) -> tuple[i
 
 
 async def test_filter_by_node_names(client: TestClient[Any, Any]) -> None:
-    status, result = await post(client, "/filter", {
-        "Pod": pod(), "Nodes": None, "NodeNames": ["fast", "slow", "full", "bare", "ghost"]})
+    status, result = await post(
+        client, "/filter", {"Pod": pod(), "Nodes": None, "NodeNames": ["fast", "slow", "full", "bare", "ghost"]}
+    )
     assert status == 200
     assert result["NodeNames"] == ["fast", "slow"]
     assert result["Nodes"] is None
@@ -106,18 +107,21 @@ async def test_empty_candidates(client: TestClient[Any, Any]) -> None:
 
 
 @pytest.mark.parametrize("path", ["/filter", "/score"])
-@pytest.mark.parametrize(("body", "message"), [
-    (b"{not json", "not JSON"),
-    (b"\xff\xfe", "not JSON"),
-    (b"[" * 20000 + b"]" * 20000, "not JSON"),
-    (b"[]", "must be a JSON object"),
-    (b"{}", "Pod must be an object"),
-    (b'{"Pod": null}', "Pod must be an object"),
-    (b'{"Pod": {}, "NodeNames": "fast"}', "NodeNames must be a list of strings"),
-    (b'{"Pod": {}, "NodeNames": [1]}', "NodeNames must be a list of strings"),
-    (b'{"Pod": {}, "Nodes": {"items": [{"metadata": {}}]}}', "Nodes.items must be a list"),
-    (b'{"Pod": {}, "Nodes": 3}', "Nodes.items must be a list"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[" * 20000 + b"]" * 20000, "not JSON"),
+        (b"[]", "must be a JSON object"),
+        (b"{}", "Pod must be an object"),
+        (b'{"Pod": null}', "Pod must be an object"),
+        (b'{"Pod": {}, "NodeNames": "fast"}', "NodeNames must be a list of strings"),
+        (b'{"Pod": {}, "NodeNames": [1]}', "NodeNames must be a list of strings"),
+        (b'{"Pod": {}, "Nodes": {"items": [{"metadata": {}}]}}', "Nodes.items must be a list"),
+        (b'{"Pod": {}, "Nodes": 3}', "Nodes.items must be a list"),
+    ],
+)
 async def test_malformed_requests_are_400_with_a_message(
     client: TestClient[Any, Any], path: str, body: bytes, message: str
 ) -> None:

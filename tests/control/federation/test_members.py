@@ -110,6 +110,20 @@ def test_routes_carry_each_members_weight_to_the_pick() -> None:
     }
 
 
+def test_an_https_member_is_an_endpoint_only_with_its_tls() -> None:
+    from wakegate.control.feeder.resources import UpstreamTls
+
+    model, members = federation(FILE.replace('"http://10.0.0.1:8080"}', '"https://10.0.0.1:8443", caFile: ca.pem}'))
+    assert members[0].tls and members[0].server_name is None and not members[1].tls
+    health = {"east": up(report(ready=1)), "west": up(report(ready=1))}
+    (route,) = fed.global_routes([model], members, health)
+    assert route.endpoints == (("10.0.0.2", 8080),) and route.endpoint_tls == ()  # never plain text to east
+    tls = UpstreamTls("east", "/state/ca.pem", ip_san="10.0.0.1")
+    (route,) = fed.global_routes([model], members, health, tls={"east": tls})
+    assert route.endpoints == (("10.0.0.1", 8443), ("10.0.0.2", 8080))
+    assert route.endpoint_tls == (("10.0.0.1", 8443, tls),)
+
+
 def test_a_member_that_does_not_serve_the_model_is_never_its_endpoint() -> None:
     model, members = federation()
     health = {"east": up(report(ready=3, names=("other",))), "west": up(report(ready=1, names=("small",)))}

@@ -103,13 +103,18 @@ def on_nodes(body: dict[str, Any], nodes: dict[str, str]) -> dict[str, Any]:
     return body
 
 
-def node(name: str, unschedulable: bool = False, taints: tuple[tuple[str, str], ...] = (),
-         conditions: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+def node(
+    name: str,
+    unschedulable: bool = False,
+    taints: tuple[tuple[str, str], ...] = (),
+    conditions: tuple[tuple[str, str], ...] = (),
+) -> dict[str, Any]:
     return {
         "metadata": {"name": name},
         "spec": {"unschedulable": unschedulable, "taints": [{"key": k, "effect": e} for k, e in taints]},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}, *({"type": t, "status": v}
-                                                                          for t, v in conditions)]},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True"}, *({"type": t, "status": v} for t, v in conditions)]
+        },
     }
 
 
@@ -138,8 +143,9 @@ def test_endpoints_on_a_leaving_node_leave_the_routes_before_the_pod_stops() -> 
     source = KubeSource()
     source.on_model(None, model())
     where = {"10.0.0.1": "a", "10.0.0.2": "b"}
-    source.on_slice(None, on_nodes(endpoint_slice("s", "m", ("10.0.0.1", True, False), ("10.0.0.2", True, False)),
-                                   where))
+    source.on_slice(
+        None, on_nodes(endpoint_slice("s", "m", ("10.0.0.1", True, False), ("10.0.0.2", True, False)), where)
+    )
     assert source.on_node(None, node("a")) is False
     assert source.routed()[0].endpoints == (("10.0.0.1", 8000), ("10.0.0.2", 8000))
     # `a` is drained: its replica still reads ready in the slice, but is no longer routed.
@@ -166,8 +172,9 @@ def lora(name: str, base: str, created: str, namespace: str = "ns", **spec: Any)
 def test_a_bases_adapters_travel_in_its_route_with_the_ids_its_pods_start_with() -> None:
     source = KubeSource()
     source.on_model(None, model("tiny", backend="llamacpp", source="file:///weights/tiny.gguf"))
-    assert source.on_adapter(None, lora("sql", "tiny", "2026-12-01T10:00:00Z", servedName="tiny-sql",
-                                        aliases=["sql-v1"], scale=0.5))
+    assert source.on_adapter(
+        None, lora("sql", "tiny", "2026-12-01T10:00:00Z", servedName="tiny-sql", aliases=["sql-v1"], scale=0.5)
+    )
     assert source.on_adapter(None, lora("poet", "tiny", "2026-12-01T10:00:05Z"))
     assert source.on_adapter(None, lora("stray", "nothing", "2026-12-01T10:00:00Z"))
     assert source.on_adapter(None, lora("elsewhere", "tiny", "2026-12-01T10:00:00Z", namespace="other"))

@@ -140,6 +140,49 @@ def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.Gatewa
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_tls_members_get_their_own_transport_socket_and_plain_ones_stay_plain() -> None:
+    named = r.UpstreamTls("east", "/s/ca.pem", server_name="east.example", cert_file="/s/c.pem", key_file="/s/k.pem")
+    by_ip = r.UpstreamTls("west", "/s/west-ca.pem", ip_san="127.0.0.1")
+    token = (("127.0.0.1", 9000, "Bearer member-token"),)
+    model = replace(MODELS[0], endpoint_authorization=token, endpoint_tls=(("127.0.0.1", 9000, named),))
+    built = r.build([model], r.GatewaySettings())
+    cla = json_format.MessageToDict(built.by_type[r.ENDPOINT]["model.a"])
+    metadata = {
+        e["endpoint"]["address"]["socketAddress"]["portValue"]: e.get("metadata")
+        for e in cla["endpoints"][0]["lbEndpoints"]
+    }
+    assert metadata[9000] == {
+        "filterMetadata": {
+            "wakegate": {"authorization": "Bearer member-token"},
+            "envoy.transport_socket_match": {r.TLS_MATCH_KEY: "east"},
+        }
+    }
+    assert metadata[9001] is None  # no match: the cluster's default, plain text
+    cluster = json_format.MessageToDict(built.by_type[r.CLUSTER]["model.a"])
+    (match,) = cluster["transportSocketMatches"]
+    assert match["match"] == {r.TLS_MATCH_KEY: "east"} and "transportSocket" not in cluster
+    context = match["transportSocket"]["typedConfig"]
+    assert context["sni"] == "east.example"
+    common = context["commonTlsContext"]
+    assert common["validationContext"] == {
+        "trustedCa": {"filename": "/s/ca.pem"},
+        "matchTypedSubjectAltNames": [{"sanType": "DNS", "matcher": {"exact": "east.example"}}],
+    }
+    assert common["tlsCertificates"] == [
+        {"certificateChain": {"filename": "/s/c.pem"}, "privateKey": {"filename": "/s/k.pem"}}
+    ]
+    # Checked by IP, no SNI and no client certificate.
+    model = replace(MODELS[0], endpoint_tls=(("127.0.0.1", 9001, by_ip),))
+    cluster = json_format.MessageToDict(r.build([model], r.GatewaySettings()).by_type[r.CLUSTER]["model.a"])
+    context = cluster["transportSocketMatches"][0]["transportSocket"]["typedConfig"]
+    assert "sni" not in context and "tlsCertificates" not in context["commonTlsContext"]
+    assert context["commonTlsContext"]["validationContext"]["matchTypedSubjectAltNames"] == [
+        {"sanType": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
+    ]
+    plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.CLUSTER]["model.a"])
+    assert "transportSocketMatches" not in plain
+
+
 def test_member_tokens_go_to_their_endpoint_only_and_never_to_extproc() -> None:
     token = (("127.0.0.1", 9000, "Bearer member-token"),)
     built = r.build([replace(MODELS[0], endpoint_authorization=token)], r.GatewaySettings())

@@ -56,8 +56,16 @@ def test_the_reconciler_lists_a_catalog_into_its_status(tmp_path: Path) -> None:
     with start_registry(tmp_path / "reg", auth=True) as reg:
         assert reg.credentials is not None
         settings = RegistrySettings(docker_config=reg.docker_config)
-        digests = [asyncio.run(push(weights(tmp_path / f"m{i}", 1024 + i, f"m{i}-Q4_0.gguf"),
-                                    f"oci://{reg.host}/models/m{i}:v1", settings=settings)) for i in range(3)]
+        digests = [
+            asyncio.run(
+                push(
+                    weights(tmp_path / f"m{i}", 1024 + i, f"m{i}-Q4_0.gguf"),
+                    f"oci://{reg.host}/models/m{i}:v1",
+                    settings=settings,
+                )
+            )
+            for i in range(3)
+        ]
         asyncio.run(push(weights(tmp_path / "other", 100), f"oci://{reg.host}/other/x:v1", settings=settings))
         config = base64.b64encode(reg.docker_config.read_bytes()).decode()
         kube = RecordingKube({"creds": {"data": {".dockerconfigjson": config}}})
@@ -67,9 +75,9 @@ def test_the_reconciler_lists_a_catalog_into_its_status(tmp_path: Path) -> None:
         asyncio.run(reconciler.reconcile(CATALOG_KEY + "ns/reg"))
         ((where, status),) = kube.patched
         assert where.endswith("/namespaces/ns/modelcatalogs/reg")
-        assert [(e["repository"], e["digest"], e["size"], e["format"], e["quantization"])
-                for e in status["entries"]] == [(f"models/m{i}", digests[i], 1024 + i, "gguf", "Q4_0")
-                                                for i in range(3)]
+        assert [
+            (e["repository"], e["digest"], e["size"], e["format"], e["quantization"]) for e in status["entries"]
+        ] == [(f"models/m{i}", digests[i], 1024 + i, "gguf", "Q4_0") for i in range(3)]
         assert (status["entryCount"], status["observedGeneration"], status["refreshToken"]) == (3, 2, "1")
         assert status["conditions"][0]["status"] == "True"
         assert reconciler.catalogs["ns/reg"]["status"] == status

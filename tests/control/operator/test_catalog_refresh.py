@@ -11,8 +11,9 @@ import pytest
 from wakegate.control.operator.controller import catalog_delay, secret_auths
 
 
-def catalog(generation: int = 1, status: dict[str, object] | None = None, token: str | None = None,
-            refresh: int = 60) -> dict[str, object]:
+def catalog(
+    generation: int = 1, status: dict[str, object] | None = None, token: str | None = None, refresh: int = 60
+) -> dict[str, object]:
     meta: dict[str, object] = {"name": "c", "namespace": "ns", "generation": generation}
     if token is not None:
         meta["annotations"] = {"wakegate.io/refresh": token}

@@ -27,8 +27,14 @@ class _NoNamespace(BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
         body = json.dumps(
-            {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
-             "message": 'namespaces "wakegate-nowhere" not found'}
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "NotFound",
+                "code": 404,
+                "message": 'namespaces "wakegate-nowhere" not found',
+            }
         ).encode()
         self.send_response(404)
         self.send_header("content-type", "application/json")

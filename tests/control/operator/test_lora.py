@@ -19,7 +19,8 @@ from wakegate.control.schema import Model
 def model_body(name: str = "tiny", backend: str = "llamacpp", **spec: Any) -> dict[str, Any]:
     source = {"source": "file:///weights/tiny.gguf"} if backend == "llamacpp" else {}
     return {
-        "apiVersion": "wakegate.io/v1alpha1", "kind": "Model",
+        "apiVersion": "wakegate.io/v1alpha1",
+        "kind": "Model",
         "metadata": {"name": name, "namespace": "ns", "uid": "u-1", "generation": 1},
         "spec": {"backend": backend, **source, "scaling": {"min": 1, "max": 1, "engine": "builtin"}, **spec},
     }
@@ -27,7 +28,8 @@ def model_body(name: str = "tiny", backend: str = "llamacpp", **spec: Any) -> di
 
 def adapter(name: str, base: str = "tiny", created: str = "2026-12-01T10:00:00Z", **spec: Any) -> dict[str, Any]:
     return {
-        "apiVersion": "wakegate.io/v1alpha1", "kind": "LoRAAdapter",
+        "apiVersion": "wakegate.io/v1alpha1",
+        "kind": "LoRAAdapter",
         "metadata": {"name": name, "namespace": "ns", "creationTimestamp": created, "generation": 1},
         "spec": {"baseModel": base, "source": f"file:///weights/{name}.gguf", **spec},
     }
@@ -43,12 +45,18 @@ def served(selection: ad.Selection, base: str = "tiny") -> list[str]:
 
 def test_ids_follow_creation_so_a_new_adapter_takes_the_next_one() -> None:
     base = models(model_body())
-    first = ad.select(base, [adapter("zeta", created="2026-12-01T10:00:00Z"),
-                             adapter("alpha", created="2026-12-01T10:00:05Z")])
+    first = ad.select(
+        base, [adapter("zeta", created="2026-12-01T10:00:00Z"), adapter("alpha", created="2026-12-01T10:00:05Z")]
+    )
     assert served(first) == ["zeta", "alpha"]
-    later = ad.select(base, [adapter("zeta", created="2026-12-01T10:00:00Z"),
-                             adapter("alpha", created="2026-12-01T10:00:05Z"),
-                             adapter("beta", created="2026-12-01T11:00:00Z")])
+    later = ad.select(
+        base,
+        [
+            adapter("zeta", created="2026-12-01T10:00:00Z"),
+            adapter("alpha", created="2026-12-01T10:00:05Z"),
+            adapter("beta", created="2026-12-01T11:00:00Z"),
+        ],
+    )
     assert served(later) == ["zeta", "alpha", "beta"]
     same_second = ad.select(base, [adapter("b"), adapter("a")])
     assert served(same_second) == ["a", "b"], "a tie is broken by name, the same for operator and feeder"
@@ -84,8 +92,11 @@ def test_a_base_serves_at_most_max_adapters_and_a_base_that_does_not_parse_is_na
 
 def test_vllm_adapters_come_from_hf_pvc_or_oci_as_folders() -> None:
     base = models(model_body(name="chat", backend="vllm", source="hf://org/base"))
-    bodies = [adapter("h", base="chat", source="hf://org/h-lora"), adapter("o", base="chat", source="oci://reg.example/x:1"),
-              adapter("p", base="chat", source="pvc://loras/p")]
+    bodies = [
+        adapter("h", base="chat", source="hf://org/h-lora"),
+        adapter("o", base="chat", source="oci://reg.example/x:1"),
+        adapter("p", base="chat", source="pvc://loras/p"),
+    ]
     selection = ad.select(base, bodies)
     assert served(selection, "chat") == ["h", "o", "p"]
     mounts = {a.name: ad.adapter_mount(a, "vllm") for a in selection.of("chat")}
@@ -102,8 +113,15 @@ def runtime(name: str) -> Any:
 def render(body: dict[str, Any], names_: list[str], rt: str) -> rnd.Rendered:
     """`body` rendered with adapters created in the order of `names_` (ORG/NAME: from hf://)."""
     base = body["metadata"]["name"]
-    bodies = [adapter(n.rsplit("/", 1)[-1], base=base, created=f"2026-12-01T10:00:0{i}Z",
-                      **({"source": f"hf://{n}"} if "/" in n else {})) for i, n in enumerate(names_)]
+    bodies = [
+        adapter(
+            n.rsplit("/", 1)[-1],
+            base=base,
+            created=f"2026-12-01T10:00:0{i}Z",
+            **({"source": f"hf://{n}"} if "/" in n else {}),
+        )
+        for i, n in enumerate(names_)
+    ]
     selection = ad.select(models(body), bodies)
     return rnd.render(body, runtime(rt), rnd.Settings(), adapters=selection.of(body["metadata"]["name"]))
 
@@ -120,7 +138,7 @@ def test_llama_cpp_pods_start_with_every_adapter_and_a_new_one_rolls_them() -> N
     container = template["spec"]["containers"][0]
     args = container["args"]
     start = args.index("--lora-init-without-apply")
-    loras = args[start + 1: start + 5]
+    loras = args[start + 1 : start + 5]
     assert loras[0::2] == ["--lora", "--lora"]
     assert [p.rsplit("/", 1)[1] for p in loras[1::2]] == ["sql.gguf", "poet.gguf"]
     assert args[-2:] == ["--threads", "1"], "the Model's own arguments come last"
@@ -132,8 +150,9 @@ def test_llama_cpp_pods_start_with_every_adapter_and_a_new_one_rolls_them() -> N
     assert template["metadata"]["annotations"][ad.ANNOTATION_ADAPTERS] == "sql,poet"
     assert "readinessGates" not in template["spec"], "a llama.cpp pod has its adapters when it answers"
     assert one.digest() != two.digest(), "llama.cpp loads adapters only at start: the pods roll"
-    assert "--lora" not in pod_spec(rnd.render(body, runtime("llamacpp"), rnd.Settings()))["spec"]["containers"][0][
-        "args"]
+    assert (
+        "--lora" not in pod_spec(rnd.render(body, runtime("llamacpp"), rnd.Settings()))["spec"]["containers"][0]["args"]
+    )
 
 
 def test_vllm_pods_start_able_to_load_and_a_new_adapter_rolls_nothing() -> None:
@@ -142,13 +161,15 @@ def test_vllm_pods_start_able_to_load_and_a_new_adapter_rolls_nothing() -> None:
     template = pod_spec(two)
     container = template["spec"]["containers"][0]
     args = container["args"]
-    assert args[args.index("--enable-lora"):][:3] == ["--enable-lora", "--max-loras", "3"]
+    assert args[args.index("--enable-lora") :][:3] == ["--enable-lora", "--max-loras", "3"]
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container["env"]
     assert ad.ANNOTATION_ADAPTERS not in template["metadata"]["annotations"]
     assert template["spec"]["readinessGates"] == [{"conditionType": ad.GATE_ADAPTERS}], "routed once loaded"
     assert one.digest() == two.digest(), "the operator loads the new adapter into the running pods"
-    assert "--enable-lora" not in pod_spec(rnd.render(body, runtime("sim"), rnd.Settings()))["spec"]["containers"][0][
-        "args"]
+    assert (
+        "--enable-lora"
+        not in pod_spec(rnd.render(body, runtime("sim"), rnd.Settings()))["spec"]["containers"][0]["args"]
+    )
 
 
 def pod(name: str, adapters: str | None, ready: bool = True, since: str = "2026-12-01T10:00:00Z") -> dict[str, Any]:
@@ -158,8 +179,11 @@ def pod(name: str, adapters: str | None, ready: bool = True, since: str = "2026-
 
 
 def test_llama_cpp_holders_are_the_ready_pods_that_started_with_the_adapter() -> None:
-    pods = [pod("new", "sql,poet", since="2026-12-01T10:05:00Z"), pod("old", "sql"), pod("loading", "sql,poet",
-                                                                                          ready=False)]
+    pods = [
+        pod("new", "sql,poet", since="2026-12-01T10:05:00Z"),
+        pod("old", "sql"),
+        pod("loading", "sql,poet", ready=False),
+    ]
     assert started_with(pods, "poet") == {"new": "2026-12-01T10:05:00Z"}
     assert started_with(pods, "sql") == {"new": "2026-12-01T10:05:00Z", "old": "2026-12-01T10:00:00Z"}
     assert started_with(pods, "sq") == {}, "whole names only"
@@ -169,26 +193,41 @@ NOW = "2026-12-01T12:00:00Z"
 
 
 def test_status_says_loaded_where_and_since_when_and_keeps_its_transition_time() -> None:
-    observed = AdapterObserved(generation=2, base="tiny", holders={"p2": "2026-12-01T10:05:00Z",
-                                                                   "p1": "2026-12-01T10:00:00Z"},
-                               ready_replicas=3, loads=2)
+    observed = AdapterObserved(
+        generation=2,
+        base="tiny",
+        holders={"p2": "2026-12-01T10:05:00Z", "p1": "2026-12-01T10:00:00Z"},
+        ready_replicas=3,
+        loads=2,
+    )
     status = adapter_status(observed, {}, NOW)
     assert (status["ready"], status["reason"], status["loadedReplicas"], status["replicas"]) == (
-        "True", "Loaded", 2, ["p1", "p2"])
+        "True",
+        "Loaded",
+        2,
+        ["p1", "p2"],
+    )
     assert status["lastLoadTime"] == "2026-12-01T10:05:00Z" and status["loads"] == 2
     assert status["message"] == "loaded on 2 of 3 ready replicas of Model tiny"
-    again = adapter_status(AdapterObserved(generation=2, base="tiny", holders=observed.holders, ready_replicas=3,
-                                           loads=2), status, "2026-12-01T13:00:00Z")
+    again = adapter_status(
+        AdapterObserved(generation=2, base="tiny", holders=observed.holders, ready_replicas=3, loads=2),
+        status,
+        "2026-12-01T13:00:00Z",
+    )
     assert again == status, "an unchanged world computes an unchanged status (no write)"
 
 
 @pytest.mark.parametrize(
     ("observed", "reason"),
     [
-        (AdapterObserved(1, "tiny", refused=ad.Refused(ad.BASE_NOT_FOUND, "no Model 'tiny'"),
-                         holders={"p": "t"}), ad.BASE_NOT_FOUND),
-        (AdapterObserved(1, "chat", ready_replicas=1, failure="pod p: HTTP 400: no room", loads=4, failures=2),
-         "LoadFailed"),
+        (
+            AdapterObserved(1, "tiny", refused=ad.Refused(ad.BASE_NOT_FOUND, "no Model 'tiny'"), holders={"p": "t"}),
+            ad.BASE_NOT_FOUND,
+        ),
+        (
+            AdapterObserved(1, "chat", ready_replicas=1, failure="pod p: HTTP 400: no room", loads=4, failures=2),
+            "LoadFailed",
+        ),
         (AdapterObserved(1, "tiny", ready_replicas=0), "BaseNotReady"),
         (AdapterObserved(1, "chat", ready_replicas=2), "Loading"),
         (AdapterObserved(1, "tiny", ready_replicas=1, at_start=True), "Loading"),
@@ -269,14 +308,18 @@ def test_the_operator_renders_the_adapters_and_counts_each_pod_that_loads_one_on
 
 
 def sim_pod(name: str, containers_ready: bool, gate: bool | None) -> dict[str, Any]:
-    conditions = [{"type": "ContainersReady", "status": str(containers_ready), "lastTransitionTime": NOW},
-                  {"type": "Ready", "status": str(containers_ready and bool(gate)), "lastTransitionTime": NOW}]
+    conditions = [
+        {"type": "ContainersReady", "status": str(containers_ready), "lastTransitionTime": NOW},
+        {"type": "Ready", "status": str(containers_ready and bool(gate)), "lastTransitionTime": NOW},
+    ]
     if gate is not None:
         conditions.append({"type": ad.GATE_ADAPTERS, "status": str(gate)})
     return {
         "metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}", "labels": {"wakegate.io/model": "chat"}},
-        "spec": {"readinessGates": [{"conditionType": ad.GATE_ADAPTERS}],
-                 "containers": [{"name": "backend", "ports": [{"name": "http", "containerPort": 1}]}]},
+        "spec": {
+            "readinessGates": [{"conditionType": ad.GATE_ADAPTERS}],
+            "containers": [{"name": "backend", "ports": [{"name": "http", "containerPort": 1}]}],
+        },
         "status": {"podIP": "10.0.0.1", "conditions": conditions},
     }
 
@@ -297,7 +340,10 @@ def test_a_vllm_pod_is_gated_until_its_adapters_are_loaded(monkeypatch: pytest.M
     reconciler.on_pod(None, sim_pod("starting", containers_ready=False, gate=None))
     reconciler.on_pod(None, sim_pod("restarted", containers_ready=False, gate=True))
     asyncio.run(reconciler.reconcile("ns/chat"))
-    gates = {name: status["conditions"][0]["status"] for name, status in kube.statuses
-             if status.get("conditions", [{}])[0].get("type") == ad.GATE_ADAPTERS}
+    gates = {
+        name: status["conditions"][0]["status"]
+        for name, status in kube.statuses
+        if status.get("conditions", [{}])[0].get("type") == ad.GATE_ADAPTERS
+    }
     assert gates == {"up": "True", "restarted": "False"}, "open once loaded; closed while the engine is down"
     assert set(reconciler.lora_loader.holders("ns/a")) == {"up"}

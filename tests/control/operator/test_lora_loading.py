@@ -30,9 +30,12 @@ def pod(name: str, sim: SimProcess, ready: bool = True) -> dict[str, object]:
     return {
         "metadata": {"name": name, "uid": f"uid-{name}"},
         "spec": {"containers": [{"name": "backend", "ports": [{"name": "http", "containerPort": sim.port}]}]},
-        "status": {"podIP": "127.0.0.1",
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False",
-                                   "lastTransitionTime": "2026-12-01T10:00:00Z"}]},
+        "status": {
+            "podIP": "127.0.0.1",
+            "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": "2026-12-01T10:00:00Z"}
+            ],
+        },
     }
 
 

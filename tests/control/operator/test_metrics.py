@@ -11,9 +11,16 @@ from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.operator.status import cold_start_stages
 
 
-def pod(name: str, *, created: str = "2026-12-01T10:00:00Z", scheduled: str | None = "2026-12-01T10:00:01Z",
-        started: str | None = "2026-12-01T10:00:04Z", ready: str | None = "2026-12-01T10:00:10Z",
-        restarts: int = 0, phase: str = "Running") -> dict[str, Any]:
+def pod(
+    name: str,
+    *,
+    created: str = "2026-12-01T10:00:00Z",
+    scheduled: str | None = "2026-12-01T10:00:01Z",
+    started: str | None = "2026-12-01T10:00:04Z",
+    ready: str | None = "2026-12-01T10:00:10Z",
+    restarts: int = 0,
+    phase: str = "Running",
+) -> dict[str, Any]:
     conditions = []
     if scheduled:
         conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled})
@@ -22,21 +29,29 @@ def pod(name: str, *, created: str = "2026-12-01T10:00:00Z", scheduled: str | No
     state = {"running": {"startedAt": started}} if started else {"waiting": {"reason": "ContainerCreating"}}
     return {
         "metadata": {"name": name, "uid": f"uid-{name}", "creationTimestamp": created},
-        "status": {"phase": phase, "conditions": conditions,
-                   "containerStatuses": [{"name": "backend", "state": state, "restartCount": restarts}]},
+        "status": {
+            "phase": phase,
+            "conditions": conditions,
+            "containerStatuses": [{"name": "backend", "state": state, "restartCount": restarts}],
+        },
     }
 
 
 def samples(metrics: OperatorMetrics) -> dict[str, float]:
     text = generate_latest(metrics.registry).decode()
-    return {s: float(v) for line in text.splitlines() if line and not line.startswith("#")
-            for s, v in [line.rsplit(" ", 1)]}
+    return {
+        s: float(v) for line in text.splitlines() if line and not line.startswith("#") for s, v in [line.rsplit(" ", 1)]
+    }
 
 
 def test_stages_come_from_the_first_pod_to_turn_ready() -> None:
     late = pod("late", created="2026-12-01T09:59:00Z", ready="2026-12-01T10:00:30Z")
     assert cold_start_stages([late, pod("first")]) == {
-        "scheduled": 1.0, "process_start": 4.0, "health_pass": 6.0, "total": 10.0}
+        "scheduled": 1.0,
+        "process_start": 4.0,
+        "health_pass": 6.0,
+        "total": 10.0,
+    }
     # A pod without a running container or a PodScheduled condition keeps the stages it can tell.
     assert cold_start_stages([pod("bare", scheduled=None, started=None)]) == {"total": 10.0}
     assert cold_start_stages([pod("loading", ready=None)]) == {}

@@ -252,8 +252,9 @@ def test_select_best_match_prefers_vendor_then_shipped() -> None:
     assert rnd.select_runtime(body, [cuda, rocm, *shipped_runtimes()]).metadata.name == "vllm-rocm"
     assert rnd.select_runtime(body, [cuda]).metadata.name == "vllm-rocm"  # shipped fallback
     # The CUDA image never lands on an AMD request, and no GPU means the CPU image.
-    nvidia = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf",
-                                     resources={"gpu": {"count": 1, "vendor": "nvidia"}}))
+    nvidia = model_from_object(
+        model(backend="llamacpp", source="file:///m/x.gguf", resources={"gpu": {"count": 1, "vendor": "nvidia"}})
+    )
     assert rnd.select_runtime(nvidia, []).metadata.name == "llamacpp-cuda"
     cpu = model_from_object(model(backend="llamacpp", source="file:///m/x.gguf"))
     assert rnd.select_runtime(cpu, []).metadata.name == "llamacpp"
@@ -275,9 +276,13 @@ def test_every_backend_ships_a_valid_runtime() -> None:
     assert {rt.spec.backend for rt in runtimes.values()} == {b.name for b in BACKENDS.values() if b.images}
     for rt in runtimes.values():
         backend = BACKENDS[rt.spec.backend]
-        image = next(i for i in backend.images if i.reference == rt.spec.image and
-                     (i.vendor == "cpu") == (not rt.spec.gpuVendors) and
-                     (not rt.spec.gpuVendors or rt.spec.gpuVendors == [i.vendor]))
+        image = next(
+            i
+            for i in backend.images
+            if i.reference == rt.spec.image
+            and (i.vendor == "cpu") == (not rt.spec.gpuVendors)
+            and (not rt.spec.gpuVendors or rt.spec.gpuVendors == [i.vendor])
+        )
         assert rt.spec.port == backend.default_port
         assert rt.spec.gpuVendors == ([] if image.vendor == "cpu" else [image.vendor])
         assert len(rt.spec.gpuVendors) <= 1  # a runtime's image is built for one vendor

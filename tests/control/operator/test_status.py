@@ -120,13 +120,23 @@ def test_render_error_and_preemption() -> None:
         # Demanded while the peer holds the group: Waiting names it, not Idle; not admitted.
         pytest.param(deployment(0), [], {"waiting_for": "ns/b"}, ("Waiting", "WaitingForGroup", False), id="idle"),
         # A waiting member that was swapped out: waiting for the peer says more than preempted.
-        pytest.param(deployment(0), [], {"waiting_for": "ns/b", "preempted_by": "ns/b"},
-                     ("Waiting", "WaitingForGroup", False), id="preempted"),
+        pytest.param(
+            deployment(0),
+            [],
+            {"waiting_for": "ns/b", "preempted_by": "ns/b"},
+            ("Waiting", "WaitingForGroup", False),
+            id="preempted",
+        ),
         # Handed the group, its start waits for the outgoing peer's pods (desired still 0).
         pytest.param(deployment(0), [], {"waiting_for": "ns/a"}, ("Waiting", "WaitingForGroup", False), id="drain"),
         # Ready replicas win: the scaler's field may lag behind a started backend.
-        pytest.param(deployment(1, ready=1), [pod(ready_at=NOW)], {"waiting_for": "ns/b"},
-                     ("Ready", "BackendReady", True), id="ready"),
+        pytest.param(
+            deployment(1, ready=1),
+            [pod(ready_at=NOW)],
+            {"waiting_for": "ns/b"},
+            ("Ready", "BackendReady", True),
+            id="ready",
+        ),
         pytest.param(deployment(0), [], {}, ("Idle", "ScaledToZero", True), id="not-waiting"),
     ],
 )

@@ -110,7 +110,8 @@ def test_ready_weights_mount_the_newest_entry_and_pin_pods_to_the_nodes_holding_
     assert weights.state is State.READY and weights.digest == NEW and weights.ready_nodes == ("n2", "n3")
     assert "ready on 2/4 node(s)" in weights.message
     assert conditions(weights) == {
-        "WeightsPulling": ("False", "WeightsReady"), "PrewarmFailed": ("False", "NoFailures"),
+        "WeightsPulling": ("False", "WeightsReady"),
+        "PrewarmFailed": ("False", "NoFailures"),
     }
     out = render(body, weights)
     pod = obj(out, "Deployment")["spec"]["template"]
@@ -124,10 +125,14 @@ def test_ready_weights_mount_the_newest_entry_and_pin_pods_to_the_nodes_holding_
     ]
     assert "/models/cache/files/tiny.gguf" in container["args"]
     term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term == [{"matchExpressions": [
-        {"key": names.NODE_GPU_ARCH, "operator": "In", "values": ["sm90"]},
-        {"key": names.cache_label(NEW), "operator": "Exists"},
-    ]}]
+    assert term == [
+        {
+            "matchExpressions": [
+                {"key": names.NODE_GPU_ARCH, "operator": "In", "values": ["sm90"]},
+                {"key": names.cache_label(NEW), "operator": "Exists"},
+            ]
+        }
+    ]
     assert pod["metadata"]["annotations"][names.ANNOTATION_WEIGHTS] == NEW
 
 
@@ -137,7 +142,8 @@ def test_a_bad_reference_everywhere_is_prewarm_failed_with_the_reason() -> None:
         "wg-m",
         entry("n1", "Failed", reason="not_found", message="oci://…:nope: the registry has no tag nope"),
         entry("n2", "Failed", reason="not_found", message="same"),
-        owner="u-1", modelRef={"name": "m"},
+        owner="u-1",
+        modelRef={"name": "m"},
     )
     weights = state(body, caches)
     assert weights.state is State.FAILED
@@ -147,8 +153,10 @@ def test_a_bad_reference_everywhere_is_prewarm_failed_with_the_reason() -> None:
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert status["phase"] == "Failed" and ready["reason"] == "PrewarmFailed"
     # one node still pulling: not failed yet, but the failure is visible
-    partly = state(body, modelcache("c", entry("n1", "Failed", reason="unreachable"), entry("n2", "Pulling"),
-                                    modelRef={"name": "m"}))
+    partly = state(
+        body,
+        modelcache("c", entry("n1", "Failed", reason="unreachable"), entry("n2", "Pulling"), modelRef={"name": "m"}),
+    )
     assert partly.state is State.PULLING and conditions(partly)["PrewarmFailed"] == ("True", "unreachable")
 
 

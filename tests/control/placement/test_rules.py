@@ -35,8 +35,9 @@ from wakegate.control.placement.rules import (
 # -- facts -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [None, "", "  ", "NaN", "nan", "inf", "-inf", "Infinity", "abc", "1e400",
-                                 "-1", True, [], {}])
+@pytest.mark.parametrize(
+    "raw", [None, "", "  ", "NaN", "nan", "inf", "-inf", "Infinity", "abc", "1e400", "-1", True, [], {}]
+)
 def test_number_treats_nan_ish_and_negative_input_as_unknown(raw: object) -> None:
     assert number(raw) is None
 
@@ -61,8 +62,15 @@ def test_node_facts_missing_everything() -> None:
 
 
 def test_node_facts_reads_labels_and_annotations() -> None:
-    raw = node("n", util=55, annotations={NODE_COST_PER_HOUR: "2.5", NODE_KV_CACHE_USAGE: "0.9",
-                                          NODE_TENANT_SHARE: '{"a": 0.5, "b": "x", "c": 2}'})
+    raw = node(
+        "n",
+        util=55,
+        annotations={
+            NODE_COST_PER_HOUR: "2.5",
+            NODE_KV_CACHE_USAGE: "0.9",
+            NODE_TENANT_SHARE: '{"a": 0.5, "b": "x", "c": 2}',
+        },
+    )
     facts = node_facts(raw)
     assert facts.vendor == "nvidia" and facts.arch == "sm90" and facts.gpu_count == 4
     assert facts.device_class == "nvidia-sm90"
@@ -89,15 +97,17 @@ def test_zero_vram_label_gives_unknown_free_ratio() -> None:
 
 
 def test_pod_gpu_request_sums_containers_and_takes_max_init() -> None:
-    raw = {"spec": {
-        "containers": [
-            {"resources": {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": "1"}}},
-            {"resources": {"requests": {"nvidia.com/gpu": 1}}},
-            {"resources": {}},
-            {},
-        ],
-        "initContainers": [{"resources": {"limits": {"nvidia.com/gpu": "4"}}}],
-    }}
+    raw = {
+        "spec": {
+            "containers": [
+                {"resources": {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": "1"}}},
+                {"resources": {"requests": {"nvidia.com/gpu": 1}}},
+                {"resources": {}},
+                {},
+            ],
+            "initContainers": [{"resources": {"limits": {"nvidia.com/gpu": "4"}}}],
+        }
+    }
     assert pod_gpu_request(raw) == {"nvidia.com/gpu": 4}
     assert pod_gpu_request({"spec": {"containers": "nope"}}) == {}
     assert pod_gpu_request({}) == {}
@@ -170,8 +180,17 @@ def test_backend_vendor_and_unknown_arch() -> None:
     amd = node("n", vendor="amd", arch="gfx942")
     message, _ = check(pod(backend="vllm-omni", resource="amd.com/gpu"), amd) or ("", True)
     assert message == "backend vllm-omni does not support amd GPUs"  # its only image is CUDA's
-    cuda_only = {"cuda": Backend(name="cuda", description="", program=("x",), args=(), default_port=1,
-                                 health_path="/", images=(Image("nvidia", "x"),))}
+    cuda_only = {
+        "cuda": Backend(
+            name="cuda",
+            description="",
+            program=("x",),
+            args=(),
+            default_port=1,
+            health_path="/",
+            images=(Image("nvidia", "x"),),
+        )
+    }
     verdict = filter_node(pod_facts(pod(backend="cuda", resource="amd.com/gpu")), node_facts(amd), cuda_only)
     assert verdict is not None and verdict.message == "backend cuda does not support amd GPUs"
     message, _ = check(pod(backend="vllm"), node("n", arch=None)) or ("", True)
@@ -211,8 +230,14 @@ POD = PodFacts(name="p", namespace="ns", gpu_count=1, backend="vllm", model="m1"
 
 def test_weights_defaults_and_env() -> None:
     assert Weights.from_env({}) == Weights(0.7, 0.2, 0.1, 0.3, 10.0, 5.0)
-    env = {"SCHED_TPS_WEIGHT": "1.5", "SCHED_UTIL_WEIGHT": "0", "SCHED_COST_WEIGHT": " ",
-           "SCHED_CACHE_WEIGHT": "-1", "SCHED_VRAM_FREE_WEIGHT": "2", "SCHED_TENANT_FAIRSHARE_WEIGHT": "3"}
+    env = {
+        "SCHED_TPS_WEIGHT": "1.5",
+        "SCHED_UTIL_WEIGHT": "0",
+        "SCHED_COST_WEIGHT": " ",
+        "SCHED_CACHE_WEIGHT": "-1",
+        "SCHED_VRAM_FREE_WEIGHT": "2",
+        "SCHED_TENANT_FAIRSHARE_WEIGHT": "3",
+    }
     assert Weights.from_env(env) == Weights(1.5, 0.0, 0.1, -1.0, 2.0, 3.0)
 
 
@@ -223,9 +248,17 @@ def test_weights_refuse_unusable_values(bad: str) -> None:
 
 
 def test_formula_term_by_term() -> None:
-    node_ = facts(vendor="nvidia", arch="sm90", gpu_count=2, vram_mb=1000, free_mb=1500, utilization=50,
-                  cost_per_hour=3, kv_cache_usage=0.95)
-    expected = (100 * 0.7 - 50 * 0.2 - 3 * 0.1 - 0.95 * 0.3 + 0.75 * 10.0 - (0.95 - 0.85) * 20)
+    node_ = facts(
+        vendor="nvidia",
+        arch="sm90",
+        gpu_count=2,
+        vram_mb=1000,
+        free_mb=1500,
+        utilization=50,
+        cost_per_hour=3,
+        kv_cache_usage=0.95,
+    )
+    expected = 100 * 0.7 - 50 * 0.2 - 3 * 0.1 - 0.95 * 0.3 + 0.75 * 10.0 - (0.95 - 0.85) * 20
     assert raw_score(POD, node_, 100.0, W) == pytest.approx(expected)
 
 
@@ -272,8 +305,7 @@ def test_extender_priority_maps_0_100_to_0_10() -> None:
     assert [extender_priority(s) for s in (0, 4, 5, 50, 96, 100, 150, -3)] == [0, 0, 0, 5, 10, 10, 10, 0]
 
 
-@given(st.dictionaries(st.text(min_size=1, max_size=5),
-                       st.floats(allow_nan=True, allow_infinity=True), max_size=8))
+@given(st.dictionaries(st.text(min_size=1, max_size=5), st.floats(allow_nan=True, allow_infinity=True), max_size=8))
 def test_normalised_scores_are_always_in_range(raw: dict[str, float]) -> None:
     scores = normalise(raw)
     assert set(scores) == set(raw)
@@ -294,8 +326,9 @@ def test_a_node_holding_the_pods_weights_scores_higher() -> None:
     wants["metadata"]["annotations"][names.ANNOTATION_WEIGHTS] = WEIGHTS
     facts = pod_facts(wants)
     assert facts.weights == WEIGHTS and node_facts(warm).holds(WEIGHTS) and not node_facts(cold).holds(WEIGHTS)
-    scores = normalise({n: raw_score(facts, node_facts(body), 0.0, Weights()) for n, body in
-                        (("warm", warm), ("cold", cold))})
+    scores = normalise(
+        {n: raw_score(facts, node_facts(body), 0.0, Weights()) for n, body in (("warm", warm), ("cold", cold))}
+    )
     assert scores == {"warm": 100, "cold": 0}
     # without the annotation the cache label means nothing, and the free VRAM decides
     plain = pod_facts(pod())

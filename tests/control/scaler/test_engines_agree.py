@@ -171,9 +171,9 @@ def changes(series: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return out
 
 
-async def run_both(scaling: dict[str, Any], steps: list[tuple[float, int]], seconds: float) -> tuple[
-    list[tuple[float, int]], list[tuple[float, int]]
-]:
+async def run_both(
+    scaling: dict[str, Any], steps: list[tuple[float, int]], seconds: float
+) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     body = model_body(**scaling)
     model = model_from_object(body)
     scaled_object = rnd.scaled_object(body, model, rnd.Settings())
@@ -188,7 +188,8 @@ async def run_both(scaling: dict[str, Any], steps: list[tuple[float, int]], seco
     hub.evaluate()
     server, port = await serve_external_scaler(hub, "127.0.0.1:0")
     ref = externalscaler_pb2.ScaledObjectRef(
-        name=scaled_object["metadata"]["name"], namespace="ns",
+        name=scaled_object["metadata"]["name"],
+        namespace="ns",
         scalerMetadata=scaled_object["spec"]["triggers"][0]["metadata"],
     )
     builtin_series: list[tuple[float, int]] = []

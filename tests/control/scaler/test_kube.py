@@ -66,8 +66,9 @@ class RecordingKube:
 
 
 def verdict(waiting_for: str | None) -> Verdict:
-    return Verdict(replicas=0, active=False, demand=0, busy=waiting_for is not None, target_in_flight=8,
-                   waiting_for=waiting_for)
+    return Verdict(
+        replicas=0, active=False, demand=0, busy=waiting_for is not None, target_in_flight=8, waiting_for=waiting_for
+    )
 
 
 async def _settle() -> None:

@@ -22,8 +22,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, str]) -
 
 
 async def test_adapters_load_serve_report_and_unload(sim_factory: SimFactory) -> None:
-    sim = sim_factory("--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-                      "--tokens-per-second", "20")
+    sim = sim_factory("--served-model-name", "base", "--enable-lora", "--max-loras", "2", "--tokens-per-second", "20")
     client = openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0, timeout=10)
     async with aiohttp.ClientSession() as s:
         with_lora = await (await s.get(f"{sim.url}/metrics")).text()
@@ -36,7 +35,9 @@ async def test_adapters_load_serve_report_and_unload(sim_factory: SimFactory) ->
         except openai.NotFoundError:
             pass
         assert await post(s, f"{sim.url}/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"}) == (
-            200, "Success: LoRA adapter 'sql' added successfully.")
+            200,
+            "Success: LoRA adapter 'sql' added successfully.",
+        )
         status, text = await post(s, f"{sim.url}/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"})
         assert status == 400 and "already been loaded" in text
         assert (await post(s, f"{sim.url}/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": "/a/p"}))[0] == 200

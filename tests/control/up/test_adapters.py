@@ -143,28 +143,53 @@ def test_else_the_least_recently_used_adapter_no_request_uses_is_evicted() -> No
 def test_the_demand_book_sums_adapter_use_over_gateways() -> None:
     book = DemandBook()
     for gateway, (queued, in_flight, routed) in {"g1": (1, 2, 5), "g2": (2, 0, 3)}.items():
-        report = demand_pb2.DemandReport(gateway_id=gateway, instance=gateway, sequence=1, models=[
-            demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=queued, uses=[
-                demand_pb2.AdapterUse(endpoint="e1", in_flight=in_flight, routed=routed),
-                demand_pb2.AdapterUse(endpoint="e2", queued=1),
-            ])]),
-        ])
+        report = demand_pb2.DemandReport(
+            gateway_id=gateway,
+            instance=gateway,
+            sequence=1,
+            models=[
+                demand_pb2.ModelDemand(
+                    model="chat",
+                    adapters=[
+                        demand_pb2.AdapterDemand(
+                            adapter="sql",
+                            queued=queued,
+                            uses=[
+                                demand_pb2.AdapterUse(endpoint="e1", in_flight=in_flight, routed=routed),
+                                demand_pb2.AdapterUse(endpoint="e2", queued=1),
+                            ],
+                        )
+                    ],
+                ),
+            ],
+        )
         assert book.apply(report, now=0.0) == (True, "")
     (total,) = book.adapter_totals("chat").values()
     assert (total.queued, total.wanted, total.in_flight, total.held) == (3, {"e2": 2}, {"e1": 2}, 5)
     assert total.routed == {"e1": 8, "e2": 0}
     assert book.adapter_totals("other") == {}
-    huge = demand_pb2.DemandReport(gateway_id="g3", instance="g3", sequence=1, models=[
-        demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=10**7)]),
-    ])
+    huge = demand_pb2.DemandReport(
+        gateway_id="g3",
+        instance="g3",
+        sequence=1,
+        models=[
+            demand_pb2.ModelDemand(model="chat", adapters=[demand_pb2.AdapterDemand(adapter="sql", queued=10**7)]),
+        ],
+    )
     assert book.apply(huge, now=0.0)[0] is False
 
 
 def hotswap_of(ready: dict[str, tuple[int, int]], totals: dict[str, AdapterLoad], tmp_path: Path) -> HotSwap:
     manifest = model_doc("chat", extra="  adapters: {maxAdapters: 2}\n") + adapter_doc("sql", "chat", "file://sql")
     (model,) = parse_models(manifest)
-    return HotSwap(model, Delivery(DeliveryConfig(tmp_path), Access()), base_dir=tmp_path,
-                   demand=lambda: totals, ready=lambda: ready, publish=lambda: None)
+    return HotSwap(
+        model,
+        Delivery(DeliveryConfig(tmp_path), Access()),
+        base_dir=tmp_path,
+        demand=lambda: totals,
+        ready=lambda: ready,
+        publish=lambda: None,
+    )
 
 
 async def test_a_copy_goes_elsewhere_only_when_every_holder_is_saturated(tmp_path: Path) -> None:
