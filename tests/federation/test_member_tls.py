@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -202,3 +203,33 @@ def test_members_over_tls_are_verified_and_mtls_takes_the_client_certificate(set
     text = str(glob.status()) + glob.log()
     assert "PRIVATE KEY" not in text and "BEGIN CERTIFICATE" not in text
     assert glob.status()["routes"]["chat"] == ["ip", "named"]
+
+
+@pytest.mark.parametrize(
+    ("gateway", "message"),
+    [
+        ("caFile: missing.pem", "Cluster 'east': tls: cannot read the CA file"),
+        ("caFile: servers/ca.key", "Cluster 'east': tls: the CA is not a PEM certificate bundle"),
+        (
+            "caFile: servers/ca.crt, clientCertFile: clients/global.crt, clientKeyFile: servers/ca.key",
+            "Cluster 'east': tls: the client certificate and key do not load as a PEM pair",
+        ),
+        ("ca: {namespace: a, name: b, key: ca.crt}", "gateway.ca and gateway.clientCert are Secrets (--proxy)"),
+    ],
+)
+def test_bad_tls_material_is_one_line_and_status_2(tmp_path: Path, gateway: str, message: str) -> None:
+    PKI(tmp_path / "servers")
+    PKI(tmp_path / "clients").issue("global", "global gateway")
+    bad = tmp_path / "global.yaml"
+    bad.write_text(cluster_doc("east", 1111, gateway))
+    done = subprocess.run(
+        [sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(bad), "--state-dir", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wakegate federation: ") and message in lines[0], done.stderr
+    assert "PRIVATE" not in done.stderr and "BEGIN" not in done.stderr
+    assert not (tmp_path / "s").exists()
