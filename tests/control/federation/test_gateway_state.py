@@ -43,3 +43,41 @@ async def test_members_and_models_follow_the_cluster_and_tokens_reach_only_route
     gateway.update(parse_federation(without_west.replace("10.0.0.2", "10.0.0.9"), "f.yaml"), {})
     assert set(gateway.members) == {"east", "north", "lab"} and "west" not in gateway.health
     assert gateway.proxy_status() == {"members": 3, "healthyMembers": 0}
+
+
+async def test_a_tls_members_material_is_private_files_renamed_when_it_rotates(tmp_path: Path) -> None:
+    from e2e.pki import PKI
+    from wakegate.control.federation.probe import TlsFiles, TlsMaterial
+
+    pki = PKI(tmp_path / "pki")
+    client = pki.issue("global", "global gateway")
+    text = FILE.replace('"http://10.0.0.1:8080"}', '"https://10.0.0.1:8443", caFile: ca.pem}')
+    files = {"east": TlsFiles(pki.ca.cert, client.cert, client.key)}
+    state = tmp_path / "state"
+    gateway = GlobalGateway(
+        GatewayConfig(federation=parse_federation(text, "f.yaml"), token_files={}, state_dir=state, tls_files=files)
+    )
+    gateway.health["east"] = MemberHealth().observed(report(ready=1), 0.01, 1.0)
+    gateway._recompute()
+    ((_, _, tls),) = next(r for r in gateway._routes if r.key == "chat").endpoint_tls
+    assert (tls.name, tls.ip_san, tls.server_name) == ("east", "10.0.0.1", None)
+    folder = state / "secrets" / "members" / "east"
+    assert Path(tls.ca_file).read_text() == pki.ca.cert.read_text() and Path(tls.ca_file).parent == folder
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o600} and folder.stat().st_mode & 0o777 == 0o700
+    assert "BEGIN" not in str(gateway.status())
+    # A new CA in the file: a new file name (Envoy loads the changed cluster), the old one gone.
+    pki.ca.cert.write_text(PKI(tmp_path / "next").ca.cert.read_text())
+    gateway._recompute()
+    ((_, _, rotated),) = next(r for r in gateway._routes if r.key == "chat").endpoint_tls
+    assert rotated.ca_file != tls.ca_file and not Path(tls.ca_file).exists()
+    assert rotated.cert_file == tls.cert_file
+    # Material from a Secret (--proxy) wins over files; none readable: east is no endpoint at all.
+    gateway.member_tls = {"east": TlsMaterial(pki.ca.cert.read_text())}
+    gateway._recompute()
+    ((_, _, secret),) = next(r for r in gateway._routes if r.key == "chat").endpoint_tls
+    assert secret.cert_file is None and secret.key_file is None
+    gateway.member_tls = {}
+    pki.ca.cert.unlink()
+    gateway._recompute()
+    chat = next(r for r in gateway._routes if r.key == "chat")
+    assert chat.endpoints == () and chat.endpoint_tls == ()
