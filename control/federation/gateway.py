@@ -226,7 +226,7 @@ class GlobalGateway:
             return None
         material = self._material(name)
         if material is None:
-            raise ProbeFailed("tls: no CA to verify the https:// gateway with (its ca Secret could not be read)")
+            raise ProbeFailed("tls: no CA for the https:// gateway (its ca or clientCert Secret could not be read)")
         return Tls.of(material, member.server_name)
 
     def _upstream_tls(self) -> dict[str, UpstreamTls]:
