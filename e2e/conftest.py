@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,11 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, wait_for
+
+# kubectl keeps API discovery and OpenAPI schemas per server address under ~/.kube/cache for hours;
+# harness API servers reuse loopback ports across runs, so a cache written for an older cluster (or
+# older CRDs) could answer for this one. Every kubectl the tests start gets a cache of its own run.
+os.environ.setdefault("KUBECACHEDIR", tempfile.mkdtemp(prefix="wg-e2e-kubectl-"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -125,14 +125,14 @@ class Federation:
         return f"{self.ns}/chat"  # the FederatedModel's key: namespaced on a cluster
 
     def apply(self, objects: list[dict[str, Any]]) -> None:
-        subprocess.run(
+        done = subprocess.run(
             ["kubectl", "--kubeconfig", str(self.kube.cluster.kubeconfig), "apply", "-f", "-"],
             input=yaml.safe_dump_all(objects),
             text=True,
-            check=True,
             capture_output=True,
             timeout=60,
         )
+        assert done.returncode == 0, f"kubectl apply failed: {done.stderr.strip()}"
 
     def summary(self) -> str:
         body = self.kube.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, "federatedmodels", "chat")
