@@ -337,6 +337,13 @@ def test_the_operator_loads_vllm_adapters_into_ready_pods_up_to_max_adapters(ser
 
     wait_for(lambda: loaded("alpha") and loaded("beta"), 90, f"alpha and beta loaded\n{served.logs()}", every=0.5)
     print(f"lora e2e: sim Model created -> alpha and beta Ready: {time.monotonic() - started:.1f} s")
+    # The Model may render before its adapters are seen: its first pod then runs without LoRA and
+    # rolls to one that has it. Look at the pod once that roll is over.
+    def settled() -> bool:
+        pods = [p for p in kube.pods(f"{names.LABEL_MODEL}=chat") if not p.metadata.deletion_timestamp]
+        return len(pods) == 1 and is_ready(pods[0]) and "--enable-lora" in (pods[0].spec.containers[0].args or [])
+
+    wait_for(settled, 90, f"one ready pod started with LoRA\n{served.logs()}", every=0.5)
     (pod,) = _ready_pods(kube, "chat")
     engine = f"http://{pod.status.pod_ip}:{pod.spec.containers[0].ports[0].container_port}"
     args = pod.spec.containers[0].args
