@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.federation import GlobalProcess, federation_doc
+from tests.support.federation import GlobalProcess, federation_doc, refused_at_start
 from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc, pids_alive
 
@@ -218,16 +216,8 @@ def test_a_bad_federation_file_is_one_line_and_status_2(tmp_path: Path, change: 
     text = federation_doc({"east": 1111}, port=1112, placement="clusters: [east], failover: [east]")
     bad = tmp_path / "global.yaml"
     bad.write_text(text.replace(*change))
-    done = subprocess.run(
-        [sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(bad), "--state-dir", str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("wakegate federation: ") and message in lines[0], done.stderr
-    assert not (tmp_path / "s").exists()  # nothing started, nothing written
+    done = refused_at_start(bad, tmp_path / "s")
+    assert message in done.stderr, done.stderr
 
 
 def test_members_get_their_own_token_and_clients_only_the_global_key(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.pki import PKI, Pair
-from tests.support.federation import GlobalProcess
+from tests.support.federation import GlobalProcess, refused_at_start
 from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc, stop_process
 from wakegate.control import bootstrap
@@ -222,14 +221,6 @@ def test_bad_tls_material_is_one_line_and_status_2(tmp_path: Path, gateway: str,
     PKI(tmp_path / "clients").issue("global", "global gateway")
     bad = tmp_path / "global.yaml"
     bad.write_text(cluster_doc("east", 1111, gateway))
-    done = subprocess.run(
-        [sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(bad), "--state-dir", str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("wakegate federation: ") and message in lines[0], done.stderr
+    done = refused_at_start(bad, tmp_path / "s")
+    assert message in done.stderr, done.stderr
     assert "PRIVATE" not in done.stderr and "BEGIN" not in done.stderr
-    assert not (tmp_path / "s").exists()

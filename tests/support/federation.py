@@ -132,3 +132,20 @@ class GlobalProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         return stop_process(self.proc, self._log, signal.SIGTERM, timeout)
+
+
+def refused_at_start(manifest: Path, state_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run `wakegate federation gateway -f MANIFEST` expecting a refusal at start: exit status 2,
+    one line on stderr that names the command, and nothing started or written under `state_dir`.
+    Returns the finished process for the caller's own checks of that line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "wakegate", "federation", "gateway", "-f", str(manifest), "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wakegate federation: "), done.stderr
+    assert not state_dir.exists()  # nothing started, nothing written
+    return done
