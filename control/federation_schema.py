@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from wakegate.control.schema import (
     NAME_PATTERN,
@@ -22,8 +22,8 @@ from wakegate.control.schema import (
     Metadata,
     ModelSpec,
     _docs,
-    _field_path,
     _Spec,
+    _validated,
 )
 
 #: An http(s) URL of a member gateway: scheme, host (name, IPv4 or [IPv6]) and port, no path.
@@ -270,11 +270,7 @@ def parse_federation(text: str, source: str = "<input>") -> Federation:
         typed = _KINDS.get(kind) if isinstance(kind, str) else None
         if typed is None:
             raise ManifestError(f"{where}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
-        try:
-            parsed = typed.model_validate(doc.body)
-        except ValidationError as exc:
-            problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
-            raise ManifestError(f"{where} ({kind}): {problems}") from None
+        parsed = _validated(typed, doc.body, f"{where} ({kind})")
         if isinstance(parsed, GlobalProxy):
             proxies.append(parsed)
             continue

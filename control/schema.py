@@ -7,10 +7,10 @@ machine and on a cluster. Field names are the manifest's camelCase names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -560,6 +560,18 @@ def _docs(text: str) -> Iterable[_Doc]:
         raise ManifestError(f"not valid YAML: {exc}") from None
 
 
+_T = TypeVar("_T", bound=BaseModel)
+
+
+def _validated(typed: type[_T], body: Mapping[str, Any], where: str) -> _T:
+    """`body` as a `typed` object, or a ManifestError naming `where` and every bad field."""
+    try:
+        return typed.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
+        raise ManifestError(f"{where}: {problems}") from None
+
+
 def _field_path(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
@@ -596,11 +608,7 @@ def parse_manifest(text: str, source: str = "<input>") -> Manifest:
         name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
         if name:
             where += f" ({kind} {name!r})"
-        try:
-            parsed = typed.model_validate(doc.body)
-        except ValidationError as exc:
-            problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
-            raise ManifestError(f"{where}: {problems}") from None
+        parsed = _validated(typed, doc.body, where)
         if isinstance(parsed, Model):
             owner = (parsed.key, f"Model {parsed.key!r}")
             names = parsed.client_names + parsed.spec.loraAdapters
