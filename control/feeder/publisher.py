@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedModel, build, for_gateway
+from wakegate.control.feeder.resources import GatewayKey, GatewaySettings, Resources, RoutedModel, build, for_gateway
 
 
 class Publisher:
@@ -27,6 +27,8 @@ class Publisher:
         #: Set once the ADS server runs; its acknowledgements gate the snapshots from then on.
         self.ads: AdsServer | None = None
         self._pending = False
+        #: The API keys native routes check (`GatewaySettings.key_checks`); set as the key file changes.
+        self.keys: tuple[GatewayKey, ...] = ()
 
     def publish_soon(self) -> None:
         """Coalesce bursts of changes into one snapshot, pushed on the next loop turn."""
@@ -37,7 +39,7 @@ class Publisher:
     async def publish(self) -> None:
         self._pending = False
         routed = self._routed()
-        base = build(routed, self.gateway)
+        base = build(routed, self.gateway, keys=self.keys)
         views = {}
         if self.ads is not None:
             views = {
@@ -48,6 +50,7 @@ class Publisher:
                     self.ads.retained(node),
                     self.gateway,
                     self.ads.routed_natively(node),
+                    self.keys,
                 )
                 for node in self.ads.gateways()
             }

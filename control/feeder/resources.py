@@ -22,6 +22,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2  # noqa: F401
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
+from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2 as upstream_header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2  # noqa: F401
@@ -42,6 +43,7 @@ from google.protobuf.message import Message
 from wakegate import contract
 from wakegate.control.backends import BACKENDS
 from wakegate.control.schema import DEFAULT_PROFILE, Model, Routing, Strategy
+from wakegate.keyfile import Scope
 from wakegate.v1 import routing_pb2
 
 _M = TypeVar("_M", bound=Message)
@@ -304,9 +306,29 @@ class GatewaySettings:
     #: Envoy's retry_on for those retries; `reset` (before the response began) may repeat a request
     #: an upstream had started on, never one whose answer reached the client.
     upstream_retry_on: str = "connect-failure,refused-stream,reset-before-request"
-    #: Models may take the native path (Envoy routes them alone). Only where extproc checks no
-    #: API keys: Envoy's native routes do not check them.
+    #: Models may take the native path (Envoy routes them alone). Only where the feeder can give
+    #: Envoy's native routes the API keys extproc checks (`wakegate up`; not `wakegate xds` yet).
     native_allowed: bool = False
+    #: Requests must carry a key of the gateway's key file: native routes check it with Envoy's
+    #: api_key_auth, from the `GatewayKey`s `build` is given (never in these settings, which
+    #: travel in a command line).
+    key_checks: bool = False
+
+
+@dataclass(frozen=True)
+class GatewayKey:
+    """One API key as Envoy's native routes check it; the key itself never in a repr."""
+
+    #: The non-secret id api_key_auth knows the key by (routes allow clients, not keys).
+    client: str
+    key: str = field(repr=False)
+    #: The models it may use, by extproc's own rule (`Scope.allows`).
+    scope: Scope
+
+
+def gateway_keys(entries: Iterable[tuple[str, Scope]]) -> tuple[GatewayKey, ...]:
+    """The key file's (key, scope) entries as Envoy's credentials, each named `k<n>` by its place."""
+    return tuple(GatewayKey(f"k{n}", key, scope) for n, (key, scope) in enumerate(entries))
 
 
 @dataclass(frozen=True)
@@ -433,6 +455,39 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
 }
 
 
+API_KEY_AUTH = "envoy.filters.http.api_key_auth"
+
+#: Envoy's api_key_auth answers on native routes, made extproc's (extproc/service.py): an unknown
+#: key is its 401; a known key whose scope leaves the model out is the 404 of a model that does
+#: not exist, named as asked (each native route is named after the name it matches).
+_KEY_CHECK_REPLIES = [
+    _mapper(_status(401), "invalid_api_key", "missing or invalid API key", "authentication_error"),
+    {
+        **_mapper(_status(403), "model_not_found", "model '%ROUTE_NAME%' does not exist", "not_found_error"),
+        "status_code": 404,
+    },
+]
+
+
+def _local_reply_config(key_checks: bool) -> dict[str, Any]:
+    """LOCAL_REPLY_CONFIG, with api_key_auth's replies shaped too where native routes check keys."""
+    if not key_checks:
+        return LOCAL_REPLY_CONFIG
+    first, *rest = LOCAL_REPLY_CONFIG["mappers"]
+    return {**LOCAL_REPLY_CONFIG, "mappers": [first, *_KEY_CHECK_REPLIES, *rest]}
+
+
+#: Checks API keys on the native routes, which switch it on with their own config (the keys go in
+#: RDS: a listener update would drain connections at every rotation). After json_to_metadata, so a
+#: route chosen by the body's `model` is the one it checks; before ext_proc, which decided
+#: routes keep for their own check.
+_API_KEY_AUTH_FILTER = {
+    "name": API_KEY_AUTH,
+    "disabled": True,
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth"},
+}
+
+
 def _processing_mode(request_body: str) -> dict[str, str]:
     return {
         "request_header_mode": "SEND",
@@ -533,6 +588,7 @@ def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Li
     """The one listener; `native` (may_go_native) adds what native routes need."""
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
+        *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
@@ -585,7 +641,7 @@ def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Li
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
         "use_remote_address": True,
-        "local_reply_config": LOCAL_REPLY_CONFIG,
+        "local_reply_config": _local_reply_config(native and settings.key_checks),
         # A malformed HTTP/2 request resets its own stream (RFC 9113, 8.1.1), not the connection
         # with every other stream on it; HTTP/1 gets its shaped 400 and the connection closes.
         "http2_protocol_options": {"override_stream_error_on_invalid_http_message": True},
@@ -653,9 +709,48 @@ _NO_MODEL_HEADER = {"name": contract.MODEL_HEADER, "present_match": True, "inver
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._~:@!$&'()*+,;=-]+")
 
 
-def _native(model: RoutedModel, match: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A route Envoy serves alone: straight to the model's cluster, extproc off, marked for the log."""
+#: The one Authorization form both paths read alike: api_key_auth takes what follows exactly
+#: "Bearer " (a bare key too), extproc also a lower-case scheme and several spaces, and no bare
+#: key. With key checks a native route matches only this form; any other goes to extproc.
+_BEARER_KEY = {"name": "authorization", "string_match": {"safe_regex": {"regex": r"Bearer \S+"}}}
+#: allowed_clients of a model no key may use (none given would allow every key).
+_NO_CLIENT = "-"
+
+
+def _key_check(model: RoutedModel, keys: Sequence[GatewayKey]) -> dict[str, Any]:
+    """The per-route api_key_auth of one native model: every key, only those whose scope has the
+    model allowed, the gateway's key kept from the backend (as extproc removes it)."""
+    own_name = model.names[0] if model.names else model.key
+    allowed = [k.client for k in keys if k.scope.allows(model.key, own_name)]
     return {
+        API_KEY_AUTH: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuthPerRoute",
+            "credentials": [{"key": k.key, "client": k.client} for k in keys],
+            "key_sources": [{"header": "authorization"}],
+            "allowed_clients": allowed or [_NO_CLIENT],
+            "forwarding": {"hide_credentials": True},
+        }
+    }
+
+
+def _says_as_python(name: str) -> bool:
+    """Whether `model '%ROUTE_NAME%'` is extproc's `model {name!r}` for this name."""
+    return repr(name) == f"'{name}'"
+
+
+def _native(
+    model: RoutedModel,
+    name: str,
+    match: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    keys: Sequence[GatewayKey] | None = None,
+) -> dict[str, Any]:
+    """A route Envoy serves alone: straight to the model's cluster, extproc off, marked for the log.
+    Named after the model name it matches; `keys` (not None): it checks them, in Bearer form only."""
+    if keys is not None:
+        match = {**match, "headers": [*match["headers"], _BEARER_KEY]}
+    return {
+        "name": name,
         "match": match,
         "route": {"cluster": model.cluster, "timeout": "0s", **(extra or {})},
         "request_headers_to_add": [
@@ -667,42 +762,52 @@ def _native(model: RoutedModel, match: dict[str, Any], extra: dict[str, Any] | N
                 "disabled": True,
             },
             **_JSON_TO_METADATA_OFF,
+            **(_key_check(model, keys) if keys is not None else {}),
         },
     }
 
 
-def _native_routes(models: Sequence[RoutedModel]) -> tuple[list[Any], list[Any], list[Any]]:
+def _native_routes(
+    models: Sequence[RoutedModel], keys: Sequence[GatewayKey] | None = None
+) -> tuple[list[Any], list[Any], list[Any]]:
     """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) routes of the native models.
 
     Only POSTs (extproc answers GETs like /v1/models itself). Each kind goes right before the
     decided route of the same kind, so the header beats the path beats the body, as in extproc.
     The body route takes only the name the engine serves: any other name needs extproc's
     rewrite of `model` (a header or path names the model without touching the body, as today).
+    With `keys`, a name whose 404 Envoy could not word as extproc does stays decided.
     """
     by_header, by_path, by_body = [], [], []
     for m in sorted(models, key=lambda m: m.key):
-        for name in m.names:
+        names = [n for n in m.names if keys is None or _says_as_python(n)]
+        for name in names:
             by_header.append(
                 _native(
                     m,
+                    name,
                     {
                         "prefix": "/",
                         "headers": [{"name": contract.MODEL_HEADER, "string_match": {"exact": name}}, _POST],
                     },
+                    keys=keys,
                 )
             )
             if _PLAIN_NAME.fullmatch(name):
                 by_path.append(
                     _native(
                         m,
+                        name,
                         {"prefix": f"{contract.MODEL_PATH_PREFIX}{name}/", "headers": [_NO_MODEL_HEADER, _POST]},
                         {"prefix_rewrite": "/"},
+                        keys=keys,
                     )
                 )
-        if m.served_name in m.names:
+        if m.served_name in names:
             by_body.append(
                 _native(
                     m,
+                    m.served_name,
                     {
                         "prefix": "/",
                         "headers": [_NO_MODEL_HEADER, _POST],
@@ -714,17 +819,24 @@ def _native_routes(models: Sequence[RoutedModel]) -> tuple[list[Any], list[Any],
                             }
                         ],
                     },
+                    keys=keys,
                 )
             )
     return by_header, by_path, by_body
 
 
 def route_configuration(
-    settings: GatewaySettings, native: Sequence[RoutedModel] = (), *, body_metadata: bool = False
+    settings: GatewaySettings,
+    native: Sequence[RoutedModel] = (),
+    *,
+    body_metadata: bool = False,
+    keys: Sequence[GatewayKey] = (),
 ) -> route_pb2.RouteConfiguration:
     """The one route table. `native`: the models Envoy routes alone (native_keys); every other
     request finds no cluster until extproc names one. `body_metadata`: the listener has the
-    json_to_metadata filter (may_go_native), which every route but the catch-all turns off."""
+    json_to_metadata filter (may_go_native), which every route but the catch-all turns off.
+    `keys`: the key file's, which native routes check where `settings.key_checks` (none there:
+    every native request is refused, as extproc refuses all with an empty file)."""
     off = _JSON_TO_METADATA_OFF if body_metadata or native else {}
     extra: dict[str, Any] = {}
     if settings.upstream_header:
@@ -734,7 +846,7 @@ def route_configuration(
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
         ]
-    by_header, by_path, by_body = _native_routes(native)
+    by_header, by_path, by_body = _native_routes(native, keys if settings.key_checks else None)
     stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     catch_all: dict[str, Any] = {**_NO_ROUTE, "match": {"prefix": "/"}}
     if off and not native:
@@ -1047,15 +1159,19 @@ def build(
     confirmed: Mapping[str, frozenset[tuple[str, int]]] | None = None,
     retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
     routed_natively: AbstractSet[str] | None = None,
+    keys: Sequence[GatewayKey] = (),
 ) -> Resources:
     """Every resource for one consistent view of the fleet, as one gateway should see it.
 
     Without `confirmed`, `retained` and `routed_natively` this is the base snapshot: every ready
-    endpoint, ungated. With them it is `for_gateway(build(models, settings), ...)`.
+    endpoint, ungated. With them it is `for_gateway(build(models, settings), ...)`. `keys`: the
+    API keys native routes check (`GatewaySettings.key_checks`).
     """
     native = native_keys(models, settings)
     body_metadata = may_go_native(models, settings)
-    routes = route_configuration(settings, [m for m in models if m.key in native], body_metadata=body_metadata)
+    routes = route_configuration(
+        settings, [m for m in models if m.key in native], body_metadata=body_metadata, keys=keys
+    )
     base = Resources(
         by_type={
             LISTENER: {LISTENER_NAME: listener(settings, body_metadata)},
@@ -1067,7 +1183,7 @@ def build(
     )
     if confirmed is None and retained is None and routed_natively is None:
         return base
-    return for_gateway(base, models, confirmed, retained, settings, routed_natively)
+    return for_gateway(base, models, confirmed, retained, settings, routed_natively, keys)
 
 
 def for_gateway(
@@ -1077,8 +1193,10 @@ def for_gateway(
     retained: Mapping[str, frozenset[tuple[str, int]]] | None,
     settings: GatewaySettings | None = None,
     routed_natively: AbstractSet[str] | None = None,
+    keys: Sequence[GatewayKey] = (),
 ) -> Resources:
-    """One gateway's view of `base` (built from the same `models`), gated by its own acknowledgements.
+    """One gateway's view of `base` (built from the same `models` and `keys`), gated by its own
+    acknowledgements.
 
     `confirmed` (cluster -> endpoints this gateway's Envoy has acknowledged) gates what its
     extproc sees: a new endpoint reaches extproc's route only once Envoy can route to it, so
@@ -1122,7 +1240,9 @@ def for_gateway(
         if native != native_keys(models, settings):
             chosen = [m for m in models if m.key in native]
             route_config = {
-                ROUTE_NAME: route_configuration(settings, chosen, body_metadata=may_go_native(models, settings))
+                ROUTE_NAME: route_configuration(
+                    settings, chosen, body_metadata=may_go_native(models, settings), keys=keys
+                )
             }
             changed = True
     if not changed:

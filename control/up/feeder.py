@@ -13,6 +13,10 @@ requests to a host Envoy cannot route to. So the first line also carries the *ba
 last state `up` delivered to a feeder before; until an Envoy has connected and acknowledged
 endpoints again, extproc gets only the endpoints of the baseline (Envoy has at most those).
 
+With `--api-keys-file` (the file's path, never keys on a command line) it reads the gateway's key
+file as extproc does (wakegate/keyfile.py), gives the keys to the native routes, and re-reads the
+file when it changes, at most a second later: a new route table, never a new listener.
+
 Run by `up` as `python -m wakegate.control.up.feeder --listen HOST:PORT --source PATH --gateway JSON`.
 """
 
@@ -33,8 +37,16 @@ from typing import Any
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, Resources, RoutedAdapter, RoutedModel, build
+from wakegate.control.feeder.resources import (
+    GatewaySettings,
+    Resources,
+    RoutedAdapter,
+    RoutedModel,
+    build,
+    gateway_keys,
+)
 from wakegate.internal_token import Authenticator, TokenSource
+from wakegate.keyfile import RELOAD_INTERVAL, AuthConfigError, KeyFile
 from wakegate.process import graceful_exit
 
 log = logging.getLogger("wakegate.feeder")
@@ -169,12 +181,22 @@ class _Publisher(Publisher):
         return self.baseline if self.baseline is not None else super()._confirmed(node)
 
     def _for_unknown(self, routed: list[RoutedModel], base: Resources) -> Resources:
-        return base if self.baseline is None else build(routed, self.gateway, self.baseline)
+        return base if self.baseline is None else build(routed, self.gateway, self.baseline, keys=self.keys)
 
 
-async def serve(listen: str, source: Path, gateway: GatewaySettings, token_file: Path) -> int:
+async def serve(
+    listen: str, source: Path, gateway: GatewaySettings, token_file: Path, keys_file: Path | None = None
+) -> int:
     state: list[RoutedModel] = []
     publisher = _Publisher(gateway, state)
+    keys: KeyFile[str] | None = None
+    if keys_file is not None:
+        try:
+            keys = KeyFile(keys_file, str, log)
+        except AuthConfigError as exc:
+            log.error("feeder: %s", exc)
+            return 2
+        publisher.keys = gateway_keys(keys.entries)
     reader = writer = None
     for _ in range(200):
         try:
@@ -225,11 +247,19 @@ async def serve(listen: str, source: Path, gateway: GatewaySettings, token_file:
                 sent = dict(authenticator.refused)
                 writer.write(json.dumps(sent).encode() + b"\n")
 
-    follower = asyncio.create_task(follow())
-    reporter = asyncio.create_task(report_refusals())
+    async def follow_keys(keys: KeyFile[str]) -> None:
+        while True:
+            await asyncio.sleep(RELOAD_INTERVAL)
+            if keys.reload_if_changed():
+                publisher.keys = gateway_keys(keys.entries)
+                publisher.publish_soon()
+
+    tasks = [asyncio.create_task(follow()), asyncio.create_task(report_refusals())]
+    if keys is not None:
+        tasks.append(asyncio.create_task(follow_keys(keys)))
     await stop.wait()
-    follower.cancel()
-    reporter.cancel()
+    for task in tasks:
+        task.cancel()
     await server.stop(1)
     return 0
 
@@ -240,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True, type=Path, help="wakegate up's Unix socket of routed models")
     parser.add_argument("--gateway", required=True, help="the GatewaySettings, as JSON")
     parser.add_argument("--internal-token-file", required=True, type=Path, help="the token ADS clients present")
+    parser.add_argument("--api-keys-file", type=Path, help="the gateway's API key file, for the native routes")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -247,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
-    return asyncio.run(serve(args.listen, args.source, gateway_from_json(args.gateway), args.internal_token_file))
+    return asyncio.run(
+        serve(
+            args.listen, args.source, gateway_from_json(args.gateway), args.internal_token_file, args.api_keys_file
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -195,8 +195,9 @@ class Up:
             max_request_bytes=settings.max_body_bytes,
             upstream_header=settings.upstream_header,
             access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
-            # Envoy's native routes check no API keys: with keys, every request takes the decided path.
-            native_allowed=settings.api_keys_file is None,
+            # The feeder gives the native routes the key file's keys (it reads the file itself).
+            native_allowed=True,
+            key_checks=settings.api_keys_file is not None,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
@@ -563,6 +564,8 @@ class Up:
             "--log-level",
             self.settings.log_level,
         ]
+        if self.settings.api_keys_file is not None:
+            argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
         return Supervised(Child("feeder", argv, self.state_dir / "logs" / "feeder.log"))
 
     def _extproc(self, ports: Ports, index: int) -> Supervised:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from wakegate import keyfile
 from wakegate.extproc import auth
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 
@@ -55,13 +56,13 @@ def key_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def stat_calls(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     calls: list[Path] = []
-    real = auth._stat
+    real = keyfile._stat
 
     def counting(path: Path) -> os.stat_result:
         calls.append(path)
         return real(path)
 
-    monkeypatch.setattr(auth, "_stat", counting)
+    monkeypatch.setattr(keyfile, "_stat", counting)
     return calls
 
 
@@ -256,13 +257,13 @@ def test_disabled_never_stats(clock: FakeClock, stat_calls: list[Path]) -> None:
 def test_unchanged_file_is_not_reread(key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = ApiKeys(key_file, clock=clock)
     reads: list[Path] = []
-    real = auth._read
+    real = keyfile._read
 
-    def counting(path: Path) -> tuple[tuple[int, int, int], tuple[bytes, ...]]:
+    def counting(path: Path) -> tuple[tuple[int, int, int], str]:
         reads.append(path)
         return real(path)
 
-    monkeypatch.setattr(auth, "_read", counting)
+    monkeypatch.setattr(keyfile, "_read", counting)
     for _ in range(5):
         clock.advance(1.0)
         assert keys.check(f"Bearer {KEY_A}")
@@ -300,18 +301,18 @@ def test_unreadable_later_keeps_old_keys_and_recovers(
     key_file: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys = ApiKeys(key_file, clock=clock)
-    real = auth._read
+    real = keyfile._read
 
-    def denied(path: Path) -> tuple[tuple[int, int, int], tuple[bytes, ...]]:
+    def denied(path: Path) -> tuple[tuple[int, int, int], str]:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(auth, "_read", denied)
+    monkeypatch.setattr(keyfile, "_read", denied)
     write_keys(key_file, f"{KEY_C}\n")
     clock.advance(1.0)
     assert keys.check(f"Bearer {KEY_A}")
     assert not keys.check(f"Bearer {KEY_C}")
     # Permission fixed without touching the file (fingerprint unchanged): retried and loaded.
-    monkeypatch.setattr(auth, "_read", real)
+    monkeypatch.setattr(keyfile, "_read", real)
     clock.advance(1.0)
     assert keys.check(f"Bearer {KEY_C}")
     assert not keys.check(f"Bearer {KEY_A}")

@@ -1,0 +1,162 @@
+"""API keys on the native routes in the pure snapshot builder: what Envoy's api_key_auth is given,
+where, and that a rotation changes the route table only (docs/decisions.md, "The native path")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from google.protobuf import json_format
+
+from wakegate.control.feeder import resources as r
+from wakegate.keyfile import ALL_MODELS, Scope, parse_entries
+
+KEYED = r.GatewaySettings(native_allowed=True, key_checks=True)
+EP = ("127.0.0.1", 9100)
+NATIVE = r.RoutedModel(
+    key="ns/n", names=("n", "n-alias"), served_name="n", strategy="round-robin", path="native", endpoints=(EP,)
+)
+OTHER = replace(NATIVE, key="ns/o", names=("o",), served_name="o", endpoints=(("127.0.0.1", 9101),))
+DECIDED = r.RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
+KEYS = r.gateway_keys(
+    [
+        ("sk-wide-0123", ALL_MODELS),
+        ("sk-by-key-4567", Scope(frozenset({"ns/n"}))),
+        ("sk-by-name-89ab", Scope(frozenset({"o"}))),
+        ("sk-by-alias-cdef", Scope(frozenset({"n-alias"}))),
+    ]
+)
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[no-any-return]
+
+
+def native_routes(built: r.Resources) -> list[dict[str, Any]]:
+    table = as_dict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtual_hosts"][0]["routes"]
+    return [x for x in table if x.get("route", {}).get("cluster")]
+
+
+def http_filters(built: r.Resources) -> list[dict[str, Any]]:
+    hcm = as_dict(built.by_type[r.LISTENER][r.LISTENER_NAME])["filter_chains"][0]["filters"][0]["typed_config"]
+    return list(hcm["http_filters"])
+
+
+def mappers(built: r.Resources) -> list[dict[str, Any]]:
+    hcm = as_dict(built.by_type[r.LISTENER][r.LISTENER_NAME])["filter_chains"][0]["filters"][0]["typed_config"]
+    return list(hcm["local_reply_config"]["mappers"])
+
+
+def key_check(route: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = route["typed_per_filter_config"][r.API_KEY_AUTH]
+    return config
+
+
+def test_each_native_route_checks_every_key_and_allows_the_clients_whose_scope_has_its_model() -> None:
+    built = r.build([NATIVE, OTHER, DECIDED], KEYED, keys=KEYS)
+    mine = native_routes(built)
+    assert {x["route"]["cluster"] for x in mine} == {NATIVE.cluster, OTHER.cluster}
+    for route in mine:
+        check = key_check(route)
+        assert check["credentials"] == [{"key": k.key, "client": k.client} for k in KEYS]
+        assert check["key_sources"] == [{"header": "authorization"}]
+        assert check["forwarding"] == {"hide_credentials": True}
+        # extproc's rule: by the model's key or its own name; an alias is no scope entry.
+        expected = ["k0", "k1"] if route["route"]["cluster"] == NATIVE.cluster else ["k0", "k2"]
+        assert check["allowed_clients"] == expected, route["name"]
+        # Only the Bearer form both paths read alike; any other goes to extproc.
+        assert {"name": "authorization", "string_match": {"safe_regex": {"regex": r"Bearer \S+"}}} in route[
+            "match"
+        ]["headers"]
+    # Each route is named after the name it matches (the 404's text): header, path and body routes.
+    assert sorted(x["name"] for x in mine if x["route"]["cluster"] == NATIVE.cluster) == [
+        "n",
+        "n",
+        "n",
+        "n-alias",
+        "n-alias",
+    ]
+
+
+def test_the_listener_checks_keys_between_body_reading_and_extproc_and_words_its_refusals() -> None:
+    built = r.build([NATIVE, DECIDED], KEYED, keys=KEYS)
+    names = [f["name"] for f in http_filters(built)]
+    assert names[:3] == [r.JSON_TO_METADATA, r.API_KEY_AUTH, "envoy.filters.http.ext_proc"]
+    auth = http_filters(built)[1]
+    assert auth["disabled"] is True  # on only where a native route turns it on
+    # The listener holds no key: rotation must not touch it.
+    assert "sk-" not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    first, unknown, out_of_scope, *_ = mappers(built)
+    assert first == r.LOCAL_REPLY_CONFIG["mappers"][0]
+    assert unknown["body_format_override"]["json_format"]["error"] == {
+        "message": "missing or invalid API key",
+        "type": "authentication_error",
+        "code": "invalid_api_key",
+    }
+    assert out_of_scope["status_code"] == 404
+    assert out_of_scope["body_format_override"]["json_format"]["error"] == {
+        "message": "model '%ROUTE_NAME%' does not exist",
+        "type": "not_found_error",
+        "code": "model_not_found",
+    }
+
+
+def test_a_rotation_changes_the_route_table_and_never_the_listener() -> None:
+    before = r.build([NATIVE, DECIDED], KEYED, keys=KEYS)
+    rotated = r.build([NATIVE, DECIDED], KEYED, keys=r.gateway_keys([("sk-new-key-0000", ALL_MODELS)]))
+    assert rotated.by_type[r.LISTENER] == before.by_type[r.LISTENER]
+    assert rotated.by_type[r.ROUTE] != before.by_type[r.ROUTE]
+    assert "sk-new-key-0000" in str(rotated.by_type[r.ROUTE][r.ROUTE_NAME])
+    assert "sk-wide-0123" not in str(rotated.by_type[r.ROUTE][r.ROUTE_NAME])
+
+
+def test_a_model_no_key_may_use_allows_no_client_and_an_empty_file_no_key() -> None:
+    nobody = r.gateway_keys([("sk-only-o-1111", Scope(frozenset({"o"})))])
+    (route, *_) = native_routes(r.build([NATIVE], KEYED, keys=nobody))
+    # An empty list would allow every known key.
+    assert key_check(route)["allowed_clients"] == ["-"]
+    (route, *_) = native_routes(r.build([NATIVE], KEYED, keys=()))
+    assert "credentials" not in key_check(route)  # Envoy refuses every key: an empty file's meaning
+
+
+def test_without_key_checks_nothing_of_api_key_auth_anywhere() -> None:
+    open_gateway = r.GatewaySettings(native_allowed=True)
+    built = r.build([NATIVE, DECIDED], open_gateway, keys=KEYS)
+    assert native_routes(built)
+    assert r.API_KEY_AUTH not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    assert r.API_KEY_AUTH not in str(built.by_type[r.ROUTE][r.ROUTE_NAME])
+    assert mappers(built) == as_dict(r.listener(open_gateway, native=True))["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["local_reply_config"]["mappers"]
+    # A gateway of decided models keeps its exact listener, keys or not.
+    decided = r.build([replace(NATIVE, path="decided"), DECIDED], KEYED, keys=KEYS)
+    assert decided.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(r.GatewaySettings())
+    assert "sk-" not in str(decided.by_type[r.ROUTE][r.ROUTE_NAME])
+
+
+def test_a_name_envoy_cannot_word_as_extproc_stays_decided_with_keys() -> None:
+    quoted = replace(NATIVE, names=("n", "it's"))
+    keyed = {x["name"] for x in native_routes(r.build([quoted], KEYED, keys=KEYS))}
+    assert keyed == {"n"}
+    unkeyed = {x["name"] for x in native_routes(r.build([quoted], r.GatewaySettings(native_allowed=True)))}
+    assert unkeyed == {"n", "it's"}
+
+
+def test_a_gated_view_keeps_the_keys() -> None:
+    cluster = NATIVE.cluster
+    base = r.build([NATIVE, OTHER], KEYED, keys=KEYS)
+    waiting = r.for_gateway(base, [NATIVE, OTHER], {cluster: frozenset()}, None, KEYED, None, KEYS)
+    mine = native_routes(waiting)
+    assert {x["route"]["cluster"] for x in mine} == {OTHER.cluster}
+    assert all(key_check(x)["credentials"] for x in mine)
+
+
+def test_keys_come_from_the_file_parser_in_order_and_never_show_in_a_repr() -> None:
+    entries, bad = parse_entries("sk-a-0000\nsk-b-1111 n, o\nbad , \nsk-a-0000 o\n", str)
+    assert bad == [3]
+    keys = r.gateway_keys(entries)
+    assert [(k.client, k.key, k.scope) for k in keys] == [
+        ("k0", "sk-a-0000", ALL_MODELS),
+        ("k1", "sk-b-1111", Scope(frozenset({"n", "o"}))),
+    ]
+    assert "sk-" not in repr(keys)
