@@ -717,19 +717,34 @@ _BEARER_KEY = {"name": "authorization", "string_match": {"safe_regex": {"regex":
 _NO_CLIENT = "-"
 
 
-def _key_check(model: RoutedModel, keys: Sequence[GatewayKey]) -> dict[str, Any]:
-    """The per-route api_key_auth of one native model: every key, only those whose scope has the
-    model allowed, the gateway's key kept from the backend (as extproc removes it)."""
-    own_name = model.names[0] if model.names else model.key
-    allowed = [k.client for k in keys if k.scope.allows(model.key, own_name)]
+def _key_check(keys: Sequence[GatewayKey], model: RoutedModel | None = None) -> dict[str, Any]:
+    """A route's api_key_auth: every key. For a native `model`, only the keys whose scope has the
+    model allowed, and the gateway's key kept from the backend (as extproc removes it); without
+    one, any key passes and extproc gets the header for its own check."""
+    check: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuthPerRoute",
+        "credentials": [{"key": k.key, "client": k.client} for k in keys],
+        "key_sources": [{"header": "authorization"}],
+    }
+    if model is not None:
+        own_name = model.names[0] if model.names else model.key
+        allowed = [k.client for k in keys if k.scope.allows(model.key, own_name)]
+        check["allowed_clients"] = allowed or [_NO_CLIENT]
+        check["forwarding"] = {"hide_credentials": True}
+    return {API_KEY_AUTH: check}
+
+
+def _bearer_catch_all(keys: Sequence[GatewayKey]) -> dict[str, Any]:
+    """The catch-all of POSTs in the Bearer form where body routes check keys. Envoy makes a
+    request's filters from the route it first matches, before json_to_metadata has read the body:
+    api_key_auth exists for a body-named request only if that first route asks for it. This one
+    does, with every key allowed, so a request the body then routes natively is checked by its
+    native route, and one the body leaves here goes to extproc (an unknown key: the same 401)."""
     return {
-        API_KEY_AUTH: {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuthPerRoute",
-            "credentials": [{"key": k.key, "client": k.client} for k in keys],
-            "key_sources": [{"header": "authorization"}],
-            "allowed_clients": allowed or [_NO_CLIENT],
-            "forwarding": {"hide_credentials": True},
-        }
+        **_NO_ROUTE,
+        "name": "bearer",
+        "match": {"prefix": "/", "headers": [_POST, _BEARER_KEY]},
+        "typed_per_filter_config": _key_check(keys),
     }
 
 
@@ -762,7 +777,7 @@ def _native(
                 "disabled": True,
             },
             **_JSON_TO_METADATA_OFF,
-            **(_key_check(model, keys) if keys is not None else {}),
+            **(_key_check(keys, model) if keys is not None else {}),
         },
     }
 
@@ -882,6 +897,7 @@ def route_configuration(
                         *by_path,
                         {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
                         *by_body,
+                        *([_bearer_catch_all(keys)] if settings.key_checks and by_body else []),
                         catch_all,
                     ],
                 }

@@ -221,9 +221,7 @@ class KeyFile(Generic[_T]):
     def _report(self, problem: str) -> None:
         if problem != self._problem:
             self._problem = problem
-            self._log.warning(
-                "API key file %s %s; keeping the previous %d keys", self.path, problem, len(self.entries)
-            )
+            self._log.warning("API key file %s %s; keeping the previous %d keys", self.path, problem, len(self.entries))
 
     def _log_loaded(self, verb: str) -> None:
         n = len(self.entries)

@@ -277,9 +277,9 @@ def test_cold_to_warm_to_idle_under_load_loses_nothing_and_releases_on_time(
     assert again.status == 200, again.text
 
 
-def test_with_api_keys_or_a_rate_limit_a_model_asking_for_native_stays_decided(tmp_path: Path) -> None:
-    """Envoy's native routes check no key and keep no token bucket: with keys on the gateway,
-    or a rate limit on the model, every request meets extproc, exactly as on the decided path."""
+def test_with_api_keys_a_model_goes_native_but_a_rate_limit_keeps_it_decided(tmp_path: Path) -> None:
+    """Envoy's native routes check the gateway's keys (tests/gateway/test_native_keys.py) but keep
+    no token bucket: a rate-limited model's every request meets extproc, as on the decided path."""
     key = "sk-native-test-0123456789"
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{key}\n")
@@ -294,9 +294,12 @@ def test_with_api_keys_or_a_rate_limit_a_model_asking_for_native_stays_decided(t
     keyed = UpProcess(tmp_path / "keyed", fleet, "--api-keys-file", str(keys))
     try:
         keyed.wait_ready({"nk": 1, "nr": 1}, timeout=60)
+        deadline = time.monotonic() + 10
+        while keyed.status()["models"][0]["routingPath"] != "native" and time.monotonic() < deadline:
+            time.sleep(0.1)
         status = {m["key"]: m for m in keyed.status()["models"]}
-        assert status["nk"]["routingPath"] == "decided"
-        assert status["nk"]["routingPathReason"] == "the gateway checks API keys"
+        assert status["nk"]["routingPath"] == "native"
+        assert status["nr"]["routingPath"] == "decided" and status["nr"]["routingPathReason"] == "a rate limit"
         url = keyed.url + "/v1/chat/completions"
         for naming in ({}, {"x-model-id": "nk"}):
             refused = request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nk"))

@@ -65,9 +65,9 @@ def test_each_native_route_checks_every_key_and_allows_the_clients_whose_scope_h
         expected = ["k0", "k1"] if route["route"]["cluster"] == NATIVE.cluster else ["k0", "k2"]
         assert check["allowed_clients"] == expected, route["name"]
         # Only the Bearer form both paths read alike; any other goes to extproc.
-        assert {"name": "authorization", "string_match": {"safe_regex": {"regex": r"Bearer \S+"}}} in route[
-            "match"
-        ]["headers"]
+        assert {"name": "authorization", "string_match": {"safe_regex": {"regex": r"Bearer \S+"}}} in route["match"][
+            "headers"
+        ]
     # Each route is named after the name it matches (the 404's text): header, path and body routes.
     assert sorted(x["name"] for x in mine if x["route"]["cluster"] == NATIVE.cluster) == [
         "n",
@@ -125,9 +125,12 @@ def test_without_key_checks_nothing_of_api_key_auth_anywhere() -> None:
     assert native_routes(built)
     assert r.API_KEY_AUTH not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
     assert r.API_KEY_AUTH not in str(built.by_type[r.ROUTE][r.ROUTE_NAME])
-    assert mappers(built) == as_dict(r.listener(open_gateway, native=True))["filter_chains"][0]["filters"][0][
-        "typed_config"
-    ]["local_reply_config"]["mappers"]
+    assert (
+        mappers(built)
+        == as_dict(r.listener(open_gateway, native=True))["filter_chains"][0]["filters"][0]["typed_config"][
+            "local_reply_config"
+        ]["mappers"]
+    )
     # A gateway of decided models keeps its exact listener, keys or not.
     decided = r.build([replace(NATIVE, path="decided"), DECIDED], KEYED, keys=KEYS)
     assert decided.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(r.GatewaySettings())
@@ -160,3 +163,24 @@ def test_keys_come_from_the_file_parser_in_order_and_never_show_in_a_repr() -> N
         ("k1", "sk-b-1111", Scope(frozenset({"n", "o"}))),
     ]
     assert "sk-" not in repr(keys)
+
+
+def test_body_named_requests_in_bearer_form_meet_api_key_auth_from_their_first_route() -> None:
+    """Envoy makes a request's filters from its first route, before the body names the model: a
+    POST in the Bearer form first matches a catch-all that checks any key, and only then the
+    native body route, which checks its model's scope."""
+    table = as_dict(r.build([NATIVE, DECIDED], KEYED, keys=KEYS).by_type[r.ROUTE][r.ROUTE_NAME])
+    routes = table["virtual_hosts"][0]["routes"]
+    bearer, catch_all = routes[-2:]
+    assert "typed_per_filter_config" not in catch_all and catch_all["match"] == {"prefix": "/"}
+    assert bearer["match"]["prefix"] == "/" and "direct_response" in bearer
+    assert {"name": "authorization", "string_match": {"safe_regex": {"regex": r"Bearer \S+"}}} in bearer["match"][
+        "headers"
+    ]
+    check = key_check(bearer)
+    assert check["credentials"] == [{"key": k.key, "client": k.client} for k in KEYS]
+    # Any key passes here, and extproc still sees it: the scope is its to check.
+    assert "allowed_clients" not in check and "forwarding" not in check
+    # No body route (a cold native model), no such catch-all.
+    cold = r.build([replace(NATIVE, endpoints=()), DECIDED], KEYED, keys=KEYS)
+    assert r.API_KEY_AUTH not in str(cold.by_type[r.ROUTE][r.ROUTE_NAME])
