@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.http import Response, get_json, request
+from tests.gateway.test_native import Gateway as NativeGateway
+from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 
@@ -38,18 +39,10 @@ FLEET = "".join(
 )
 
 
-class Gateway:
+class Gateway(NativeGateway):
     def __init__(self, up: UpProcess, envoy_admin: str, keys: Path) -> None:
-        self.up = up
-        self.envoy_admin = envoy_admin
+        super().__init__(up, envoy_admin)
         self.keys = keys
-
-    def stat(self, name: str) -> int:
-        stats = get_json(f"http://{self.envoy_admin}/stats?format=json&filter=^{name}$")["stats"]
-        return int(stats[0]["value"]) if stats else 0
-
-    def extproc_streams(self) -> int:
-        return self.stat(r"http\.wakegate\.ext_proc\.streams_started")
 
     def paths(self) -> dict[str, str]:
         return {m["key"]: m["routingPath"] for m in self.up.status()["models"]}

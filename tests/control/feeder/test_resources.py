@@ -13,6 +13,7 @@ from google.protobuf import json_format
 
 from wakegate import contract
 from wakegate.control.feeder import resources as r
+from wakegate.keyfile import ALL_MODELS, Scope
 
 MODELS = [
     r.RoutedModel(
@@ -84,8 +85,9 @@ NATIVE = r.RoutedModel(
         r.GatewaySettings(upstream_header=True),
         r.GatewaySettings(upstream_retries=2, upstream_retry_on="reset"),
         r.GatewaySettings(upstream_header=True, native_allowed=True),
+        r.GatewaySettings(native_allowed=True, key_checks=True),
     ],
-    ids=["plain", "federation", "native"],
+    ids=["plain", "federation", "native", "native-keys"],
 )
 def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.GatewaySettings) -> None:
     """Put the dynamic resources into a static bootstrap and let the real Envoy validate it."""
@@ -95,7 +97,8 @@ def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.Gatewa
         models = [replace(MODELS[0], fallback_endpoints=1, endpoint_authorization=token), MODELS[1]]
     if settings.native_allowed:
         models = [*MODELS, NATIVE]
-    built = r.build(models, settings)
+    keys = r.gateway_keys([("sk-validate-0000", ALL_MODELS), ("sk-validate-1111", Scope(frozenset({"other"})))])
+    built = r.build(models, settings, keys=keys)
     assert bool(r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME])) is settings.native_allowed
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
