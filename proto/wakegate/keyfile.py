@@ -203,9 +203,10 @@ class KeyFile(Generic[_T]):
         entries = self._parse(text)
         if new_fp == self._fp and entries == self.entries:
             return False
+        changed = entries != self.entries
         self._fp, self.entries = new_fp, entries
         self._log_loaded("reloaded")
-        return True
+        return changed
 
     def _parse(self, text: str) -> tuple[tuple[_T, Scope], ...]:
         entries, bad = parse_entries(text, self._store)
