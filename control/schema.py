@@ -193,6 +193,12 @@ class Scaling(_Spec):
     targetInFlight: int = Field(
         8, ge=1, le=100000, description="Per-replica concurrency above which another replica is added."
     )
+    scaleInWindow: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        description="Seconds demand must need fewer replicas than run before scaling in to what it needs.",
+    )
     engine: ScalingEngine = Field(
         ScalingEngine.KEDA,
         description="Who owns replicas on Kubernetes: KEDA (external-push) or the builtin engine.",

@@ -63,6 +63,7 @@ def policy_of(model: Model) -> autoscale.Policy:
         max=scaling.max,
         idle_timeout=float(scaling.idleTimeout),
         target_in_flight=scaling.targetInFlight,
+        scale_in_window=float(scaling.scaleInWindow),
     )
 
 

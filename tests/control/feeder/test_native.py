@@ -135,7 +135,26 @@ def test_native_routes_by_header_path_and_body_skip_extproc_and_mark_the_request
     path_any = next(i for i, x in enumerate(table) if x["match"].get("prefix") == contract.MODEL_PATH_PREFIX)
     assert order[0] < header_any < order[1] < path_any < order[2] < len(table) - 1
     # The catch-all reads the body's model into metadata now.
-    assert "typed_per_filter_config" not in table[-1]
+    assert r.JSON_TO_METADATA not in table[-1]["typed_per_filter_config"]
+    # Extproc is off in this listener unless a route turns it on: every route but the native
+    # ones does (the cluster_header one too: a request meeting it skips no check).
+    for route in table:
+        config = route.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc")
+        assert config is not None, route
+        assert ("disabled" in config) == (route in mine), route
+
+
+def test_extproc_is_created_only_for_requests_a_route_gives_it() -> None:
+    """With native routes possible, the listener's extproc is off by default (a native request
+    then costs Envoy no extproc filter at all) and a client's cluster header is dropped before
+    any route is matched; a gateway of decided models keeps extproc on for every request."""
+    for native, disabled in ((True, True), (False, False)):
+        listener = json_format.MessageToDict(r.listener(ON, native=native), preserving_proto_field_name=True)
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        (extproc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+        assert extproc.get("disabled", False) is disabled
+        mutations = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+        assert ({"remove": contract.CLUSTER_HEADER} in mutations) is native
 
 
 def test_the_listener_hides_native_requests_from_extproc_and_drops_a_clients_mark() -> None:

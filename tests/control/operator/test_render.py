@@ -90,6 +90,12 @@ def test_scaled_object_idles_once_and_scales_with_the_builtin_windows() -> None:
     assert behavior["scaleDown"]["policies"] == [{"type": "Percent", "value": 100, "periodSeconds": 1}]
 
 
+def test_the_models_scale_in_window_is_the_hpas_scale_down_window() -> None:
+    so = obj(render(model(scaling={"min": 0, "max": 5, "scaleInWindow": 7})), "ScaledObject")
+    behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 7
+
+
 def test_keda_auth_secret_adds_an_owned_trigger_authentication_the_trigger_names() -> None:
     out = render(model(scaling={"min": 0, "max": 2}), scaler_address="s:1", keda_auth_secret="keda-client")
     assert kinds(out) == ["Service", "Deployment", "PodDisruptionBudget", "TriggerAuthentication", "ScaledObject"]
