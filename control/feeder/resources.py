@@ -763,7 +763,7 @@ def _bearer_catch_all(keys: Sequence[GatewayKey]) -> dict[str, Any]:
         **_NO_ROUTE,
         "name": "bearer",
         "match": {"prefix": "/", "headers": [_POST, _BEARER_KEY]},
-        "typed_per_filter_config": _key_check(keys),
+        "typed_per_filter_config": {**_key_check(keys), **_EXTPROC_ON},
     }
 
 
