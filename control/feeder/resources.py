@@ -712,6 +712,12 @@ _EXTPROC_ON = {
         "overrides": {},
     }
 }
+_EXTPROC_OFF = {
+    "envoy.filters.http.ext_proc": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "disabled": True,
+    }
+}
 _STREAM_BODY: dict[str, Any] = {
     "typed_per_filter_config": {
         "envoy.filters.http.ext_proc": {
@@ -778,9 +784,13 @@ def _native(
     match: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keys: Sequence[GatewayKey] | None = None,
+    *,
+    second: bool = False,
 ) -> dict[str, Any]:
     """A route Envoy serves alone: straight to the model's cluster, extproc off, marked for the log.
-    Named after the model name it matches; `keys` (not None): it checks them, in Bearer form only."""
+    Named after the model name it matches; `keys` (not None): it checks them, in Bearer form only.
+    `second`: a request meets it only after another route (the body routes, once json_to_metadata
+    has read the body), which has turned extproc on; it is switched off here."""
     if keys is not None:
         match = {**match, "headers": [*match["headers"], _BEARER_KEY]}
     return {
@@ -790,11 +800,11 @@ def _native(
         "request_headers_to_add": [
             {"header": {"key": contract.NATIVE_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
         ],
+        # A route a request meets first names no extproc config at all: the listener has extproc
+        # off by default, and any config of it here (even one saying disabled) would have Envoy
+        # create the filter for the request (docs/performance.md, "The native path").
         "typed_per_filter_config": {
-            "envoy.filters.http.ext_proc": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                "disabled": True,
-            },
+            **(_EXTPROC_OFF if second else {}),
             **_JSON_TO_METADATA_OFF,
             **(_key_check(keys, model) if keys is not None else {}),
         },
@@ -854,6 +864,7 @@ def _native_routes(
                         ],
                     },
                     keys=keys,
+                    second=True,
                 )
             )
     return by_header, by_path, by_body
