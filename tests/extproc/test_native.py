@@ -29,6 +29,10 @@ class Admin:
         self.counters: dict[str, tuple[int, int]] = {}
         self.up = True
         self.queries: list[str] = []
+        self.address = ""
+
+    def session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(base_url=f"http://{self.address}")
 
     async def stats(self, request: web.Request) -> web.Response:
         self.queries.append(request.query.get("filter", ""))
@@ -42,40 +46,45 @@ class Admin:
 
 
 @pytest.fixture
-async def admin() -> AsyncIterator[tuple[Admin, str]]:
-    fake = Admin()
-    app = web.Application()
-    app.router.add_get("/stats", fake.stats)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield fake, f"127.0.0.1:{port}"
-    await runner.cleanup()
-
-
-def gateway() -> Gateway:
-    gw = Gateway(Settings(), ApiKeys(None))
-    gw.set_routes(
+def gw() -> Gateway:
+    """A gateway routing one model that asks for the native path and one that does not."""
+    gateway = Gateway(Settings(), ApiKeys(None))
+    gateway.set_routes(
         [
             routing_pb2.ModelRoute(key="ns/n", names=["n"], served_name="n", cluster="model.ns.n", path="native"),
             routing_pb2.ModelRoute(key="ns/d", names=["d"], served_name="d", cluster="model.ns.d", path="decided"),
         ]
     )
-    return gw
+    return gateway
+
+
+@pytest.fixture
+def counts(fake: Admin, gw: Gateway) -> NativeCounts:
+    return NativeCounts(fake.address, gw)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Admin]:
+    admin = Admin()
+    app = web.Application()
+    app.router.add_get("/stats", admin.stats)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    admin.address = f"127.0.0.1:{runner.addresses[0][1]}"
+    yield admin
+    await runner.cleanup()
 
 
 async def test_only_what_exceeds_extprocs_own_requests_is_native_and_joins_the_report(
-    admin: tuple[Admin, str],
+    fake: Admin, gw: Gateway, counts: NativeCounts
 ) -> None:
-    fake, address = admin
-    gw = gateway()
     gw.in_flight.update({"ns/n": 1, "ns/d": 2})
     changes: list[dict[str, int]] = []
-    counts = NativeCounts(address, gw, lambda: changes.append(dict(counts.in_flight)))
+    counts.on_change = lambda: changes.append(dict(counts.in_flight))
     fake.counters = {"model_ns_n": (3, 10), "model_ns_d": (4, 9)}  # d's extra 2 are not native: d is decided
-    async with aiohttp.ClientSession(base_url=f"http://{address}") as session:
+    async with fake.session() as session:
         await counts.poll(session, 0.0)
         assert counts.in_flight == {"ns/n": 2}
         assert counts.reported() == {"ns/n": 3, "ns/d": 2}
@@ -93,22 +102,18 @@ async def test_only_what_exceeds_extprocs_own_requests_is_native_and_joins_the_r
     assert fake.queries[0] == r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$"  # nothing else is read
 
 
-async def test_no_native_model_no_poll(admin: tuple[Admin, str]) -> None:
-    fake, address = admin
-    gw = Gateway(Settings(), ApiKeys(None))
+async def test_no_native_model_no_poll(fake: Admin, gw: Gateway, counts: NativeCounts) -> None:
     gw.set_routes([routing_pb2.ModelRoute(key="ns/d", names=["d"], served_name="d", cluster="model.ns.d")])
-    counts = NativeCounts(address, gw)
-    async with aiohttp.ClientSession(base_url=f"http://{address}") as session:
+    async with fake.session() as session:
         await counts.poll(session, 0.0)
     assert fake.queries == []
 
 
-async def test_a_model_that_left_the_native_path_is_counted_until_its_requests_end(admin: tuple[Admin, str]) -> None:
-    fake, address = admin
-    gw = gateway()
-    counts = NativeCounts(address, gw)
+async def test_a_model_that_left_the_native_path_is_counted_until_its_requests_end(
+    fake: Admin, gw: Gateway, counts: NativeCounts
+) -> None:
     fake.counters = {"model_ns_n": (2, 5)}
-    async with aiohttp.ClientSession(base_url=f"http://{address}") as session:
+    async with fake.session() as session:
         await counts.poll(session, 0.0)
         gw.set_routes([])  # the Model was deleted, or turned decided, while Envoy still serves two
         await counts.poll(session, 0.25)
@@ -122,13 +127,10 @@ async def test_a_model_that_left_the_native_path_is_counted_until_its_requests_e
 
 
 async def test_an_unanswering_envoy_keeps_the_last_count_then_drops_it_saying_so_once(
-    admin: tuple[Admin, str], caplog: pytest.LogCaptureFixture
+    fake: Admin, counts: NativeCounts, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake, address = admin
-    gw = gateway()
-    counts = NativeCounts(address, gw)
     fake.counters = {"model_ns_n": (5, 50)}
-    async with aiohttp.ClientSession(base_url=f"http://{address}") as session:
+    async with fake.session() as session:
         await counts.poll(session, 100.0)
         fake.up = False
         with caplog.at_level(logging.INFO, logger="wakegate.extproc.native"):
