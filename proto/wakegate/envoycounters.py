@@ -21,7 +21,10 @@ from urllib.parse import quote
 #: Seconds between polls: idle detection is this much late at most.
 POLL_SECONDS = 0.25
 #: The admin API query both pollers send: the two counters of every model cluster, nothing else.
-STATS_QUERY = "/stats?format=json&filter=" + quote(r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$")
+#: `usedonly` skips stats never written (a model no request reached yet, which counts as zero):
+#: Envoy then tests fewer names against the regex (200 model clusters that all served: ~5 ms of
+#: its CPU per poll instead of ~14 ms; docs/performance.md, "The native path on a cluster").
+STATS_QUERY = "/stats?format=json&usedonly&filter=" + quote(r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$")
 
 
 def stat_name(model_key: str) -> str:
@@ -66,13 +69,16 @@ class NativeInFlight:
         `decided`: extproc's own in-flight requests of the same models, which Envoy's counts
         include too: only what exceeds them is native.
         """
+        keys = sorted(set(native))
+        # A model Envoy lists no counters for has had no request (or no cluster) yet: zero.
+        totals = dict.fromkeys(keys, 0) | {key: total for key, (_, total) in counters.items()}
         out: dict[str, int] = {}
-        for key in sorted(set(native)):
+        for key in keys:
             active, total = counters.get(key, (0, 0))
             before = self._totals.get(key)
             in_flight = max(0, active - decided.get(key, 0))
             if in_flight == 0 and before is not None and total > before:
                 in_flight = 1  # came and went between two polls
             out[key] = in_flight
-        self._totals = {key: total for key, (_, total) in counters.items()}
+        self._totals = totals
         return out
