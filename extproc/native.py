@@ -34,11 +34,15 @@ class NativeCounts:
         self.envoy_admin = envoy_admin
         self.gateway = gateway
         self.on_change = on_change
-        #: Model key -> requests Envoy routes natively now (only models with some).
-        self.in_flight: dict[str, int] = {}
         self._counts = NativeInFlight()
         self._answered_at: float | None = None
         self._failing = False
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Model key -> requests Envoy routes natively now (only models with some); kept in the
+        gateway, whose status and queue views add them to its own."""
+        return self.gateway.native_in_flight
 
     def reported(self) -> dict[str, int]:
         """What the demand reports say is in flight: extproc's own requests plus the native ones."""
@@ -82,7 +86,7 @@ class NativeCounts:
 
     def _set(self, in_flight: dict[str, int]) -> None:
         if in_flight != self.in_flight:
-            self.in_flight = in_flight
+            self.gateway.native_in_flight = in_flight
             self.on_change()
 
     async def run(self) -> None:

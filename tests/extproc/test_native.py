@@ -7,6 +7,7 @@ does; the real Envoy and the scaler are in e2e/test_native.py.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from wakegate.extproc import main
-from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.auth import ALL_MODELS, ApiKeys
 from wakegate.extproc.native import STALE_SECONDS, NativeCounts
 from wakegate.extproc.service import Gateway, Settings
 from wakegate.v1 import routing_pb2
@@ -100,6 +101,21 @@ async def test_only_what_exceeds_extprocs_own_requests_is_native_and_joins_the_r
         assert counts.in_flight == {} and counts.reported() == {}
     assert changes == [{"ns/n": 2}, {"ns/n": 1}, {}]
     assert fake.queries[0] == r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$"  # nothing else is read
+
+
+async def test_the_status_and_queue_views_count_native_requests_too(
+    fake: Admin, gw: Gateway, counts: NativeCounts
+) -> None:
+    """A federation's global gateway picks members by the in-flight their status says."""
+    gw.in_flight["ns/n"] = 1
+    fake.counters = {"model_ns_n": (4, 8)}
+    async with fake.session() as session:
+        await counts.poll(session, 0.0)
+    status = {m["model"]: m["in_flight"] for m in json.loads(gw.status_body_for(ALL_MODELS))["models"]}
+    assert status == {"n": 4, "d": 0}
+    queue = {m["model"]: m["in_flight"] for m in gw.queue_view()["models"]}
+    assert queue == {"ns/n": 4, "ns/d": 0}
+    assert gw.in_flight == {"ns/n": 1}
 
 
 async def test_no_native_model_no_poll(fake: Admin, gw: Gateway, counts: NativeCounts) -> None:
