@@ -114,6 +114,9 @@ STATUS_SCHEMA: dict[str, Any] = {
         "lastColdStartSeconds": {"type": "number"},
         # Written by the scaler, not the operator: the GPU-group peer this Model waits for.
         "waitingFor": {"type": "string"},
+        # Which path warm requests take (docs/decisions.md, "The native path"), and why not native.
+        "routingPath": {"type": "string", "enum": ["native", "decided"]},
+        "routingPathReason": {"type": "string"},
         "observedGeneration": {"type": "integer"},
         "conditions": CONDITIONS_SCHEMA,
     },
@@ -244,6 +247,7 @@ def model_crd() -> dict[str, Any]:
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
         {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
         {"name": "Waiting For", "type": "string", "jsonPath": ".status.waitingFor"},
+        {"name": "Path", "type": "string", "jsonPath": ".status.routingPath"},
         {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     ]
     schema = {"x-kubernetes-validations": [NAME_RULE], **_properties(spec_schema(), status=STATUS_SCHEMA)}

@@ -250,7 +250,9 @@ class Scaler:
 class Gateway:
     """`wakegate xds` (with the kubeconfig) + extproc + Envoy (without), on free loopback ports."""
 
-    def __init__(self, dir: Path, kubeconfig: Path, demand: str | None = None) -> None:
+    def __init__(self, dir: Path, kubeconfig: Path, demand: str | None = None, native: bool = False) -> None:
+        """`native`: as the chart without API keys sets it up, the feeder lets Models take the native
+        path and extproc counts its Envoy's native requests (`--native-path`, `--envoy-admin`)."""
         self.dir = dir
         self.port = free_port()
         self.xds_port = free_port()
@@ -283,6 +285,7 @@ class Gateway:
                 str(self.token),
                 "--admin-listen",
                 f"127.0.0.1:{self.xds_admin}",
+                *(["--native-path"] if native else []),
             ],
             dir / "xds.log",
             env=env,
@@ -306,6 +309,8 @@ class Gateway:
         ]
         if demand is not None:
             extproc_argv += ["--demand", demand]
+        if native:
+            extproc_argv += ["--envoy-admin", f"127.0.0.1:{self.envoy_admin}"]
         self.extproc = Proc("extproc", extproc_argv, dir / "extproc.log", env=gateway_env)
         config = dir / "envoy.yaml"
         config.write_text(

@@ -29,6 +29,7 @@ from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError,
 from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.kvsubscriber import KVSubscriber
+from wakegate.extproc.native import NativeCounts
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
 from wakegate.internal_token import TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
@@ -50,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP address of the activator (keepalive cold mode); loopback only",
     )
     parser.add_argument("--demand", default=None, help="address of the demand receiver (HOST:PORT); defaults to --xds")
+    parser.add_argument(
+        "--envoy-admin",
+        default=None,
+        type=_address,
+        metavar="HOST:PORT",
+        help="admin API of this gateway's Envoy (loopback): count the requests it routes alone (routing.path "
+        "native) in this extproc's demand reports; omit where nothing else is in front of it (`wakegate up` "
+        "counts them itself)",
+    )
     internal_token.add_arguments(parser, server=False)
     parser.add_argument(
         "--keepalive-seconds",
@@ -111,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
+def _address(text: str) -> str:
+    """argparse type of a HOST:PORT address."""
+    _, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
 def _h2_limit(text: str) -> str:
     """argparse type of `--h2-limit`: NAME=VALUE for a known limit with a valid value."""
     try:
@@ -134,6 +152,8 @@ class Settings(ProcessSettings):
     """The xDS feeder (HOST:PORT) the route table comes from."""
     demand: str
     """Where demand reports go (HOST:PORT)."""
+    envoy_admin: str | None
+    """Admin API of this gateway's Envoy, polled for its natively routed requests; None: not polled."""
     internal_token: TokenSource
     """The internal token presented to the feeder and the demand service (a file, else the environment)."""
     node_id: str
@@ -234,17 +254,20 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             settings.internal_token.describe(),
         )
     feed = RouteFeed(settings.xds, settings.gateway_id, gateway.set_routes, token=settings.internal_token)
+    native = NativeCounts(settings.envoy_admin, gateway) if settings.envoy_admin else None
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,
         gateway.cold.snapshot,
-        lambda: gateway.in_flight,
+        native.reported if native is not None else lambda: gateway.in_flight,
         token=settings.internal_token,
         on_delivered=gateway.demand_delivered,
         adapters=gateway.adapters.report,
     )
     gateway.on_demand_change = reporter.changed
     gateway.on_load_change = reporter.changed_lazily
+    if native is not None:
+        native.on_change = reporter.changed_lazily
     host, port = host_port(settings.admin_listen)
     runner = await admin.start(gateway, feed.synced.is_set, host, port)
     keepalive = activator.Activator(gateway, settings.keepalive_seconds)
@@ -255,6 +278,8 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         asyncio.create_task(reporter.run()),
         asyncio.create_task(_expire_leases(gateway)),
     ]
+    if native is not None:
+        tasks.append(asyncio.create_task(native.run()))
     if settings.engine_metrics_interval > 0:
         picker = gateway.picker
         watch = EngineWatch(

@@ -101,6 +101,9 @@ class Gateway:
         self.limiter = RateLimiter(settings.global_rate or None, settings.global_burst or None)
         self.picker = Picker()
         self.in_flight: dict[str, int] = {}
+        #: Requests its Envoy routes alone now, per model (extproc/native.py; empty without it):
+        #: part of what the status and queue views say is in flight, never of extproc's own book.
+        self.native_in_flight: dict[str, int] = {}
         self.on_demand_change: Callable[[], None] = lambda: None
         #: Load changes that may be reported a little later (coalesced).
         self.on_load_change: Callable[[], None] = lambda: None
@@ -161,14 +164,15 @@ class Gateway:
     def queue_view(self) -> dict[str, Any]:
         """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
         cold = self.cold.snapshot()
-        keys = sorted(set(cold) | {k for k, v in self.in_flight.items() if v} | set(self.table.routes))
+        busy = {k for k, v in self.in_flight.items() if v} | set(self.native_in_flight)
+        keys = sorted(set(cold) | busy | set(self.table.routes))
         return {
             "models": [
                 {
                     "model": key,
                     "queued": cold.get(key, (0, 0, 0))[0],
                     "leases": cold.get(key, (0, 0, 0))[1],
-                    "in_flight": self.in_flight.get(key, 0),
+                    "in_flight": self.in_flight.get(key, 0) + self.native_in_flight.get(key, 0),
                     "ready_endpoints": len(self.table.routes[key].endpoints) if key in self.table.routes else 0,
                 }
                 for key in keys
@@ -186,7 +190,7 @@ class Gateway:
                 "names": list(route.names),
                 "ready_endpoints": len(route.endpoints),
                 "queued": cold.get(key, (0, 0, 0))[0],
-                "in_flight": self.in_flight.get(key, 0),
+                "in_flight": self.in_flight.get(key, 0) + self.native_in_flight.get(key, 0),
                 "max_queue": route.cold.max_queue,
             }
             for key, route in sorted(self.table.routes.items())

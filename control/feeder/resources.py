@@ -43,6 +43,7 @@ from google.protobuf.message import Message
 from wakegate import contract
 from wakegate.control.backends import BACKENDS
 from wakegate.control.schema import DEFAULT_PROFILE, Model, Routing, Strategy
+from wakegate.envoycounters import stat_name
 from wakegate.keyfile import Scope
 from wakegate.v1 import routing_pb2
 
@@ -221,12 +222,6 @@ def cluster_name(model_key: str) -> str:
     return "model." + model_key.replace("/", ".")
 
 
-def stat_name(model_key: str) -> str:
-    """The model cluster's name in Envoy's stats (`cluster.<this>.upstream_rq_total`)."""
-    # Envoy splits stat names at dots; a dot-free name keeps per-model stats one label value.
-    return "model_" + model_key.replace("/", "_").replace(".", "_").replace("-", "_")
-
-
 #: Strategies Envoy's own load balancing does exactly as extproc would (docs/decisions.md).
 NATIVE_STRATEGIES = frozenset({"round-robin"})
 
@@ -240,7 +235,7 @@ def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
     if model.path != "native":
         return "routing.path is decided"
     if not settings.native_allowed:
-        return "the gateway checks API keys"
+        return "the gateway's native path is off (API keys or a global rate limit on the cluster)"
     if model.strategy not in NATIVE_STRATEGIES or model.profile or model.weights:
         return "scored or sticky picking (native takes strategy round-robin)"
     if model.adapters or model.lora_adapters:
@@ -252,6 +247,15 @@ def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
     if not model.endpoints:
         return "no ready endpoint"
     return ""
+
+
+def routing_path(model: RoutedModel, settings: GatewaySettings) -> dict[str, str]:
+    """`routingPath` (native or decided) and, when decided, `routingPathReason` (native_blocker):
+    what `wakegate up`'s /status and a Model's status on a cluster say of the model's path now."""
+    blocker = native_blocker(model, settings)
+    if not blocker:
+        return {"routingPath": "native"}
+    return {"routingPath": "decided", "routingPathReason": blocker}
 
 
 def native_keys(
@@ -1189,6 +1193,7 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         last_failure=model.last_failure,
         failure_code=model.failure_code,
         admitted=model.admitted,
+        path=model.path,
     )
 
 

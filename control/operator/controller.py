@@ -49,7 +49,7 @@ from wakegate.control.operator.lora_status import (
     started_with,
 )
 from wakegate.control.operator.metrics import OperatorMetrics
-from wakegate.control.operator.status import Observed, compute, failed_pods, swap_holder
+from wakegate.control.operator.status import Observed, compute, failed_pods, routing_path_status, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
 from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
 
@@ -307,6 +307,11 @@ class Reconciler:
         )
         previous = body.get("status") or {}
         status = compute(observed, previous, _rfc3339())
+        if model is not None:
+            served = model.with_adapters(adapters) if adapters else model
+            status.update(
+                routing_path_status(served, observed.pods, status["admitted"], self.settings.native_path)
+            )
         if any(previous.get(k) != v for k, v in status.items()):
             await self._patch_status("Model", body, status, status, lambda: self.models.get(key))
             if status["readyReplicas"] > 0 and not int(previous.get("readyReplicas", 0) or 0):

@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PEM",
         help="extra CA certificates trusted for the registries ModelCatalogs name",
     )
+    parser.add_argument(
+        "--native-path",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the feeder lets Models take routing.path native (its own --native-path): status.routingPath "
+        "says which path each Model takes; without it every Model reports decided",
+    )
     add_log_level(parser)
 
 
@@ -110,6 +117,8 @@ class Settings(ProcessSettings):
     """Extra CA certificates for the registries ModelCatalogs name."""
     keda_auth_secret: str | None = None
     """Secret (per Model namespace) with KEDA's client certificate; None: KEDA dials in plaintext."""
+    native_path: bool = False
+    """The feeder lets Models take the native path (its --native-path): what status.routingPath says."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -135,6 +144,7 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
         keda_available=keda,
         node_cache_dir=args.node_cache_dir,
         keda_auth_secret=args.keda_auth_secret,
+        native_path=args.native_path,
     )
     reconciler = Reconciler(kube, settings, workers=args.workers)
     reconciler.registry_settings = RegistrySettings(ca_file=args.registry_ca_file)

@@ -84,6 +84,9 @@ class Settings:
     #: Secret (in each Model's namespace) with KEDA's client certificate for the scaler's mTLS
     #: (`tls.crt`, `tls.key`, `ca.crt`); None: KEDA dials the scaler in plaintext.
     keda_auth_secret: str | None = None
+    #: Models may take the native path (`--native-path`, as the feeder's): what status.routingPath
+    #: says of a Model that asks for it.
+    native_path: bool = False
 
 
 @dataclass(frozen=True)

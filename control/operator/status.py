@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from wakegate.control.feeder.resources import GatewaySettings, routed_model, routing_path
 from wakegate.control.operator.render import Condition
 from wakegate.control.operator.weights import State, Weights, condition_dict
+from wakegate.control.schema import Model
 
 PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
 
@@ -269,3 +271,28 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
     if cold is not None:
         status["lastColdStartSeconds"] = cold
     return status
+
+
+def routing_path_status(
+    model: Model, pods: Sequence[Mapping[str, Any]], admitted: bool, native_allowed: bool
+) -> dict[str, Any]:
+    """`routingPath` (native or decided) and `routingPathReason` of a Model on a cluster.
+
+    The same verdict the feeder routes by (resources.native_blocker over the Model as the gateway
+    sees it, LoRAAdapters included): its pods that are ready stand for the ready endpoints the
+    feeder reads from their EndpointSlices. `model` carries its adapters (`with_adapters`);
+    `admitted` is the status's; `native_allowed` is the operator's `--native-path`, as the
+    feeder's. A native Model's reason is None: the merge patch of the status removes the field.
+    """
+    ready = sorted(
+        (str(pod["status"]["podIP"]), 0)
+        for pod in pods
+        if not pod["metadata"].get("deletionTimestamp")
+        and (pod.get("status") or {}).get("podIP")
+        and any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions") or []
+        )
+    )
+    settings = GatewaySettings(native_allowed=native_allowed)
+    verdict = routing_path(routed_model(model, ready, admitted=admitted), settings)
+    return {"routingPathReason": None, **verdict}

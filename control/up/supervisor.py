@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import aiohttp
 import grpc
@@ -36,7 +35,7 @@ from wakegate.control.delivery.registry import RegistrySettings, load_auths
 from wakegate.control.delivery.resolver import Access, Verify
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, native_blocker, stat_name
+from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.schema import ManifestError, Model, parse_models
@@ -45,10 +44,11 @@ from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
-from wakegate.control.up.native import POLL_SECONDS, NativeDemand, parse_counters
+from wakegate.control.up.native import NativeDemand
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
+from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, graceful_exit, settings_from
 from wakegate.v1 import demand_pb2_grpc
@@ -432,10 +432,7 @@ class Up:
 
     def _routing_path(self, runtime: ModelRuntime) -> dict[str, str]:
         """Which path the model's warm requests take now, and why not native when they cannot."""
-        blocker = native_blocker(runtime.routed(), self.gateway)
-        if not blocker:
-            return {"routingPath": "native"}
-        return {"routingPath": "decided", "routingPathReason": blocker}
+        return routing_path(runtime.routed(), self.gateway)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -673,7 +670,6 @@ class Up:
         while any model takes the native path (docs/architecture.md, "The native path")."""
         native = NativeDemand(f"{self.node_id}/envoy-native")
         stat_names = {stat_name(key): key for key in self.runtimes}
-        query = "/stats?format=json&filter=" + quote(r"^cluster\.model_[^.]+\.upstream_rq_(active|total)$")
         async with self._admin_session() as session:
             while True:
                 await asyncio.sleep(POLL_SECONDS)
@@ -685,7 +681,7 @@ class Up:
                     continue
                 counters: dict[str, tuple[int, int]] = {}
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-                    async with session.get(query) as response:
+                    async with session.get(STATS_QUERY) as response:
                         counters = parse_counters((await response.json()).get("stats", []), stat_names)
                 if not counters and keys:
                     continue  # Envoy not answering: keep the last report (the book expires it if this lasts)

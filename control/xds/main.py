@@ -44,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--upstream-header", action="store_true", help="add x-wakegate-upstream to responses")
     parser.add_argument(
+        "--native-path",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let Models that ask for routing.path native be routed by Envoy alone while warm; only where no "
+        "gateway checks API keys or a global rate limit (native routes check neither) and each extproc counts "
+        "its Envoy's native requests (--envoy-admin): the chart sets it so",
+    )
+    parser.add_argument(
         "--admin-listen", default=None, help="HTTP address for /metrics and /healthz (HOST:PORT); none by default"
     )
     internal_token.add_arguments(parser, server=True)
@@ -59,7 +67,7 @@ class Settings(ProcessSettings):
     kubeconfig: str | None
     """Where the cluster is (the seam's lookup order when None)."""
     gateway: GatewaySettings
-    """The Envoy listener every gateway gets (address, body limit, debug header)."""
+    """The Envoy listener every gateway gets (address, body limit, debug header, native path allowed)."""
     admin_listen: str | None
     """HTTP address of /metrics and /healthz; None: not served."""
     internal_token: TokenSource | None
@@ -74,6 +82,7 @@ class Settings(ProcessSettings):
             listen_port=port,
             max_request_bytes=args.max_request_bytes,
             upstream_header=args.upstream_header,
+            native_allowed=args.native_path,
         )
         if args.admin_listen is not None:
             host_port(args.admin_listen, "0.0.0.0")
@@ -133,11 +142,12 @@ async def run(settings: Settings) -> int:
     )
     admin_runner = await _serve_admin(settings.admin_listen, authenticator)
     log.info(
-        "wakegate xds: ADS on port %d (%s), gateway listener %s:%d",
+        "wakegate xds: ADS on port %d (%s), gateway listener %s:%d, native path %s",
         bound,
         f"internal token from {settings.internal_token.describe()}" if settings.internal_token else "no auth",
         settings.gateway.listen_host,
         settings.gateway.listen_port,
+        "allowed" if settings.gateway.native_allowed else "off",
     )
     print(f"wakegate xds: listening on port {bound}", flush=True)
     stop = asyncio.Event()

@@ -570,3 +570,34 @@ def test_gateway_prestop_drains_envoy_and_waits_for_streams(helm: Path, tmp_path
         conn.close()
     finally:
         up.stop()
+
+
+def _component_args(docs: list[dict[str, Any]], deployment: str, container: str) -> list[str]:
+    spec = by_kind(docs, "Deployment")[deployment]["spec"]["template"]["spec"]
+    return list(next(c for c in spec["containers"] if c["name"] == container)["args"])
+
+
+@pytest.mark.parametrize(
+    ("values", "native"),
+    [
+        ({}, True),
+        ({"gateway": {"apiKeys": {"existingSecret": "keys"}}}, False),
+        ({"gateway": {"globalRps": 50}}, False),
+        ({"gateway": {"globalRps": 0.5}}, False),
+    ],
+)
+def test_native_path_only_where_the_gateway_checks_no_keys_and_no_global_limit(
+    helm: Path, tmp_path: Path, values: dict[str, Any], native: bool
+) -> None:
+    """Envoy's native routes check neither: feeder and operator agree, and extproc counts its Envoy's
+    native requests over the pod's loopback, at the admin port the bootstrap gives Envoy."""
+    docs = template(helm, tmp_path, values)
+    flag = "--native-path" if native else "--no-native-path"
+    assert flag in _component_args(docs, "wg-wakegate-xds", "xds")
+    assert flag in _component_args(docs, "wg-wakegate-operator", "operator")
+    extproc = _component_args(docs, "wg-wakegate-gateway", "extproc")
+    counting = [a for a in extproc if a.startswith("--envoy-admin=")]
+    assert counting == (["--envoy-admin=127.0.0.1:9901"] if native else [])
+    bootstrap = yaml.safe_load(by_kind(docs, "ConfigMap")["wg-wakegate-gateway-envoy"]["data"]["envoy.yaml"])
+    admin = bootstrap["admin"]["address"]["socket_address"]
+    assert (admin["address"], admin["port_value"]) == ("127.0.0.1", 9901)

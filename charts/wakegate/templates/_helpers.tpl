@@ -109,6 +109,13 @@ checksum/internal-token: {{ include "wakegate.internalTokenValue" . | sha256sum 
       key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.key }}{{ else }}token{{ end }}
 {{- end -}}
 
+{{/* Whether Models may take the native path (Envoy routes a warm `routing.path: native` Model
+alone): only where the gateway checks no API keys and no global rate limit, which Envoy's native
+routes would skip. The feeder and the operator get --native-path, extproc --envoy-admin. */}}
+{{- define "wakegate.nativePath" -}}
+{{- if and (not .Values.gateway.apiKeys.existingSecret) (eq (float64 .Values.gateway.globalRps) 0.0) }}true{{ end -}}
+{{- end -}}
+
 {{/* Whether the scaler's KEDA port speaks TLS: a named Secret, or the chart's own certificates. */}}
 {{- define "wakegate.scalerTLSOn" -}}
 {{- if or .Values.scaler.tlsSecret .Values.scaler.tls.generate }}true{{ end -}}

@@ -47,7 +47,7 @@ def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
     ("change", "settings", "reason"),
     [
         ({"path": "decided"}, ON, "routing.path is decided"),
-        ({}, r.GatewaySettings(), "the gateway checks API keys"),
+        ({}, r.GatewaySettings(), "the gateway's native path is off (API keys or a global rate limit on the cluster)"),
         ({"strategy": "default", "profile": "balanced"}, ON, "scored or sticky picking"),
         ({"strategy": "least-loaded"}, ON, "scored or sticky picking"),
         ({"strategy": "session-affinity"}, ON, "scored or sticky picking"),

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from wakegate.control.demand.book import DemandBook
-from wakegate.control.up.native import NativeDemand, parse_counters
+from wakegate.control.up.native import NativeDemand
+from wakegate.envoycounters import parse_counters
 from wakegate.v1 import demand_pb2
 
 

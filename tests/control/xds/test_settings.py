@@ -1,0 +1,43 @@
+"""`wakegate xds` and `wakegate operator` settings: the native path only where the chart says it is safe."""
+
+from __future__ import annotations
+
+import argparse
+
+from wakegate.control.feeder import resources as r
+from wakegate.control.operator import main as operator
+from wakegate.control.xds import main as xds
+
+WARM_NATIVE = r.RoutedModel(
+    key="ns/n", names=("n",), served_name="n", strategy="round-robin", endpoints=(("10.0.0.1", 8000),), path="native"
+)
+
+
+def parsed(module: object, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return parser.parse_args(list(argv))
+
+
+def test_the_feeder_routes_natively_only_with_native_path() -> None:
+    off = xds.Settings.from_args(parsed(xds, "--no-internal-auth")).gateway
+    on = xds.Settings.from_args(parsed(xds, "--no-internal-auth", "--native-path")).gateway
+    assert not off.native_allowed and on.native_allowed
+    assert xds.Settings.from_args(parsed(xds, "--no-internal-auth", "--no-native-path")).gateway == off
+    # What each builds for a warm round-robin Model that asks for native.
+    assert not r.natively_routed(r.build([WARM_NATIVE], off).by_type[r.ROUTE][r.ROUTE_NAME])
+    assert r.natively_routed(r.build([WARM_NATIVE], on).by_type[r.ROUTE][r.ROUTE_NAME]) == {"model.ns.n"}
+    keys = "the gateway's native path is off (API keys or a global rate limit on the cluster)"
+    assert r.routing_path(WARM_NATIVE, off) == {"routingPath": "decided", "routingPathReason": keys}
+    assert r.routing_path(WARM_NATIVE, on) == {"routingPath": "native"}
+
+
+def test_the_routes_tell_extproc_which_models_ask_for_native() -> None:
+    built = r.build([WARM_NATIVE, r.RoutedModel(key="ns/d", names=("d",), served_name="d")], r.GatewaySettings())
+    routes = built.by_type[r.MODEL_ROUTE]
+    assert (routes["ns/n"].path, routes["ns/d"].path) == ("native", "decided")
+
+
+def test_the_operator_says_what_the_feeder_does() -> None:
+    assert operator.Settings.from_args(parsed(operator)).native_path is False
+    assert operator.Settings.from_args(parsed(operator, "--native-path")).native_path is True
