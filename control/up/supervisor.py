@@ -197,6 +197,7 @@ class Up:
             access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
             # Envoy's native routes check no API keys: with keys, every request takes the decided path.
             native_allowed=settings.api_keys_file is None,
+            global_rate_limit=settings.global_rps > 0,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"

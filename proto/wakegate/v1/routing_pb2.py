@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wakegate/v1/routing.proto\x12\x0bwakegate.v1\"N\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0b\x65ngine_load\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18x \x01(\r\"7\n\tRateLimit\x12\x1b\n\x13requests_per_second\x18\x01 \x01(\x01\x12\r\n\x05\x62urst\x18\x02 \x01(\x01\"c\n\nColdPolicy\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.wakegate.v1.ColdMode\x12\x11\n\tmax_queue\x18\x02 \x01(\r\x12\x1d\n\x15\x61\x63tivation_timeout_ms\x18\x03 \x01(\r\"\xb4\x01\n\x10LoRAAdapterRoute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x14\n\x07lora_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x11\n\tendpoints\x18\x32 \x03(\t\x12\x14\n\x0c\x66\x61iled_loads\x18\x33 \x01(\x04\x12\x14\n\x0clast_failure\x18\x34 \x01(\tB\n\n\x08_lora_id\"\xb0\x05\n\nModelRoute\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x15\n\rlora_adapters\x18\x04 \x03(\t\x12\x0f\n\x07\x63luster\x18\x05 \x01(\t\x12\'\n\x08strategy\x18\x06 \x01(\x0e\x32\x15.wakegate.v1.Strategy\x12*\n\nrate_limit\x18\x07 \x01(\x0b\x32\x16.wakegate.v1.RateLimit\x12(\n\tendpoints\x18\x08 \x03(\x0b\x32\x15.wakegate.v1.Endpoint\x12%\n\x04\x63old\x18\t \x01(\x0b\x32\x17.wakegate.v1.ColdPolicy\x12\x12\n\ngeneration\x18\n \x01(\x04\x12\x1a\n\x12\x66\x61iled_activations\x18\x0b \x01(\x04\x12\x14\n\x0clast_failure\x18\x0c \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\r \x01(\x08\x12\x0f\n\x07profile\x18\x0e \x01(\t\x12\x35\n\x07weights\x18\x0f \x03(\x0b\x32$.wakegate.v1.ModelRoute.WeightsEntry\x12\x14\n\x0c\x66\x61ilure_code\x18\x10 \x01(\t\x12\x18\n\x10kv_events_offset\x18\x11 \x01(\r\x12\x1f\n\x17kv_events_replay_offset\x18\x12 \x01(\r\x12/\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x1d.wakegate.v1.LoRAAdapterRoute\x12\x1a\n\x12\x61\x64\x61pters_on_demand\x18\x32 \x01(\x08\x12\x19\n\x11\x61\x64\x61pter_placement\x18\x33 \x01(\t\x12\x1a\n\x12\x66\x61llback_endpoints\x18\x64 \x01(\r\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x89\x01\n\x08Strategy\x12\x14\n\x10STRATEGY_DEFAULT\x10\x00\x12\x1d\n\x19STRATEGY_SESSION_AFFINITY\x10\x01\x12\x13\n\x0fSTRATEGY_PREFIX\x10\x02\x12\x19\n\x15STRATEGY_LEAST_LOADED\x10\x03\x12\x18\n\x14STRATEGY_ROUND_ROBIN\x10\x04*M\n\x08\x43oldMode\x12\x12\n\x0e\x43OLD_MODE_HOLD\x10\x00\x12\x17\n\x13\x43OLD_MODE_KEEPALIVE\x10\x01\x12\x14\n\x10\x43OLD_MODE_REJECT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wakegate/v1/routing.proto\x12\x0bwakegate.v1\"N\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0b\x65ngine_load\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18x \x01(\r\"R\n\tRateLimit\x12\x1b\n\x13requests_per_second\x18\x01 \x01(\x01\x12\r\n\x05\x62urst\x18\x02 \x01(\x01\x12\x19\n\x10\x63ounted_by_envoy\x18\x8c\x01 \x01(\x08\"c\n\nColdPolicy\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.wakegate.v1.ColdMode\x12\x11\n\tmax_queue\x18\x02 \x01(\r\x12\x1d\n\x15\x61\x63tivation_timeout_ms\x18\x03 \x01(\r\"\xb4\x01\n\x10LoRAAdapterRoute\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x14\n\x07lora_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x11\n\tendpoints\x18\x32 \x03(\t\x12\x14\n\x0c\x66\x61iled_loads\x18\x33 \x01(\x04\x12\x14\n\x0clast_failure\x18\x34 \x01(\tB\n\n\x08_lora_id\"\xb0\x05\n\nModelRoute\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x13\n\x0bserved_name\x18\x03 \x01(\t\x12\x15\n\rlora_adapters\x18\x04 \x03(\t\x12\x0f\n\x07\x63luster\x18\x05 \x01(\t\x12\'\n\x08strategy\x18\x06 \x01(\x0e\x32\x15.wakegate.v1.Strategy\x12*\n\nrate_limit\x18\x07 \x01(\x0b\x32\x16.wakegate.v1.RateLimit\x12(\n\tendpoints\x18\x08 \x03(\x0b\x32\x15.wakegate.v1.Endpoint\x12%\n\x04\x63old\x18\t \x01(\x0b\x32\x17.wakegate.v1.ColdPolicy\x12\x12\n\ngeneration\x18\n \x01(\x04\x12\x1a\n\x12\x66\x61iled_activations\x18\x0b \x01(\x04\x12\x14\n\x0clast_failure\x18\x0c \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\r \x01(\x08\x12\x0f\n\x07profile\x18\x0e \x01(\t\x12\x35\n\x07weights\x18\x0f \x03(\x0b\x32$.wakegate.v1.ModelRoute.WeightsEntry\x12\x14\n\x0c\x66\x61ilure_code\x18\x10 \x01(\t\x12\x18\n\x10kv_events_offset\x18\x11 \x01(\r\x12\x1f\n\x17kv_events_replay_offset\x18\x12 \x01(\r\x12/\n\x08\x61\x64\x61pters\x18\x13 \x03(\x0b\x32\x1d.wakegate.v1.LoRAAdapterRoute\x12\x1a\n\x12\x61\x64\x61pters_on_demand\x18\x32 \x01(\x08\x12\x19\n\x11\x61\x64\x61pter_placement\x18\x33 \x01(\t\x12\x1a\n\x12\x66\x61llback_endpoints\x18\x64 \x01(\r\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x89\x01\n\x08Strategy\x12\x14\n\x10STRATEGY_DEFAULT\x10\x00\x12\x1d\n\x19STRATEGY_SESSION_AFFINITY\x10\x01\x12\x13\n\x0fSTRATEGY_PREFIX\x10\x02\x12\x19\n\x15STRATEGY_LEAST_LOADED\x10\x03\x12\x18\n\x14STRATEGY_ROUND_ROBIN\x10\x04*M\n\x08\x43oldMode\x12\x12\n\x0e\x43OLD_MODE_HOLD\x10\x00\x12\x17\n\x13\x43OLD_MODE_KEEPALIVE\x10\x01\x12\x14\n\x10\x43OLD_MODE_REJECT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELROUTE_WEIGHTSENTRY']._loaded_options = None
   _globals['_MODELROUTE_WEIGHTSENTRY']._serialized_options = b'8\001'
-  _globals['_STRATEGY']._serialized_start=1155
-  _globals['_STRATEGY']._serialized_end=1292
-  _globals['_COLDMODE']._serialized_start=1294
-  _globals['_COLDMODE']._serialized_end=1371
+  _globals['_STRATEGY']._serialized_start=1182
+  _globals['_STRATEGY']._serialized_end=1319
+  _globals['_COLDMODE']._serialized_start=1321
+  _globals['_COLDMODE']._serialized_end=1398
   _globals['_ENDPOINT']._serialized_start=42
   _globals['_ENDPOINT']._serialized_end=120
   _globals['_RATELIMIT']._serialized_start=122
-  _globals['_RATELIMIT']._serialized_end=177
-  _globals['_COLDPOLICY']._serialized_start=179
-  _globals['_COLDPOLICY']._serialized_end=278
-  _globals['_LORAADAPTERROUTE']._serialized_start=281
-  _globals['_LORAADAPTERROUTE']._serialized_end=461
-  _globals['_MODELROUTE']._serialized_start=464
-  _globals['_MODELROUTE']._serialized_end=1152
-  _globals['_MODELROUTE_WEIGHTSENTRY']._serialized_start=1106
-  _globals['_MODELROUTE_WEIGHTSENTRY']._serialized_end=1152
+  _globals['_RATELIMIT']._serialized_end=204
+  _globals['_COLDPOLICY']._serialized_start=206
+  _globals['_COLDPOLICY']._serialized_end=305
+  _globals['_LORAADAPTERROUTE']._serialized_start=308
+  _globals['_LORAADAPTERROUTE']._serialized_end=488
+  _globals['_MODELROUTE']._serialized_start=491
+  _globals['_MODELROUTE']._serialized_end=1179
+  _globals['_MODELROUTE_WEIGHTSENTRY']._serialized_start=1133
+  _globals['_MODELROUTE_WEIGHTSENTRY']._serialized_end=1179
 # @@protoc_insertion_point(module_scope)
