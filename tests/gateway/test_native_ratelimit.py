@@ -5,7 +5,8 @@ Twin models again, `rl-n` (native) and `rl-d` (decided), with the same limit: a 
 answers from both. `rl-m` mixes native requests (its own name) with decided ones (its alias in the
 body, rewritten by extproc): they share one budget. `rl-c` is a cold native model: its requests
 take the decided path (extproc holds them) yet draw from the same bucket in Envoy, and one over the
-limit is refused at once, never after waiting for the cold start.
+limit is refused at once, never after waiting for the cold start. `rl-f` is named where Envoy
+cannot read the name (a multipart form): extproc still counts those.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ FLEET = "".join(
   scaling: {{min: 1, max: 1}}
 {LIMIT}""",
     )
-    for name in ("rl-n", "rl-d", "rl-m")
+    for name in ("rl-n", "rl-d", "rl-m", "rl-f")
 ) + model_doc(
     "rl-c",
     extra=f"""  args: [--startup-seconds, "2"]
@@ -69,7 +70,7 @@ def limited_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gatewa
     envoy_admin = f"127.0.0.1:{free_port()}"
     up = UpProcess(tmp, FLEET, "--envoy-admin-listen", envoy_admin)
     try:
-        up.wait_ready({"rl-n": 1, "rl-d": 1, "rl-m": 1}, timeout=90)
+        up.wait_ready({"rl-n": 1, "rl-d": 1, "rl-m": 1, "rl-f": 1}, timeout=90)
         gw = Gateway(up, envoy_admin)
         deadline = time.monotonic() + 10
         while {gw.model(m)["routingPath"] for m in ("rl-n", "rl-m")} != {"native"} and time.monotonic() < deadline:
@@ -160,6 +161,23 @@ def test_native_and_decided_requests_of_one_model_share_one_budget(limited_gatew
     assert opened == sum(1 for reply in decided if reply.status == 200)
 
 
+def test_a_request_envoy_cannot_name_is_still_limited_by_extproc(limited_gateway: Gateway) -> None:
+    gw = limited_gateway
+    form = b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\nrl-f\r\n--b0--\r\n'
+    headers = {"content-type": "multipart/form-data; boundary=b0"}
+    started = time.monotonic()
+    replies = [
+        request("POST", gw.up.url + "/v1/audio/transcriptions", headers=headers, body=form)
+        for _ in range(BURST * 2 + 2)
+    ]
+    # Routed to the sim (which has no audio endpoint: its 404 proves the hop) up to the burst, then
+    # refused (up to twice the burst right after start, one bucket per extproc: docs/reliability.md).
+    passed = [r for r in replies if r.status != 429]
+    assert {r.status for r in passed} == {404}
+    assert BURST <= len(passed) <= most_admitted(time.monotonic() - started) + BURST
+    assert_refused_alike(replies[-1])
+
+
 def test_a_cold_native_model_refuses_over_its_limit_at_once_and_holds_the_rest(limited_gateway: Gateway) -> None:
     """burst 1: the first request is held while the model wakes (2 s); the second, sent meanwhile,
     is refused without waiting for the cold start."""
@@ -178,3 +196,25 @@ def test_a_cold_native_model_refuses_over_its_limit_at_once_and_holds_the_rest(l
     assert_refused_alike(refused)
     assert refused.headers["retry-after"] == "2"
     assert json.loads(first.text)["model"] == "rl-c"
+
+
+def test_a_gateway_wide_limit_keeps_every_model_decided_and_still_counts_every_request(tmp_path: Path) -> None:
+    """`--global-rps`: extproc's one bucket for all models must see every request, so no model
+    goes native, and /status says why."""
+    fleet = model_doc("g-n", extra=f"  routing: {{strategy: round-robin, path: native}}\n{LIMIT}")
+    up = UpProcess(tmp_path, fleet, "--global-rps", "0.5", "--global-burst", "2")
+    try:
+        up.wait_ready({"g-n": 1}, timeout=60)
+        (status,) = up.status()["models"]
+        assert status["routingPath"] == "decided"
+        assert status["routingPathReason"] == "a gateway-wide rate limit (--global-rps)"
+        url = up.url + "/v1/chat/completions"
+        codes = [
+            request("POST", url, headers={"content-type": "application/json"}, body=chat("g-n")).status
+            for _ in range(8)
+        ]
+        # The global burst (2) is below the model's (3): the gateway-wide bucket refuses first
+        # (up to twice that right after start, one bucket per extproc: docs/reliability.md).
+        assert codes[:2] == [200, 200] and 2 <= codes.count(200) <= 4 and 429 in codes, codes
+    finally:
+        assert up.stop() == 0, up.log()
