@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.http import get_json, request
+from tests.gateway.test_native import Gateway
+from tests.support.http import request
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 
@@ -46,22 +47,6 @@ FLEET = "".join(
 """,
 )
 REFUSED = {"error": {"message": "rate limit exceeded; retry later", "type": "rate_limit_error", "code": "rate_limited"}}
-
-
-class Gateway:
-    def __init__(self, up: UpProcess, envoy_admin: str) -> None:
-        self.up = up
-        self.envoy_admin = envoy_admin
-
-    def stat(self, name: str) -> int:
-        stats = get_json(f"http://{self.envoy_admin}/stats?format=json&filter=^{name}$")["stats"]
-        return int(stats[0]["value"]) if stats else 0
-
-    def extproc_streams(self) -> int:
-        return self.stat(r"http\.wakegate\.ext_proc\.streams_started")
-
-    def model(self, key: str) -> dict[str, Any]:
-        return next(m for m in self.up.status()["models"] if m["key"] == key)
 
 
 @pytest.fixture(scope="module")

@@ -15,24 +15,14 @@ import pytest
 from envoy.type.v3 import token_bucket_pb2
 from google.protobuf import json_format
 
+from tests.control.feeder.test_native import NATIVE, ON
 from tests.control.feeder.test_resources import assert_envoy_accepts
 from wakegate import contract
 from wakegate.control.feeder import resources as r
 from wakegate.extproc.ratelimit import retry_after_header
 from wakegate.extproc.responses import error_body
 
-ON = r.GatewaySettings(native_allowed=True)
-EP = ("127.0.0.1", 9100)
-LIMITED = r.RoutedModel(
-    key="ns/n",
-    names=("n", "n-alias"),
-    served_name="n",
-    strategy="round-robin",
-    path="native",
-    endpoints=(EP,),
-    requests_per_second=2.5,
-    burst=4,
-)
+LIMITED = replace(NATIVE, requests_per_second=2.5, burst=4)
 DECIDED = r.RoutedModel(
     key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),), requests_per_second=1.0
 )
