@@ -110,15 +110,19 @@ class RateLimiter:
         """How many per-model buckets are currently kept."""
         return len(self._models)
 
-    def admit(self, model_key: str, model_rate: float | None, model_burst: float | None) -> float:
+    def admit(
+        self, model_key: str, model_rate: float | None, model_burst: float | None, *, counted_elsewhere: bool = False
+    ) -> float:
         """0.0 = admitted (a token taken from each applicable bucket); else Retry-After seconds (> 0).
 
         ``model_rate`` None or 0 means the model is unlimited (only the global bucket applies).
+        ``counted_elsewhere``: the model's token was taken already (by Envoy's bucket for the
+        model): only the global bucket applies, and the model's own bucket here is kept as it is.
         Raises ValueError for a negative/non-finite rate or a burst below 1 (config validation
         should have caught those).
         """
         now = self._clock()
-        model = self._model_bucket(model_key, model_rate, model_burst, now)
+        model = None if counted_elsewhere else self._model_bucket(model_key, model_rate, model_burst, now)
         glob = self._global
         wait = 0.0
         if model is not None:

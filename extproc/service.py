@@ -36,6 +36,7 @@ from wakegate.contract import (
     CLUSTER_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    RATE_COUNTED_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
 )
@@ -436,7 +437,11 @@ class Processor:
             ex.model_name = None
             return _BUFFER_BODY
         rate = route.rate_limit
-        wait = self.gw.limiter.admit(route.key, rate.requests_per_second or None, rate.burst or None)
+        # Envoy's bucket took the token of a request it counted (it said so, for this model).
+        counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
+        wait = self.gw.limiter.admit(
+            route.key, rate.requests_per_second or None, rate.burst or None, counted_elsewhere=counted
+        )
         if wait > 0:
             return self._reject(
                 route.key, 429, "rate_limited", "rate limit exceeded; retry later", retry_after=retry_after_header(wait)

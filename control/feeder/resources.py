@@ -8,6 +8,7 @@ Kubernetes watch (`wakegate xds`): both describe what is routable as
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -26,6 +27,7 @@ from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2  # no
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2 as upstream_header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2  # noqa: F401
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
@@ -232,6 +234,19 @@ def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
     Static reasons first (what the spec or the gateway needs of extproc), then the moment's:
     a model with no ready endpoint is cold, and only extproc holds or wakes.
     """
+    static = static_native_blocker(model, settings)
+    if static:
+        return static
+    if not model.admitted:
+        return "waiting for its GPU group"
+    if not model.endpoints:
+        return "no ready endpoint"
+    return ""
+
+
+def static_native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
+    """What keeps `model` on the decided path whether it is warm or cold: its manifest or the
+    gateway's settings need extproc. Empty: the model is native whenever it is warm."""
     if model.path != "native":
         return "routing.path is decided"
     if not settings.native_allowed:
@@ -240,12 +255,8 @@ def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
         return "scored or sticky picking (native takes strategy round-robin)"
     if model.adapters or model.lora_adapters:
         return "LoRA adapters"
-    if model.requests_per_second > 0:
-        return "a rate limit"
-    if not model.admitted:
-        return "waiting for its GPU group"
-    if not model.endpoints:
-        return "no ready endpoint"
+    if settings.global_rate_limit:
+        return "a gateway-wide rate limit (--global-rps)"
     return ""
 
 
@@ -317,6 +328,9 @@ class GatewaySettings:
     #: api_key_auth, from the `GatewayKey`s `build` is given (never in these settings, which
     #: travel in a command line).
     key_checks: bool = False
+    #: extproc keeps a gateway-wide token bucket (`--global-rps`): every request must meet it, so
+    #: no model takes the native path (Envoy's buckets are per model only).
+    global_rate_limit: bool = False
 
 
 @dataclass(frozen=True)
@@ -473,14 +487,6 @@ _KEY_CHECK_REPLIES = [
 ]
 
 
-def _local_reply_config(key_checks: bool) -> dict[str, Any]:
-    """LOCAL_REPLY_CONFIG, with api_key_auth's replies shaped too where native routes check keys."""
-    if not key_checks:
-        return LOCAL_REPLY_CONFIG
-    first, *rest = LOCAL_REPLY_CONFIG["mappers"]
-    return {**LOCAL_REPLY_CONFIG, "mappers": [first, *_KEY_CHECK_REPLIES, *rest]}
-
-
 #: Checks API keys on the native routes, which switch it on with their own config (the keys go in
 #: RDS: a listener update would drain connections at every rotation). After json_to_metadata, so a
 #: route chosen by the body's `model` is the one it checks; before ext_proc, which decided
@@ -588,11 +594,133 @@ def may_go_native(models: Iterable[RoutedModel], settings: GatewaySettings) -> b
     return settings.native_allowed and any(m.path == "native" for m in models)
 
 
-def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Listener:
-    """The one listener; `native` (may_go_native) adds what native routes need."""
+#: Route metadata namespace: the model whose bucket in Envoy's local rate limit a route draws from
+#: (`model`, its key) and the Retry-After of a refusal there (`retry_after`).
+RATE_LIMIT_METADATA = "wakegate.ratelimit"
+LOCAL_RATE_LIMIT = "envoy.filters.http.local_ratelimit"
+HEADER_MUTATION = "envoy.filters.http.header_mutation"
+_RATE_LIMIT_DESCRIPTOR = "wakegate_model"
+_UINT32_MAX = 2**32 - 1
+_ALWAYS = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+
+
+def envoy_rate_limited(models: Iterable[RoutedModel], settings: GatewaySettings) -> tuple[RoutedModel, ...]:
+    """Models whose per-model bucket Envoy's local rate limit keeps (and extproc's does not, for
+    the requests Envoy counted): a limit on a model that is native whenever it is warm. Like
+    may_go_native it follows the manifests only, so the listener that holds the buckets does not
+    change when a model wakes or sleeps."""
+    limited = (m for m in models if m.requests_per_second > 0 and not static_native_blocker(m, settings))
+    return tuple(sorted(limited, key=lambda m: m.key))
+
+
+def token_bucket(rate: float, burst: float) -> dict[str, Any]:
+    """Envoy's TokenBucket closest to extproc's bucket of `rate` tokens/s and `burst` (0: max(1,
+    rate); extproc/ratelimit.py). Envoy refills continuously at tokens_per_fill / fill_interval
+    (fill_interval in whole milliseconds, at least 50 ms): tokens_per_fill = ceil(rate) keeps the
+    interval at 1 s or more, so rounding it to the millisecond changes the rate by 0.05% at most.
+    Envoy's max_tokens is a whole number: a fractional burst is rounded down (never more admitted
+    at once than extproc would)."""
+    tokens_per_fill = min(max(1, math.ceil(rate)), _UINT32_MAX)
+    interval_ms = max(50, round(1000 * tokens_per_fill / rate))
+    return {
+        "max_tokens": min(max(1, math.floor(burst or max(1.0, rate))), _UINT32_MAX),
+        "tokens_per_fill": tokens_per_fill,
+        "fill_interval": f"{interval_ms / 1000:.3f}s",
+    }
+
+
+def refused_retry_after(rate: float) -> str:
+    """The Retry-After of a request Envoy's bucket refuses. Envoy cannot compute the wait as
+    extproc does (ceil((1 - tokens) / rate), at least 1): it answers the longest such wait,
+    ceil(1 / rate), the same "1" extproc answers for any rate of 1/s or more."""
+    return str(max(1, math.ceil(1 / rate - 1e-9)))
+
+
+def _rate_limit_metadata(model: RoutedModel) -> dict[str, Any]:
+    return {
+        "filter_metadata": {
+            RATE_LIMIT_METADATA: {"model": model.key, "retry_after": refused_retry_after(model.requests_per_second)}
+        }
+    }
+
+
+def _local_rate_limit(limited: Sequence[RoutedModel]) -> dict[str, Any]:
+    """Envoy's local rate limit with one bucket per model of `limited`, shared by every route whose
+    metadata names the model (native and decided alike); requests of other routes take no token.
+    Its 429 is shaped by the local reply mapper (`RATE_LIMITED_REPLY`)."""
+    return {
+        "name": LOCAL_RATE_LIMIT,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "wakegate_models",
+            "filter_enabled": _ALWAYS,
+            "filter_enforced": _ALWAYS,
+            "always_consume_default_token_bucket": False,
+            "rate_limits": [
+                {
+                    "actions": [
+                        {
+                            "metadata": {
+                                "descriptor_key": _RATE_LIMIT_DESCRIPTOR,
+                                "metadata_key": {"key": RATE_LIMIT_METADATA, "path": [{"key": "model"}]},
+                                "source": "ROUTE_ENTRY",
+                            }
+                        }
+                    ]
+                }
+            ],
+            "descriptors": [
+                {
+                    "entries": [{"key": _RATE_LIMIT_DESCRIPTOR, "value": m.key}],
+                    "token_bucket": token_bucket(m.requests_per_second, m.burst),
+                }
+                for m in limited
+            ],
+            "response_headers_to_add": [
+                {
+                    "header": {"key": "retry-after", "value": f"%METADATA(ROUTE:{RATE_LIMIT_METADATA}:retry_after)%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+        },
+    }
+
+
+#: Sets RATE_COUNTED_HEADER where a decided route says so (`_counted`): extproc, next in the chain,
+#: then takes no token of its own. No mutation of its own elsewhere.
+_HEADER_MUTATION_FILTER = {
+    "name": HEADER_MUTATION,
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {},
+    },
+}
+
+#: Envoy's own 429 (its local rate limit's) in extproc's words: the same code, type and message.
+RATE_LIMITED_REPLY = _mapper(_status(429), "rate_limited", "rate limit exceeded; retry later", "rate_limit_error")
+
+
+def _local_replies(rate_limited: bool, key_checks: bool = False) -> dict[str, Any]:
+    """LOCAL_REPLY_CONFIG, with the mappers of Envoy's own refusals right after extproc's
+    pass-through: api_key_auth's where native routes check keys, the 429 where Envoy keeps buckets
+    (otherwise Envoy never answers those itself)."""
+    if not rate_limited and not key_checks:
+        return LOCAL_REPLY_CONFIG
+    first, *rest = LOCAL_REPLY_CONFIG["mappers"]
+    own = [*(_KEY_CHECK_REPLIES if key_checks else []), *([RATE_LIMITED_REPLY] if rate_limited else [])]
+    return {**LOCAL_REPLY_CONFIG, "mappers": [first, *own, *rest]}
+
+
+def listener(
+    settings: GatewaySettings, native: bool = False, rate_limited: Sequence[RoutedModel] = ()
+) -> listener_pb2.Listener:
+    """The one listener; `native` (may_go_native) adds what native routes need, `rate_limited`
+    (envoy_rate_limited) the buckets of those models, before extproc: a request over its model's
+    limit is refused before it could wait for a cold start, as extproc refuses it."""
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
         *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
+        *([_local_rate_limit(rate_limited), _HEADER_MUTATION_FILTER] if rate_limited else []),
         {
             "name": "envoy.filters.http.ext_proc",
             # With native routes, off unless the route turns it on (every route but the native
@@ -650,7 +778,7 @@ def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Li
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "KEEP_UNCHANGED",
         "use_remote_address": True,
-        "local_reply_config": _local_reply_config(native and settings.key_checks),
+        "local_reply_config": _local_replies(bool(rate_limited), native and settings.key_checks),
         # A malformed HTTP/2 request resets its own stream (RFC 9113, 8.1.1), not the connection
         # with every other stream on it; HTTP/1 gets its shaped 400 and the connection closes.
         "http2_protocol_options": {"override_stream_error_on_invalid_http_message": True},
@@ -679,6 +807,8 @@ def listener(settings: GatewaySettings, native: bool = False) -> listener_pb2.Li
                             if native
                             else []
                         ),
+                        # A client's copy would spare its request extproc's token.
+                        *([{"remove": contract.RATE_COUNTED_HEADER}] if rate_limited else []),
                     ],
                 },
             }
@@ -746,10 +876,10 @@ _BEARER_KEY = {"name": "authorization", "string_match": {"safe_regex": {"regex":
 _NO_CLIENT = "-"
 
 
-def _key_check(keys: Sequence[GatewayKey], model: RoutedModel | None = None) -> dict[str, Any]:
-    """A route's api_key_auth: every key. For a native `model`, only the keys whose scope has the
-    model allowed, and the gateway's key kept from the backend (as extproc removes it); without
-    one, any key passes and extproc gets the header for its own check."""
+def _key_check(keys: Sequence[GatewayKey], model: RoutedModel | None = None, hide: bool = True) -> dict[str, Any]:
+    """A route's api_key_auth: every key. For a `model`, only the keys whose scope has the model
+    allowed, and (`hide`, a native route) the gateway's key kept from the backend (as extproc
+    removes it); without a model, any key passes and extproc gets the header for its own check."""
     check: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuthPerRoute",
         "credentials": [{"key": k.key, "client": k.client} for k in keys],
@@ -759,7 +889,8 @@ def _key_check(keys: Sequence[GatewayKey], model: RoutedModel | None = None) -> 
         own_name = model.names[0] if model.names else model.key
         allowed = [k.client for k in keys if k.scope.allows(model.key, own_name)]
         check["allowed_clients"] = allowed or [_NO_CLIENT]
-        check["forwarding"] = {"hide_credentials": True}
+        if hide:
+            check["forwarding"] = {"hide_credentials": True}
     return {API_KEY_AUTH: check}
 
 
@@ -790,14 +921,17 @@ def _native(
     keys: Sequence[GatewayKey] | None = None,
     *,
     second: bool = False,
+    limited: bool = False,
 ) -> dict[str, Any]:
     """A route Envoy serves alone: straight to the model's cluster, extproc off, marked for the log.
     Named after the model name it matches; `keys` (not None): it checks them, in Bearer form only.
     `second`: a request meets it only after another route (the body routes, once json_to_metadata
-    has read the body), which has turned extproc on; it is switched off here."""
+    has read the body), which has turned extproc on; it is switched off here. `limited`: it draws
+    from the model's bucket in Envoy's local rate limit."""
     if keys is not None:
         match = {**match, "headers": [*match["headers"], _BEARER_KEY]}
     return {
+        **({"metadata": _rate_limit_metadata(model)} if limited else {}),
         "name": name,
         "match": match,
         "route": {"cluster": model.cluster, "timeout": "0s", **(extra or {})},
@@ -816,7 +950,9 @@ def _native(
 
 
 def _native_routes(
-    models: Sequence[RoutedModel], keys: Sequence[GatewayKey] | None = None
+    models: Sequence[RoutedModel],
+    keys: Sequence[GatewayKey] | None = None,
+    limited: AbstractSet[str] = frozenset(),
 ) -> tuple[list[Any], list[Any], list[Any]]:
     """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) routes of the native models.
 
@@ -828,49 +964,100 @@ def _native_routes(
     """
     by_header, by_path, by_body = [], [], []
     for m in sorted(models, key=lambda m: m.key):
+        counted = m.key in limited
         names = [n for n in m.names if keys is None or _says_as_python(n)]
         for name in names:
-            by_header.append(
-                _native(
-                    m,
-                    name,
-                    {
-                        "prefix": "/",
-                        "headers": [{"name": contract.MODEL_HEADER, "string_match": {"exact": name}}, _POST],
-                    },
-                    keys=keys,
-                )
-            )
+            by_header.append(_native(m, name, _by_header(name), keys=keys, limited=counted))
             if _PLAIN_NAME.fullmatch(name):
-                by_path.append(
-                    _native(
-                        m,
-                        name,
-                        {"prefix": f"{contract.MODEL_PATH_PREFIX}{name}/", "headers": [_NO_MODEL_HEADER, _POST]},
-                        {"prefix_rewrite": "/"},
-                        keys=keys,
-                    )
-                )
+                by_path.append(_native(m, name, _by_path(name), {"prefix_rewrite": "/"}, keys=keys, limited=counted))
         if m.served_name in names:
-            by_body.append(
-                _native(
-                    m,
-                    m.served_name,
-                    {
-                        "prefix": "/",
-                        "headers": [_NO_MODEL_HEADER, _POST],
-                        "dynamic_metadata": [
-                            {
-                                "filter": contract.NATIVE_METADATA_NAMESPACE,
-                                "path": [{"key": "model"}],
-                                "value": {"string_match": {"exact": m.served_name}},
-                            }
-                        ],
-                    },
-                    keys=keys,
-                    second=True,
-                )
-            )
+            by_body.append(_native(m, m.served_name, _by_body(m.served_name), keys=keys, second=True, limited=counted))
+    return by_header, by_path, by_body
+
+
+def _by_header(name: str) -> dict[str, Any]:
+    return {"prefix": "/", "headers": [{"name": contract.MODEL_HEADER, "string_match": {"exact": name}}, _POST]}
+
+
+def _by_path(name: str) -> dict[str, Any]:
+    return {"prefix": f"{contract.MODEL_PATH_PREFIX}{name}/", "headers": [_NO_MODEL_HEADER, _POST]}
+
+
+def _by_body(name: str) -> dict[str, Any]:
+    return {
+        "prefix": "/",
+        "headers": [_NO_MODEL_HEADER, _POST],
+        "dynamic_metadata": [
+            {
+                "filter": contract.NATIVE_METADATA_NAMESPACE,
+                "path": [{"key": "model"}],
+                "value": {"string_match": {"exact": name}},
+            }
+        ],
+    }
+
+
+def _counted(
+    model: RoutedModel,
+    name: str,
+    match: dict[str, Any],
+    per_filter: dict[str, Any],
+    keys: Sequence[GatewayKey] | None = None,
+) -> dict[str, Any]:
+    """A decided route (extproc decides, as on the catch-all) that draws the request's token from the
+    model's bucket in Envoy and tells extproc so (RATE_COUNTED_HEADER). With `keys` it takes only
+    the Bearer form and Envoy checks the key and its scope first (a request refused for its key
+    spends no token); the key stays on the request, for extproc's own check."""
+    if keys is not None:
+        match = {**match, "headers": [*match["headers"], _BEARER_KEY]}
+    mark = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutationPerRoute",
+        "mutations": {
+            "request_mutations": [
+                {
+                    "append": {
+                        "header": {"key": contract.RATE_COUNTED_HEADER, "value": model.key},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                }
+            ]
+        },
+    }
+    return {
+        **_NO_ROUTE,
+        "name": name,
+        "metadata": _rate_limit_metadata(model),
+        "match": match,
+        "typed_per_filter_config": {
+            **_EXTPROC_ON,
+            **per_filter,
+            **_JSON_TO_METADATA_OFF,
+            HEADER_MUTATION: mark,
+            **(_key_check(keys, model, hide=False) if keys is not None else {}),
+        },
+    }
+
+
+def _counted_routes(
+    limited: Sequence[RoutedModel], native: AbstractSet[str], keys: Sequence[GatewayKey] | None = None
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) decided routes of the models
+    whose bucket Envoy keeps, for every name, each kind right after its native twins: the POSTs
+    they match (a native model's alias in the body, any name while the model is cold) take their
+    token in Envoy, as a native request does. What none matches (other methods, a multipart form's
+    `model`, a name the path can only carry %-encoded) takes its token in extproc."""
+    by_header, by_path, by_body = [], [], []
+    for m in limited:
+        warm = m.key in native
+        for name in m.names:
+            if keys is not None and not _says_as_python(name):
+                continue  # Envoy could not word extproc's 404 for it: extproc counts it
+            if not warm:  # a warm model's native routes take these
+                by_header.append(_counted(m, name, _by_header(name), _STREAM_BODY["typed_per_filter_config"], keys))
+                if _PLAIN_NAME.fullmatch(name):
+                    by_path.append(_counted(m, name, _by_path(name), _STREAM_BODY["typed_per_filter_config"], keys))
+            if not (warm and name == m.served_name):
+                by_body.append(_counted(m, name, _by_body(name), {}, keys))
     return by_header, by_path, by_body
 
 
@@ -880,12 +1067,14 @@ def route_configuration(
     *,
     body_metadata: bool = False,
     keys: Sequence[GatewayKey] = (),
+    rate_limited: Sequence[RoutedModel] = (),
 ) -> route_pb2.RouteConfiguration:
     """The one route table. `native`: the models Envoy routes alone (native_keys); every other
     request finds no cluster until extproc names one. `body_metadata`: the listener has the
     json_to_metadata filter (may_go_native), which every route but the catch-all turns off.
     `keys`: the key file's, which native routes check where `settings.key_checks` (none there:
-    every native request is refused, as extproc refuses all with an empty file)."""
+    every native request is refused, as extproc refuses all with an empty file).
+    `rate_limited`: the models whose bucket Envoy keeps (envoy_rate_limited)."""
     off = _JSON_TO_METADATA_OFF if body_metadata or native else {}
     extra: dict[str, Any] = {}
     if settings.upstream_header:
@@ -895,13 +1084,16 @@ def route_configuration(
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
         ]
-    by_header, by_path, by_body = _native_routes(native, keys if settings.key_checks else None)
+    checked = keys if settings.key_checks else None
+    by_header, by_path, by_body = _native_routes(native, checked, {m.key for m in rate_limited})
+    counted_header, counted_path, counted_body = _counted_routes(rate_limited, {m.key for m in native}, checked)
     stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     # With native routes possible, extproc is off in the listener unless a route turns it on.
     on = _EXTPROC_ON if off else {}
     catch_all: dict[str, Any] = {**_NO_ROUTE, "match": {"prefix": "/"}}
-    if off and not native:
-        # With a native model, the body's `model` is read into metadata here, for the body routes.
+    if off and not native and not rate_limited:
+        # With a native or rate-limited model, the body's `model` is read into metadata here, for
+        # the body routes.
         catch_all["typed_per_filter_config"] = {**off, **on}
     elif on:
         catch_all["typed_per_filter_config"] = on
@@ -931,11 +1123,14 @@ def route_configuration(
                         # body. A model named by the X-Model-ID header or a /model/<name>/ path
                         # needs no body, so it streams through; everything else is buffered.
                         *by_header,
+                        *counted_header,
                         {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
                         *by_path,
+                        *counted_path,
                         {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
                         *by_body,
-                        *([_bearer_catch_all(keys)] if settings.key_checks and by_body else []),
+                        *counted_body,
+                        *([_bearer_catch_all(keys)] if settings.key_checks and (by_body or counted_body) else []),
                         catch_all,
                     ],
                 }
@@ -1153,7 +1348,8 @@ def _endpoint_authorization() -> dict[str, Any]:
     }
 
 
-def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
+def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_pb2.ModelRoute:
+    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited)."""
     return routing_pb2.ModelRoute(
         key=model.key,
         names=list(model.names),
@@ -1181,7 +1377,9 @@ def model_route(model: RoutedModel) -> routing_pb2.ModelRoute:
         kv_events_offset=model.kv_events_offset,
         kv_events_replay_offset=model.kv_events_replay_offset,
         fallback_endpoints=model.fallback_endpoints,
-        rate_limit=routing_pb2.RateLimit(requests_per_second=model.requests_per_second, burst=model.burst),
+        rate_limit=routing_pb2.RateLimit(
+            requests_per_second=model.requests_per_second, burst=model.burst, counted_by_envoy=counted_by_envoy
+        ),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(
             mode=contract.COLD_MODES[model.cold_mode],
@@ -1224,16 +1422,22 @@ def build(
     """
     native = native_keys(models, settings)
     body_metadata = may_go_native(models, settings)
+    limited = envoy_rate_limited(models, settings)
     routes = route_configuration(
-        settings, [m for m in models if m.key in native], body_metadata=body_metadata, keys=keys
+        settings,
+        [m for m in models if m.key in native],
+        body_metadata=body_metadata,
+        keys=keys,
+        rate_limited=limited,
     )
+    counted = {m.key for m in limited}
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: listener(settings, body_metadata)},
+            LISTENER: {LISTENER_NAME: listener(settings, body_metadata, limited)},
             ROUTE: {ROUTE_NAME: routes},
             CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
             ENDPOINT: {m.cluster: load_assignment(m) for m in models},
-            MODEL_ROUTE: {m.key: model_route(m) for m in models},
+            MODEL_ROUTE: {m.key: model_route(m, m.key in counted) for m in models},
         }
     )
     if confirmed is None and retained is None and routed_natively is None:
@@ -1288,7 +1492,8 @@ def for_gateway(
         if confirmed is not None and m.cluster in confirmed:
             allowed = tuple(e for e in m.endpoints if e in confirmed[m.cluster])
             if len(allowed) != len(m.endpoints):
-                routes[m.key] = model_route(replace(m, endpoints=allowed))
+                counted = routes[m.key].rate_limit.counted_by_envoy  # type: ignore[attr-defined]
+                routes[m.key] = model_route(replace(m, endpoints=allowed), counted)
                 changed = True
     if settings is not None:
         native = native_keys(models, settings, confirmed)
@@ -1296,7 +1501,11 @@ def for_gateway(
             chosen = [m for m in models if m.key in native]
             route_config = {
                 ROUTE_NAME: route_configuration(
-                    settings, chosen, body_metadata=may_go_native(models, settings), keys=keys
+                    settings,
+                    chosen,
+                    body_metadata=may_go_native(models, settings),
+                    keys=keys,
+                    rate_limited=envoy_rate_limited(models, settings),
                 )
             }
             changed = True

@@ -198,6 +198,7 @@ class Up:
             # The feeder gives the native routes the key file's keys (it reads the file itself).
             native_allowed=True,
             key_checks=settings.api_keys_file is not None,
+            global_rate_limit=settings.global_rps > 0,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"

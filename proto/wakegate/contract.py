@@ -35,6 +35,9 @@ STATUS_PATH = "/wakegate/status"
 NATIVE_HEADER = "x-wakegate-native"
 #: Dynamic-metadata namespace Envoy's json_to_metadata filter writes the body's `model` to.
 NATIVE_METADATA_NAMESPACE = "wakegate.native"
+#: Set by Envoy on a request whose model's rate-limit token its local rate limit took (the key of
+#: that model; a client's copy is dropped first): extproc takes no second token for it.
+RATE_COUNTED_HEADER = "x-wakegate-rate-counted"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 

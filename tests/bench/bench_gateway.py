@@ -364,6 +364,15 @@ static_resources:
                   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {sim_port} }} }}
 """
 
+def models_yaml(native_limit: float = 0.0) -> str:
+    """The two models; `native_limit` > 0 gives bench-native a per-model rate limit that high
+    (burst the same), kept by Envoy's local rate limit (its cost on the native path); bench-native is
+    the last document, so the limit is appended to its spec."""
+    if native_limit <= 0:
+        return MODELS_YAML
+    return MODELS_YAML + f"  limits: {{requestsPerSecond: {native_limit}, burst: {native_limit}}}\n"
+
+
 MODELS_YAML = f"""\
 apiVersion: wakegate.io/v1alpha1
 kind: Model
@@ -387,9 +396,10 @@ spec:
 
 
 class Stacks:
-    def __init__(self, tmp: Path, envoy_concurrency: int) -> None:
+    def __init__(self, tmp: Path, envoy_concurrency: int, native_limit: float = 0.0) -> None:
         self.tmp = tmp
         self.concurrency = envoy_concurrency
+        self.native_limit = native_limit
         self.procs: list[Proc] = []
         self.cpu_pids: dict[str, int] = {}
 
@@ -424,7 +434,7 @@ class Stacks:
         self.envoy_url = f"http://127.0.0.1:{self.envoy_port}"
         # 3. wakegate up
         models = self.tmp / "models.yaml"
-        models.write_text(MODELS_YAML)
+        models.write_text(models_yaml(self.native_limit))
         self.wg_port, self.wg_admin = free_port(), free_port()
         up = self._spawn(
             "wakegate-up",
@@ -581,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all paths; the table shows medians")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (logs, configs)")
+    ap.add_argument(
+        "--native-limit",
+        type=float,
+        default=0.0,
+        help="give bench-native a rate limit of this many requests/s (burst the same; 0: none), never"
+        " reached at these rates: what Envoy's bucket costs a native request",
+    )
     args = ap.parse_args(argv)
 
     wrk = shutil.which("wrk")
@@ -594,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
 
     tmp = Path(tempfile.mkdtemp(prefix="wakegate-bench-"))
-    stacks = Stacks(tmp, args.envoy_concurrency)
+    stacks = Stacks(tmp, args.envoy_concurrency, args.native_limit)
     failed = True
     load_before = loadavg()
     code = git_state()

@@ -291,6 +291,26 @@ def test_rate_limit_refuses_with_retry_after() -> None:
     assert status == 429 and payload["error"]["code"] == "rate_limited" and int(sent["retry-after"]) >= 1
 
 
+def test_a_request_envoy_counted_takes_no_second_token_and_only_envoy_can_say_so() -> None:
+    """`counted_by_envoy`: Envoy's bucket took the token of the requests it marked with the model's
+    key. An unmarked request (one Envoy could not name: a multipart form, a GET) still takes its
+    token here, and on a model Envoy does not count a mark changes nothing."""
+    counted = route("counted", "10.0.0.4:8000", rps=1)
+    counted.rate_limit.counted_by_envoy = True
+    gw = gateway()
+    gw.set_routes([*ROUTES, counted])
+    proc = Processor(gw)
+
+    def status(key: str, mark: str | None) -> str | None:
+        extra = {"x-model-id": key, **({contract.RATE_COUNTED_HEADER: mark} if mark is not None else {})}
+        return decide(proc, headers("/v1/completions", **extra))[1].WhichOneof("response")
+
+    assert [status("counted", "counted") for _ in range(5)] == ["request_headers"] * 5
+    # Its own bucket (burst 1) still counts what Envoy did not: the first passes, the next is refused.
+    assert [status("counted", mark) for mark in (None, "chat")] == ["request_headers", "immediate_response"]
+    assert [status("limited", "limited") for _ in range(2)] == ["request_headers", "immediate_response"]
+
+
 async def test_cold_reject_registers_demand_then_answers_503() -> None:
     gw = gateway()
     status, sent, payload = immediate(decide(Processor(gw), headers("/v1/x", **{"x-model-id": "sleepy"}))[1])

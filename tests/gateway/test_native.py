@@ -277,9 +277,10 @@ def test_cold_to_warm_to_idle_under_load_loses_nothing_and_releases_on_time(
     assert again.status == 200, again.text
 
 
-def test_with_api_keys_a_model_goes_native_but_a_rate_limit_keeps_it_decided(tmp_path: Path) -> None:
-    """Envoy's native routes check the gateway's keys (tests/gateway/test_native_keys.py) but keep
-    no token bucket: a rate-limited model's every request meets extproc, as on the decided path."""
+def test_with_api_keys_and_a_rate_limit_models_go_native_and_a_refused_key_spends_no_token(tmp_path: Path) -> None:
+    """Envoy's native routes check the gateway's keys (tests/gateway/test_native_keys.py) and keep
+    the model's bucket (tests/gateway/test_native_ratelimit.py): with both, both models are
+    native, a request refused for its key takes no token, and the bucket refuses past the burst."""
     key = "sk-native-test-0123456789"
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{key}\n")
@@ -299,8 +300,25 @@ def test_with_api_keys_a_model_goes_native_but_a_rate_limit_keeps_it_decided(tmp
             time.sleep(0.1)
         status = {m["key"]: m for m in keyed.status()["models"]}
         assert status["nk"]["routingPath"] == "native"
-        assert status["nr"]["routingPath"] == "decided" and status["nr"]["routingPathReason"] == "a rate limit"
+        assert status["nr"]["routingPath"] == "native"
         url = keyed.url + "/v1/chat/completions"
+        # Refused for the key, on either path's naming: no token of nr's bucket is spent...
+        for naming in ({}, {"x-model-id": "nr"}, {}, {"x-model-id": "nr"}):
+            refused = request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nr"))
+            assert refused.status == 401, refused.text
+        # ...so the burst of 2 is still whole.
+        started = time.monotonic()
+        codes = [
+            request(
+                "POST",
+                url,
+                headers={"content-type": "application/json", "authorization": f"Bearer {key}", **naming},
+                body=chat("nr"),
+            ).status
+            for naming in ({}, {"x-model-id": "nr"}) * 2
+        ]
+        refilled = int(0.5 * (time.monotonic() - started))
+        assert codes[:2] == [200, 200] and 2 <= codes.count(200) <= 2 + refilled and 429 in codes[2:], codes
         for naming in ({}, {"x-model-id": "nk"}):
             refused = request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nk"))
             assert refused.status == 401 and refused.json()["error"]["code"] == "invalid_api_key"
@@ -314,23 +332,25 @@ def test_with_api_keys_a_model_goes_native_but_a_rate_limit_keeps_it_decided(tmp
             assert "authorization" not in ok.text
     finally:
         assert keyed.stop() == 0, keyed.log()
-    # No keys: the rate-limited model is still decided, and its one bucket refuses past the burst.
+    # No keys: the rate-limited model is native too, and its one bucket (Envoy's) refuses past the burst.
     (tmp_path / "open").mkdir()
     opened = UpProcess(tmp_path / "open", fleet)
     try:
         opened.wait_ready({"nk": 1, "nr": 1}, timeout=60)
         deadline = time.monotonic() + 10
-        while opened.status()["models"][0]["routingPath"] != "native" and time.monotonic() < deadline:
+        while {m["routingPath"] for m in opened.status()["models"]} != {"native"} and time.monotonic() < deadline:
             time.sleep(0.1)
         status = {m["key"]: m for m in opened.status()["models"]}
         assert status["nk"]["routingPath"] == "native"
-        assert status["nr"]["routingPath"] == "decided" and status["nr"]["routingPathReason"] == "a rate limit"
+        assert status["nr"]["routingPath"] == "native"
         url = opened.url + "/v1/chat/completions"
+        started = time.monotonic()
         codes = [
             request("POST", url, headers={"content-type": "application/json", **naming}, body=chat("nr")).status
             for naming in ({}, {"x-model-id": "nr"}) * 3
         ]
-        # burst 2 (up to twice that right after start, one bucket per extproc: docs/reliability.md)
-        assert codes[:2] == [200, 200] and 429 in codes[2:], codes
+        # burst 2, plus what 0.5/s refills meanwhile; one bucket per gateway, not one per extproc.
+        refilled = int(0.5 * (time.monotonic() - started))
+        assert codes[:2] == [200, 200] and 2 <= codes.count(200) <= 2 + refilled and 429 in codes[2:], codes
     finally:
         assert opened.stop() == 0, opened.log()

@@ -52,7 +52,7 @@ def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
         ({"strategy": "least-loaded"}, ON, "scored or sticky picking"),
         ({"strategy": "session-affinity"}, ON, "scored or sticky picking"),
         ({"lora_adapters": ("sql",)}, ON, "LoRA adapters"),
-        ({"requests_per_second": 5.0}, ON, "a rate limit"),
+        ({"requests_per_second": 5.0}, replace(ON, global_rate_limit=True), "a gateway-wide rate limit"),
         ({"admitted": False}, ON, "waiting for its GPU group"),
         ({"endpoints": ()}, ON, "no ready endpoint"),
     ],

@@ -100,6 +100,11 @@ def test_envoy_validates_the_generated_config(tmp_path: Path, settings: r.Gatewa
     keys = r.gateway_keys([("sk-validate-0000", ALL_MODELS), ("sk-validate-1111", Scope(frozenset({"other"})))])
     built = r.build(models, settings, keys=keys)
     assert bool(r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME])) is settings.native_allowed
+    assert_envoy_accepts(built, tmp_path)
+
+
+def assert_envoy_accepts(built: r.Resources, tmp_path: Path) -> None:
+    """`envoy --mode validate` on a static bootstrap made of `built`'s listener, routes and clusters."""
     listener = json_format.MessageToDict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     hcm = listener["filterChains"][0]["filters"][0]["typedConfig"]
     hcm.pop("rds")
