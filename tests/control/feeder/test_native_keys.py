@@ -185,3 +185,30 @@ def test_body_named_requests_in_bearer_form_meet_api_key_auth_from_their_first_r
     # No body route (a cold native model), no such catch-all.
     cold = r.build([replace(NATIVE, endpoints=()), DECIDED], KEYED, keys=KEYS)
     assert r.API_KEY_AUTH not in str(cold.by_type[r.ROUTE][r.ROUTE_NAME])
+
+
+def test_with_keys_and_a_rate_limit_a_key_is_checked_before_the_bucket_on_every_route_that_draws() -> None:
+    """A request refused for its key must spend no token: the key check sits before the local rate
+    limit in the chain, and every decided route that draws from a bucket (a cold model's names, a
+    warm one's aliases in the body) checks the key and its scope first, in the Bearer form only,
+    and keeps the key on the request for extproc's own check."""
+    limited = replace(NATIVE, requests_per_second=2.0, burst=3.0)
+    for model in (limited, replace(limited, endpoints=())):  # warm, then cold
+        built = r.build([model, DECIDED], KEYED, keys=KEYS)
+        names = [f["name"] for f in http_filters(built)]
+        extproc = names.index("envoy.filters.http.ext_proc")
+        assert names.index(r.API_KEY_AUTH) < names.index(r.LOCAL_RATE_LIMIT) < extproc
+        table = as_dict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtual_hosts"][0]["routes"]
+        drawing = [x for x in table if r.RATE_LIMIT_METADATA in x.get("metadata", {}).get("filter_metadata", {})]
+        counted = [x for x in drawing if "direct_response" in x]
+        assert counted, table
+        for route in counted:
+            check = key_check(route)
+            assert "forwarding" not in check  # extproc still gets the key
+            assert sorted(check["allowed_clients"]) == ["k0", "k1"]  # wide, by key (an alias is no scope entry)
+            assert r._BEARER_KEY in route["match"]["headers"]
+            assert route["name"] in model.names  # the 404 of an out-of-scope key names what was asked
+            assert route["typed_per_filter_config"]["envoy.filters.http.ext_proc"].get("disabled") is None
+        mappers_ = [m.get("filter", {}).get("status_code_filter", {}) for m in mappers(built)]
+        codes = [int(m["comparison"]["value"]["default_value"]) for m in mappers_ if m]
+        assert 401 in codes and 403 in codes and 429 in codes
