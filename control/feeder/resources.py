@@ -571,6 +571,10 @@ _JSON_TO_METADATA_FILTER = {
     "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
         "request_rules": {
+            # Any JSON media type, parameters too (`application/json; charset=utf-8`, as many
+            # clients send it): the filter's default takes only the bare `application/json`,
+            # which left such requests decided (and counted by extproc's bucket, not Envoy's).
+            "allow_content_types_regex": {"regex": r"(?i)application/json\s*(;.*)?"},
             "rules": [
                 {
                     "selectors": [{"key": "model"}],

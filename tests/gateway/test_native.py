@@ -125,6 +125,17 @@ def test_named_any_way_both_paths_answer_alike_round_robin(native_gateway: Gatew
         assert opened >= 4
 
 
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+def test_a_json_body_is_read_natively_whatever_its_media_type_says(native_gateway: Gateway, content_type: str) -> None:
+    """Many clients send `application/json; charset=utf-8`: Envoy reads the body's `model` from
+    those too, so the request stays on the native path (no extproc stream)."""
+    gw = native_gateway
+    before = gw.extproc_streams()
+    reply = post(gw, "/v1/chat/completions", chat("nat"), {"content-type": content_type})
+    assert reply.status == 200, reply.text
+    assert gw.extproc_streams() == before
+
+
 @pytest.mark.parametrize("model", ["nat", "dec"])
 def test_streaming_answers_alike(native_gateway: Gateway, model: str) -> None:
     reply = post(native_gateway, "/v1/chat/completions", chat(model, stream=True, max_tokens=4))
