@@ -48,7 +48,8 @@ def pod(
         (model({"strategy": "round-robin"}), [pod()], True, True, ("decided", "routing.path is decided")),
         (model({**NATIVE, "strategy": "least-loaded"}), [pod()], True, True, ("decided", "scored or sticky picking")),
         (model(loraAdapters=["tone"]), [pod()], True, True, ("decided", "LoRA adapters")),
-        (model(limits={"requestsPerSecond": 5}), [pod()], True, True, ("decided", "a rate limit")),
+        # A per-model limit keeps no model decided: Envoy keeps its bucket (docs/decisions.md).
+        (model(limits={"requestsPerSecond": 5}), [pod()], True, True, ("native", None)),
         (model(), [pod()], False, True, ("decided", "waiting for its GPU group")),
         (model(), [], True, True, ("decided", "no ready endpoint")),
         (model(), [pod(ready=False)], True, True, ("decided", "no ready endpoint")),
