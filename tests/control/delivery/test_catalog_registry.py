@@ -113,6 +113,11 @@ def wakegate(*argv: str, config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def deploy(reg: Registry, name: str, *flags: str, repo: str = "own/tiny:v1") -> subprocess.CompletedProcess[str]:
+    """`wakegate catalog deploy <reg>/<repo> --as <name> <flags>` with the registry's credentials."""
+    return wakegate("catalog", "deploy", f"{reg.host}/{repo}", "--as", name, *flags, config=reg.docker_config)
+
+
 def test_the_client_pages_through_150_repositories_and_25_tags(published: Published) -> None:
     reg = published.wide
 
@@ -199,29 +204,18 @@ def test_a_prefix_limits_the_listing_to_whole_path_segments(published: Published
 def test_deploy_writes_a_model_pinned_by_digest(published: Published, tmp_path: Path) -> None:
     reg = published.reg
     target = tmp_path / "tiny.yaml"
-    out = wakegate(
-        "catalog",
-        "deploy",
-        f"{reg.host}/own/tiny:v1",
-        "--as",
-        "tiny",
-        "--min",
-        "1",
-        "-o",
-        str(target),
-        config=reg.docker_config,
-    )
+    out = deploy(reg, "tiny", "--min", "1", "-o", str(target))
     assert out.returncode == 0, out.stderr
     (model,) = parse_models(target.read_text(), str(target))
     assert model.metadata.name == "tiny"
     assert model.spec.source == f"oci://{reg.host}/own/tiny:v1@{published.tiny_digest}"
     assert model.spec.scaling.min == 1 and model.spec.backend == "llamacpp"
 
-    missing = wakegate("catalog", "deploy", f"{reg.host}/own/nothing:v1", "--as", "x", config=reg.docker_config)
+    missing = deploy(reg, "x", repo="own/nothing:v1")
     assert missing.returncode == 1 and "not_found" not in missing.stdout
     assert len(missing.stderr.strip().splitlines()) == 1
 
-    bad = wakegate("catalog", "deploy", f"{reg.host}/own/tiny:v1", "--as", "Not_A_Name", config=reg.docker_config)
+    bad = deploy(reg, "Not_A_Name")
     assert bad.returncode == 2 and "--as" in bad.stderr
 
 
@@ -263,19 +257,7 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
                 }
             )
         )
-        out = wakegate(
-            "catalog",
-            "deploy",
-            f"{reg.host}/own/tiny:v1",
-            "--as",
-            "tiny",
-            "--apply",
-            "-n",
-            "team-a",
-            "--kubeconfig",
-            str(kubeconfig),
-            config=reg.docker_config,
-        )
+        out = deploy(reg, "tiny", "--apply", "-n", "team-a", "--kubeconfig", str(kubeconfig))
         assert out.returncode == 0, out.stderr
         ((method, path, content_type, body),) = _ApiServer.seen
         assert (method, content_type) == ("PATCH", "application/apply-patch+yaml")
@@ -285,20 +267,8 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
         assert body["metadata"] == {"name": "tiny", "namespace": "team-a"}
 
         _ApiServer.seen.clear()
-        adapter = wakegate(
-            "catalog",
-            "deploy",
-            f"{reg.host}/own/tiny:v1",
-            "--as",
-            "tiny-sql",
-            "--adapter-of",
-            "tiny",
-            "--apply",
-            "-n",
-            "team-a",
-            "--kubeconfig",
-            str(kubeconfig),
-            config=reg.docker_config,
+        adapter = deploy(
+            reg, "tiny-sql", "--adapter-of", "tiny", "--apply", "-n", "team-a", "--kubeconfig", str(kubeconfig)
         )
         assert adapter.returncode == 0, adapter.stderr
         assert "applied LoRAAdapter team-a/tiny-sql" in adapter.stderr
@@ -316,33 +286,14 @@ def test_deploy_apply_creates_the_model_on_the_cluster(published: Published, tmp
         server.shutdown()
         server.server_close()
 
-    nowhere = wakegate(
-        "catalog",
-        "deploy",
-        f"{reg.host}/own/tiny:v1",
-        "--as",
-        "tiny",
-        "--apply",
-        "--kubeconfig",
-        str(tmp_path / "missing"),
-        config=reg.docker_config,
-    )
+    nowhere = deploy(reg, "tiny", "--apply", "--kubeconfig", str(tmp_path / "missing"))
     assert nowhere.returncode == 1 and "no cluster to apply to" in nowhere.stderr
     assert "Traceback" not in nowhere.stderr
 
 
 def test_deploy_writes_a_lora_adapter_for_an_adapter_artifact(published: Published) -> None:
     reg = published.reg
-    out = wakegate(
-        "catalog",
-        "deploy",
-        f"{reg.host}/own/tiny:v1",
-        "--as",
-        "tiny-sql",
-        "--adapter-of",
-        "tiny",
-        config=reg.docker_config,
-    )
+    out = deploy(reg, "tiny-sql", "--adapter-of", "tiny")
     assert out.returncode == 0, out.stderr
     (doc,) = yaml.safe_load_all(out.stdout)
     assert (doc["kind"], doc["metadata"]["name"]) == ("LoRAAdapter", "tiny-sql")
