@@ -33,8 +33,8 @@ from e2e.cluster import Cluster
 from e2e.gateway import Gateway, Operator, install_crds, python_env, running
 from e2e.helpers import Kube, wait_for
 from e2e.procs import Proc
-from tests.support.federation import GlobalProcess
-from tests.support.http import Response, request
+from tests.support.federation import GlobalProcess, chat
+from tests.support.http import Response
 from wakegate.control.admin import free_port
 
 pytestmark = pytest.mark.e2e
@@ -68,14 +68,6 @@ def member_phase(custom: client.CustomObjectsApi, ns: str) -> str:
         return ""
     return str((body.get("status") or {}).get("phase", ""))
 
-
-def chat(url: str) -> Response:
-    return request(
-        "POST",
-        f"{url}/v1/chat/completions",
-        body={"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
-        timeout=60,
-    )
 
 
 def federation_objects(
@@ -264,7 +256,7 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
             key = fed.key
             both = sorted([f"east-{suffix}", f"west-{suffix}"])
             glob.wait_for(lambda s: s["routes"][key] == both, timeout=60)
-            spread = Counter(fed.member(chat(glob.url)) for _ in range(20))
+            spread = Counter(fed.member(chat(glob.url, "chat")) for _ in range(20))
             assert spread["east"] >= 3 and spread["west"] >= 3, spread
 
             # East's Model scaled to zero (as its scaler would): the global gateway routes to west.
@@ -272,7 +264,7 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
             kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=0")
             glob.wait_for(lambda s: s["routes"][key] == [f"west-{suffix}"], timeout=60)
             rerouted_after_scale = time.monotonic() - scaled
-            assert {fed.member(chat(glob.url)) for _ in range(8)} == {"west"}
+            assert {fed.member(chat(glob.url, "chat")) for _ in range(8)} == {"west"}
             kubectl(kube.cluster.kubeconfig, "-n", ns, "scale", "deployment", "wg-chat", "--replicas=1")
             glob.wait_for(lambda s: s["routes"][key] == both, timeout=90)
 
@@ -283,7 +275,7 @@ def test_a_federated_model_in_two_clusters_spreads_follows_scale_to_zero_and_sur
             def worker() -> None:
                 while time.monotonic() < stop_at:
                     began = time.monotonic()
-                    answer = chat(glob.url)
+                    answer = chat(glob.url, "chat")
                     sent.append((began, answer.status, answer.text[:160]))
 
             threads = [threading.Thread(target=worker) for _ in range(3)]
@@ -364,7 +356,7 @@ def test_a_model_cold_in_both_clusters_wakes_in_one_only(kube: Kube, west: Clust
             glob.wait_for(lambda s: s["routes"][fed.key] == [] and len(s["members"]) >= 2, timeout=60)
             started = time.monotonic()
             with ThreadPoolExecutor(3) as pool:
-                answers = list(pool.map(lambda _: chat(glob.url), range(3)))
+                answers = list(pool.map(lambda _: chat(glob.url, "chat"), range(3)))
             cold = time.monotonic() - started
             assert [a.status for a in answers] == [200] * 3, [a.text for a in answers]
             assert {fed.member(a) for a in answers} == {"east"}  # first in failover order

@@ -22,20 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.federation import GlobalProcess, federation_doc, refused_at_start
+from tests.support.federation import GlobalProcess, chat, federation_doc, refused_at_start
 from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc, pids_alive
 
 INTERVAL = 0.5
 
-
-def chat(url: str, name: str = "small") -> Response:
-    return request(
-        "POST",
-        f"{url}/v1/chat/completions",
-        body={"model": name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
-        timeout=60,
-    )
 
 
 def member_ready(member: UpProcess) -> int:
@@ -95,7 +87,7 @@ def test_cold_everywhere_wakes_one_member_then_spreads_and_follows_scale_to_zero
     glob.wait_for(lambda s: all(m["reachable"] == "True" for m in s["members"].values()))
     # Cold in both: four requests at once are held at the global gateway, one member is woken.
     with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda _: chat(glob.url), range(4)))
+        answers = list(pool.map(lambda _: chat(glob.url, "small"), range(4)))
     assert [a.status for a in answers] == [200] * 4, [a.text for a in answers]
     assert {fleet.member_of(a) for a in answers} == {"east"}  # first in failover order
     status = glob.status()
@@ -104,10 +96,10 @@ def test_cold_everywhere_wakes_one_member_then_spreads_and_follows_scale_to_zero
     assert status["models"]["chat"]["summary"] == "east=Ready west=Idle"
 
     # West warms up (its own users woke it): the global gateway spreads over both.
-    assert chat(fleet.west.url).status == 200
+    assert chat(fleet.west.url, "small").status == 200
     glob.wait_for(lambda s: s["routes"]["chat"] == ["east", "west"], timeout=10)
     with ThreadPoolExecutor(4) as pool:
-        spread = Counter(fleet.member_of(a) for a in pool.map(lambda _: chat(glob.url), range(24)))
+        spread = Counter(fleet.member_of(a) for a in pool.map(lambda _: chat(glob.url, "small"), range(24)))
     assert spread["east"] >= 4 and spread["west"] >= 4, spread
 
     # East's Model scales to zero once idle: its route goes, requests go to west, nothing wakes east.
@@ -116,7 +108,7 @@ def test_cold_everywhere_wakes_one_member_then_spreads_and_follows_scale_to_zero
         time.sleep(0.1)
     assert member_ready(fleet.east) == 0
     glob.wait_for(lambda s: s["routes"]["chat"] == ["west"], timeout=5 * INTERVAL)
-    later = [chat(glob.url) for _ in range(8)]
+    later = [chat(glob.url, "small") for _ in range(8)]
     assert {(a.status, fleet.member_of(a)) for a in later} == {(200, "west")}
     assert glob.status()["counters"]["wakes"] == {"chat": 1} and member_ready(fleet.east) == 0
 
@@ -141,12 +133,12 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     # The global gateway's own extproc dies: it is restarted, and meanwhile a request gets 200
     # from the standby or the gateway's retriable 503 (never a 500), for a moment only.
     os.kill(glob.status()["components"]["extproc-0"]["pid"], signal.SIGKILL)
-    during = [chat(glob.url) for _ in range(10)]
+    during = [chat(glob.url, "small") for _ in range(10)]
     assert {a.status for a in during} <= {200, 503}
     assert all(a.json()["error"]["code"] == "gateway_unavailable" for a in during if a.status == 503)
     glob.wait_for(lambda s: s["components"]["extproc-0"]["restarts"] == 1 and s["components"]["extproc-0"]["running"])
     time.sleep(1.0)  # Envoy's health checks (every 250 ms) see it again
-    assert {chat(glob.url).status for _ in range(10)} == {200}
+    assert {chat(glob.url, "small").status for _ in range(10)} == {200}
     print(f"\nglobal extproc killed: {sum(a.status == 503 for a in during)} of 10 requests right after got 503")
     sent: list[Sent] = []
     reroute: list[float] = []
@@ -156,7 +148,7 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     def worker() -> None:
         while time.monotonic() < stop_at:
             started = time.monotonic()
-            answer = chat(glob.url)
+            answer = chat(glob.url, "small")
             member = fleet.member_of(answer) if "x-wakegate-upstream" in answer.headers else None
             sent.append(Sent(started, answer.status, member, answer.text[:200]))
 

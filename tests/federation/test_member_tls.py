@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from e2e.pki import PKI, Pair
-from tests.support.federation import GlobalProcess, refused_at_start
-from tests.support.http import Response, request
+from tests.support.federation import GlobalProcess, chat, refused_at_start
+from tests.support.http import Response
 from tests.support.up import UpProcess, model_doc, stop_process
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
@@ -167,14 +167,6 @@ spec:
             process.stop()
 
 
-def chat(url: str) -> Response:
-    return request(
-        "POST",
-        f"{url}/v1/chat/completions",
-        body={"model": "small", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
-        timeout=60,
-    )
-
 
 def test_members_over_tls_are_verified_and_mtls_takes_the_client_certificate(setup: Setup) -> None:
     glob = setup.glob
@@ -190,7 +182,7 @@ def test_members_over_tls_are_verified_and_mtls_takes_the_client_certificate(set
     assert "no client certificate was presented" in members["nocert"]["reason"]
 
     # The global Envoy reaches the member through both terminators, over TLS.
-    answers = [chat(glob.url) for _ in range(12)]
+    answers = [chat(glob.url, "small") for _ in range(12)]
     assert [a.status for a in answers] == [200] * 12, [a.text for a in answers]
     spread = Counter(setup.member_of(a) for a in answers)
     assert spread["ip"] >= 3 and spread["named"] >= 3, spread

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from tests.support.http import get_json
+from tests.support.http import Response, get_json, request
 from tests.support.up import stop_process
 from wakegate.control.admin import free_port
 
@@ -149,3 +149,13 @@ def refused_at_start(manifest: Path, state_dir: Path) -> subprocess.CompletedPro
     assert len(lines) == 1 and lines[0].startswith("wakegate federation: "), done.stderr
     assert not state_dir.exists()  # nothing started, nothing written
     return done
+
+
+def chat(url: str, model: str) -> Response:
+    """One small chat completion of `model` through the gateway at `url`."""
+    return request(
+        "POST",
+        f"{url}/v1/chat/completions",
+        body={"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+        timeout=60,
+    )
