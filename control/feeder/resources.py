@@ -321,8 +321,9 @@ class GatewaySettings:
     #: Envoy's retry_on for those retries; `reset` (before the response began) may repeat a request
     #: an upstream had started on, never one whose answer reached the client.
     upstream_retry_on: str = "connect-failure,refused-stream,reset-before-request"
-    #: Models may take the native path (Envoy routes them alone). Only where the feeder can give
-    #: Envoy's native routes the API keys extproc checks (`wakegate up`; not `wakegate xds` yet).
+    #: Models may take the native path (Envoy routes them alone): `wakegate up` always (its feeder
+    #: gives the native routes the keys extproc checks); `wakegate xds --native-path`, which the
+    #: chart sets only for a gateway with no API keys and no global rate limit.
     native_allowed: bool = False
     #: Requests must carry a key of the gateway's key file: native routes check it with Envoy's
     #: api_key_auth, from the `GatewayKey`s `build` is given (never in these settings, which
@@ -917,6 +918,12 @@ def _says_as_python(name: str) -> bool:
     return repr(name) == f"'{name}'"
 
 
+def _routable_names(model: RoutedModel, keys: Sequence[GatewayKey] | None) -> list[str]:
+    """The names of `model` Envoy's routes may match: with `keys`, only those whose 404 Envoy can
+    word as extproc does (`_says_as_python`); the others stay with extproc."""
+    return [n for n in model.names if keys is None or _says_as_python(n)]
+
+
 def _native(
     model: RoutedModel,
     name: str,
@@ -969,7 +976,7 @@ def _native_routes(
     by_header, by_path, by_body = [], [], []
     for m in sorted(models, key=lambda m: m.key):
         counted = m.key in limited
-        names = [n for n in m.names if keys is None or _says_as_python(n)]
+        names = _routable_names(m, keys)
         for name in names:
             by_header.append(_native(m, name, _by_header(name), keys=keys, limited=counted))
             if _PLAIN_NAME.fullmatch(name):
@@ -1053,9 +1060,7 @@ def _counted_routes(
     by_header, by_path, by_body = [], [], []
     for m in limited:
         warm = m.key in native
-        for name in m.names:
-            if keys is not None and not _says_as_python(name):
-                continue  # Envoy could not word extproc's 404 for it: extproc counts it
+        for name in _routable_names(m, keys):  # extproc counts the others
             if not warm:  # a warm model's native routes take these
                 by_header.append(_counted(m, name, _by_header(name), _STREAM_BODY["typed_per_filter_config"], keys))
                 if _PLAIN_NAME.fullmatch(name):
