@@ -93,11 +93,19 @@ def _unschedulable(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _pod_ready(pod: Mapping[str, Any]) -> datetime | None:
+def _ready_condition(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod's `Ready` condition when it is True; None while the pod is not ready."""
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Ready" and cond.get("status") == "True":
-            return _time(cond.get("lastTransitionTime")) or _time(pod["metadata"].get("creationTimestamp"))
+            return cond  # type: ignore[no-any-return]
     return None
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> datetime | None:
+    cond = _ready_condition(pod)
+    if cond is None:
+        return None
+    return _time(cond.get("lastTransitionTime")) or _time(pod["metadata"].get("creationTimestamp"))
 
 
 def _progress_deadline(deployment: Mapping[str, Any]) -> str | None:
@@ -289,9 +297,7 @@ def routing_path_status(
         for pod in pods
         if not pod["metadata"].get("deletionTimestamp")
         and (pod.get("status") or {}).get("podIP")
-        and any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions") or []
-        )
+        and _ready_condition(pod) is not None
     )
     settings = GatewaySettings(native_allowed=native_allowed)
     verdict = routing_path(routed_model(model, ready, admitted=admitted), settings)
