@@ -14,7 +14,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from e2e.gateway import Gateway, Operator, Scaler, post_json, running
 from e2e.helpers import Kube, wait_for
 from e2e.test_operator import apply, get_model, kubectl, model_yaml, phase, wait_phase
 from e2e.test_operator import wg as wg  # the namespace with the CRDs installed
+from tests.support.http import EXTPROC_STREAMS, envoy_stat
 from wakegate.control.admin import free_port
 from wakegate.extproc.cold import LEASE_GRACE_SECONDS
 
@@ -79,11 +79,7 @@ class Load:
 
 
 def _extproc_streams(gateway: Gateway) -> int:
-    """Envoy's count of ext_proc streams: a natively routed request opens none."""
-    query = "/stats?format=json&filter=^http\\.wakegate\\.ext_proc\\.streams_started$"
-    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.envoy_admin}{query}", timeout=5) as resp:
-        stats = json.load(resp)["stats"]
-    return int(stats[0]["value"]) if stats else 0
+    return envoy_stat(f"127.0.0.1:{gateway.envoy_admin}", EXTPROC_STREAMS, timeout=5)
 
 
 def _status(kube: Kube, name: str) -> dict[str, Any]:

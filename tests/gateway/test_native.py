@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.http import get_json, request
+from tests.support.http import EXTPROC_STREAMS, envoy_stat, request
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 
@@ -53,11 +53,10 @@ class Gateway:
         self.envoy_admin = envoy_admin
 
     def stat(self, name: str) -> int:
-        stats = get_json(f"http://{self.envoy_admin}/stats?format=json&filter=^{name}$")["stats"]
-        return int(stats[0]["value"]) if stats else 0
+        return envoy_stat(self.envoy_admin, name)
 
     def extproc_streams(self) -> int:
-        return self.stat(r"http\.wakegate\.ext_proc\.streams_started")
+        return self.stat(EXTPROC_STREAMS)
 
     def model(self, key: str) -> dict[str, Any]:
         return next(m for m in self.up.status()["models"] if m["key"] == key)

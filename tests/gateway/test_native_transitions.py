@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.http import get_json
+from tests.support.http import EXTPROC_STREAMS, envoy_stat
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 from wakegate.extproc.cold import LEASE_GRACE_SECONDS
@@ -102,12 +102,6 @@ async def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def _extproc_streams(envoy_admin: str) -> int:
-    name = r"http\.wakegate\.ext_proc\.streams_started"
-    stats = get_json(f"http://{envoy_admin}/stats?format=json&filter=^{name}$")["stats"]
-    return int(stats[0]["value"]) if stats else 0
-
-
 async def test_a_replica_drains_under_load_while_the_model_stays_native(tmp_path: Path) -> None:
     """200 req/s scale `drn` out to 2 replicas; at 20 req/s one replica is removed after
     scaleInWindow while the load goes on: no 5xx, none lost, native throughout."""
@@ -127,7 +121,7 @@ async def test_a_replica_drains_under_load_while_the_model_stays_native(tmp_path
     try:
         up.wait_ready({"drn": 1}, timeout=60)
         await _until(lambda: _model(up, "drn")["routingPath"] == "native", 10, "drn never went native")
-        streams = await asyncio.to_thread(_extproc_streams, envoy_admin)
+        streams = await asyncio.to_thread(envoy_stat, envoy_admin, EXTPROC_STREAMS)
         paths: set[str] = set()
         async with _session() as session:
             load = OpenLoad(session, up.url, "drn", 200).start()
@@ -151,7 +145,7 @@ async def test_a_replica_drains_under_load_while_the_model_stays_native(tmp_path
         print(f"drn: {load.sent} requests, statuses {statuses}, paths {paths}")
         assert statuses == {200: load.sent}, statuses
         assert paths == {"native"}, paths
-        streams = await asyncio.to_thread(_extproc_streams, envoy_admin) - streams
+        streams = await asyncio.to_thread(envoy_stat, envoy_admin, EXTPROC_STREAMS) - streams
         assert streams < load.sent // 20, f"{streams} of {load.sent} warm requests went through extproc"
         log = up.log()
         assert "scale model=drn from=1 to=2" in log and "scale model=drn from=2 to=1" in log, log[-3000:]

@@ -13,6 +13,17 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
         return json.loads(resp.read())
 
 
+#: Envoy's count of ext_proc streams (the gateway listener's): a natively routed request opens none.
+EXTPROC_STREAMS = r"http\.wakegate\.ext_proc\.streams_started"
+
+
+def envoy_stat(admin: str, name: str, timeout: float = 2.0) -> int:
+    """The value of the Envoy stat whose whole name matches `name` (a regex), from the admin API at
+    `admin` (HOST:PORT); 0 while Envoy has not written it."""
+    stats = get_json(f"http://{admin}/stats?format=json&filter=^{name}$", timeout)["stats"]
+    return int(stats[0]["value"]) if stats else 0
+
+
 class Response:
     def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status = status
