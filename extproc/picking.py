@@ -12,10 +12,10 @@ Endpoints are ``"ip:port"`` strings. Strategies (:meth:`Picker.pick`):
     Consistent-hash ring lookup of :func:`prefix_key` (so requests sharing a prompt prefix reuse
     one server's prefix cache); requests without one go least-loaded.
 ``least-loaded``
-    The endpoint with the fewest requests, ties rotated: per endpoint the larger of this
-    gateway's in-flight count (:class:`InFlight`) and the count the engine itself reports
-    (``engine_loads``: running + waiting from its metrics, which also sees other gateways' and
-    direct traffic).
+    The endpoint with the fewest requests, ties rotated: per endpoint this gateway's in-flight
+    count (:class:`InFlight`) plus what the engine's own reading (``engine_loads``: running +
+    waiting from its metrics, or a federation member's held + in-flight) counts beyond this
+    gateway's requests of the last moments (other gateways', direct traffic).
 
 A model whose route names a profile or weights is picked by scoring instead, whatever its
 strategy: :mod:`wakegate.extproc.scheduling` filters the endpoints, weighs its scorers and picks,
@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from wakegate import contract
@@ -66,6 +67,10 @@ SESSION_MESSAGES = 5
 """How many leading ``messages`` identify a session when no explicit id is given."""
 
 _MAX_RINGS = 10_000
+
+REPORT_LAG = 2.0
+"""Seconds an engine's or member's reading of its in-flight count may take to reach the picker
+(read, published, pushed); :class:`InFlight` discounts this gateway's requests of that long."""
 
 
 def _hash64(text: str) -> int:
@@ -231,24 +236,32 @@ def prefix_key(headers: Mapping[str, str], body: Mapping[str, Any] | None, prefi
 class InFlight:
     """In-flight request counts per endpoint (only endpoints with a count > 0 are stored).
 
-    An engine's own count arrives late (the feeder reads it every half second) and includes this
-    gateway's requests. So that a stale reading does not keep a finished request's endpoint
-    "busy", every release on an endpoint after a reading takes one off that reading.
+    An engine's own count (or a federation member's) arrives late: it was read a moment ago and
+    includes this gateway's requests that were in flight then, some of which may have ended
+    before the reading reached us. So a reading is taken as this gateway's requests plus others',
+    and the others' part is the reading less the most of this gateway's requests that were in
+    flight on the endpoint in the last :data:`REPORT_LAG` seconds or more (:meth:`recent_peak`).
+    A finished request therefore never keeps its endpoint "busy" through a late reading, and a
+    reading that stays the same for long (others' steady traffic) counts in full again.
     """
 
-    __slots__ = ("_counts", "_credit", "_engine", "_turn")
+    __slots__ = ("_clock", "_counts", "_credit", "_peaks", "_turn")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._counts: dict[str, int] = {}
-        # endpoint -> [engine's reported count, releases here since that report]
-        self._engine: dict[str, list[int]] = {}
+        # endpoint -> [epoch, peak in that epoch, peak in the epoch before]; epochs are
+        # REPORT_LAG long, so the two peaks cover at least the last REPORT_LAG seconds
+        self._peaks: dict[str, list[int]] = {}
         self._turn = 0
         # endpoint -> its credit in the smooth weighted rotation among tied endpoints (`weights`)
         self._credit: dict[str, int] = {}
 
     def acquire(self, endpoint: str) -> None:
         """A request was sent to ``endpoint``."""
-        self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
+        n = self._counts.get(endpoint, 0)
+        self._counts[endpoint] = n + 1
+        self._note(endpoint, n, n + 1)
 
     def release(self, endpoint: str) -> None:
         """A request to ``endpoint`` ended. Never goes below 0; zero entries are removed."""
@@ -257,22 +270,47 @@ class InFlight:
             self._counts[endpoint] = n - 1
         else:
             self._counts.pop(endpoint, None)
-        seen = self._engine.get(endpoint)
-        if seen is not None:
-            seen[1] += 1
+        self._note(endpoint, n, max(n - 1, 0))
+
+    def _note(self, endpoint: str, before: int, after: int) -> None:
+        """The count on ``endpoint`` went from ``before`` to ``after`` now: keep the epoch peaks."""
+        epoch = int(self._clock() / REPORT_LAG)
+        peak = self._peaks.get(endpoint)
+        if peak is None:
+            if len(self._peaks) >= _MAX_RINGS:
+                self._peaks.clear()  # endpoints that left: defensive bound
+            self._peaks[endpoint] = [epoch, max(before, after), before]
+        elif peak[0] == epoch:
+            if after > peak[1]:
+                peak[1] = after
+        else:
+            # The epoch before this one peaked at what was recorded if that was it, else the
+            # count stood still at `before` all through it.
+            peak[2] = peak[1] if peak[0] == epoch - 1 else before
+            peak[0] = epoch
+            peak[1] = max(before, after)
+
+    def recent_peak(self, endpoint: str) -> int:
+        """The most of this gateway's requests in flight on ``endpoint`` at any time in the last
+        :data:`REPORT_LAG` seconds (or a little longer): what a late reading may have counted."""
+        own = self._counts.get(endpoint, 0)
+        peak = self._peaks.get(endpoint)
+        if peak is None:
+            return own
+        epoch = int(self._clock() / REPORT_LAG)
+        if peak[0] == epoch:
+            return max(peak[1], peak[2], own)
+        if peak[0] == epoch - 1:
+            return max(peak[1], own)
+        return own  # unchanged for longer than REPORT_LAG
 
     def engine_count(self, endpoint: str, reported: int) -> int:
-        """The engine's reported count less this gateway's releases on it since the report."""
-        seen = self._engine.get(endpoint)
+        """The requests on ``endpoint`` given its engine's reading: this gateway's in flight now
+        plus the reading's part that cannot be this gateway's (0 for an empty reading)."""
         if reported <= 0:
-            if seen is not None:
-                del self._engine[endpoint]
             return 0
-        if seen is None or seen[0] != reported:
-            if seen is None and len(self._engine) >= _MAX_RINGS:
-                self._engine.clear()  # endpoints that left with a count: defensive bound
-            seen = self._engine[endpoint] = [reported, 0]
-        return max(0, reported - seen[1])
+        own = self._counts.get(endpoint, 0)
+        return own + max(0, reported - self.recent_peak(endpoint))
 
     def count(self, endpoint: str) -> int:
         """In-flight requests on ``endpoint``."""
@@ -290,11 +328,12 @@ class InFlight:
     ) -> str | None:
         """The endpoint with the fewest requests; None if ``endpoints`` is empty.
 
-        An endpoint's count is its in-flight count, or what its engine reports holding
-        (``engine_loads``) when that is larger. Ties rotate round-robin among the tied endpoints
-        (in the order given), so equally idle endpoints share the traffic instead of the first
-        one taking it all; with ``weights`` (endpoint -> share, missing: 1) the rotation is
-        weighted, so tied endpoints take picks in proportion to their weights.
+        An endpoint's count is its in-flight count plus the part of what its engine reports
+        holding (``engine_loads``) that cannot be this gateway's (:meth:`engine_count`). Ties
+        rotate round-robin among the tied endpoints (in the order given), so equally idle
+        endpoints share the traffic instead of the first one taking it all; with ``weights``
+        (endpoint -> share, missing: 1) the rotation is weighted, so tied endpoints take picks
+        in proportion to their weights.
         """
         if not endpoints:
             return None

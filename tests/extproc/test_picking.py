@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wakegate.extproc import picking
-from wakegate.extproc.picking import HashRing, InFlight, Picker, prefix_key, session_key
+from wakegate.extproc.picking import REPORT_LAG, HashRing, InFlight, Picker, prefix_key, session_key
 
 EPS4 = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"]
 EP5 = "10.0.0.5:8000"
@@ -536,8 +536,19 @@ def test_least_loaded_counts_what_the_engine_reports_beyond_this_gateway() -> No
     assert inflight.least_loaded(eps, {eps[0]: 1}) == eps[0]
 
 
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_stale_engine_report_fades_with_this_gateways_releases() -> None:
-    inflight = InFlight()
+    clock = Clock()
+    inflight = InFlight(clock)
     eps = ["10.0.0.1:80", "10.0.0.2:80"]
     inflight.acquire(eps[0])
     report = {eps[0]: 1}  # the engine's reading includes the request this gateway sent
@@ -546,6 +557,71 @@ def test_a_stale_engine_report_fades_with_this_gateways_releases() -> None:
     # The request ended after the reading: the same (now stale) report no longer counts it.
     assert inflight.engine_count(eps[0], 1) == 0
     assert {inflight.least_loaded(eps, report) for _ in range(4)} == set(eps)
-    # A new reading starts over.
-    assert inflight.engine_count(eps[0], 2) == 2
+    # A reading of more than this gateway ever had there counts the rest.
+    assert inflight.engine_count(eps[0], 3) == 2
     assert inflight.engine_count(eps[0], 0) == 0
+    # Once the gateway's request is older than REPORT_LAG, a reading is all others' traffic.
+    clock.now += 2 * REPORT_LAG
+    assert inflight.engine_count(eps[0], 1) == 1
+
+
+def test_a_reading_that_arrives_after_the_request_ended_does_not_count_it() -> None:
+    """A federation member probed during one of our requests reports it after it ended: the pick
+    must not avoid that member for the probe interval (sequential traffic would all go one way)."""
+    clock = Clock()
+    inflight = InFlight(clock)
+    eps = ["10.0.0.1:80", "10.0.0.2:80"]
+    picks = []
+    for _ in range(20):
+        # The reading caught our last request if it went to the first member; it has ended by now.
+        report = {eps[0]: 1} if picks and picks[-1] == eps[0] else {}
+        ep = inflight.least_loaded(eps, report)
+        assert ep is not None
+        picks.append(ep)
+        inflight.acquire(ep)
+        clock.now += 0.05
+        inflight.release(ep)
+    assert Counter(picks) == {eps[0]: 10, eps[1]: 10}
+
+
+def test_others_traffic_counts_beside_this_gateways_own() -> None:
+    clock = Clock()
+    inflight = InFlight(clock)
+    eps = ["10.0.0.1:80", "10.0.0.2:80"]
+    for _ in range(2):
+        inflight.acquire(eps[0])
+    # The engine holds our 2 plus 3 of others': 5 in all, more than the 4 we hold on the second.
+    for _ in range(4):
+        inflight.acquire(eps[1])
+    assert inflight.engine_count(eps[0], 5) == 5
+    assert inflight.least_loaded(eps, {eps[0]: 5, eps[1]: 4}) == eps[1]
+    # Our requests end; the late reading still says 5: only others' 3 remain.
+    for _ in range(2):
+        inflight.release(eps[0])
+    assert inflight.engine_count(eps[0], 5) == 3
+    assert inflight.least_loaded(eps, {eps[0]: 5, eps[1]: 4}) == eps[0]
+
+
+def test_the_peaks_carry_across_epochs() -> None:
+    clock = Clock()
+    clock.now = 10 * REPORT_LAG  # the start of an epoch
+    inflight = InFlight(clock)
+    ep = "10.0.0.1:80"
+    for _ in range(3):
+        inflight.acquire(ep)
+    clock.now += REPORT_LAG * 0.9
+    for _ in range(3):
+        inflight.release(ep)
+    assert inflight.recent_peak(ep) == 3
+    clock.now += REPORT_LAG * 0.2  # the next epoch: the last one's peak is still recent
+    assert inflight.recent_peak(ep) == 3
+    inflight.acquire(ep)
+    assert inflight.recent_peak(ep) == 3
+    clock.now += REPORT_LAG  # two epochs on: only what was in flight since then
+    assert inflight.recent_peak(ep) == 1
+    clock.now += 2 * REPORT_LAG  # nothing moved for longer than REPORT_LAG: the count now
+    assert inflight.recent_peak(ep) == 1
+    inflight.release(ep)
+    assert inflight.recent_peak(ep) == 1
+    clock.now += 2 * REPORT_LAG
+    assert inflight.recent_peak(ep) == 0
