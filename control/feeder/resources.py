@@ -476,13 +476,30 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
 
 API_KEY_AUTH = "envoy.filters.http.api_key_auth"
 
+def _details(details: str) -> dict[str, Any]:
+    """Matches a reply whose response code details (Envoy's fixed token for why) are `details`."""
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": f"response.code_details == '{details}'",
+            },
+        }
+    }
+
+
 #: Envoy's api_key_auth answers on native routes, made extproc's (extproc/service.py): an unknown
 #: key is its 401; a known key whose scope leaves the model out is the 404 of a model that does
-#: not exist, named as asked (each native route is named after the name it matches).
+#: not exist, named as asked (each native route is named after the name it matches). That 403 is
+#: matched by its details (`client_not_allowed`), not its status: Envoy refuses an upgrade
+#: (WebSocket) with a 403 of its own (`upgrade_failed`), which must stay `request_refused`.
 _KEY_CHECK_REPLIES = [
     _mapper(_status(401), "invalid_api_key", "missing or invalid API key", "authentication_error"),
     {
-        **_mapper(_status(403), "model_not_found", "model '%ROUTE_NAME%' does not exist", "not_found_error"),
+        **_mapper(
+            _details("client_not_allowed"), "model_not_found", "model '%ROUTE_NAME%' does not exist", "not_found_error"
+        ),
         "status_code": 404,
     },
 ]

@@ -1,4 +1,7 @@
-"""Bad input through the real gateway: each gets its OpenAI-shaped error; nothing crashes."""
+"""Bad input through the real gateway: each gets its OpenAI-shaped error; nothing crashes.
+
+Requests that name the native model (`n`, routed by Envoy alone when its body is well-formed)
+get the same answers as the decided ones."""
 
 from __future__ import annotations
 
@@ -7,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import API_KEY, KEYS_TEXT, MAX_BODY
+from tests.gateway.conftest import API_KEY, KEYS_TEXT, MAX_BODY, NATIVE
 from tests.support.http import Response, request
 from tests.support.up import UpProcess
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 GOOD = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+GOOD_N = {**GOOD, "model": "n"}  # the native model, by its alias
 
 
 def post(
@@ -44,6 +48,10 @@ def assert_error(response, status: int, code: str) -> None:
         (b"model=a", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
         (b"hello", "text/plain", 415, "unsupported_media_type"),
         (b'{"model": "no-such-model"}', "application/json", 404, "model_not_found"),
+        # The native model's name in a body Envoy must not route alone: extproc answers.
+        (b'{"model": "n"', "application/json", 400, "invalid_json"),
+        (b'{"model": "n"}', "text/plain", 415, "unsupported_media_type"),
+        (b"model=n", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
     ],
 )
 def test_malformed_bodies(gateway: UpProcess, body: bytes, content_type: str, status: int, code: str) -> None:
@@ -54,8 +62,9 @@ def test_empty_body(gateway: UpProcess) -> None:
     assert_error(post(gateway, b"", {"content-type": "application/json"}), 400, "model_required")
 
 
-def test_huge_body_is_refused_by_content_length(gateway: UpProcess) -> None:
-    big = b'{"model": "a", "pad": "' + b"x" * (MAX_BODY + 10) + b'"}'
+@pytest.mark.parametrize("model", ["a", "n"])
+def test_huge_body_is_refused_by_content_length(gateway: UpProcess, model: str) -> None:
+    big = b'{"model": "' + model.encode() + b'", "pad": "' + b"x" * (MAX_BODY + 10) + b'"}'
     assert_error(post(gateway, big, {"content-type": "application/json"}), 413, "body_too_large")
 
 
@@ -122,11 +131,12 @@ def test_bad_model_path(gateway: UpProcess) -> None:
     assert_error(post(gateway, GOOD, path="/model/"), 400, "invalid_path")
 
 
-def test_missing_and_invalid_token(gateway: UpProcess) -> None:
-    no_auth = request("POST", f"{gateway.url}/v1/chat/completions", body=GOOD)
+@pytest.mark.parametrize("good", [GOOD, GOOD_N])
+def test_missing_and_invalid_token(gateway: UpProcess, good: dict[str, object]) -> None:
+    no_auth = request("POST", f"{gateway.url}/v1/chat/completions", body=good)
     assert_error(no_auth, 401, "invalid_api_key")
     wrong = request(
-        "POST", f"{gateway.url}/v1/chat/completions", body=GOOD, headers={"authorization": "Bearer sk-wrong"}
+        "POST", f"{gateway.url}/v1/chat/completions", body=good, headers={"authorization": "Bearer sk-wrong"}
     )
     assert_error(wrong, 401, "invalid_api_key")
     models = request("GET", f"{gateway.url}/v1/models")
@@ -183,25 +193,34 @@ def test_cold_model_in_reject_mode_wakes_and_recovers(gateway: UpProcess) -> Non
 
 
 def test_key_rotation_needs_no_restart(gateway: UpProcess, keys_file: Path) -> None:
-    new_key = "sk-rotated-key-9876543210"
-    keys_file.write_text(f"{KEYS_TEXT}{new_key}\n")
+    """A key added to the file is taken by extproc (decided requests, /v1/models) and by Envoy
+    (the native model's routes) within seconds; removed, it is refused by both again."""
+    new_key = {"authorization": "Bearer sk-rotated-key-9876543210"}
+
+    def statuses() -> set[int]:
+        return {
+            request("GET", f"{gateway.url}/v1/models", headers=new_key).status,
+            post(gateway, GOOD, new_key).status,
+            post(gateway, GOOD_N, new_key).status,
+        }
+
+    keys_file.write_text(f"{KEYS_TEXT}{new_key['authorization'].split()[1]}\n")
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status == 200:
-            break
+    while (seen := statuses()) != {200}:
+        assert time.monotonic() < deadline, f"rotated key not accepted on both paths within 5 s: {seen}"
         time.sleep(0.2)
-    else:
-        pytest.fail("rotated key not accepted within 5 s")
     keys_file.write_text(KEYS_TEXT)
     deadline = time.monotonic() + 5
-    while request("GET", f"{gateway.url}/v1/models", headers={"authorization": f"Bearer {new_key}"}).status != 401:
-        assert time.monotonic() < deadline, "revoked key still accepted after 5 s"
+    while (seen := statuses()) != {401}:
+        assert time.monotonic() < deadline, f"revoked key still accepted after 5 s: {seen}"
         time.sleep(0.2)
 
 
 def test_gateway_still_serves_after_bad_input(gateway: UpProcess) -> None:
-    r = post(gateway, GOOD)
-    assert r.status == 200, (r.text, r.headers)
+    for good in (GOOD, GOOD_N):
+        r = post(gateway, good)
+        assert r.status == 200, (r.text, r.headers)
+        assert r.headers["x-wakegate-upstream"] in set(gateway.endpoints("chat-a" if good is GOOD else NATIVE))
     log = gateway.log()
     for log in ("extproc-0.log", "extproc-1.log"):
         assert "Traceback" not in (gateway.state_dir / "logs" / log).read_text()

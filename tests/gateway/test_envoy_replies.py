@@ -43,13 +43,16 @@ GOOD_HEAD = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + AP
         (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "unsupported_http_version"),
         (b"GET /v1/models HTTP/9.9\r\nhost: x\r\n\r\n", 426, "unsupported_http_version"),
         (GOOD_HEAD + b"connection: upgrade\r\nupgrade: websocket\r\n\r\n", 403, "request_refused"),
+        (b"POST /model/chat-n/v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + API_KEY.encode()
+         + b"\r\nconnection: upgrade\r\nupgrade: websocket\r\ncontent-length: 2\r\n\r\n{}", 403,
+         "request_refused"),  # the native model's route, where Envoy checks keys itself
         (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 501, "not_implemented"),
     ],
     ids=[
         "bad-method", "garbage", "header-name-char", "header-value-char", "path-without-slash", "space-in-path",
         "no-host", "nul-in-model-path", "nul-in-model-path-post", "fragment", "length-and-chunked",
         "length-not-a-number", "bad-chunk", "header-70k", "200-headers", "url-70k", "http-1.0", "http-9.9",
-        "websocket-upgrade", "gzip-transfer-encoding",
+        "websocket-upgrade", "websocket-upgrade-native-route", "gzip-transfer-encoding",
     ],
 )  # fmt: skip
 def test_http1_requests_envoy_refuses_get_shaped_errors(

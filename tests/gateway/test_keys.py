@@ -1,7 +1,9 @@
 """API keys scoped per model, and where /metrics is served, through the real gateway (Envoy + extproc).
 
-The shared gateway's key file (conftest.KEYS_TEXT) holds a gateway-wide key and one scoped to
-chat-a. Two small gateways of their own check `--public-metrics open` and `keys`.
+The shared gateway's key file (conftest.KEYS_TEXT) holds a gateway-wide key, one scoped to
+chat-a (decided) and one scoped to chat-n (native: Envoy checks its keys itself), so every scope
+rule is asserted on both paths. Two small gateways of their own check `--public-metrics open`
+and `keys`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.gateway.conftest import API_KEY, KEYS_TEXT, SCOPED_KEY
+from tests.gateway.conftest import API_KEY, KEYS_TEXT, NATIVE, SCOPED_KEY, SCOPED_N_KEY
 from tests.support.http import Response, get_json, request
 from tests.support.rawhttp import http1
 from tests.support.up import UpProcess, model_doc
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SCOPED = {"authorization": f"Bearer {SCOPED_KEY}"}
+SCOPED_N = {"authorization": f"Bearer {SCOPED_N_KEY}"}
 WIDE = {"authorization": f"Bearer {API_KEY}"}
 CHAT_A_NAMES = {"chat-a", "a", "gpt-a", "org/chat-a", "a-sql"}
+CHAT_N_NAMES = {NATIVE, "n", "gpt-n"}
 
 
 def chat(
@@ -69,24 +73,38 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 5.0) -> No
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("name", sorted(CHAT_A_NAMES - {"a-sql"}))
+#: (key's auth header, its model, a name of that model): the decided and the native scope
+SCOPED_NAMES = [(SCOPED, "chat-a", name) for name in sorted(CHAT_A_NAMES - {"a-sql"})] + [
+    (SCOPED_N, NATIVE, name) for name in sorted(CHAT_N_NAMES)
+]
+
+
+@pytest.mark.parametrize(("auth", "model", "name"), SCOPED_NAMES)
 @pytest.mark.parametrize("way", ["body", "header", "path"])
-def test_scoped_key_reaches_its_model_by_any_name(gateway: UpProcess, way: str, name: str) -> None:
-    response = chat(gateway, SCOPED, **ways_to_name(name)[way])  # type: ignore[arg-type]
+def test_scoped_key_reaches_its_model_by_any_name(
+    gateway: UpProcess, way: str, auth: dict[str, str], model: str, name: str
+) -> None:
+    response = chat(gateway, auth, **ways_to_name(name)[way])  # type: ignore[arg-type]
     assert response.status == 200, response.text
-    assert response.headers["x-wakegate-upstream"] in set(gateway.endpoints("chat-a"))
+    assert response.headers["x-wakegate-upstream"] in set(gateway.endpoints(model))
 
 
-@pytest.mark.parametrize("name", ["chat-b", "b", "chat-p"])  # a model by its name, by its alias, another one
+#: (key's auth header, a name outside its scope): a model by its name, by its alias, another one
+OUTSIDE = [(SCOPED, name) for name in ("chat-b", "b", "chat-p", NATIVE, "n")] + [
+    (SCOPED_N, name) for name in ("chat-a", "a", "chat-b")
+]
+
+
+@pytest.mark.parametrize(("auth", "name"), OUTSIDE)
 @pytest.mark.parametrize("way", ["body", "header", "path"])
-def test_scoped_key_cannot_reach_another_model(gateway: UpProcess, way: str, name: str) -> None:
-    refused = chat(gateway, SCOPED, **ways_to_name(name)[way])  # type: ignore[arg-type]
-    unknown = chat(gateway, SCOPED, **ways_to_name("no-such-model")[way])  # type: ignore[arg-type]
+def test_scoped_key_cannot_reach_another_model(gateway: UpProcess, way: str, auth: dict[str, str], name: str) -> None:
+    refused = chat(gateway, auth, **ways_to_name(name)[way])  # type: ignore[arg-type]
+    unknown = chat(gateway, auth, **ways_to_name("no-such-model")[way])  # type: ignore[arg-type]
     assert refused.status == unknown.status == 404, refused.text
     assert "x-wakegate-upstream" not in refused.headers
     # Indistinguishable from a model that does not exist.
     assert error_of(refused)["code"] == error_of(unknown)["code"] == "model_not_found"
-    assert error_of(refused)["message"].replace(name, "no-such-model") == error_of(unknown)["message"]
+    assert error_of(refused)["message"].replace(f"'{name}'", "'no-such-model'") == error_of(unknown)["message"]
     # The gateway-wide key still reaches it the same way.
     allowed = chat(gateway, WIDE, **ways_to_name(name)[way])  # type: ignore[arg-type]
     assert allowed.status == 200, allowed.text
@@ -110,20 +128,25 @@ def listed(gateway: UpProcess, auth: dict[str, str]) -> set[str]:
 
 def test_models_list_shows_only_the_keys_models(gateway: UpProcess) -> None:
     assert listed(gateway, SCOPED) == CHAT_A_NAMES
-    assert CHAT_A_NAMES | {"chat-b", "b", "chat-p", "chat-z"} <= listed(gateway, WIDE)
+    assert listed(gateway, SCOPED_N) == CHAT_N_NAMES
+    assert CHAT_A_NAMES | CHAT_N_NAMES | {"chat-b", "b", "chat-p", "chat-z"} <= listed(gateway, WIDE)
     assert request("GET", f"{gateway.url}/v1/models/gpt-a", headers=SCOPED).status == 200
     hidden = request("GET", f"{gateway.url}/v1/models/b", headers=SCOPED)
     assert hidden.status == 404 and error_of(hidden)["code"] == "model_not_found"
 
 
-def test_scoped_key_file_rotation_without_restart(gateway: UpProcess, keys_file: Path) -> None:
-    keys_file.write_text(f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a, chat-b\n")
+@pytest.mark.parametrize(("model", "alias"), [("chat-b", "b"), (NATIVE, "n")])  # decided, native
+def test_scoped_key_file_rotation_without_restart(gateway: UpProcess, keys_file: Path, model: str, alias: str) -> None:
+    def answers(status: int) -> bool:
+        return all(chat(gateway, SCOPED, **way).status == status for way in ways_to_name(alias).values())  # type: ignore[arg-type]
+
+    keys_file.write_text(f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a, {model}\n")
     try:
-        wait_until(lambda: chat(gateway, SCOPED, model="b").status == 200, "the widened scope")
-        assert "chat-b" in listed(gateway, SCOPED)
+        wait_until(lambda: answers(200), "the widened scope by body, header and path")
+        assert model in listed(gateway, SCOPED)
     finally:
         keys_file.write_text(KEYS_TEXT)
-    wait_until(lambda: chat(gateway, SCOPED, model="b").status == 404, "the narrowed scope")
+    wait_until(lambda: answers(404), "the narrowed scope by body, header and path")
     assert listed(gateway, SCOPED) == CHAT_A_NAMES
 
 

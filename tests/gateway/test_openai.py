@@ -1,4 +1,6 @@
-"""The official openai client against the real gateway."""
+"""The official openai client against the real gateway, on the decided and the native path
+(`chat-n` is routed by Envoy alone; `test_the_native_models_requests_open_no_ext_proc_stream`
+checks that it really is)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.gateway.conftest import API_KEY
+from tests.gateway.conftest import API_KEY, NATIVE, extproc_streams, routing_path
 from tests.support.http import request
 from tests.support.up import UpProcess
 
@@ -19,7 +21,7 @@ def client(gateway: UpProcess) -> Iterator[openai.OpenAI]:
         yield opened
 
 
-@pytest.mark.parametrize("model", ["chat-a", "a", "gpt-a", "chat-b", "b"])
+@pytest.mark.parametrize("model", ["chat-a", "a", "gpt-a", "chat-b", "b", NATIVE, "n", "gpt-n"])
 def test_chat_completion_non_streaming(client: openai.OpenAI, model: str) -> None:
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=5
@@ -29,7 +31,7 @@ def test_chat_completion_non_streaming(client: openai.OpenAI, model: str) -> Non
     assert reply.usage is not None and reply.usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("model", ["chat-a", "chat-b"])
+@pytest.mark.parametrize("model", ["chat-a", "chat-b", NATIVE, "gpt-n"])
 def test_chat_completion_streaming(client: openai.OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
         model=model,
@@ -68,6 +70,9 @@ def test_models_lists_every_name_and_alias(client: openai.OpenAI) -> None:
         "chat-l",
         "chat-r",
         "chat-cold",
+        NATIVE,
+        "n",
+        "gpt-n",
     } <= ids
 
 
@@ -89,10 +94,11 @@ def test_models_retrieve_of_an_unknown_model_is_not_found(client: openai.OpenAI)
     }
 
 
-def test_completions_and_embeddings(client: openai.OpenAI) -> None:
-    done = client.completions.create(model="a", prompt="once upon", max_tokens=3)
+@pytest.mark.parametrize(("completing", "embedding"), [("a", "chat-b"), ("n", "gpt-n")])
+def test_completions_and_embeddings(client: openai.OpenAI, completing: str, embedding: str) -> None:
+    done = client.completions.create(model=completing, prompt="once upon", max_tokens=3)
     assert done.choices[0].text
-    emb = client.embeddings.create(model="chat-b", input=["one", "two"])
+    emb = client.embeddings.create(model=embedding, input=["one", "two"])
     assert len(emb.data) == 2
 
 
@@ -109,3 +115,42 @@ def test_model_from_header_and_path(gateway: UpProcess) -> None:
     )
     assert by_path.status == 200, by_path.text
     assert by_path.json()["model"] == "chat-b"
+
+
+def test_native_model_from_header_and_path(gateway: UpProcess) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    by_header = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers={**headers, "x-model-id": "n"})
+    assert by_header.status == 200, by_header.text
+    by_path = request("POST", f"{gateway.url}/model/{NATIVE}/v1/chat/completions", body=body, headers=headers)
+    assert by_path.status == 200, by_path.text
+    for reply in (by_header, by_path):
+        assert reply.headers["x-wakegate-upstream"] in set(gateway.endpoints(NATIVE))
+
+
+def test_the_native_models_requests_open_no_ext_proc_stream(gateway: UpProcess) -> None:
+    """What makes the tests above cover both paths: chat-n's requests are routed by Envoy alone
+    by its name in the body and by any of its names in the header or path, while a decided
+    model's each open an ext_proc stream. An alias in the body is decided on purpose: the engine
+    serves only `chat-n`, and only extproc can rewrite the body's `model` (docs/decisions.md)."""
+    assert routing_path(gateway, NATIVE) == "native" and routing_path(gateway, "chat-o") == "decided"
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+    url = f"{gateway.url}/v1/chat/completions"
+
+    def streams_opened(name: str, way: str) -> int:
+        before = extproc_streams(gateway)
+        if way == "body":
+            reply = request("POST", url, body={**chat, "model": name}, headers=auth)
+        elif way == "header":
+            reply = request("POST", url, body=chat, headers={**auth, "x-model-id": name})
+        else:
+            reply = request("POST", f"{gateway.url}/model/{name}/v1/chat/completions", body=chat, headers=auth)
+        assert reply.status == 200, reply.text
+        return extproc_streams(gateway) - before
+
+    for name in (NATIVE, "n", "gpt-n"):
+        assert streams_opened(name, "header") == streams_opened(name, "path") == 0, name
+    assert streams_opened(NATIVE, "body") == 0
+    assert streams_opened("n", "body") == streams_opened("gpt-n", "body") == 1  # the rewrite
+    assert streams_opened("chat-o", "body") == streams_opened("chat-o", "header") == 1

@@ -29,6 +29,8 @@ class UpProcess:
         self.models_file = tmp / "models.yaml"
         self.models_file.write_text(models_yaml)
         self.state_dir = tmp / "state"
+        #: Envoy's admin address (HOST:PORT) where the test passed `--envoy-admin-listen`, else "".
+        self.envoy_admin = ""
         self.log_path = tmp / "up.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
