@@ -141,8 +141,8 @@ class Routing(_Spec):
     path: RoutingPath = Field(
         RoutingPath.DECIDED,
         description="native: while the model is warm and needs nothing only wakegate's extproc can do "
-        "(strategy round-robin, no adapters, no gateway-wide rate limit; on a cluster also no API keys on "
-        "the gateway), Envoy routes "
+        "(strategy round-robin or least-loaded, no adapters, no gateway-wide rate limit; on a cluster also no "
+        "API keys on the gateway), Envoy routes "
         "its requests alone; otherwise, and while it is cold, they take the decided path (extproc). "
         "Status routingPath says which path it is on now.",
     )

@@ -224,8 +224,10 @@ def cluster_name(model_key: str) -> str:
     return "model." + model_key.replace("/", ".")
 
 
-#: Strategies Envoy's own load balancing does exactly as extproc would (docs/decisions.md).
-NATIVE_STRATEGIES = frozenset({"round-robin"})
+#: Strategies Envoy's own load balancing does as extproc would (docs/decisions.md): round robin
+#: exactly; least-loaded by a full scan of this Envoy's active requests per endpoint (what extproc
+#: counts, less the engines' readings of other gateways' traffic).
+NATIVE_STRATEGIES = frozenset({"round-robin", "least-loaded"})
 
 
 def native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
@@ -252,7 +254,7 @@ def static_native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
     if not settings.native_allowed:
         return "the gateway's native path is off (API keys or a global rate limit on the cluster)"
     if model.strategy not in NATIVE_STRATEGIES or model.profile or model.weights:
-        return "scored or sticky picking (native takes strategy round-robin)"
+        return "scored or sticky picking (native takes strategy round-robin or least-loaded)"
     if model.adapters or model.lora_adapters:
         return "LoRA adapters"
     if settings.global_rate_limit:
@@ -1195,10 +1197,15 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
         if model.strategy == "least-loaded"
         else "envoy.load_balancing_policies.round_robin"
     )
-    fallback_type = (
-        "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+    # least-loaded: every endpoint compared (not two sampled), ties split at random, so Envoy's own
+    # pick, which a native least-loaded model gets, is the endpoint with the fewest of its requests.
+    fallback_config: dict[str, Any] = (
+        {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+            "selection_method": "FULL_SCAN",
+        }
         if model.strategy == "least-loaded"
-        else "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+        else {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}
     )
     return _parse(
         cluster_pb2.Cluster(),
@@ -1244,7 +1251,7 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                                         {
                                             "typed_extension_config": {
                                                 "name": fallback,
-                                                "typed_config": {"@type": fallback_type},
+                                                "typed_config": fallback_config,
                                             }
                                         }
                                     ]

@@ -26,6 +26,8 @@ SCOPED_N_KEY = "sk-test-scoped-n-0123456789"
 KEYS_TEXT = f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a\n{SCOPED_N_KEY}  chat-n\n"
 #: The model on the native path, and its decided twin where a test compares the two.
 NATIVE = "chat-n"
+#: chat-l's twin on the native path: least-loaded by Envoy's own least_request.
+NATIVE_LEAST = "chat-nl"
 MAX_BODY = 64 * 1024
 
 FLEET = "".join(
@@ -69,6 +71,13 @@ FLEET = "".join(
             "chat-l",
             extra="""  args: [--tokens-per-second, "50"]
   routing: {strategy: least-loaded}
+  scaling: {min: 3, max: 3}
+""",
+        ),
+        model_doc(
+            NATIVE_LEAST,
+            extra="""  args: [--tokens-per-second, "50"]
+  routing: {strategy: least-loaded, path: native}
   scaling: {min: 3, max: 3}
 """,
         ),
@@ -127,6 +136,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
                 "chat-b": 3,
                 "chat-p": 3,
                 "chat-l": 3,
+                NATIVE_LEAST: 3,
                 "chat-s": 2,
                 "chat-k": 3,
                 "chat-r": 1,
@@ -134,7 +144,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
             timeout=90,
         )
         deadline = time.monotonic() + 15
-        while routing_path(up, NATIVE) != "native":
+        while {routing_path(up, NATIVE), routing_path(up, NATIVE_LEAST)} != {"native"}:
             assert time.monotonic() < deadline, f"{NATIVE} never took the native path\n{up.log()}"
             time.sleep(0.1)
         yield up

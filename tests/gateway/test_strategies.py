@@ -10,7 +10,9 @@ import concurrent.futures
 import threading
 import time
 
-from tests.gateway.conftest import API_KEY
+import pytest
+
+from tests.gateway.conftest import API_KEY, NATIVE_LEAST, extproc_streams, routing_path
 from tests.support.http import request
 from tests.support.up import UpProcess
 
@@ -183,32 +185,41 @@ def test_precise_profile_follows_the_blocks_each_engine_reports(gateway: UpProce
     assert all(seen == {ep} for ep, seen in homes.items()), homes
 
 
-def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess) -> None:
-    endpoints = gateway.endpoints("chat-l")
-    # Two long streams (50 tok/s x 150 tokens = 3 s) occupy two endpoints...
+@pytest.mark.parametrize("model", ["chat-l", NATIVE_LEAST], ids=["decided", "native"])
+def test_least_loaded_avoids_endpoints_busy_with_long_streams(gateway: UpProcess, model: str) -> None:
+    """The same on both paths: extproc's in-flight counts (decided) and Envoy's active requests
+    per endpoint, compared over every endpoint (native)."""
+    endpoints = gateway.endpoints(model)
+    before = extproc_streams(gateway)
+    # Two long streams (50 tok/s x 150 tokens = 3 s), the second sent once the first is under
+    # way, occupy two endpoints...
     started = threading.Barrier(3)
     streams: list[str] = []
 
-    def long_stream() -> None:
-        body = chat("chat-l", "long", stream=True)
+    def long_stream(delay: float) -> None:
+        body = chat(model, "long", stream=True)
         body["max_tokens"] = 150
         started.wait()
+        time.sleep(delay)
         streams.append(served_by(gateway, body))
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(long_stream) for _ in range(2)]
+        futures = [pool.submit(long_stream, delay) for delay in (0.0, 0.3)]
         started.wait()
-        time.sleep(0.5)
+        time.sleep(0.8)
         # ...so short requests made meanwhile all go to the idle third one.
-        short = {served_by(gateway, chat("chat-l", f"short {i}")) for i in range(10)}
+        short = {served_by(gateway, chat(model, f"short {i}")) for i in range(10)}
         for future in futures:
             future.result()
     assert len(set(streams)) == 2, "the two streams should have been spread"
     idle = set(endpoints) - set(streams)
     assert short == idle
-    # Once the streams end, load spreads again.
-    after = {served_by(gateway, chat("chat-l", f"after {i}")) for i in range(12)}
+    # Once the streams end, load spreads again (ties rotate in extproc, split at random in Envoy).
+    after = {served_by(gateway, chat(model, f"after {i}")) for i in range(30)}
     assert after == set(endpoints)
+    if model == NATIVE_LEAST:
+        assert routing_path(gateway, model) == "native"
+        assert extproc_streams(gateway) == before  # Envoy picked every one of them
 
 
 def test_stream_is_not_buffered_first_token_arrives_early(gateway: UpProcess) -> None:

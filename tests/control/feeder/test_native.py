@@ -49,7 +49,6 @@ def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
         ({"path": "decided"}, ON, "routing.path is decided"),
         ({}, r.GatewaySettings(), "the gateway's native path is off (API keys or a global rate limit on the cluster)"),
         ({"strategy": "default", "profile": "balanced"}, ON, "scored or sticky picking"),
-        ({"strategy": "least-loaded"}, ON, "scored or sticky picking"),
         ({"strategy": "session-affinity"}, ON, "scored or sticky picking"),
         ({"lora_adapters": ("sql",)}, ON, "LoRA adapters"),
         ({"requests_per_second": 5.0}, replace(ON, global_rate_limit=True), "a gateway-wide rate limit"),
@@ -65,6 +64,26 @@ def test_what_keeps_a_model_on_the_decided_path(
     built = r.build([model, DECIDED], settings)
     assert native_routes(built) == []
     assert r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME]) == frozenset()
+
+
+def test_a_least_loaded_model_goes_native_with_envoys_full_scan_least_request() -> None:
+    """Envoy's own pick for a native least-loaded model compares every endpoint's active requests
+    (not two sampled ones), as extproc compares its in-flight counts."""
+    model = replace(NATIVE, strategy="least-loaded", endpoints=(EP, ("127.0.0.1", 9101), ("127.0.0.1", 9102)))
+    assert r.native_blocker(model, ON) == ""
+    built = r.build([model, DECIDED], ON)
+    assert {x["route"]["cluster"] for x in native_routes(built)} == {model.cluster}
+    cluster = json_format.MessageToDict(built.by_type[r.CLUSTER][model.cluster], preserving_proto_field_name=True)
+    (policy,) = cluster["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
+    assert fallback["typed_extension_config"]["typed_config"]["selection_method"] == "FULL_SCAN"
+    # A round-robin model keeps round robin.
+    rr = json_format.MessageToDict(built.by_type[r.CLUSTER][DECIDED.cluster], preserving_proto_field_name=True)
+    (rr_policy,) = rr["load_balancing_policy"]["policies"]
+    (rr_fallback,) = rr_policy["typed_extension_config"]["typed_config"]["fallback_policy"]["policies"]
+    assert rr_fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
 
 
 def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native() -> None:

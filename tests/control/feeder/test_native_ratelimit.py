@@ -172,7 +172,7 @@ def test_cold_every_name_every_way_draws_from_the_bucket_and_tells_extproc() -> 
     [
         (replace(LIMITED, path="decided"), ON),
         (LIMITED, r.GatewaySettings()),
-        (replace(LIMITED, strategy="least-loaded"), ON),
+        (replace(LIMITED, strategy="prefix"), ON),
         (LIMITED, replace(ON, global_rate_limit=True)),
         (replace(LIMITED, requests_per_second=0.0), ON),
     ],

@@ -46,7 +46,8 @@ def pod(
         (model(), [pod()], True, True, ("native", None)),
         (model(), [pod()], True, False, ("decided", OFF)),
         (model({"strategy": "round-robin"}), [pod()], True, True, ("decided", "routing.path is decided")),
-        (model({**NATIVE, "strategy": "least-loaded"}), [pod()], True, True, ("decided", "scored or sticky picking")),
+        (model({**NATIVE, "strategy": "prefix"}), [pod()], True, True, ("decided", "scored or sticky picking")),
+        (model({**NATIVE, "strategy": "least-loaded"}), [pod()], True, True, ("native", None)),
         (model(loraAdapters=["tone"]), [pod()], True, True, ("decided", "LoRA adapters")),
         # A per-model limit keeps no model decided: Envoy keeps its bucket (docs/decisions.md).
         (model(limits={"requestsPerSecond": 5}), [pod()], True, True, ("native", None)),
