@@ -478,6 +478,7 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
 
 API_KEY_AUTH = "envoy.filters.http.api_key_auth"
 
+
 def _details(details: str) -> dict[str, Any]:
     """Matches a reply whose response code details (Envoy's fixed token for why) are `details`."""
     return {
@@ -1191,6 +1192,23 @@ def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
     }
 
 
+_ROUND_ROBIN_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+
+
+def envoy_always_picks(model: RoutedModel) -> bool:
+    """Whether extproc never names an endpoint for `model`: round robin with no scoring and no
+    adapters, so every pick is Envoy's own. Its cluster then has no override_host wrapper
+    (a header and a metadata lookup on every request, native or decided, for nothing)."""
+    return (
+        model.strategy == "round-robin"
+        and not model.profile
+        and not model.weights
+        and not model.adapters
+        and not model.lora_adapters
+        and not model.adapters_on_demand
+    )
+
+
 def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.Cluster:
     fallback = (
         "envoy.load_balancing_policies.least_request"
@@ -1205,7 +1223,7 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
             "selection_method": "FULL_SCAN",
         }
         if model.strategy == "least-loaded"
-        else {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}
+        else {"@type": _ROUND_ROBIN_TYPE}
     )
     return _parse(
         cluster_pb2.Cluster(),
@@ -1229,7 +1247,9 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                     }
                 ]
             },
-            "load_balancing_policy": {
+            "load_balancing_policy": _round_robin_only()
+            if envoy_always_picks(model)
+            else {
                 "policies": [
                     {
                         "typed_extension_config": {
@@ -1272,6 +1292,20 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
             **(_transport_socket_matches(model.endpoint_tls) if model.endpoint_tls else {}),
         },
     )
+
+
+def _round_robin_only() -> dict[str, Any]:
+    """Envoy's round robin alone (`envoy_always_picks`)."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": _ROUND_ROBIN_TYPE},
+                }
+            }
+        ]
+    }
 
 
 #: Endpoint metadata key the TLS transport socket matches on (`endpoint_tls`).

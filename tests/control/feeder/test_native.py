@@ -86,6 +86,40 @@ def test_a_least_loaded_model_goes_native_with_envoys_full_scan_least_request() 
     assert rr_fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
 
 
+def lb_policies(built: r.Resources, cluster: str) -> list[str]:
+    """The names of a cluster's load-balancing policies, outermost first."""
+    config = json_format.MessageToDict(built.by_type[r.CLUSTER][cluster], preserving_proto_field_name=True)
+    names = []
+    policies = config["load_balancing_policy"]["policies"]
+    while policies:
+        (policy,) = policies
+        names.append(policy["typed_extension_config"]["name"])
+        policies = policy["typed_extension_config"]["typed_config"].get("fallback_policy", {}).get("policies")
+    return names
+
+
+@pytest.mark.parametrize("path", ["native", "decided"])
+def test_a_model_extproc_never_picks_for_has_no_override_host(path: str) -> None:
+    """Round robin without scoring or adapters: extproc names no endpoint on either path, so its
+    cluster is Envoy's round robin alone, the same whether it is native or decided now."""
+    model = replace(NATIVE, path=path)
+    assert r.envoy_always_picks(model)
+    built = r.build([model, DECIDED], ON)
+    assert lb_policies(built, model.cluster) == ["envoy.load_balancing_policies.round_robin"]
+    cold = r.build([replace(model, endpoints=())], ON)
+    assert lb_policies(cold, model.cluster) == lb_policies(built, model.cluster)  # no cluster change on the switch
+    # Everything extproc may pick an endpoint for keeps the override.
+    for picked in (
+        DECIDED,
+        replace(model, strategy="least-loaded"),
+        replace(model, profile="balanced"),
+        replace(model, lora_adapters=("sql",)),
+        replace(model, adapters_on_demand=True),
+    ):
+        assert not r.envoy_always_picks(picked)
+        assert lb_policies(r.build([picked], ON), picked.cluster)[0] == "envoy.load_balancing_policies.override_host"
+
+
 def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native() -> None:
     from wakegate.control.schema import parse_models
 
