@@ -396,10 +396,15 @@ spec:
 
 
 class Stacks:
-    def __init__(self, tmp: Path, envoy_concurrency: int, native_limit: float = 0.0) -> None:
+    def __init__(self, tmp: Path, envoy_concurrency: int, native_limit: float = 0.0, same_sim: bool = False) -> None:
         self.tmp = tmp
         self.concurrency = envoy_concurrency
         self.native_limit = native_limit
+        #: The direct and plain-Envoy paths go to bench-native's own replica (the process behind the
+        #: native path) instead of a sim of their own, so those three paths share one backend.
+        self.same_sim = same_sim
+        #: The model the direct and plain-Envoy paths name (the one their sim serves).
+        self.plain_model = NATIVE if same_sim else MODEL
         self.procs: list[Proc] = []
         self.cpu_pids: dict[str, int] = {}
 
@@ -408,17 +413,8 @@ class Stacks:
         self.procs.append(p)
         return p
 
-    def start(self) -> None:
-        py = sys.executable
-        # 1. the sim for the direct and plain-Envoy paths
-        self.sim_port = free_port()
-        sim = self._spawn(
-            "sim",
-            [py, "-m", "wakegate", "sim", "--host", "127.0.0.1", "--port", str(self.sim_port),
-             "--served-model-name", MODEL],
-        )  # fmt: skip
-        self.direct_url = f"http://127.0.0.1:{self.sim_port}"
-        # 2. plain Envoy
+    def _start_plain_envoy(self) -> tuple[Proc, int]:
+        """Plain Envoy in front of `sim_port`; returns it and its admin port."""
         self.envoy_port, envoy_admin = free_port(), free_port()
         config = self.tmp / "plain-envoy.yaml"
         config.write_text(
@@ -432,6 +428,22 @@ class Stacks:
              "--use-dynamic-base-id", "--log-level", "warn"],
         )  # fmt: skip
         self.envoy_url = f"http://127.0.0.1:{self.envoy_port}"
+        return envoy, envoy_admin
+
+    def start(self) -> None:
+        py = sys.executable
+        sim: Proc | None = None
+        if not self.same_sim:
+            # 1. the sim for the direct and plain-Envoy paths
+            self.sim_port = free_port()
+            sim = self._spawn(
+                "sim",
+                [py, "-m", "wakegate", "sim", "--host", "127.0.0.1", "--port", str(self.sim_port),
+                 "--served-model-name", MODEL],
+            )  # fmt: skip
+            self.direct_url = f"http://127.0.0.1:{self.sim_port}"
+            # 2. plain Envoy
+            envoy, envoy_admin = self._start_plain_envoy()
         # 3. wakegate up
         models = self.tmp / "models.yaml"
         models.write_text(models_yaml(self.native_limit))
@@ -444,9 +456,6 @@ class Stacks:
         )  # fmt: skip
         self.up = up
         self.wg_url = f"http://127.0.0.1:{self.wg_port}"
-
-        wait_until(lambda: http(self.direct_url + "/health")[0] == 200, "sim /health", 30, [sim])
-        wait_until(lambda: http(f"http://127.0.0.1:{envoy_admin}/ready")[0] == 200, "plain Envoy /ready", 30, [envoy])
 
         def wg_ready() -> bool:
             status = json.loads(http(f"http://127.0.0.1:{self.wg_admin}/status")[1])
@@ -461,9 +470,19 @@ class Stacks:
             )
 
         wait_until(wg_ready, "wakegate up: model ready and 'serving on'", 90, [up])
+        if self.same_sim:
+            (native,) = [m for m in self.wg_status["models"] if m["key"] == NATIVE]
+            (self.sim_port,) = [r["port"] for r in native["replicas"] if r["state"] == "ready"]
+            self.direct_url = f"http://127.0.0.1:{self.sim_port}"
+            envoy, envoy_admin = self._start_plain_envoy()
+        wait_until(lambda: http(self.direct_url + "/health")[0] == 200, "sim /health", 30, [sim or up])
+        wait_until(lambda: http(f"http://127.0.0.1:{envoy_admin}/ready")[0] == 200, "plain Envoy /ready", 30, [envoy])
 
-        # CPU accounting: our direct children and wakegate's children (Envoy, extproc, sim replica)
-        self.cpu_pids = {"sim(direct)": sim.pid, "plain-envoy": envoy.pid, "wg-up": up.pid}
+        # CPU accounting: our direct children and wakegate's children (Envoy, extproc, sim replica);
+        # with same_sim the direct path's sim is wg-sim-native, counted once under that name.
+        self.cpu_pids = {"plain-envoy": envoy.pid, "wg-up": up.pid}
+        if sim is not None:
+            self.cpu_pids["sim(direct)"] = sim.pid
         for pid in children_of(up.pid):
             cmd = cmdline(pid)
             if "envoy" in cmd.split(" ", 1)[0]:
@@ -485,8 +504,8 @@ class Stacks:
     def check_responses(self) -> None:
         """One request per path before measuring: 200 and a chat completion for bench-model."""
         checks = {
-            "direct": (self.direct_url, {}, MODEL),
-            "plain-envoy": (self.envoy_url, {}, MODEL),
+            "direct": (self.direct_url, {}, self.plain_model),
+            "plain-envoy": (self.envoy_url, {}, self.plain_model),
             **{
                 name: (self.wg_url, {"X-Model-ID": model} if by_header else {}, model)
                 for name, model, by_header in WAKEGATE_PATHS
@@ -592,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (logs, configs)")
     ap.add_argument(
+        "--same-sim",
+        action="store_true",
+        help="send the direct and plain-Envoy paths to bench-native's own replica (the process behind the"
+        " native path) instead of a sim of their own, so only the gateway differs between those paths",
+    )
+    ap.add_argument(
         "--native-limit",
         type=float,
         default=0.0,
@@ -611,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
 
     tmp = Path(tempfile.mkdtemp(prefix="wakegate-bench-"))
-    stacks = Stacks(tmp, args.envoy_concurrency, args.native_limit)
+    stacks = Stacks(tmp, args.envoy_concurrency, args.native_limit, args.same_sim)
     failed = True
     load_before = loadavg()
     code = git_state()
@@ -622,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting sim, plain Envoy and wakegate up in {tmp} ...", flush=True)
         stacks.start()
         stacks.check_responses()
-        post = lua_script(tmp, "post.lua", {})
+        post = lua_script(tmp, "post.lua", {}, chat_body(stacks.plain_model))
         url = "/v1/chat/completions"
         paths = [
             ("direct", stacks.direct_url + url, post),
@@ -701,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         f"wakegate gateway benchmark: {platform.node()} {os.cpu_count()} cpus, envoy concurrency "
         f"{args.envoy_concurrency}, wrk -t1, {args.duration:g}s per run, repeat {args.repeat}"
         + (" (medians)" if args.repeat > 1 else "")
+        + (", direct and plain Envoy on bench-native's replica (--same-sim)" if args.same_sim else "")
     )
     print(f"code: git HEAD {code['head']}, uncommitted gateway changes: {code['worktree_changes']}")
     print(f"load average before {load_before}, after {load_after} (1/5/15 min)")
@@ -752,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration,
             "connections": args.connections,
             "repeat": args.repeat,
+            "same_sim": args.same_sim,
             "code": code,
             "load_before": load_before,
             "load_after": load_after,
