@@ -126,6 +126,12 @@ class Sent:
     text: str
 
 
+def taken_by_east(sent: Sent) -> bool:
+    """A failure of a request east's gateway had taken: its connection ended after the request
+    went out, or east's Envoy answered its own retriable 503 with its extproc already gone."""
+    return "connection termination" in sent.text or (sent.status == 503 and '"gateway_unavailable"' in sent.text)
+
+
 def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_it(warm_fleet: Fleet) -> None:
     fleet = warm_fleet
     glob = fleet.glob
@@ -178,10 +184,12 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     assert not failed_after, failed_after[:3]  # none of them had reached east: all answered by west
     assert {s.member for s in after} == {"west"}
     # Only requests east had already taken may fail (at most one per client thread), never replayed:
-    # each says its connection to the member ended after the request went out.
+    # each says its connection to the member ended after the request went out, or is east's own
+    # retriable 503 (the kill reached east's extproc a moment before its Envoy, which then answered
+    # for a request it could not route: it never reached a model server either).
     failed_before = [s for s in before if s.status != 200]
     assert len(failed_before) <= 4, failed_before
-    assert all(s.member == "east" and "connection termination" in s.text for s in failed_before), failed_before
+    assert all(s.member == "east" and taken_by_east(s) for s in failed_before), failed_before
     assert reroute and reroute[0] <= 2 * INTERVAL + 0.5, reroute
     status = glob.status()
     assert status["members"]["east"]["reachable"] == "False"
