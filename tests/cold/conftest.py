@@ -10,57 +10,62 @@ import pytest
 from tests.support.up import UpProcess, model_doc
 
 
-def fleet(faults: Path) -> str:
-    return "".join(
-        [
-            model_doc(
-                "cold-a",
-                extra="""  args: [--startup-seconds, "2"]
+#: Each model's spec; the tests parametrized over both paths take the model and its twin on the
+#: native path once warm (`<name>n`, strategy round-robin, `native_twin`): while cold both are
+#: decided (held, woken, refused by extproc), and nothing of that may change because the warm
+#: model will be routed by Envoy alone.
+def specs(faults: Path) -> dict[str, str]:
+    return {
+        "cold-a": """  args: [--startup-seconds, "2"]
   scaling: {min: 0, max: 1, idleTimeout: 3}
 """,
-            ),
-            # cold-a's twin on the native path once warm (tests parametrized over both).
-            model_doc(
-                "cold-an",
-                extra="""  args: [--startup-seconds, "2"]
-  routing: {strategy: round-robin, path: native}
-  scaling: {min: 0, max: 1, idleTimeout: 3}
-""",
-            ),
-            model_doc(
-                "cold-q",
-                extra="""  args: [--startup-seconds, "3"]
+        "cold-q": """  args: [--startup-seconds, "3"]
   scaling: {min: 0, max: 1, idleTimeout: 120}
   endpoint: {maxQueue: 100}
 """,
-            ),
-            model_doc(
-                "cold-k",
-                extra="""  args: [--startup-seconds, "2", --tokens-per-second, "50"]
+        "cold-k": """  args: [--startup-seconds, "2", --tokens-per-second, "50"]
   scaling: {min: 0, max: 1, idleTimeout: 120}
   endpoint: {coldMode: keepalive}
 """,
-            ),
-            model_doc(
-                "cold-d",
-                extra="""  args: [--startup-seconds, "4"]
+        "cold-d": """  args: [--startup-seconds, "4"]
   scaling: {min: 0, max: 1, idleTimeout: 120}
 """,
-            ),
-            model_doc(
-                "cold-crash",
-                extra=f"""  args: [--startup-seconds, "1", --fault-file, "{faults / "crash"}"]
+        "cold-crash": f"""  args: [--startup-seconds, "1", --fault-file, "{faults / "crash"}"]
   scaling: {{min: 0, max: 1, idleTimeout: 120, activationTimeout: 20}}
 """,
-            ),
-            model_doc(
-                "cold-hang",
-                extra=f"""  args: [--fault-file, "{faults / "hang"}"]
+        "cold-hang": f"""  args: [--fault-file, "{faults / "hang"}"]
   scaling: {{min: 0, max: 1, idleTimeout: 120, activationTimeout: 3}}
 """,
-            ),
-        ]
-    )
+    }
+
+
+def native_twin(name: str) -> str:
+    """The name of `name`'s twin on the native path."""
+    return f"{name}n"
+
+
+def warm_path(model: str) -> str:
+    """The path `model` takes once warm: native for a twin, else decided (they name no routing)."""
+    return "native" if any(model == native_twin(name) for name in specs(Path("."))) else "decided"
+
+
+def both_paths(*names: str) -> pytest.MarkDecorator:
+    """Parametrize a test's `model` over each name and its native twin."""
+    values = [
+        p
+        for name in names
+        for p in (pytest.param(name, id=f"{name}-decided"), pytest.param(native_twin(name), id=f"{name}-native"))
+    ]
+    return pytest.mark.parametrize("model", values)
+
+
+def fleet(faults: Path) -> str:
+    docs = [model_doc(name, extra=extra) for name, extra in specs(faults).items()]
+    twins = [
+        model_doc(native_twin(name), extra=extra + "  routing: {strategy: round-robin, path: native}\n")
+        for name, extra in specs(faults).items()
+    ]
+    return "".join([*docs, *twins])
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import openai
-import pytest
 
+from tests.cold.conftest import both_paths, warm_path
 from tests.support.http import request
 from tests.support.up import UpProcess, pids_alive
 
@@ -39,7 +39,7 @@ def chat_body(model: str, **extra: object) -> dict[str, object]:
     return {"model": model, "messages": [{"role": "user", "content": "wake up"}], "max_tokens": 4, **extra}
 
 
-@pytest.mark.parametrize("model", ["cold-a", "cold-an"], ids=["decided", "native"])
+@both_paths("cold-a")
 def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpProcess, model: str) -> None:
     up = cold_gateway
     client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=60)
@@ -49,7 +49,7 @@ def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpPr
     assert reply.choices[0].message.content
     assert time.monotonic() - started >= 1.5, "answered before the 2 s load could finish"
     (replica,) = replicas(up, model)
-    wait_for(lambda: path_of(up, model) == ("native" if model == "cold-an" else "decided"), 5, "the warm path")
+    wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
     pid = int(replica["pid"])  # type: ignore[call-overload]
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
@@ -66,14 +66,17 @@ def test_cold_request_wakes_model_and_model_sleeps_after_idle(cold_gateway: UpPr
     assert len(replicas(up, model)) == 1
 
 
-async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(cold_gateway: UpProcess) -> None:
+@both_paths("cold-q")
+async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(
+    cold_gateway: UpProcess, model: str
+) -> None:
     up = cold_gateway
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
     ) as session:
 
         async def one(i: int) -> tuple[int, dict[str, object]]:
-            async with session.post(f"{up.base_url}/chat/completions", json=chat_body("cold-q")) as response:
+            async with session.post(f"{up.base_url}/chat/completions", json=chat_body(model)) as response:
                 return response.status, await response.json(content_type=None)
 
         results = await asyncio.gather(*(one(i) for i in range(200)))
@@ -82,17 +85,17 @@ async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(co
     for status, body in results:
         if status == 429:
             assert body["error"]["code"] == "queue_full"  # type: ignore[index]
-    assert up.log().count("process started name=cold-q-") == 1
+    assert up.log().count(f"process started name={model}-") == 1
+    wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
 
 
-async def test_keepalive_streams_heartbeats_then_tokens(cold_gateway: UpProcess) -> None:
+@both_paths("cold-k")
+async def test_keepalive_streams_heartbeats_then_tokens(cold_gateway: UpProcess, model: str) -> None:
     up = cold_gateway
     lines: list[str] = []
     async with (
         aiohttp.ClientSession() as session,
-        session.post(
-            f"{up.base_url}/chat/completions", json=chat_body("cold-k", stream=True, max_tokens=6)
-        ) as response,
+        session.post(f"{up.base_url}/chat/completions", json=chat_body(model, stream=True, max_tokens=6)) as response,
     ):
         assert response.status == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -107,34 +110,39 @@ async def test_keepalive_streams_heartbeats_then_tokens(cold_gateway: UpProcess)
     tokens = [json.loads(lines[i][6:]) for i in data if lines[i] != "data: [DONE]"]
     assert sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content")) == 6
     assert lines[-1] == "data: [DONE]"
+    wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
 
 
-def test_crash_during_load_fails_held_requests_then_recovers(cold_gateway: UpProcess, faults: Path) -> None:
+@both_paths("cold-crash")
+def test_crash_during_load_fails_held_requests_then_recovers(cold_gateway: UpProcess, faults: Path, model: str) -> None:
     up = cold_gateway
     (faults / "crash").write_text("crash")
     started = time.monotonic()
-    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-crash"), timeout=30)
+    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body(model), timeout=30)
     assert failed.status == 503, failed.text
     assert failed.json()["error"]["code"] == "activation_failed"
     assert "exited with code 3 while loading" in failed.json()["error"]["message"]
     assert time.monotonic() - started < 10, "a crashed load must fail its requests at once, not at the timeout"
     time.sleep(1)
-    assert replicas(up, "cold-crash") == [], "no retry loop after a failed load"
+    assert replicas(up, model) == [], "no retry loop after a failed load"
     (faults / "crash").unlink()
-    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-crash"), timeout=30)
+    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body(model), timeout=30)
     assert ok.status == 200, ok.text
+    wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
 
 
-def test_never_healthy_backend_times_out_then_recovers(cold_gateway: UpProcess, faults: Path) -> None:
+@both_paths("cold-hang")
+def test_never_healthy_backend_times_out_then_recovers(cold_gateway: UpProcess, faults: Path, model: str) -> None:
     up = cold_gateway
     (faults / "hang").write_text("hang")
-    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-hang"), timeout=30)
+    failed = request("POST", f"{up.base_url}/chat/completions", body=chat_body(model), timeout=30)
     assert failed.status == 503, failed.text
     assert failed.json()["error"]["code"] in ("activation_timeout", "activation_failed")
-    wait_for(lambda: replicas(up, "cold-hang") == [], 15, "the hung load to be stopped")
+    wait_for(lambda: replicas(up, model) == [], 15, "the hung load to be stopped")
     (faults / "hang").unlink()
-    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body("cold-hang"), timeout=30)
+    ok = request("POST", f"{up.base_url}/chat/completions", body=chat_body(model), timeout=30)
     assert ok.status == 200, ok.text
+    wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
 
 
 def test_cold_start_stages_are_measured(cold_gateway: UpProcess) -> None:
@@ -151,22 +159,24 @@ def model_status(up: UpProcess, key: str) -> dict[str, object]:
     return next(m for m in up.status()["models"] if m["key"] == key)
 
 
-def test_client_disconnect_frees_its_queue_slot(cold_gateway: UpProcess) -> None:
+@both_paths("cold-d")
+def test_client_disconnect_frees_its_queue_slot(cold_gateway: UpProcess, model: str) -> None:
     """A client that gives up while held leaves the queue at once; the activation goes on."""
     import socket
 
-    body = json.dumps(chat_body("cold-d")).encode()
+    body = json.dumps(chat_body(model)).encode()
     sock = socket.create_connection(("127.0.0.1", cold_gateway.port))
     try:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        wait_for(lambda: model_status(cold_gateway, "cold-d")["queued"] == 1, 5, "the request to be held")
+        wait_for(lambda: model_status(cold_gateway, model)["queued"] == 1, 5, "the request to be held")
     finally:
         sock.close()
     gone = time.monotonic()
-    wait_for(lambda: model_status(cold_gateway, "cold-d")["queued"] == 0, 5, "the slot to be freed")
+    wait_for(lambda: model_status(cold_gateway, model)["queued"] == 0, 5, "the slot to be freed")
     assert time.monotonic() - gone < 1.0
     # The lease outlives the client: the model still comes up.
-    wait_for(lambda: model_status(cold_gateway, "cold-d")["ready"] == 1, 20, "cold-d to finish loading")
+    wait_for(lambda: model_status(cold_gateway, model)["ready"] == 1, 20, f"{model} to finish loading")
+    wait_for(lambda: path_of(cold_gateway, model) == warm_path(model), 5, "the warm path")
