@@ -14,8 +14,11 @@ Both come from sources the package registries serve, and nothing else is fetched
 
 Each engine's stamp (e2e/.bin/NAME-stamp.json) holds its pin, a hash of its recipe (the
 flags it is built with) and the toolchain's version; the engine is rebuilt only when one
-of them changes. With the toolchain missing, a binary already built for the same pin and
-recipe is reused; otherwise `ToolchainMissing` says what to install.
+of them changes. A build is also kept in `~/.cache/wakegate/engines` (`WAKEGATE_ENGINE_CACHE`
+or `$XDG_CACHE_HOME` move it), keyed by that stamp, so another checkout of the same pins (a CI
+clone) copies it instead of building again; a newer build replaces the engine's older entries.
+With the toolchain missing, a binary already built for the same pin and recipe is reused;
+otherwise `ToolchainMissing` says what to install.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ from e2e.build import BuildError, ensure_cli, stamp_matches
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE / ".bin"
 WORK_DIR = HERE / ".build" / "engines"
+
+
+def _cache_dir() -> Path:
+    """Where built engines are kept across checkouts: `WAKEGATE_ENGINE_CACHE`, else
+    `$XDG_CACHE_HOME/wakegate/engines` (`~/.cache/wakegate/engines`)."""
+    configured = os.environ.get("WAKEGATE_ENGINE_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "wakegate" / "engines"
 
 #: the PyPI sdist whose `vendor/llama.cpp` both engines take sources from
 SDIST_NAME = "llama-cpp-python"
@@ -310,6 +323,11 @@ class Engine:
     def is_current(self) -> bool:
         return self.path.exists() and stamp_matches(self.stamp, self.wanted_stamp())
 
+    def cached(self, stamp: Mapping[str, str | None]) -> Path:
+        """Where a build for exactly `stamp` (pin, recipe and toolchain) is kept across checkouts."""
+        key = hashlib.sha256(json.dumps(dict(stamp), sort_keys=True).encode()).hexdigest()[:16]
+        return _cache_dir() / f"{self.name}-{key}" / self.name
+
 
 _SDIST_PIN = f"{SDIST_NAME}=={SDIST_VERSION} sha256:{SDIST_SHA256}"
 
@@ -344,22 +362,51 @@ def ensure(name: str, force: bool = False, log: Log = _log) -> Path:
     except KeyError:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
     if not force and engine.is_current():
+        stamp = engine.wanted_stamp()
+        if stamp["go"] is not None and not engine.cached(stamp).is_file():
+            _keep(engine, engine.cached(stamp), log)  # built before the cache existed, or elsewhere
         return engine.path
     missing = [tool for tool in engine.tools if shutil.which(tool) is None]
     if missing:
         raise ToolchainMissing(f"{name} is not built and building it needs {', '.join(missing)} on PATH")
-    started = time.monotonic()
-    log(f"building {name} from {engine.pin} (the first build takes minutes)")
+    stamp = engine.wanted_stamp()
+    cached = engine.cached(stamp)
     BIN_DIR.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=BIN_DIR))
     try:
+        if not force and cached.is_file():
+            # Built before for the same pin, recipe and toolchain (another checkout, a CI clone).
+            shutil.copy2(cached, staging / name)
+            os.replace(staging / name, engine.path)
+            engine.stamp.write_text(json.dumps(stamp, indent=2) + "\n")
+            log(f"{name}: the build for this pin, recipe and toolchain from {cached.parent} -> {engine.path}")
+            return engine.path
+        started = time.monotonic()
+        log(f"building {name} from {engine.pin} (the first build takes minutes)")
         engine.build(staging / name, log)
         os.replace(staging / name, engine.path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    engine.stamp.write_text(json.dumps(engine.wanted_stamp(), indent=2) + "\n")
+    engine.stamp.write_text(json.dumps(stamp, indent=2) + "\n")
     log(f"{name} built in {time.monotonic() - started:.0f}s -> {engine.path}")
+    _keep(engine, cached, log)
     return engine.path
+
+
+def _keep(engine: Engine, cached: Path, log: Log) -> None:
+    """Keep a fresh build in the cache for other checkouts, replacing that engine's older ones.
+    A cache that cannot be written costs the next checkout a build, nothing else."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f".{engine.name}.partial")
+        shutil.copy2(engine.path, partial)
+        os.replace(partial, cached)
+        for other in cached.parent.parent.glob(f"{engine.name}-*"):
+            if other != cached.parent:
+                shutil.rmtree(other, ignore_errors=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        log(f"{engine.name}: not kept in {cached.parent.parent} ({reason}); the next checkout builds it again")
 
 
 def ensure_engines(force: bool = False, log: Log = _log) -> dict[str, Path]:

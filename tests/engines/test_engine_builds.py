@@ -7,6 +7,7 @@ decision and the command line, not the compilers.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -18,10 +19,18 @@ import pytest
 from e2e import engines
 
 
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of the test's own: the fake builds below must never reach the real one."""
+    monkeypatch.setenv("WAKEGATE_ENGINE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 @pytest.fixture
 def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(engines, "BIN_DIR", tmp_path)
-    return tmp_path
+    monkeypatch.setattr(engines, "BIN_DIR", tmp_path / "bin")
+    (tmp_path / "bin").mkdir()
+    return tmp_path / "bin"
 
 
 def fake_build(engine: engines.Engine, calls: list[Path]) -> engines.Engine:
@@ -49,6 +58,56 @@ def test_a_built_engine_is_reused_until_its_recipe_changes(bin_dir: Path, monkey
     assert len(calls) == 2
     engines.ensure("llama-server", force=True, log=lambda _msg: None)
     assert len(calls) == 3
+
+
+def test_another_checkout_copies_the_cached_build_instead_of_building(
+    bin_dir: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    engine = fake_build(engines.ENGINES["llama-server"], calls)
+    monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
+    if engine.wanted_stamp()["go"] is None:
+        pytest.skip("cmake or a C/C++ compiler is missing here")
+    engines.ensure("llama-server", log=lambda _msg: None)
+    assert len(calls) == 1
+    (entry,) = cache_dir.iterdir()
+    assert (entry / "llama-server").read_text() == "#!/bin/sh\n"
+    # A current build that the cache lost (or that predates it) is kept again on the next check.
+    shutil.rmtree(entry)
+    engines.ensure("llama-server", log=lambda _msg: None)
+    assert len(calls) == 1 and (entry / "llama-server").is_file()
+    # A fresh clone: an empty e2e/.bin, the same cache.
+    clone = bin_dir.parent / "clone-bin"
+    monkeypatch.setattr(engines, "BIN_DIR", clone)
+    said: list[str] = []
+    path = engines.ensure("llama-server", log=said.append)
+    assert len(calls) == 1, "copied, not built"
+    assert path == clone / "llama-server" and path.read_text() == "#!/bin/sh\n"
+    assert json.loads((clone / "llama-server-stamp.json").read_text()) == engine.wanted_stamp()
+    assert any(str(entry) in line for line in said), said
+    # --force builds anyway; a new recipe builds and replaces the old entry.
+    engines.ensure("llama-server", force=True, log=lambda _msg: None)
+    assert len(calls) == 2
+    changed = replace(engine, recipe={**engine.recipe, "cmake": (*engine.recipe["cmake"], "-DEXTRA=ON")})  # type: ignore[misc]
+    monkeypatch.setitem(engines.ENGINES, "llama-server", changed)
+    engines.ensure("llama-server", log=lambda _msg: None)
+    assert len(calls) == 3
+    (newer,) = cache_dir.iterdir()
+    assert newer != entry
+
+
+def test_an_unwritable_cache_only_costs_a_build(bin_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    engine = fake_build(engines.ENGINES["llama-server"], calls)
+    monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
+    if engine.wanted_stamp()["go"] is None:
+        pytest.skip("cmake or a C/C++ compiler is missing here")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("WAKEGATE_ENGINE_CACHE", str(blocker / "cache"))
+    said: list[str] = []
+    assert engines.ensure("llama-server", log=said.append) == bin_dir / "llama-server"
+    assert any("not kept in" in line for line in said), said
 
 
 def test_without_a_toolchain_a_binary_built_for_the_pin_is_still_used(
