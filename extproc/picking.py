@@ -274,7 +274,7 @@ class InFlight:
 
     def _note(self, endpoint: str, before: int, after: int) -> None:
         """The count on ``endpoint`` went from ``before`` to ``after`` now: keep the epoch peaks."""
-        epoch = int(self._clock() / REPORT_LAG)
+        epoch = self.epoch()
         peak = self._peaks.get(endpoint)
         if peak is None:
             if len(self._peaks) >= _MAX_RINGS:
@@ -290,27 +290,32 @@ class InFlight:
             peak[0] = epoch
             peak[1] = max(before, after)
 
-    def recent_peak(self, endpoint: str) -> int:
+    def epoch(self) -> int:
+        """The current :data:`REPORT_LAG`-long epoch (read once per pick by :meth:`least_loaded`)."""
+        return int(self._clock() / REPORT_LAG)
+
+    def recent_peak(self, endpoint: str, epoch: int | None = None) -> int:
         """The most of this gateway's requests in flight on ``endpoint`` at any time in the last
         :data:`REPORT_LAG` seconds (or a little longer): what a late reading may have counted."""
         own = self._counts.get(endpoint, 0)
         peak = self._peaks.get(endpoint)
         if peak is None:
             return own
-        epoch = int(self._clock() / REPORT_LAG)
+        if epoch is None:
+            epoch = self.epoch()
         if peak[0] == epoch:
             return max(peak[1], peak[2], own)
         if peak[0] == epoch - 1:
             return max(peak[1], own)
         return own  # unchanged for longer than REPORT_LAG
 
-    def engine_count(self, endpoint: str, reported: int) -> int:
+    def engine_count(self, endpoint: str, reported: int, epoch: int | None = None) -> int:
         """The requests on ``endpoint`` given its engine's reading: this gateway's in flight now
         plus the reading's part that cannot be this gateway's (0 for an empty reading)."""
         if reported <= 0:
             return 0
         own = self._counts.get(endpoint, 0)
-        return own + max(0, reported - self.recent_peak(endpoint))
+        return own + max(0, reported - self.recent_peak(endpoint, epoch))
 
     def count(self, endpoint: str) -> int:
         """In-flight requests on ``endpoint``."""
@@ -338,12 +343,13 @@ class InFlight:
         if not endpoints:
             return None
         counts = self._counts
+        epoch = self.epoch() if engine_loads else 0
         best = -1
         tied: list[str] = []
         for ep in endpoints:
             n = counts.get(ep, 0)
             if engine_loads:
-                n = max(n, self.engine_count(ep, engine_loads.get(ep, 0)))
+                n = max(n, self.engine_count(ep, engine_loads.get(ep, 0), epoch))
             if best < 0 or n < best:
                 best = n
                 tied = [ep]
