@@ -197,7 +197,8 @@ class Retries(_Spec):
     when: RetryWhen = Field(
         RetryWhen.BEFORE_RESPONSE,
         description="unsent: only requests no member saw; before-response: also a member that reset before "
-        "answering. Never once a byte reached the client.",
+        "answering. Never once a byte reached the client. In both, a member's own reply marked "
+        "x-wakegate-unserved (no model server saw the request) is retried too.",
     )
 
 

@@ -461,7 +461,13 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
             ),
             "status_code": 503,
             "headers_to_add": [
-                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                # extproc ends its stream once a request is routed (extproc/service.py), so a failing
+                # stream means the request never went upstream: marked as such (contract).
+                {
+                    "header": {"key": contract.UNSERVED_HEADER, "value": "1"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                },
             ],
         },
         _mapper(_status(504), "gateway_timeout", "the gateway did not decide in time", _SERVER),
@@ -1130,6 +1136,8 @@ def route_configuration(
         route_pb2.RouteConfiguration(),
         {
             **extra,
+            # Only this gateway's own replies may say a request reached no model server.
+            "response_headers_to_remove": [contract.UNSERVED_HEADER],
             "name": ROUTE_NAME,
             "virtual_hosts": [
                 {
@@ -1170,12 +1178,15 @@ def route_configuration(
 
 def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
     """Retries before the response began (what `retry_on` allows), each on a host not tried yet
-    (the pick's fallbacks in the destination header, `ModelRoute.fallback_endpoints`)."""
+    (the pick's fallbacks in the destination header, `ModelRoute.fallback_endpoints`). An
+    upstream gateway's reply marked unserved (contract.UNSERVED_HEADER: it reached no model
+    server) is always retried too."""
     if retries <= 0:
         return {}
     return {
         "retry_policy": {
-            "retry_on": retry_on,
+            "retry_on": f"{retry_on},retriable-headers",
+            "retriable_headers": [{"name": contract.UNSERVED_HEADER, "string_match": {"exact": "1"}}],
             "num_retries": retries,
             "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
             "retry_host_predicate": [

@@ -40,6 +40,11 @@ NATIVE_METADATA_NAMESPACE = "wakegate.native"
 RATE_COUNTED_HEADER = "x-wakegate-rate-counted"
 #: Set on requests routed to the activator: which model they wait for.
 ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
+#: On a gateway's own reply (value "1") for a request that reached no model server: no extproc
+#: could decide it. Safe to send again, anywhere; a federation's global gateway retries it on
+#: another member. Every gateway drops it from its upstreams' replies, so no model server and no
+#: member's backend can claim it.
+UNSERVED_HEADER = "x-wakegate-unserved"
 
 #: ModelRoute.failure_code of an activation that failed because its weights could not be had
 #: (fetched, checked, or fitted in the cache); the held requests' error code, instead of the

@@ -9,11 +9,13 @@ not reached it yet, and new requests go elsewhere within one health interval.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ import pytest
 from tests.support.federation import GlobalProcess, chat, federation_doc, refused_at_start
 from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc, pids_alive
+from wakegate import contract
 
 INTERVAL = 0.5
 
@@ -128,8 +131,9 @@ class Sent:
 
 def taken_by_east(sent: Sent) -> bool:
     """A failure of a request east's gateway had taken: its connection ended after the request
-    went out, or east's Envoy answered its own retriable 503 with its extproc already gone."""
-    return "connection termination" in sent.text or (sent.status == 503 and '"gateway_unavailable"' in sent.text)
+    went out. (East's Envoy answering for a request its dead extproc never decided is no failure:
+    that reply is marked unserved and the global gateway sends the request to west.)"""
+    return "connection termination" in sent.text
 
 
 def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_it(warm_fleet: Fleet) -> None:
@@ -184,9 +188,9 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     assert not failed_after, failed_after[:3]  # none of them had reached east: all answered by west
     assert {s.member for s in after} == {"west"}
     # Only requests east had already taken may fail (at most one per client thread), never replayed:
-    # each says its connection to the member ended after the request went out, or is east's own
-    # retriable 503 (the kill reached east's extproc a moment before its Envoy, which then answered
-    # for a request it could not route: it never reached a model server either).
+    # each says its connection to the member ended after the request went out. When the kill
+    # reaches east's extproc a moment before its Envoy, that Envoy answers for requests it cannot
+    # route any more, marked unserved, and the global gateway retries them on west.
     failed_before = [s for s in before if s.status != 200]
     assert len(failed_before) <= 4, failed_before
     assert all(s.member == "east" and taken_by_east(s) for s in failed_before), failed_before
@@ -203,6 +207,101 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
         f"reroute_s={reroute[0]:.3f} kill_to_gone_s={gone_at - killed_at[0]:.3f} health_interval_s={INTERVAL} "
         f"route_failovers={status['counters']['failovers']} envoy={retries}"
     )
+
+
+class StandIn:
+    """A member gateway that takes requests and cannot decide them: it reports what the member at
+    `status_from` reports (so the global gateway routes to it) and answers every request itself
+    with a 503, marked as having reached no model server (`unserved`) or not."""
+
+    def __init__(self, status_from: str) -> None:
+        self.unserved = True
+        self.hits = 0
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                auth = {"authorization": self.headers["authorization"]} if self.headers["authorization"] else {}
+                with urllib.request.urlopen(urllib.request.Request(status_from + self.path, headers=auth)) as got:
+                    self.reply(got.status, got.read(), {})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"] or 0))
+                stand_in.hits += 1
+                marker = {contract.UNSERVED_HEADER: "1"} if stand_in.unserved else {}
+                body = b'{"error": {"message": "down", "type": "service_unavailable", "code": "gateway_unavailable"}}'
+                self.reply(503, body, {"retry-after": "1", **marker})
+
+            def reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for name, value in {"content-type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_members_reply_that_no_model_server_saw_is_retried_on_another_member_and_no_other_reply_is(
+    tmp_path: Path,
+) -> None:
+    """A member whose gateway could not decide a request (its extproc gone: the reply marked
+    unserved) costs the client nothing: the global gateway sends the request to another member.
+    A member's 503 without the mark (a model server may have had the request) is never sent again."""
+    started: list[UpProcess | GlobalProcess] = []
+    stand_in: StandIn | None = None
+    try:
+        west = UpProcess(tmp_path, model_doc("chat", extra="  servedName: org/chat\n  aliases: [small]\n"))
+        started.append(west)
+        west.wait_ready()
+        stand_in = StandIn(west.url)
+        members = {"east": stand_in.port, "west": west.port}
+        glob = GlobalProcess(tmp_path, lambda port: federation_doc(members, port=port, interval=INTERVAL))
+        started.append(glob)
+        glob.wait_for(lambda s: s["routes"]["chat"] == ["east", "west"])
+
+        def member(answer: Response) -> int:
+            return int(answer.headers["x-wakegate-upstream"].rsplit(":", 1)[1])
+
+        retried = r"model_chat\.upstream_rq_retry(_success)?$"
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: chat(glob.url, "small"), range(24)))
+        assert [a.status for a in answers] == [200] * 24, [a.text for a in answers if a.status != 200][:2]
+        assert {member(a) for a in answers} == {west.port}
+        assert stand_in.hits >= 1  # east was picked, and each time the request went on to west
+        retries = glob.envoy_stats(retried)
+        assert retries == {
+            "cluster.model_chat.upstream_rq_retry": stand_in.hits,
+            "cluster.model_chat.upstream_rq_retry_success": stand_in.hits,
+        }
+
+        stand_in.unserved, taken_before = False, stand_in.hits
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: chat(glob.url, "small"), range(24)))
+        refused = [a for a in answers if a.status != 200]
+        # Every request east took got east's reply and went nowhere else: no retry, no marker.
+        assert len(refused) == stand_in.hits - taken_before >= 1
+        assert all(a.status == 503 and contract.UNSERVED_HEADER not in a.headers for a in refused)
+        assert all(member(a) == west.port for a in answers if a.status == 200)
+        assert glob.envoy_stats(retried) == retries
+    finally:
+        for process in reversed(started):
+            process.stop()
+        if stand_in is not None:
+            stand_in.close()
 
 
 @pytest.mark.parametrize(

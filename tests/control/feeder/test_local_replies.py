@@ -9,6 +9,7 @@ side of the same mapping for codec errors and limits.
 
 from __future__ import annotations
 
+import http.server
 import json
 import socket
 import subprocess
@@ -30,6 +31,32 @@ from wakegate.control.feeder import resources as r
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
+class Claims:
+    """An HTTP server whose every reply is a 503 saying, falsely, that no model server saw it."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b'{"error": {"message": "busy", "type": "server_error", "code": "busy"}}'
+                self.send_response(503)
+                self.send_header(contract.UNSERVED_HEADER, "1")
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class Silent:
@@ -92,6 +119,7 @@ NO_EXT_PROC = {"disabled": True}
 def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp: Path = tmp_path_factory.mktemp("local-replies")
     silent = Silent()
+    claims = Claims()
     port = free_port()
     settings = r.GatewaySettings(listen_port=port, extproc_message_timeout_ms=1000)
     listener = json_format.MessageToDict(r.listener(settings), preserving_proto_field_name=True)
@@ -100,6 +128,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     routes = json_format.MessageToDict(r.route_configuration(settings), preserving_proto_field_name=True)
     catch_all = routes["virtual_hosts"][0]["routes"][-1]["direct_response"]  # before extproc names a cluster
     hcm["route_config"] = {
+        "response_headers_to_remove": routes["response_headers_to_remove"],
         "virtual_hosts": [
             {
                 "name": "cases",
@@ -115,6 +144,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                         {"overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": "silent_grpc"}}}},
                     ),
                     case("direct", {"direct_response": catch_all}, NO_EXT_PROC),
+                    case("claims-unserved", {"route": {"cluster": "claims"}}, NO_EXT_PROC),
                 ],
             }
         ]
@@ -129,6 +159,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                 cluster("empty", None),
                 cluster("silent", silent.port),
                 cluster("silent_grpc", silent.port, http2=True),
+                cluster("claims", claims.port),
                 cluster(contract.EXTPROC_CLUSTER, closed, http2=True),
             ],
         },
@@ -158,17 +189,22 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         proc.wait(30)
         log.close()
         silent.close()
+        claims.close()
 
 
 def get(port: int, name: str) -> tuple[int, str, dict[str, Any]]:
+    status, headers, body = exchange(port, name)
+    return status, headers["content-type"], json.loads(body)
+
+
+def exchange(port: int, name: str) -> tuple[int, Any, bytes]:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"x-case": name})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            status, content_type, body = response.status, response.headers["content-type"], response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as exc:
         with exc:
-            status, content_type, body = exc.code, exc.headers["content-type"], exc.read()
-    return status, content_type, json.loads(body)
+            return exc.code, exc.headers, exc.read()
 
 
 @pytest.mark.parametrize(
@@ -185,11 +221,23 @@ def get(port: int, name: str) -> tuple[int, str, dict[str, Any]]:
 def test_envoy_failures_reach_the_client_as_openai_errors(
     envoy: int, name: str, status: int, code: str, error_type: str
 ) -> None:
-    got_status, content_type, body = get(envoy, name)
-    assert (got_status, content_type) == (status, "application/json")
+    got_status, headers, raw = exchange(envoy, name)
+    assert (got_status, headers["content-type"]) == (status, "application/json")
+    body = json.loads(raw)
     assert set(body) == {"error"}
     assert (body["error"]["code"], body["error"]["type"]) == (code, error_type)
     assert body["error"]["message"]
+    # Only a request no extproc could decide is marked as having reached no model server (safe to
+    # send again anywhere); a refused or empty backend may have been a server that took it.
+    assert headers.get(contract.UNSERVED_HEADER) == ("1" if code == "gateway_unavailable" else None)
+
+
+def test_a_backend_cannot_mark_its_own_reply_unserved(envoy: int) -> None:
+    """Were a model server's 503 to carry the marker, a global gateway would send the request to
+    another member after a server had it: the gateway's route table drops the marker."""
+    status, headers, body = exchange(envoy, "claims-unserved")
+    assert (status, json.loads(body)["error"]["code"]) == (503, "busy")  # the backend's own reply
+    assert contract.UNSERVED_HEADER not in headers
 
 
 def test_the_shape_is_the_one_extproc_uses() -> None:

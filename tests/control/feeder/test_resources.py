@@ -64,7 +64,10 @@ def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     built = r.build(federated, r.GatewaySettings(upstream_retries=2))
     route = json_format.MessageToDict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtualHosts"][0]["routes"][0]
     policy = route["route"]["retryPolicy"]
-    assert policy["retryOn"] == "connect-failure,refused-stream,reset-before-request" and policy["numRetries"] == 2
+    assert policy["retryOn"] == "connect-failure,refused-stream,reset-before-request,retriable-headers"
+    assert policy["numRetries"] == 2
+    # A member gateway's reply for a request no model server saw (tests/federation) is retried too.
+    assert policy["retriableHeaders"] == [{"name": contract.UNSERVED_HEADER, "stringMatch": {"exact": "1"}}]
     assert policy["retryHostPredicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert built.by_type[r.MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
 
