@@ -9,7 +9,6 @@ not reached it yet, and new requests go elsewhere within one health interval.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.federation import GlobalProcess, chat, federation_doc, refused_at_start
-from tests.support.http import Response, request
+from tests.support.http import LoopbackServer, Reply, Response, request
 from tests.support.up import UpProcess, model_doc, pids_alive
 from wakegate import contract
 
@@ -217,41 +216,24 @@ class StandIn:
     def __init__(self, status_from: str) -> None:
         self.unserved = True
         self.hits = 0
-        stand_in = self
+        self._lock = threading.Lock()
+        self.status_from = status_from
+        self.server = LoopbackServer(self.answer)
+        self.port = self.server.port
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                auth = {"authorization": self.headers["authorization"]} if self.headers["authorization"] else {}
-                with urllib.request.urlopen(urllib.request.Request(status_from + self.path, headers=auth)) as got:
-                    self.reply(got.status, got.read(), {})
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["content-length"] or 0))
-                stand_in.hits += 1
-                marker = {contract.UNSERVED_HEADER: "1"} if stand_in.unserved else {}
-                body = b'{"error": {"message": "down", "type": "service_unavailable", "code": "gateway_unavailable"}}'
-                self.reply(503, body, {"retry-after": "1", **marker})
-
-            def reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-                self.send_response(status)
-                for name, value in {"content-type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        if method == "GET":  # the global gateway's probe, with this member's token
+            auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+            with urllib.request.urlopen(urllib.request.Request(self.status_from + path, headers=auth)) as got:
+                return got.status, {"content-type": "application/json"}, got.read()
+        with self._lock:
+            self.hits += 1
+        marker = {contract.UNSERVED_HEADER: "1"} if self.unserved else {}
+        error = b'{"error": {"message": "down", "type": "service_unavailable", "code": "gateway_unavailable"}}'
+        return 503, {"content-type": "application/json", "retry-after": "1", **marker}, error
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def test_a_members_reply_that_no_model_server_saw_is_retried_on_another_member_and_no_other_reply_is(

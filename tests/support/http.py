@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -61,3 +64,39 @@ def request(
     except urllib.error.HTTPError as exc:
         with exc:  # its connection, closed now rather than whenever it is collected
             return Response(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+
+
+#: What a `LoopbackServer` answers: status, headers, body.
+Reply = tuple[int, Mapping[str, str], bytes]
+
+
+class LoopbackServer:
+    """A threaded HTTP/1.1 server on 127.0.0.1 (any free port) whose every request is answered by
+    `answer(method, path, headers, body)`; `close()` stops it."""
+
+    def __init__(self, answer: Callable[[str, str, Mapping[str, str], bytes], Reply]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def handle_one(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"] or 0))
+                status, headers, out = answer(self.command, self.path, dict(self.headers.items()), body)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = handle_one
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.server.server_address[1])
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

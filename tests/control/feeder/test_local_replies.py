@@ -9,7 +9,6 @@ side of the same mapping for codec errors and limits.
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
+from tests.support.http import LoopbackServer
 from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.feeder import resources as r
@@ -33,30 +33,11 @@ EXT_PROC = "envoy.filters.http.ext_proc"
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 
 
-class Claims:
+def claims_unserved() -> LoopbackServer:
     """An HTTP server whose every reply is a 503 saying, falsely, that no model server saw it."""
-
-    def __init__(self) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = b'{"error": {"message": "busy", "type": "server_error", "code": "busy"}}'
-                self.send_response(503)
-                self.send_header(contract.UNSERVED_HEADER, "1")
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    body = b'{"error": {"message": "busy", "type": "server_error", "code": "busy"}}'
+    headers = {contract.UNSERVED_HEADER: "1", "content-type": "application/json"}
+    return LoopbackServer(lambda *_: (503, headers, body))
 
 
 class Silent:
@@ -119,7 +100,7 @@ NO_EXT_PROC = {"disabled": True}
 def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp: Path = tmp_path_factory.mktemp("local-replies")
     silent = Silent()
-    claims = Claims()
+    claims = claims_unserved()
     port = free_port()
     settings = r.GatewaySettings(listen_port=port, extproc_message_timeout_ms=1000)
     listener = json_format.MessageToDict(r.listener(settings), preserving_proto_field_name=True)
