@@ -161,7 +161,9 @@ def federation(kube: Kube, west: Cluster, tmp_path: Path, *, scalers: bool = Fal
     feeder, extproc and Envoy (and, with `scalers`, its builtin scaler fed by its gateway's
     demand), the members' kubeconfigs in Secrets, and `wakegate federation controller`."""
     ns = kube.ns
-    suffix = uuid.uuid4().hex[:6]
+    # A letter first: a bare hex run like "830e12" is a number to kubectl's YAML, and a label value
+    # must be a string.
+    suffix = f"f{uuid.uuid4().hex[:6]}"
     install_crds(kube.api)
     with west.api_client() as west_api:
         install_crds(west_api)
