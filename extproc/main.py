@@ -244,7 +244,10 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     )
     gateway.metrics.watch_h2(server.transport.refused)
     try:
-        await server.listen(settings.listen)
+        # Bound now (a port some server listens on is an error at once), accepting once the first route table is
+        # here (`_serve_when_synced`): until then Envoy's connections are refused, so its ext_proc
+        # streams go to the other extproc instead of meeting one that cannot route yet.
+        await server.listen(settings.listen, serving=False)
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", settings.listen, exc)
         return 2
@@ -290,6 +293,8 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     tasks.append(asyncio.create_task(kv.run()))
     stop = asyncio.Event()
     graceful_exit(stop, "extproc")
+    failed: list[str] = []
+    tasks.append(asyncio.create_task(_serve_when_synced(server, settings.listen, feed.synced, stop, failed)))
     log.info(
         "extproc ready listen=%s admin=%s xds=%s auth=%s public-metrics=%s",
         settings.listen,
@@ -313,7 +318,33 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             await task
     await runner.cleanup()
     log.info("extproc stopped")
-    return 0
+    return 2 if failed else 0
+
+
+#: How long a new extproc refuses ext_proc connections while it has no route table. After that it
+#: accepts them anyway (its feeder may be down for long): requests then get `gateway_starting`,
+#: and Envoy's health checks, which see NOT_SERVING until the table arrives, still prefer the
+#: other extproc.
+UNSYNCED_SERVE_SECONDS = 5.0
+
+
+async def _serve_when_synced(
+    server: GrpcServer, listen: str, synced: asyncio.Event, stop: asyncio.Event, failed: list[str]
+) -> None:
+    """Start accepting on `listen` once `synced` (or after UNSYNCED_SERVE_SECONDS); a port taken
+    meanwhile stops the process (exit status 2)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(synced.wait(), UNSYNCED_SERVE_SECONDS)
+    if stop.is_set():
+        return  # stopping before it ever served
+    if not synced.is_set():
+        log.warning("no route table after %.0fs: accepting ext_proc streams anyway", UNSYNCED_SERVE_SECONDS)
+    try:
+        await server.start_serving()
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", listen, exc)
+        failed.append(listen)
+        stop.set()
 
 
 async def _expire_leases(gateway: Gateway) -> None:

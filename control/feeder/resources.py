@@ -408,18 +408,40 @@ def _mapper(match: dict[str, Any], code: str, message: str, error_type: str) -> 
     return {"filter": match, "body_format_override": _error_format(code, message, error_type)}
 
 
+def _cel(expression: str) -> dict[str, Any]:
+    """An access-log filter matching replies for which the CEL `expression` holds."""
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression,
+            },
+        }
+    }
+
+
+def _gateway_unavailable(match: dict[str, Any], *, unserved: bool) -> dict[str, Any]:
+    """The 503 + Retry-After for an ext_proc stream that failed; `unserved`: with the mark."""
+    headers: list[dict[str, Any]] = [
+        {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+    ]
+    if unserved:
+        headers.append(
+            {"header": {"key": contract.UNSERVED_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        )
+    message = "the gateway is starting or restarting a component; retry shortly"
+    return {
+        **_mapper(match, "gateway_unavailable", message, _SERVER),
+        "status_code": 503,
+        "headers_to_add": headers,
+    }
+
+
 #: A reply that carries a content type already was written by extproc (its errors are shaped,
 #: /metrics is Prometheus text): it passes through unchanged. Envoy's own replies (codec
 #: errors, limits, upstream failures, direct responses) have no content type at this point.
-_WRITTEN_BY_EXTPROC = {
-    "extension_filter": {
-        "name": "envoy.access_loggers.extension_filters.cel",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-            "expression": "'content-type' in response.headers",
-        },
-    }
-}
+_WRITTEN_BY_EXTPROC = _cel("'content-type' in response.headers")
 
 _CLIENT = "invalid_request_error"
 _SERVER = "server_error"
@@ -451,25 +473,13 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
         # extproc itself never answers 500 or 504: these are the gateway failing to
         # reach it (stream reset, message timeout). Upstream failures matched above.
         # No extproc answered (none running yet, or the one holding the request died): a
-        # retriable 503 with Retry-After, never a 500 (docs/reliability.md).
-        {
-            **_mapper(
-                _status(500),
-                "gateway_unavailable",
-                "the gateway is starting or restarting a component; retry shortly",
-                _SERVER,
-            ),
-            "status_code": 503,
-            "headers_to_add": [
-                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-                # extproc ends its stream once a request is routed (extproc/service.py), so a failing
-                # stream means the request never went upstream: marked as such (contract).
-                {
-                    "header": {"key": contract.UNSERVED_HEADER, "value": "1"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                },
-            ],
-        },
+        # retriable 503 with Retry-After, never a 500 (docs/reliability.md). Marked unserved
+        # (contract) where no upstream host was ever chosen for the request: with extproc's
+        # default `--release-on access-log` that is every such reply, since its stream ends once
+        # the request is routed; with `--release-on stream` the stream can also fail while a
+        # model server has the request, and that reply is not marked.
+        _gateway_unavailable(_cel("response.code == 500 && !has(upstream.address)"), unserved=True),
+        _gateway_unavailable(_status(500), unserved=False),
         _mapper(_status(504), "gateway_timeout", "the gateway did not decide in time", _SERVER),
         _mapper(
             _status(400), "invalid_http_request", "the request is not valid HTTP: %RESPONSE_CODE_DETAILS%", _CLIENT
@@ -487,15 +497,7 @@ API_KEY_AUTH = "envoy.filters.http.api_key_auth"
 
 def _details(details: str) -> dict[str, Any]:
     """Matches a reply whose response code details (Envoy's fixed token for why) are `details`."""
-    return {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                "expression": f"response.code_details == '{details}'",
-            },
-        }
-    }
+    return _cel(f"response.code_details == '{details}'")
 
 
 #: Envoy's api_key_auth answers on native routes, made extproc's (extproc/service.py): an unknown

@@ -237,9 +237,13 @@ class GrpcServer:
         self.max_message_bytes = max_message_bytes
         self.transport = H2Server(self._new_call, limits)
 
-    async def listen(self, address: str) -> str:
-        """Listen on HOST:PORT or unix:PATH; returns the address actually bound."""
-        return await self.transport.listen(address)
+    async def listen(self, address: str, *, serving: bool = True) -> str:
+        """Listen on HOST:PORT or unix:PATH; returns the address actually bound. `serving=False`:
+        connections are refused until `start_serving()`."""
+        return await self.transport.listen(address, serving=serving)
+
+    async def start_serving(self) -> None:
+        await self.transport.start_serving()
 
     async def stop(self, grace: float) -> None:
         """Refuse new calls, let the open ones finish for up to `grace` seconds, then cut them."""

@@ -973,21 +973,34 @@ class H2Server:
     def refuse(self, reason: str) -> None:
         self.refused[reason] += 1
 
-    async def listen(self, address: str) -> str:
-        """Listen on HOST:PORT or unix:PATH; returns the address actually bound."""
+    async def listen(self, address: str, *, serving: bool = True) -> str:
+        """Listen on HOST:PORT or unix:PATH; returns the address actually bound. `serving=False`:
+        bound only (a port some server listens on already is an error now), and connections are
+        refused until `start_serving()`."""
         loop = asyncio.get_running_loop()
         if address.startswith("unix:"):
             path = address[len("unix:") :]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            server = await loop.create_unix_server(lambda: Connection(self), path, backlog=_BACKLOG)
+            server = await loop.create_unix_server(
+                lambda: Connection(self), path, backlog=_BACKLOG, start_serving=serving
+            )
             self._servers.append(server)
             return address
         host, port = host_port(address)
-        server = await loop.create_server(lambda: Connection(self), host, port, backlog=_BACKLOG)
+        server = await loop.create_server(
+            lambda: Connection(self), host, port, backlog=_BACKLOG, start_serving=serving
+        )
         self._servers.append(server)
         bound = server.sockets[0].getsockname()[1]
         return f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+
+    async def start_serving(self) -> None:
+        """Accept connections on what `listen(serving=False)` bound (OSError: the port was taken
+        meanwhile)."""
+        for server in self._servers:
+            if not server.is_serving():
+                await server.start_serving()
 
     @property
     def active_streams(self) -> int:

@@ -75,11 +75,18 @@ class LoopbackServer:
     `answer(method, path, headers, body)`; `close()` stops it."""
 
     def __init__(self, answer: Callable[[str, str, Mapping[str, str], bytes], Reply]) -> None:
+        #: Requests answered so far.
+        self.requests = 0
+        lock = threading.Lock()
+        server = self
+
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def handle_one(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"] or 0))
+                with lock:
+                    server.requests += 1
                 status, headers, out = answer(self.command, self.path, dict(self.headers.items()), body)
                 self.send_response(status)
                 for name, value in headers.items():

@@ -1,7 +1,8 @@
 """h2spec (e2e/tools/h2spec.py) against extproc's own HTTP/2 server, started as `python -m wakegate.extproc`.
 
-extproc accepts HTTP/2 connections without an xDS feeder (its route feed retries in the
-background), so none runs here. Every one of h2spec's 145 cases applies to extproc's server
+extproc accepts HTTP/2 connections without an xDS feeder too, after waiting
+`UNSYNCED_SERVE_SECONDS` (5 s) for a route table (its route feed retries in the background), so
+none runs here. Every one of h2spec's 145 cases applies to extproc's server
 and passes, none skipped: h2spec's plain `GET /` gets a 415 with a text body (the server
 speaks only gRPC), which is what the cases that need a response body read. The whole run
 takes a few seconds; a failing case would wait out h2spec's 2 s timeout.

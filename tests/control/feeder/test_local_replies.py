@@ -94,10 +94,19 @@ def case(name: str, action: dict[str, Any], ext_proc: dict[str, Any]) -> dict[st
 
 
 NO_EXT_PROC = {"disabled": True}
+AFTER_UPSTREAM = {"request_header_mode": "SKIP", "request_body_mode": "NONE", "response_header_mode": "SEND"}
 
 
 @pytest.fixture(scope="module")
-def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def served() -> Iterator[LoopbackServer]:
+    """The backend of the case whose ext_proc stream fails after the backend answered."""
+    server = LoopbackServer(lambda *_: (200, {"content-type": "application/json"}, b'{"object": "list", "data": []}'))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> Iterator[int]:
     tmp: Path = tmp_path_factory.mktemp("local-replies")
     silent = Silent()
     claims = claims_unserved()
@@ -126,6 +135,13 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                     ),
                     case("direct", {"direct_response": catch_all}, NO_EXT_PROC),
                     case("claims-unserved", {"route": {"cluster": "claims"}}, NO_EXT_PROC),
+                    # The stream first opens for the response (as with `--release-on stream`, where it
+                    # stays open while the model server has the request), and cannot connect.
+                    case(
+                        "extproc-down-after-upstream",
+                        {"route": {"cluster": "served"}},
+                        {"overrides": {"processing_mode": AFTER_UPSTREAM}},
+                    ),
                 ],
             }
         ]
@@ -141,6 +157,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                 cluster("silent", silent.port),
                 cluster("silent_grpc", silent.port, http2=True),
                 cluster("claims", claims.port),
+                cluster("served", served.port),
                 cluster(contract.EXTPROC_CLUSTER, closed, http2=True),
             ],
         },
@@ -195,12 +212,13 @@ def exchange(port: int, name: str) -> tuple[int, Any, bytes]:
         ("empty", 503, "upstream_unavailable", "server_error"),  # no healthy upstream (UH)
         ("slow", 504, "upstream_timeout", "server_error"),  # route timeout (UT)
         ("extproc-down", 503, "gateway_unavailable", "server_error"),  # the ext_proc stream fails
+        ("extproc-down-after-upstream", 503, "gateway_unavailable", "server_error"),  # ... with a server's answer
         ("extproc-silent", 504, "gateway_timeout", "server_error"),  # extproc's message timeout
         ("direct", 404, "no_route", "invalid_request_error"),  # the route table's catch-all
     ],
 )
 def test_envoy_failures_reach_the_client_as_openai_errors(
-    envoy: int, name: str, status: int, code: str, error_type: str
+    envoy: int, served: LoopbackServer, name: str, status: int, code: str, error_type: str
 ) -> None:
     got_status, headers, raw = exchange(envoy, name)
     assert (got_status, headers["content-type"]) == (status, "application/json")
@@ -208,9 +226,13 @@ def test_envoy_failures_reach_the_client_as_openai_errors(
     assert set(body) == {"error"}
     assert (body["error"]["code"], body["error"]["type"]) == (code, error_type)
     assert body["error"]["message"]
-    # Only a request no extproc could decide is marked as having reached no model server (safe to
-    # send again anywhere); a refused or empty backend may have been a server that took it.
-    assert headers.get(contract.UNSERVED_HEADER) == ("1" if code == "gateway_unavailable" else None)
+    # Only a request no extproc could decide, and that went to no upstream, is marked as having
+    # reached no model server (safe to send again anywhere): not one a server answered before the
+    # stream failed, nor a refused or empty backend (the same mapper covers a connection that ended
+    # after the request went out).
+    assert headers.get(contract.UNSERVED_HEADER) == ("1" if name == "extproc-down" else None)
+    if name == "extproc-down-after-upstream":
+        assert served.requests >= 1  # the server did have it
 
 
 def test_a_backend_cannot_mark_its_own_reply_unserved(envoy: int) -> None:
