@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.federation import GlobalProcess, chat, federation_doc, refused_at_start
+from tests.support.federation import GlobalProcess, chat, federation_doc, member_port, refused_at_start
 from tests.support.http import LoopbackServer, Reply, Response, request
 from tests.support.up import UpProcess, model_doc, pids_alive
 from wakegate import contract
@@ -43,8 +43,7 @@ class Fleet:
     glob: GlobalProcess
 
     def member_of(self, response: Response) -> str:
-        port = int(response.headers["x-wakegate-upstream"].rsplit(":", 1)[1])
-        return {self.east.port: "east", self.west.port: "west"}[port]
+        return {self.east.port: "east", self.west.port: "west"}[member_port(response)]
 
 
 def _fleet(tmp_path: Path, east_scaling: str, west_scaling: str, placement: str) -> Iterator[Fleet]:
@@ -254,15 +253,12 @@ def test_a_members_reply_that_no_model_server_saw_is_retried_on_another_member_a
         started.append(glob)
         glob.wait_for(lambda s: s["routes"]["chat"] == ["east", "west"])
 
-        def member(answer: Response) -> int:
-            return int(answer.headers["x-wakegate-upstream"].rsplit(":", 1)[1])
-
         retried = r"model_chat\.upstream_rq_retry(_success)?$"
 
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: chat(glob.url, "small"), range(24)))
         assert [a.status for a in answers] == [200] * 24, [a.text for a in answers if a.status != 200][:2]
-        assert {member(a) for a in answers} == {west.port}
+        assert {member_port(a) for a in answers} == {west.port}
         assert stand_in.hits >= 1  # east was picked, and each time the request went on to west
         retries = glob.envoy_stats(retried)
         assert retries == {
@@ -277,7 +273,7 @@ def test_a_members_reply_that_no_model_server_saw_is_retried_on_another_member_a
         # Every request east took got east's reply and went nowhere else: no retry, no marker.
         assert len(refused) == stand_in.hits - taken_before >= 1
         assert all(a.status == 503 and contract.UNSERVED_HEADER not in a.headers for a in refused)
-        assert all(member(a) == west.port for a in answers if a.status == 200)
+        assert all(member_port(a) == west.port for a in answers if a.status == 200)
         assert glob.envoy_stats(retried) == retries
     finally:
         for process in reversed(started):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.pki import PKI, Pair
-from tests.support.federation import GlobalProcess, chat, refused_at_start
+from tests.support.federation import GlobalProcess, chat, member_port, refused_at_start
 from tests.support.http import Response
 from tests.support.up import UpProcess, model_doc, stop_process
 from wakegate.control import bootstrap
@@ -109,8 +109,7 @@ class Setup:
     ports: dict[str, int]
 
     def member_of(self, response: Response) -> str:
-        port = int(response.headers["x-wakegate-upstream"].rsplit(":", 1)[1])
-        return next(name for name, p in self.ports.items() if p == port)
+        return next(name for name, p in self.ports.items() if p == member_port(response))
 
 
 @pytest.fixture

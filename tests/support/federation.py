@@ -151,6 +151,12 @@ def refused_at_start(manifest: Path, state_dir: Path) -> subprocess.CompletedPro
     return done
 
 
+def member_port(response: Response) -> int:
+    """The member gateway that answered `response` through a global gateway started with
+    `--upstream-header`: its port."""
+    return int(response.headers["x-wakegate-upstream"].rsplit(":", 1)[1])
+
+
 def chat(url: str, model: str) -> Response:
     """One small chat completion of `model` through the gateway at `url`."""
     return request(

@@ -190,11 +190,6 @@ def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> I
         claims.close()
 
 
-def get(port: int, name: str) -> tuple[int, str, dict[str, Any]]:
-    status, headers, body = exchange(port, name)
-    return status, headers["content-type"], json.loads(body)
-
-
 def exchange(port: int, name: str) -> tuple[int, Any, bytes]:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"x-case": name})
     try:
