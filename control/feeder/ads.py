@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.h2guard import GRPC_OPTIONS, FrameBudget, FrameGuard
 from wakegate.control.feeder.resources import (
     ENDPOINT,
     MODEL_ROUTE,
@@ -246,29 +247,48 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         )
 
 
+class AdsListener:
+    """The running ADS server: grpcio on a loopback port behind the `FrameGuard` on the port asked for."""
+
+    def __init__(self, server: grpc.aio.Server, guard: FrameGuard) -> None:
+        self.server = server
+        self.guard = guard
+
+    async def stop(self, grace: float | None) -> None:
+        await self.guard.close()
+        await self.server.stop(grace)
+
+
 async def start_server(
     cache: SnapshotCache,
     listen: str,
     extra: Callable[[grpc.aio.Server], None] | None = None,
     on_endpoints_acked: Callable[[], None] = lambda: None,
     authenticator: Authenticator | None = None,
-) -> tuple[grpc.aio.Server, AdsServer, int]:
+    budget: FrameBudget | None = None,
+) -> tuple[AdsListener, AdsServer, int]:
     """Start the ADS gRPC server with the standard health service; returns the bound port.
 
     `extra` registers more services on the same server (the demand service in `wakegate up`).
     With an `authenticator`, every ADS stream must carry the internal token (the health
-    service stays open: it tells nothing but "serving").
+    service stays open: it tells nothing but "serving"). grpcio listens on a loopback port
+    of its own; `listen` is the `FrameGuard` in front of it (h2guard.py: grpc-core cannot
+    cut a PING or SETTINGS flood by itself).
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
+    server = grpc.aio.server(options=GRPC_OPTIONS)
     if extra is not None:
         extra(server)
     ads = AdsServer(cache, on_endpoints_acked, authenticator)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    inner = server.add_insecure_port("127.0.0.1:0")
+    host, _, port_text = listen.rpartition(":")
+    guard = FrameGuard(("127.0.0.1", inner), budget)
+    try:
+        port = await guard.listen(host.strip("[]"), int(port_text))
+    except (OSError, ValueError) as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, ads, port
+    return AdsListener(server, guard), ads, port

@@ -1,0 +1,113 @@
+"""PING and SETTINGS floods against the feeder's xDS port (start_server, as `wakegate up`'s
+feeder and `wakegate xds` run it), while extproc's real route feed is subscribed to it.
+
+Each attacker is a process of its own (tests/support/h2attack.py, the same raw HTTP/2 client
+the extproc flood tests use) that floods one connection and reports how long the feeder let
+it live. What must hold: every attacking connection is closed within a second, and route
+changes published meanwhile reach the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.control.feeder.test_ads import snapshot
+from tests.support import h2attack
+from wakegate.control.feeder.ads import AdsListener, start_server
+from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.extproc.feed import RouteFeed
+from wakegate.v1.routing_pb2 import ModelRoute
+
+#: Attacking connections at once, per attack.
+ATTACKERS = 3
+
+_ATTACKER = """
+import json, sys, time
+from tests.support import h2attack
+port, name = int(sys.argv[1]), sys.argv[2]
+attack = next(a for a in h2attack.attacks() if a.name == name)
+start = time.monotonic()
+code, sent, ended = h2attack.one_connection("127.0.0.1", port, attack, h2attack.SIZES[name], start + 20)
+print(json.dumps({"seconds": time.monotonic() - start, "frames": sent, "ended": ended}))
+"""
+
+
+async def attack_once(port: int, name: str) -> dict[str, float]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _ATTACKER, str(port), name, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    return dict(json.loads(out))
+
+
+async def subscribe(port: int) -> tuple[list[list[int]], asyncio.Task[None]]:
+    """extproc's route feed on the feeder; the endpoint ports of each route table it gets."""
+    seen: list[list[int]] = []
+
+    def on_routes(routes: list[ModelRoute]) -> None:
+        seen.append([e.port for e in routes[0].endpoints])
+
+    feed = RouteFeed(f"127.0.0.1:{port}", "extproc-test", on_routes)
+    task = asyncio.create_task(feed.run())
+    await asyncio.wait_for(feed.synced.wait(), 5)
+    return seen, task
+
+
+@pytest.fixture
+async def feeder() -> AsyncIterator[tuple[SnapshotCache, AdsListener, int]]:
+    cache = SnapshotCache()
+    await cache.set(snapshot(9000))
+    listener, _, port = await start_server(cache, "127.0.0.1:0")
+    yield cache, listener, port
+    await listener.stop(0)
+
+
+@pytest.mark.parametrize("name", ["PING flood", "SETTINGS flood"])
+async def test_flood_connections_are_cut_within_a_second_and_routes_keep_flowing(feeder, name: str) -> None:
+    cache, listener, port = feeder
+    seen, task = await subscribe(port)
+    try:
+        attackers = asyncio.gather(*(attack_once(port, name) for _ in range(ATTACKERS)))
+        # Publish a change every 50 ms while the attackers run; the feed must see each one.
+        published = 9000
+        while not attackers.done():
+            published += 1
+            await cache.set(snapshot(9000, published))
+            await asyncio.sleep(0.05)
+        outcomes = await attackers
+        deadline = time.monotonic() + 5
+        while seen[-1] != [9000, published] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    reason = "ping" if name.startswith("PING") else "settings"
+    assert listener.guard.stats.cut.get(reason) == ATTACKERS, listener.guard.stats
+    for outcome in outcomes:
+        assert outcome["ended"] and outcome["seconds"] < 1.0, outcomes
+        assert outcome["frames"] < h2attack.SIZES[name], outcomes
+    assert seen[-1] == [9000, published], seen[-3:]
+    assert len(seen) > 2, "no route change reached the feed during the attack"
+
+
+async def test_a_well_behaved_client_is_not_cut(feeder) -> None:
+    """The feed's own traffic (SETTINGS, its PINGs and ACKs) never trips the budget."""
+    cache, listener, port = feeder
+    seen, task = await subscribe(port)
+    try:
+        for extra in range(9001, 9201):
+            await cache.set(snapshot(9000, extra))
+            await asyncio.sleep(0.005)
+        deadline = time.monotonic() + 5
+        while seen[-1] != [9000, 9200] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert seen[-1] == [9000, 9200]
+    assert listener.guard.stats.cut == {} and listener.guard.stats.connections == 1
