@@ -639,10 +639,17 @@ _ALWAYS = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
 
 def envoy_rate_limited(models: Iterable[RoutedModel], settings: GatewaySettings) -> tuple[RoutedModel, ...]:
     """Models whose per-model bucket Envoy's local rate limit keeps (and extproc's does not, for
-    the requests Envoy counted): a limit on a model that is native whenever it is warm. Like
-    may_go_native it follows the manifests only, so the listener that holds the buckets does not
-    change when a model wakes or sleeps."""
-    limited = (m for m in models if m.requests_per_second > 0 and not static_native_blocker(m, settings))
+    the requests Envoy counted): every model with a limit, native or decided, wherever the
+    gateway lets Envoy route before extproc (`native_allowed`: it has the keys extproc checks).
+    One bucket in Envoy, before either extproc, is what keeps a limit exact while Envoy sends a
+    request to the standby extproc (at start-up, on a failover); each extproc's own buckets
+    would split it. A model with adapters stays with extproc: requests naming an adapter reach
+    only extproc, and two buckets would split its limit just the same. Like may_go_native it
+    follows the manifests only, so the listener that holds the buckets does not change when a
+    model wakes or sleeps."""
+    if not settings.native_allowed:
+        return ()
+    limited = (m for m in models if m.requests_per_second > 0 and not (m.adapters or m.lora_adapters))
     return tuple(sorted(limited, key=lambda m: m.key))
 
 
@@ -749,7 +756,10 @@ def listener(
 ) -> listener_pb2.Listener:
     """The one listener; `native` (may_go_native) adds what native routes need, `rate_limited`
     (envoy_rate_limited) the buckets of those models, before extproc: a request over its model's
-    limit is refused before it could wait for a cold start, as extproc refuses it."""
+    limit is refused before it could wait for a cold start, as extproc refuses it. Buckets need
+    what native routes need (the body's `model` read before extproc, keys checked first), so
+    `rate_limited` alone sets up the listener as `native` does."""
+    native = native or bool(rate_limited)
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
         *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
@@ -1112,7 +1122,7 @@ def route_configuration(
     `keys`: the key file's, which native routes check where `settings.key_checks` (none there:
     every native request is refused, as extproc refuses all with an empty file).
     `rate_limited`: the models whose bucket Envoy keeps (envoy_rate_limited)."""
-    off = _JSON_TO_METADATA_OFF if body_metadata or native else {}
+    off = _JSON_TO_METADATA_OFF if body_metadata or native or rate_limited else {}
     extra: dict[str, Any] = {}
     if settings.upstream_header:
         extra["response_headers_to_add"] = [

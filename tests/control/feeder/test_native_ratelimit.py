@@ -23,9 +23,8 @@ from wakegate.extproc.ratelimit import retry_after_header
 from wakegate.extproc.responses import error_body
 
 LIMITED = replace(NATIVE, requests_per_second=2.5, burst=4)
-DECIDED = r.RoutedModel(
-    key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),), requests_per_second=1.0
-)
+#: A model beside it whose requests no bucket counts (unlimited, decided).
+DECIDED = r.RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
 MARK = {"key": contract.RATE_COUNTED_HEADER, "value": "ns/n"}
 
 
@@ -36,6 +35,15 @@ def as_dict(message: Any) -> dict[str, Any]:
 def hcm(built: r.Resources) -> dict[str, Any]:
     listener = as_dict(built.by_type[r.LISTENER][r.LISTENER_NAME])
     return dict(listener["filter_chains"][0]["filters"][0]["typed_config"])
+
+
+#: The listener's filters up to ext_proc where Envoy keeps buckets: the body read, then the bucket.
+BUCKET_FIRST = [r.JSON_TO_METADATA, r.LOCAL_RATE_LIMIT, r.HEADER_MUTATION, "envoy.filters.http.ext_proc"]
+
+
+def filters_to_extproc(config: dict[str, Any]) -> list[str]:
+    names = [f["name"] for f in config["http_filters"]]
+    return names[: names.index("envoy.filters.http.ext_proc") + 1]
 
 
 def routes(built: r.Resources) -> list[dict[str, Any]]:
@@ -89,18 +97,12 @@ def test_envoys_retry_after_is_extprocs_longest_wait(rate: float) -> None:
 def test_a_limited_native_model_has_its_bucket_in_the_listener_before_extproc() -> None:
     built = r.build([LIMITED, DECIDED], ON)
     config = hcm(built)
-    names = [f["name"] for f in config["http_filters"]]
-    assert names[: names.index("envoy.filters.http.ext_proc") + 1] == [
-        r.JSON_TO_METADATA,
-        r.LOCAL_RATE_LIMIT,
-        r.HEADER_MUTATION,
-        "envoy.filters.http.ext_proc",
-    ]
+    assert filters_to_extproc(config) == BUCKET_FIRST
     limit = config["http_filters"][1]["typed_config"]
     assert limit["filter_enabled"] == limit["filter_enforced"]
     assert limit["filter_enforced"]["default_value"] == {"numerator": 100}
     assert "token_bucket" not in limit and limit["always_consume_default_token_bucket"] is False
-    # One bucket, for the model whose limit Envoy keeps; the decided model's stays in extproc.
+    # One bucket, for the model with a limit; the unlimited model has none.
     (descriptor,) = limit["descriptors"]
     assert descriptor["entries"][0]["value"] == "ns/n"
     assert descriptor["token_bucket"] == as_dict(
@@ -170,13 +172,11 @@ def test_cold_every_name_every_way_draws_from_the_bucket_and_tells_extproc() -> 
 @pytest.mark.parametrize(
     ("model", "settings"),
     [
-        (replace(LIMITED, path="decided"), ON),
         (LIMITED, r.GatewaySettings()),
-        (replace(LIMITED, strategy="prefix"), ON),
-        (LIMITED, replace(ON, global_rate_limit=True)),
         (replace(LIMITED, requests_per_second=0.0), ON),
+        (replace(LIMITED, lora_adapters=("a",)), ON),
     ],
-    ids=["decided", "keys", "scored", "global-limit", "unlimited"],
+    ids=["keys", "unlimited", "adapters"],
 )
 def test_without_a_bucket_in_envoy_the_listener_and_extproc_are_as_before(
     model: r.RoutedModel, settings: r.GatewaySettings
@@ -187,6 +187,41 @@ def test_without_a_bucket_in_envoy_the_listener_and_extproc_are_as_before(
     assert r.LOCAL_RATE_LIMIT not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
     assert not any(drawn(x) for x in routes(built))
     assert built.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is False  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("model", "settings"),
+    [
+        (replace(LIMITED, path="decided"), ON),
+        (replace(LIMITED, strategy="prefix"), ON),
+        (LIMITED, replace(ON, global_rate_limit=True)),
+    ],
+    ids=["decided", "scored", "global-limit"],
+)
+def test_a_limited_model_that_never_goes_native_draws_from_envoys_bucket_too(
+    model: r.RoutedModel, settings: r.GatewaySettings
+) -> None:
+    """Whichever extproc Envoy sends a request to (the standby, at start-up or on a failover),
+    the model's one bucket is Envoy's: every name, every way, the body read before extproc."""
+    for fleet in ([model, DECIDED], [model]):  # with or without a model that asks for the native path
+        built = r.build(fleet, settings)
+        assert r.envoy_rate_limited(fleet, settings) == (model,)
+        config = hcm(built)
+        assert filters_to_extproc(config) == BUCKET_FIRST
+        table = routes(built)
+        assert not [x for x in table if x.get("route", {}).get("cluster")]  # never native
+        counted = [x for x in table if drawn(x)]
+        assert counted and all(marks(x) and drawn(x) == "ns/n" for x in counted)
+        bodies = sorted(
+            x["match"]["dynamic_metadata"][0]["value"]["string_match"]["exact"]
+            for x in counted
+            if "dynamic_metadata" in x["match"]
+        )
+        assert bodies == ["n", "n-alias"]
+        # The catch-all reads the body's `model` for the body routes; extproc is on for it.
+        assert r.JSON_TO_METADATA not in table[-1].get("typed_per_filter_config", {})
+        assert "envoy.filters.http.ext_proc" in table[-1]["typed_per_filter_config"]
+        assert built.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
 
 
 def test_a_global_limit_keeps_every_model_decided() -> None:
@@ -212,3 +247,5 @@ def test_waking_and_gating_keep_the_buckets_and_what_extproc_is_told() -> None:
 def test_envoy_accepts_the_buckets_and_the_routes(tmp_path: Path) -> None:
     other = replace(LIMITED, key="c", names=("c", "c/with/slashes"), served_name="org/c", endpoints=())
     assert_envoy_accepts(r.build([LIMITED, other, DECIDED], ON), tmp_path)
+    decided = replace(LIMITED, path="decided")
+    assert_envoy_accepts(r.build([decided, DECIDED], replace(ON, global_rate_limit=True)), tmp_path)
