@@ -117,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="fault injection read at start: if PATH holds 'crash' the sim exits with code 3 while loading; "
-        "'hang' never finishes loading; missing or empty: no fault (lets tests fix a fault between starts)",
+        "'crash-once' does the same and empties PATH (the next start is fine); 'hang' never finishes "
+        "loading; missing or empty: no fault (lets tests fix a fault between starts)",
     )
     a(
         "--api-key",
@@ -266,10 +267,14 @@ def _read_fault(path: str | None) -> str:
             fault = f.read().strip()
     except FileNotFoundError:
         return ""
-    if fault not in ("", "crash", "hang"):
+    if fault not in ("", "crash", "crash-once", "hang"):
         raise SystemExit(f"sim: unknown fault {fault!r} in {path}")
     if fault:
         log.warning("sim fault injected: %s (from %s)", fault, path)
+    if fault == "crash-once":
+        with open(path, "w", encoding="utf-8"):
+            pass
+        return "crash"
     return fault
 
 

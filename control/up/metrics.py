@@ -29,7 +29,17 @@ class UpMetrics:
         )
         self.cold_starts = Counter("wakegate_cold_starts", "Scale-from-zero activations.", ["model"], registry=r)
         self.activation_failures = Counter(
-            "wakegate_activation_failures", "Loads that crashed or never passed health.", ["model"], registry=r
+            "wakegate_activation_failures",
+            "Activations given up: every start attempt failed within activationTimeout.",
+            ["model"],
+            registry=r,
+        )
+        self.start_attempt_failures = Counter(
+            "wakegate_start_attempt_failures",
+            "Start attempts that failed (weights unavailable, exited or never loaded), each retried with "
+            "backoff while its activation has time.",
+            ["model"],
+            registry=r,
         )
         self.weights_pulled_bytes = Counter(
             "wakegate_weights_pulled_bytes", "Bytes of weights pulled into the cache (oci://, hf://).", ["model"],

@@ -5,6 +5,12 @@ routable once its health path answers 200; a replica whose process exits is
 taken out of the routes at once and restarted with capped backoff. Every change
 of routable endpoints is pushed to `on_change` (the xDS feeder), never polled
 by the gateway.
+
+A replica that fails to start (its weights cannot be had, the engine exits or never
+loads) is tried again with exponential backoff within its activation's time
+(`activationTimeout` from its first attempt, less `activation_margin`). Only when that
+time is up does the activation fail: `failed_activations` grows, and the gateways answer
+the requests they held with the last attempt's reason. Until then they keep holding them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,24 @@ log = logging.getLogger("wakegate.up")
 #: After routing a new replica, how long its first answer check waits before looking at the
 #: engine's load (held requests arrive within ~40 ms, docs/performance.md "Cold starts").
 ANSWER_AFTER = 0.1
+
+
+def activation_margin(timeout: float) -> float:
+    """How long before `activationTimeout` runs out an activation whose attempts all failed is
+    given up: a held request's own timeout runs from its arrival, a moment before the start
+    attempts began, and it should hear the last attempt's reason rather than a bare timeout."""
+    return min(1.0, timeout / 10)
+
+
+@dataclass
+class Activation:
+    """One replica's start attempts since it last began from nothing (or was last given up on)."""
+
+    began: float
+    deadline: float
+    #: Attempts that failed so far, and why the last one did.
+    failed: int = 0
+    last_failure: str = ""
 
 
 class ReplicaState(StrEnum):
@@ -114,6 +138,8 @@ class Replica:
     #: Its LoRAAdapters' weights (llama.cpp: all of the base's, given at start), leased likewise.
     #: Engines that load adapters at run time get them from the model's HotSwap instead.
     adapter_weights: list[Weights] = field(default_factory=list)
+    #: The start attempts of its current activation (None once it is ready).
+    activation: Activation | None = None
 
 
 class ModelRuntime:
@@ -139,6 +165,9 @@ class ModelRuntime:
         self.generation = 0
         self.failed_activations = 0
         self.last_failure = ""
+        #: Start attempts that failed (each retried within its activation's time), and the last one's reason.
+        self.failed_attempts = 0
+        self.last_attempt_failure = ""
         #: What kind of failure the last one was (contract.WEIGHTS_UNAVAILABLE; empty: any other).
         self.last_failure_code = ""
         #: False while a GPU-group peer holds the accelerator.
@@ -152,6 +181,7 @@ class ModelRuntime:
         self.on_ready: Callable[[ModelRuntime, Replica], None] | None = None
         self.on_exit: Callable[[ModelRuntime], None] | None = None
         self.on_activation_failed: Callable[[ModelRuntime, str], None] | None = None
+        self.on_attempt_failed: Callable[[ModelRuntime, str], None] | None = None
         #: A new process answered its first token (replica.first_byte is set).
         self.on_answered: Callable[[ModelRuntime, Replica], None] | None = None
         #: Requests in flight to this model over all gateways (drains engines without load signals).
@@ -327,15 +357,15 @@ class ModelRuntime:
             }
         return out
 
-    async def _acquire_weights(self, replica: Replica) -> None:
+    async def _acquire_weights(self, replica: Replica, deadline: float) -> None:
         """`spec.source` to a local path for this start of the replica's engine, leased (relative
         file:// from the manifest's folder; oci:// and hf:// through the cache, checked). The
-        weights must be there within the activation's time less a margin, so that held requests
-        learn why before their own timeout; a pull cut short keeps its bytes for the next try."""
+        weights must be there by the activation's `deadline` (its time less a margin), so that held
+        requests learn why before their own timeout; a pull cut short keeps its bytes for the next try."""
         if self.model.spec.source is None:
             return
         timeout = float(self.model.spec.scaling.activationTimeout)
-        budget = timeout - min(2.0, timeout / 4)
+        budget = max(0.1, deadline - time.monotonic())
         acquire = self.delivery.acquire(
             self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file
         )
@@ -452,68 +482,96 @@ class ModelRuntime:
         if self.hotswap is not None:
             self.hotswap.poke()
 
+    def _activation(self) -> Activation:
+        now = time.monotonic()
+        timeout = float(self.model.spec.scaling.activationTimeout)
+        return Activation(began=now, deadline=now + timeout - activation_margin(timeout))
+
     async def _supervise(self, replica: Replica) -> None:
         backoff = self.settings.restart_backoff_min
-        load_timeout = float(self.model.spec.scaling.activationTimeout)
+        from_zero = self.model.spec.scaling.min == 0
+        activation = replica.activation = self._activation()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while True:
                 replica.state = ReplicaState.STARTING
-                began = replica.started_at = time.monotonic()
+                replica.started_at = time.monotonic()
                 replica.healthy_at = replica.loaded_at = replica.first_byte = replica.first_byte_at = None
                 replica.weights_at = replica.load = None
-                try:
-                    await self._acquire_weights(replica)
-                    await self._acquire_adapters(replica)
-                except DeliveryError as exc:
-                    why = str(exc)
-                    source = self.model.spec.source or ""
-                    failure = f"weights unavailable: {why if source in why else f'{source}: {why}'}"
-                    if self.model.spec.scaling.min == 0:
-                        self._gone(replica, None, failure, contract.WEIGHTS_UNAVAILABLE)
-                        return
-                    # An always-on model tries again with backoff (the registry may come back).
-                    self._activation_failed(failure, contract.WEIGHTS_UNAVAILABLE)
-                    replica.state = ReplicaState.RESTARTING
-                    self._changed()
-                    log.warning("weights unavailable model=%s replica=%d retry_in=%.1fs", self.model.key,
-                                replica.index, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.settings.restart_backoff_max)
-                    continue
-                if self.model.spec.source is not None:
-                    # The process starts now: health and load are timed from here, and the
-                    # activation's time left is what the engine has to load.
-                    replica.weights_at = replica.started_at = time.monotonic()
-                try:
-                    code, reason = await self._run_engine(replica, session, load_timeout - (replica.started_at - began))
-                finally:
-                    self._release_weights(replica)
-                was_ready = replica.ready_at is not None
-                if was_ready:
-                    backoff = self.settings.restart_backoff_min
-                else:
-                    self._activation_failed(
-                        reason or f"backend exited with code {code} while loading (log: {replica.child.log_path})"
-                    )
+                failure, code, exit_code = await self._attempt(replica, session, activation)
                 replica.state = ReplicaState.RESTARTING
                 replica.ready_at = None
-                replica.restarts += 1
-                if self.model.spec.scaling.min == 0:
-                    # Scale-from-zero models do not restart on their own: the scaler decides
-                    # again from demand, and a failed load needs a new activation lease.
-                    self._gone(replica, code, None)
-                    return
+                if failure is None:
+                    # It was ready and served, then exited: a restart, not a failed start.
+                    replica.restarts += 1
+                    if from_zero:
+                        # Scale-from-zero models do not restart on their own: the scaler decides
+                        # again from demand.
+                        self._gone(replica, exit_code, None)
+                        return
+                    backoff = self.settings.restart_backoff_min
+                    self._changed()
+                    log.warning("replica exited model=%s replica=%d code=%s restart_in=%.1fs log=%s",
+                                self.model.key, replica.index, exit_code, backoff, replica.child.log_path)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.settings.restart_backoff_max)
+                    activation = replica.activation = self._activation()
+                    continue
+                if activation.last_failure and time.monotonic() >= activation.deadline:
+                    # Cut short by the deadline: the reason worth telling is the failure before it.
+                    failure = f"{activation.last_failure}; the attempt after it was still loading when the time ran out"
+                activation.failed += 1
+                activation.last_failure = failure
+                self._attempt_failed(replica, activation, failure)
                 self._changed()
-                log.warning(
-                    "replica exited model=%s replica=%d code=%s restart_in=%.1fs log=%s",
-                    self.model.key,
-                    replica.index,
-                    code,
-                    backoff,
-                    replica.child.log_path,
-                )
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(min(backoff, max(0.0, activation.deadline - time.monotonic())))
                 backoff = min(backoff * 2, self.settings.restart_backoff_max)
+                if time.monotonic() < activation.deadline:
+                    continue
+                # The activation's time is up: the held requests get the last attempt's reason.
+                timeout = float(self.model.spec.scaling.activationTimeout)
+                attempts = "1 attempt" if activation.failed == 1 else f"{activation.failed} attempts"
+                given_up = f"{failure} ({attempts} in the {timeout:.0f}s activationTimeout)"
+                if from_zero:
+                    # A failed activation needs a new activation lease to start again.
+                    self._gone(replica, None, given_up, code)
+                    return
+                # An always-on model keeps trying, in a new activation.
+                self._activation_failed(given_up, code)
+                activation = replica.activation = self._activation()
+
+    async def _attempt(
+        self, replica: Replica, session: aiohttp.ClientSession, activation: Activation
+    ) -> tuple[str | None, str, int | None]:
+        """One start of the replica's engine, watched until it exits: why the start failed (None:
+        the process was ready before it exited), that failure's code, and the exit code."""
+        try:
+            await self._acquire_weights(replica, activation.deadline)
+            await self._acquire_adapters(replica)
+        except DeliveryError as exc:
+            why = str(exc)
+            source = self.model.spec.source or ""
+            failure = f"weights unavailable: {why if source in why else f'{source}: {why}'}"
+            return failure, contract.WEIGHTS_UNAVAILABLE, None
+        if self.model.spec.source is not None:
+            # The process starts now: health and load are timed from here.
+            replica.weights_at = replica.started_at = time.monotonic()
+        try:
+            code, reason = await self._run_engine(replica, session, activation.deadline - replica.started_at)
+        finally:
+            self._release_weights(replica)
+        if replica.ready_at is not None:
+            return None, "", code
+        replica.restarts += 1
+        return reason or f"backend exited with code {code} while loading (log: {replica.child.log_path})", "", code
+
+    def _attempt_failed(self, replica: Replica, activation: Activation, reason: str) -> None:
+        self.failed_attempts += 1
+        self.last_attempt_failure = reason
+        left = activation.deadline - time.monotonic()
+        log.warning("start attempt failed model=%s replica=%d attempt=%d time_left=%.1fs reason=%s",
+                    self.model.key, replica.index, activation.failed, max(0.0, left), reason)
+        if self.on_attempt_failed is not None:
+            self.on_attempt_failed(self, reason)
 
     async def _run_engine(
         self, replica: Replica, session: aiohttp.ClientSession, load_timeout: float
@@ -696,6 +754,7 @@ class ModelRuntime:
     def _became_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
         replica.ready_at = time.monotonic()
+        replica.activation = None
         if replica.adapter_weights and self.backend.lora_arg:
             now = time.time()
             self.adapter_loaded_at.update((a.name, now) for a in self.model.adapters)

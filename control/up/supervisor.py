@@ -245,6 +245,9 @@ class Up:
             runtime.on_activation_failed = lambda rt, _reason: self.metrics.activation_failures.labels(
                 rt.model.key
             ).inc()
+            runtime.on_attempt_failed = lambda rt, _reason: self.metrics.start_attempt_failures.labels(
+                rt.model.key
+            ).inc()
             self._watch_weights(runtime)
             self._watch_adapters(runtime)
         self.components: dict[str, Supervised] = {}
@@ -463,6 +466,16 @@ class Up:
                             "state": r.state.value,
                             "pid": r.child.pid,
                             "restarts": r.restarts,
+                            # The start attempts of an activation still in progress: how many
+                            # failed, and the seconds it has left before it is given up.
+                            "activation": (
+                                {
+                                    "failed_attempts": r.activation.failed,
+                                    "seconds_left": round(max(0.0, r.activation.deadline - time.monotonic()), 1),
+                                }
+                                if r.activation is not None
+                                else None
+                            ),
                             "engine_load": (
                                 {"running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage}
                                 if r.load is not None
@@ -481,6 +494,8 @@ class Up:
                     "failed_activations": rt.failed_activations,
                     "last_failure": rt.last_failure,
                     "last_failure_code": rt.last_failure_code,
+                    "failed_start_attempts": rt.failed_attempts,
+                    "last_attempt_failure": rt.last_attempt_failure,
                     "last_cold_start_seconds": rt.last_cold_start,
                     "last_cold_start": dict(rt.last_timeline),
                     "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,

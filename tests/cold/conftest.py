@@ -9,6 +9,9 @@ import pytest
 
 from tests.support.up import UpProcess, model_doc
 
+#: cold-crash's activationTimeout: its start attempts are retried within it.
+CRASH_TIMEOUT = 15
+
 
 #: Each model's spec; the tests parametrized over both paths take the model and its twin on the
 #: native path once warm (`<name>n`, strategy round-robin, `native_twin`): while cold both are
@@ -31,7 +34,7 @@ def specs(faults: Path) -> dict[str, str]:
   scaling: {min: 0, max: 1, idleTimeout: 120}
 """,
         "cold-crash": f"""  args: [--startup-seconds, "1", --fault-file, "{faults / "crash"}"]
-  scaling: {{min: 0, max: 1, idleTimeout: 120, activationTimeout: 20}}
+  scaling: {{min: 0, max: 1, idleTimeout: 3, activationTimeout: {CRASH_TIMEOUT}}}
 """,
         "cold-hang": f"""  args: [--fault-file, "{faults / "hang"}"]
   scaling: {{min: 0, max: 1, idleTimeout: 120, activationTimeout: 3}}
