@@ -117,6 +117,9 @@ class ColdQueues:
         queue = self.queue(route.key)
         now = self._clock()
         if queue.lease is None or not queue.lease.live(now):
+            # Failures before this lease are not news to it, even for a queue that never saw
+            # them (the standby's first request for a model that failed while the active served).
+            queue.failures_seen = max(queue.failures_seen, route.failed_activations)
             queue.lease = Lease(
                 started=now,
                 deadline=now + route.cold.activation_timeout_ms / 1000,

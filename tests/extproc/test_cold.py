@@ -105,6 +105,21 @@ async def test_a_failed_activation_fails_every_held_request(queues: ColdQueues, 
     assert queues.snapshot() == {"m": (0, 1, 1)}  # a new lease knows that failure
 
 
+async def test_a_first_request_after_a_failure_elsewhere_is_not_failed_by_it(queues: ColdQueues, clock: Clock) -> None:
+    """This extproc never held a request for the model while its activation failed (the other
+    extproc did): its first request waits for the new activation, not for the old failure."""
+    failed = route(failed=1)
+    failed.last_failure = "backend exited with code 3 while loading"
+    queues.demand(failed)
+    waiter = asyncio.create_task(queues.wait(failed, clock.now + 30))
+    await asyncio.sleep(0)
+    queues.on_routes({"m": failed})  # any later push of the same table
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    queues.on_routes({"m": route("127.0.0.1:9000", failed=1)})
+    await asyncio.wait_for(waiter, 1)
+
+
 async def test_a_failure_for_want_of_weights_carries_its_code(queues: ColdQueues, clock: Clock) -> None:
     queues.demand(route())
     first = asyncio.create_task(queues.wait(route(), clock.now + 30))
