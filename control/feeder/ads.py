@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.h2guard import GRPC_OPTIONS, FrameBudget, FrameGuard
+from wakegate.control.feeder.h2guard import GRPC_OPTIONS, FrameBudget, GuardedServer, serve_guarded
 from wakegate.control.feeder.resources import (
     ENDPOINT,
     MODEL_ROUTE,
@@ -247,18 +247,6 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         )
 
 
-class AdsListener:
-    """The running ADS server: grpcio on a loopback port behind the `FrameGuard` on the port asked for."""
-
-    def __init__(self, server: grpc.aio.Server, guard: FrameGuard) -> None:
-        self.server = server
-        self.guard = guard
-
-    async def stop(self, grace: float | None) -> None:
-        await self.guard.close()
-        await self.server.stop(grace)
-
-
 async def start_server(
     cache: SnapshotCache,
     listen: str,
@@ -266,7 +254,7 @@ async def start_server(
     on_endpoints_acked: Callable[[], None] = lambda: None,
     authenticator: Authenticator | None = None,
     budget: FrameBudget | None = None,
-) -> tuple[AdsListener, AdsServer, int]:
+) -> tuple[GuardedServer, AdsServer, int]:
     """Start the ADS gRPC server with the standard health service; returns the bound port.
 
     `extra` registers more services on the same server (the demand service in `wakegate up`).
@@ -282,13 +270,6 @@ async def start_server(
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    inner = server.add_insecure_port("127.0.0.1:0")
-    host, _, port_text = listen.rpartition(":")
-    guard = FrameGuard(("127.0.0.1", inner), budget)
-    try:
-        port = await guard.listen(host.strip("[]"), int(port_text))
-    except (OSError, ValueError) as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    await server.start()
+    guarded, port = await serve_guarded(server, listen, budget)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return AdsListener(server, guard), ads, port
+    return guarded, ads, port

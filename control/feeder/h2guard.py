@@ -10,7 +10,8 @@ bytes to grpcio on a loopback port of its own. A connection whose PING or SETTIN
 overrun their budget (a burst, then a rate, per connection) is closed at once, both ways.
 
 What the server sends back is forwarded untouched. Every other limit (streams, message
-sizes, rapid reset) stays grpc-core's own (`GRPC_OPTIONS`). Nothing here knows gRPC or xDS.
+sizes, rapid reset) stays grpc-core's own (`GRPC_OPTIONS`). `serve_guarded` puts any grpc.aio
+server behind a guard: the feeder's ADS server and the scaler's demand port use it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+
+import grpc
 
 log = logging.getLogger("wakegate.xds")
 
@@ -206,3 +209,32 @@ class FrameGuard:
                 await writer.drain()
         finally:
             writer.close()
+
+
+class GuardedServer:
+    """A grpc.aio server on a loopback port of its own, reached through its `FrameGuard`."""
+
+    def __init__(self, server: grpc.aio.Server, guard: FrameGuard) -> None:
+        self.server = server
+        self.guard = guard
+
+    async def stop(self, grace: float | None) -> None:
+        await self.guard.close()
+        await self.server.stop(grace)
+
+
+async def serve_guarded(
+    server: grpc.aio.Server, listen: str, budget: FrameBudget | None = None
+) -> tuple[GuardedServer, int]:
+    """Start `server` (its services added, no port yet) on a loopback port and a guard in front
+    of it on `listen` (HOST:PORT, [V6]:PORT); returns both and the guard's bound port. Raises
+    OSError when `listen` cannot be bound."""
+    inner = server.add_insecure_port("127.0.0.1:0")
+    host, _, port = listen.rpartition(":")
+    guard = FrameGuard(("127.0.0.1", inner), budget)
+    try:
+        bound = await guard.listen(host.strip("[]"), int(port))
+    except (OSError, ValueError) as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    await server.start()
+    return GuardedServer(server, guard), bound

@@ -30,6 +30,7 @@ from wakegate import internal_token
 from wakegate.control import admin
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
+from wakegate.control.feeder.h2guard import GuardedServer, serve_guarded
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.keda.hub import Hub
 from wakegate.control.keda.service import TlsFiles, serve_external_scaler
@@ -146,7 +147,7 @@ class Scaler:
         host, port = admin.host_port(self.settings.admin_listen, "0.0.0.0")
         return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
-    async def _start_demand(self) -> grpc.aio.Server:
+    async def _start_demand(self) -> GuardedServer:
         service = DemandService(self.book, self.hub.poke, authenticator=self.authenticator)
         limits = self.book.limits
         server = grpc.aio.server(
@@ -154,17 +155,17 @@ class Scaler:
             options=[("grpc.max_receive_message_length", 2 * limits.max_report_bytes)],
         )
         demand_pb2_grpc.add_DemandServiceServicer_to_server(service, server)
-        if server.add_insecure_port(self.settings.demand_listen) == 0:
-            raise OSError(f"cannot listen on {self.settings.demand_listen}")
-        await server.start()
-        return server
+        # Gateways reach this port over the network: PING and SETTINGS floods are cut in front
+        # of grpcio (docs/decisions.md, "The feeder's xDS port").
+        guarded, _ = await serve_guarded(server, self.settings.demand_listen)
+        return guarded
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         graceful_exit(self.stop, "scaler")
         threads_stop = threading.Event()
         threads: list[threading.Thread] = []
-        servers: list[grpc.aio.Server] = []
+        servers: list[grpc.aio.Server | GuardedServer] = []
         admin = None
         try:
             if self.settings.models is not None:

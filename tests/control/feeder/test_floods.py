@@ -1,5 +1,6 @@
 """PING and SETTINGS floods against the feeder's xDS port (start_server, as `wakegate up`'s
-feeder and `wakegate xds` run it), while extproc's real route feed is subscribed to it.
+feeder and `wakegate xds` run it), while extproc's real route feed is subscribed to it, and
+against the scaler's demand port, which sits behind the same guard.
 
 Each attacker is a process of its own (tests/support/h2attack.py, the same raw HTTP/2 client
 the extproc flood tests use) that floods one connection and reports how long the feeder let
@@ -14,14 +15,19 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.control.feeder.test_ads import snapshot
 from tests.support import h2attack
-from wakegate.control.feeder.ads import AdsListener, start_server
+from tests.support.scaler import ScalerProcess
+from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.h2guard import GuardedServer
 from wakegate.extproc.feed import RouteFeed
+from wakegate.v1 import demand_pb2, demand_pb2_grpc
 from wakegate.v1.routing_pb2 import ModelRoute
 
 #: Attacking connections at once, per attack.
@@ -61,7 +67,7 @@ async def subscribe(port: int) -> tuple[list[list[int]], asyncio.Task[None]]:
 
 
 @pytest.fixture
-async def feeder() -> AsyncIterator[tuple[SnapshotCache, AdsListener, int]]:
+async def feeder() -> AsyncIterator[tuple[SnapshotCache, GuardedServer, int]]:
     cache = SnapshotCache()
     await cache.set(snapshot(9000))
     listener, _, port = await start_server(cache, "127.0.0.1:0")
@@ -111,3 +117,23 @@ async def test_a_well_behaved_client_is_not_cut(feeder) -> None:
         task.cancel()
     assert seen[-1] == [9000, 9200]
     assert listener.guard.stats.cut == {} and listener.guard.stats.connections == 1
+
+
+@pytest.mark.parametrize("name", ["PING flood", "SETTINGS flood"])
+async def test_the_scalers_demand_port_cuts_floods_too(tmp_path: Path, name: str) -> None:
+    """`wakegate scaler --demand-listen`, which gateways reach over the network, has the same guard."""
+    scaler = await asyncio.to_thread(ScalerProcess, tmp_path)
+    try:
+        port = int(scaler.demand.rsplit(":", 1)[1])
+        outcomes = await asyncio.gather(*(attack_once(port, name) for _ in range(ATTACKERS)))
+        async with grpc.aio.insecure_channel(scaler.demand) as channel:
+            report = demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=1)
+            reply = await demand_pb2_grpc.DemandServiceStub(channel).Report(
+                report, metadata=(("authorization", "Bearer s3cret-token"),)
+            )
+    finally:
+        assert await asyncio.to_thread(scaler.stop) == 0, scaler.log()
+    for outcome in outcomes:
+        assert outcome["ended"] and outcome["seconds"] < 1.0, outcomes
+    assert reply.accepted, reply
+    assert scaler.log().count("over budget") == ATTACKERS, scaler.log()
