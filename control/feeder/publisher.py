@@ -16,7 +16,15 @@ from collections.abc import Callable, Mapping
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewayKey, GatewaySettings, Resources, RoutedModel, build, for_gateway
+from wakegate.control.feeder.resources import (
+    BuildMemo,
+    GatewayKey,
+    GatewaySettings,
+    Resources,
+    RoutedModel,
+    build,
+    for_gateway,
+)
 
 
 class Publisher:
@@ -29,6 +37,8 @@ class Publisher:
         self._pending = False
         #: The API keys native routes check (`GatewaySettings.key_checks`); set as the key file changes.
         self.keys: tuple[GatewayKey, ...] = ()
+        #: The last build's messages: a change rebuilds only what it touched.
+        self.memo = BuildMemo()
 
     def publish_soon(self) -> None:
         """Coalesce bursts of changes into one snapshot, pushed on the next loop turn."""
@@ -39,7 +49,7 @@ class Publisher:
     async def publish(self) -> None:
         self._pending = False
         routed = self._routed()
-        base = build(routed, self.gateway, keys=self.keys)
+        base = build(routed, self.gateway, keys=self.keys, memo=self.memo)
         views = {}
         if self.ads is not None:
             views = {
