@@ -139,7 +139,7 @@ class Gateway:
         first = not self.synced
         self.synced = True
         self.table = RouteTable(changed) if first else self.table.updated(changed, removed)
-        self.picker.configure(self.table.routes.values())
+        self.picker.update(changed, removed)
         for key in removed:
             self.picker.forget(key)
         if first or self.table.names_changed:
