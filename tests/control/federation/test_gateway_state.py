@@ -115,3 +115,36 @@ spec: {{retries: {{attempts: 2, when: {when}}}}}
     # retriable-headers: a member's reply no model server saw (x-wakegate-unserved) is retried in both
     assert set(policy["retryOn"].split(",")) == conditions | {"retriable-headers"}
     assert policy["numRetries"] == 2
+
+
+class AckedRoutes:
+    """Stands in for the ADS server: what the global extprocs acknowledged (cluster -> members)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, frozenset[tuple[str, int]]] = {}
+
+    def retained(self, node: str) -> dict[str, frozenset[tuple[str, int]]]:
+        return self.held
+
+
+async def test_status_lists_the_members_requests_may_still_go_to(tmp_path: Path) -> None:
+    """A member leaves /status's routes once the global extprocs dropped it, not when the gateway
+    decided it (a request sent in between could still reach it: tests/federation)."""
+    gateway = GlobalGateway(
+        GatewayConfig(federation=parse_federation(FILE, "f.yaml"), token_files={}, state_dir=tmp_path)
+    )
+    gateway.health["east"] = MemberHealth().observed(report(ready=1), 0.01, 1.0)
+    gateway._recompute()
+    assert gateway.status()["routes"] == {"chat": ["east"]}  # no ADS server yet: the routes as computed
+    acked = AckedRoutes()
+    gateway.publisher.ads = acked  # type: ignore[assignment]
+    (route,) = gateway._routes
+    assert gateway.status()["routes"] == {"chat": []}  # the extprocs have not got it yet
+    acked.held = {route.cluster: frozenset({("10.0.0.1", 8080)})}
+    assert gateway.status()["routes"] == {"chat": ["east"]}
+    gateway.health["east"] = MemberHealth().observed(report(ready=0), 0.01, 2.0)  # scaled to zero
+    gateway._recompute()
+    assert gateway._routes[0].endpoints == ()
+    assert gateway.status()["routes"] == {"chat": ["east"]}  # until the extprocs acknowledge its removal
+    acked.held = {route.cluster: frozenset()}
+    assert gateway.status()["routes"] == {"chat": []}
