@@ -1460,7 +1460,11 @@ def _endpoint_authorization() -> dict[str, Any]:
 
 
 def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_pb2.ModelRoute:
-    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited)."""
+    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited).
+
+    An adapter's holders are only those among the route's endpoints: a gateway whose Envoy has
+    not confirmed an endpoint yet (`for_gateway`) sees neither the endpoint nor it as a holder."""
+    routable = {f"{ip}:{port}" for ip, port in model.endpoints}
     return routing_pb2.ModelRoute(
         key=model.key,
         names=list(model.names),
@@ -1473,7 +1477,7 @@ def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_p
                 served_name=a.served_name,
                 lora_id=a.lora_id if a.lora_id >= 0 else None,
                 scale=a.scale,
-                endpoints=list(a.endpoints),
+                endpoints=[e for e in a.endpoints if e in routable],
                 failed_loads=a.failed_loads,
                 last_failure=a.last_failure,
             )
