@@ -250,6 +250,8 @@ class Up:
             ).inc()
             self._watch_weights(runtime)
             self._watch_adapters(runtime)
+        #: The runtimes' adapter hot swaps (a demand report pokes these, not every model).
+        self._hotswaps = [rt.hotswap for rt in self.runtimes.values() if rt.hotswap is not None]
         self.components: dict[str, Supervised] = {}
         self.ports: Ports | None = None
         self.drain_seconds = DRAIN_SECONDS
@@ -294,9 +296,8 @@ class Up:
 
     def _demand_changed(self) -> None:
         self.scaler.poke()
-        for runtime in self.runtimes.values():
-            if runtime.hotswap is not None:
-                runtime.hotswap.poke()
+        for hotswap in self._hotswaps:
+            hotswap.poke()
         if self.scaler_hub is not None:
             self.scaler_hub.poke()
 
