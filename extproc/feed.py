@@ -1,9 +1,10 @@
 """extproc's xDS client: subscribes to wakegate.v1.ModelRoute over ADS and keeps the route table current.
 
-Pushed, never polled: the feeder sends a new set whenever anything routable
-changes. Invalid resources are NACKed with the reason and the previous table
-stays in force. Reconnects with capped exponential backoff. Every stream carries the
-internal token (read again at each connect, so a rotated token is picked up).
+Pushed, never polled: the feeder sends what changed whenever anything routable
+changes (incremental xDS: only the changed routes and the names of removed ones).
+Invalid resources are NACKed with the reason and the previous table stays in force.
+Reconnects with capped exponential backoff. Every stream carries the internal token (read
+again at each connect, so a rotated token is picked up).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -27,23 +29,49 @@ MODEL_ROUTE = contract.MODEL_ROUTE_TYPE
 
 
 def decode(response: discovery_pb2.DiscoveryResponse) -> list[routing_pb2.ModelRoute]:
-    routes = []
-    for packed in response.resources:
-        route = routing_pb2.ModelRoute()
-        if packed.type_url != MODEL_ROUTE or not packed.Unpack(route):
-            raise ValueError(f"unexpected resource type {packed.type_url!r}")
-        if not route.key or not route.cluster:
-            raise ValueError("ModelRoute without key or cluster")
-        routes.append(route)
-    return routes
+    """The routes of a state-of-the-world response (every route there is)."""
+    return [_route(packed) for packed in response.resources]
+
+
+def _route(packed: Any) -> routing_pb2.ModelRoute:
+    route = routing_pb2.ModelRoute()
+    if packed.type_url != MODEL_ROUTE or not packed.Unpack(route):
+        raise ValueError(f"unexpected resource type {packed.type_url!r}")
+    if not route.key or not route.cluster:
+        raise ValueError("ModelRoute without key or cluster")
+    return route
+
+
+def decode_delta(
+    response: discovery_pb2.DeltaDiscoveryResponse,
+) -> tuple[list[tuple[str, routing_pb2.ModelRoute]], list[str]]:
+    """The (version, route) pairs an incremental response changes, and the keys it removes."""
+    changed = []
+    for resource in response.resources:
+        route = _route(resource.resource)
+        if resource.name != route.key:
+            raise ValueError(f"resource {resource.name!r} holds the route of {route.key!r}")
+        changed.append((resource.version, route))
+    return changed, list(response.removed_resources)
+
+
+#: Largest route update extproc takes in one message: every route of a very large fleet at once.
+MAX_UPDATE_BYTES = 256 * 1024 * 1024
 
 
 class RouteFeed:
+    """Follows the feeder's ModelRoutes over incremental xDS (DeltaAggregatedResources).
+
+    `on_routes(changed, removed)` gets only what changed; the first call after a start has every
+    route. After a reconnect the feed tells the feeder which versions it holds, so the feeder
+    sends only what changed meanwhile (and removes what went away).
+    """
+
     def __init__(
         self,
         target: str,
         node_id: str,
-        on_routes: Callable[[list[routing_pb2.ModelRoute]], None],
+        on_routes: Callable[[list[routing_pb2.ModelRoute], list[str]], None],
         *,
         token: TokenSource | None = None,
         max_backoff: float = 5.0,
@@ -55,12 +83,15 @@ class RouteFeed:
         self._max_backoff = max_backoff
         self.synced = asyncio.Event()
         self.connected = False
+        #: route key -> the version this extproc holds.
+        self.versions: dict[str, str] = {}
 
     async def run(self) -> None:
         backoff = 0.1
+        options = [("grpc.max_receive_message_length", MAX_UPDATE_BYTES)]
         while True:
             try:
-                async with grpc.aio.insecure_channel(self._target) as channel:
+                async with grpc.aio.insecure_channel(self._target, options=options) as channel:
                     await self._stream(ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel))
                 backoff = 0.1
             except asyncio.CancelledError:
@@ -77,38 +108,48 @@ class RouteFeed:
             backoff = min(backoff * 2, self._max_backoff)
 
     async def _stream(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub) -> None:
-        outgoing: asyncio.Queue[discovery_pb2.DiscoveryRequest] = asyncio.Queue()
-        await outgoing.put(discovery_pb2.DiscoveryRequest(node=self._node, type_url=MODEL_ROUTE))
+        outgoing: asyncio.Queue[discovery_pb2.DeltaDiscoveryRequest] = asyncio.Queue()
+        await outgoing.put(
+            discovery_pb2.DeltaDiscoveryRequest(
+                node=self._node, type_url=MODEL_ROUTE, initial_resource_versions=self.versions
+            )
+        )
 
-        async def requests() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+        async def requests() -> AsyncIterator[discovery_pb2.DeltaDiscoveryRequest]:
             while True:
                 yield await outgoing.get()
 
         metadata = self._token.metadata() if self._token is not None else ()
-        call = stub.StreamAggregatedResources(requests(), metadata=metadata)
-        version = ""
+        call = stub.DeltaAggregatedResources(requests(), metadata=metadata)
         async for response in call:
             self.connected = True
             try:
-                routes = decode(response)
+                changed, removed = decode_delta(response)
             except ValueError as exc:
-                log.error("route update version=%s rejected: %s", response.version_info, exc)
+                log.error("route update version=%s rejected: %s", response.system_version_info, exc)
                 await outgoing.put(
-                    discovery_pb2.DiscoveryRequest(
+                    discovery_pb2.DeltaDiscoveryRequest(
                         node=self._node,
                         type_url=MODEL_ROUTE,
-                        version_info=version,
                         response_nonce=response.nonce,
                         error_detail=status_pb2.Status(code=3, message=str(exc)),
                     )
                 )
                 continue
-            self._on_routes(routes)
-            version = response.version_info
-            log.info("routes updated version=%s models=%d", version, len(routes))
-            self.synced.set()
-            await outgoing.put(
-                discovery_pb2.DiscoveryRequest(
-                    node=self._node, type_url=MODEL_ROUTE, version_info=version, response_nonce=response.nonce
-                )
+            self._on_routes([route for _, route in changed], removed)
+            for key in removed:
+                self.versions.pop(key, None)
+            self.versions.update((route.key, version) for version, route in changed)
+            log.log(
+                logging.INFO if len(changed) + len(removed) > 10 or not self.synced.is_set() else logging.DEBUG,
+                "routes updated version=%s changed=%d removed=%d models=%d",
+                response.system_version_info,
+                len(changed),
+                len(removed),
+                len(self.versions),
             )
+            self.synced.set()
+            ack = discovery_pb2.DeltaDiscoveryRequest(
+                node=self._node, type_url=MODEL_ROUTE, response_nonce=response.nonce
+            )
+            await outgoing.put(ack)

@@ -256,7 +256,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
             "no internal token (%s): the feeder and the scaler will refuse this gateway unless they run without auth",
             settings.internal_token.describe(),
         )
-    feed = RouteFeed(settings.xds, settings.gateway_id, gateway.set_routes, token=settings.internal_token)
+    feed = RouteFeed(settings.xds, settings.gateway_id, gateway.update_routes, token=settings.internal_token)
     native = NativeCounts(settings.envoy_admin, gateway) if settings.envoy_admin else None
     reporter = DemandReporter(
         settings.demand,

@@ -213,35 +213,84 @@ class Resolved:
         return rewritten(parsed, self.body_model, self.lora)
 
 
+def _resolutions(route: routing_pb2.ModelRoute) -> list[tuple[str, Resolved]]:
+    """(name, what it resolves to) for every name a route answers to, in precedence order."""
+    out: list[tuple[str, Resolved]] = []
+    base = Resolved(route, route.served_name)
+    ids = [lora.lora_id for lora in route.adapters if lora.HasField("lora_id")]
+    if ids:
+        # llama.cpp's server keeps a slot's prompt cache when a request names no `lora`
+        # list, even if the slot last ran with an adapter: the base's requests name one
+        # (every adapter at scale 0), so the engine sees the change and clears that cache.
+        base = Resolved(route, route.served_name, lora=(min(ids), 0.0), needs_body=True)
+    out.extend((name, base) for name in route.names)
+    out.append((route.served_name, base))
+    out.extend((adapter, Resolved(route, adapter, adapter)) for adapter in route.lora_adapters)
+    for lora in route.adapters:
+        if lora.HasField("lora_id"):
+            resolved = Resolved(route, route.served_name, lora.served_name, (lora.lora_id, lora.scale), needs_body=True)
+        else:
+            resolved = Resolved(route, lora.served_name, lora.served_name, needs_body=True)
+        out.extend((name, resolved) for name in lora.names)
+    return out
+
+
+def _naming(route: routing_pb2.ModelRoute) -> tuple[object, ...]:
+    """What of a route decides the names it answers to and what they resolve to, but its identity."""
+    return (
+        tuple(route.names),
+        route.served_name,
+        tuple(route.lora_adapters),
+        tuple((tuple(a.names), a.served_name, a.HasField("lora_id"), a.lora_id, a.scale) for a in route.adapters),
+    )
+
+
 class RouteTable:
-    """Every client-visible name -> its model's route. Rebuilt whole on each xDS update."""
+    """Every client-visible name -> its model's route.
+
+    Built whole from the first route set; after that `updated` makes the next table from only the
+    routes that changed: a route whose names stayed the same (a replica ready, a load reading)
+    replaces its own entries, and only a change of names rebuilds the name index.
+    """
 
     def __init__(self, routes: Iterable[routing_pb2.ModelRoute] = ()) -> None:
         self.routes: dict[str, routing_pb2.ModelRoute] = {}
         self._by_name: dict[str, Resolved] = {}
         for route in routes:
             self.routes[route.key] = route
-            base = Resolved(route, route.served_name)
-            ids = [lora.lora_id for lora in route.adapters if lora.HasField("lora_id")]
-            if ids:
-                # llama.cpp's server keeps a slot's prompt cache when a request names no `lora`
-                # list, even if the slot last ran with an adapter: the base's requests name one
-                # (every adapter at scale 0), so the engine sees the change and clears that cache.
-                base = Resolved(route, route.served_name, lora=(min(ids), 0.0), needs_body=True)
-            for name in route.names:
-                self._by_name.setdefault(name, base)
-            self._by_name.setdefault(route.served_name, base)
-            for adapter in route.lora_adapters:
-                self._by_name.setdefault(adapter, Resolved(route, adapter, adapter))
-            for lora in route.adapters:
-                if lora.HasField("lora_id"):
-                    resolved = Resolved(
-                        route, route.served_name, lora.served_name, (lora.lora_id, lora.scale), needs_body=True
-                    )
-                else:
-                    resolved = Resolved(route, lora.served_name, lora.served_name, needs_body=True)
-                for name in lora.names:
-                    self._by_name.setdefault(name, resolved)
+            for name, resolved in _resolutions(route):
+                self._by_name.setdefault(name, resolved)
+
+    def updated(self, changed: Iterable[routing_pb2.ModelRoute], removed: Iterable[str] = ()) -> RouteTable:
+        """The table with `changed` routes put in (by key) and the `removed` keys taken out; also
+        whether any client-visible name changed (`names_changed` on the new table)."""
+        routes = dict(self.routes)
+        renamed = False
+        for key in removed:
+            if routes.pop(key, None) is not None:
+                renamed = True
+        changed = list(changed)
+        for route in changed:
+            old = routes.get(route.key)
+            routes[route.key] = route
+            if old is None or _naming(old) != _naming(route):
+                renamed = True
+        if renamed:
+            table = RouteTable(routes.values())
+        else:
+            table = RouteTable()
+            table.routes = routes
+            table._by_name = dict(self._by_name)
+            for route in changed:
+                for name, resolved in _resolutions(route):
+                    # Where another route held the name first, it keeps it.
+                    if table._by_name[name].route.key == route.key:
+                        table._by_name[name] = resolved
+        table.names_changed = renamed
+        return table
+
+    #: Whether the last `updated` changed which names exist or what they resolve to.
+    names_changed = True
 
     def resolve(self, name: str) -> Resolved | None:
         return self._by_name.get(name)

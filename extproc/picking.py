@@ -42,6 +42,7 @@ import json
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from wakegate import contract
@@ -381,12 +382,49 @@ class InFlight:
         return best
 
 
+@dataclass(frozen=True, slots=True)
+class _RouteInfo:
+    """What one route gives the picker."""
+
+    endpoints: tuple[str, ...]
+    weights: dict[str, float] | None
+    adapters: frozenset[str]
+    #: (endpoint, where its engine publishes KV events), for models weighing ``precise``
+    targets: tuple[tuple[str, Target], ...]
+    #: picked by scoring (its endpoints' engine state is worth reading)
+    scored: bool
+
+
+def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
+    endpoints = tuple(f"{e.address}:{e.port}" for e in route.endpoints)
+    chosen = weights_for(route.profile, route.weights)
+    adapters: frozenset[str] = frozenset()
+    targets: tuple[tuple[str, Target], ...] = ()
+    if chosen:
+        # On-demand adapters are placed by their holders (extproc/adapters.py), not by what the
+        # engines report running.
+        own = () if route.adapters_on_demand else route.adapters
+        if route.lora_adapters or own:
+            adapters = frozenset(route.lora_adapters) | {a.served_name for a in own}
+        if chosen.get("precise") and route.kv_events_offset:
+            targets = tuple(
+                (
+                    f"{e.address}:{e.port}",
+                    target_for(e.address, e.port, route.kv_events_offset, route.kv_events_replay_offset),
+                )
+                for e in route.endpoints
+            )
+    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen))
+
+
 class Picker:
     """Chooses an endpoint per request; keeps one :class:`HashRing` per model."""
 
     __slots__ = (
         "_adapters",
+        "_endpoint_routes",
         "_kv_targets",
+        "_per_route",
         "_rings",
         "_rotation",
         "_scored_endpoints",
@@ -420,43 +458,80 @@ class Picker:
         self._adapters: dict[str, frozenset[str]] = {}  # model_key -> its LoRA adapter names
         self._rotation = Rotation()
         self._scored_endpoints: set[str] = set()
+        #: model_key -> what its route gives the picker; endpoint -> routes listing it
+        self._per_route: dict[str, _RouteInfo] = {}
+        self._endpoint_routes: dict[str, int] = {}
         self._signals = Signals(self.inflight.count, self.engines)
 
     def configure(self, routes: Iterable[routing_pb2.ModelRoute]) -> None:
-        """Take the route table: each model's profile or weights, its adapters, the live endpoints.
+        """Take the whole route table: each model's profile or weights, its adapters, the live endpoints.
 
         Endpoints no route lists any more are forgotten by the prefix index and engine state.
         """
-        weights: dict[str, dict[str, float]] = {}
-        adapters: dict[str, frozenset[str]] = {}
-        live: set[str] = set()
-        scored: set[str] = set()
-        targets: dict[str, Target] = {}
-        for route in routes:
-            endpoints = {f"{e.address}:{e.port}" for e in route.endpoints}
-            chosen = weights_for(route.profile, route.weights)
-            if chosen:
-                weights[route.key] = chosen
-                scored |= endpoints
-                # On-demand adapters are placed by their holders (extproc/adapters.py), not by
-                # what the engines report running.
-                own = () if route.adapters_on_demand else route.adapters
-                if route.lora_adapters or own:
-                    adapters[route.key] = frozenset(route.lora_adapters) | {a.served_name for a in own}
-                if chosen.get("precise") and route.kv_events_offset:
-                    for e in route.endpoints:
-                        targets[f"{e.address}:{e.port}"] = target_for(
-                            e.address, e.port, route.kv_events_offset, route.kv_events_replay_offset
-                        )
-            live |= endpoints
-        self._weights = weights
-        self._kv_targets = targets
-        self.kv.retain(targets)
-        self._scored_endpoints = scored
-        self._adapters = adapters
-        self.index.retain(live)
-        for ep in [ep for ep in self.engines if ep not in live]:
+        routes = list(routes)
+        keys = {route.key for route in routes}
+        self.update(routes, [key for key in self._per_route if key not in keys])
+
+    def update(self, changed: Iterable[routing_pb2.ModelRoute], removed: Iterable[str] = ()) -> None:
+        """Take what changed in the route table: the routes new or changed, the keys of those gone.
+
+        Work is proportional to the change: each route's share (weights, adapters, endpoints, KV
+        targets) is kept apart and counted per endpoint, so an endpoint is forgotten (prefix
+        index, engine state, KV subscription) exactly when the last route listing it drops it.
+        """
+        dropped: set[str] = set()
+        targets_changed = scored_changed = False
+        for key in removed:
+            old = self._per_route.pop(key, None)
+            if old is not None:
+                dropped |= self._unlist(old)
+                targets_changed |= bool(old.targets)
+                scored_changed |= old.scored
+                self._weights.pop(key, None)
+                self._adapters.pop(key, None)
+        for route in changed:
+            info = _route_info(route)
+            old = self._per_route.get(route.key)
+            if old == info:
+                continue
+            if old is not None:
+                dropped |= self._unlist(old)
+                targets_changed |= bool(old.targets)
+                scored_changed |= old.scored
+            self._per_route[route.key] = info
+            for ep in info.endpoints:
+                self._endpoint_routes[ep] = self._endpoint_routes.get(ep, 0) + 1
+            targets_changed |= bool(info.targets)
+            scored_changed |= info.scored
+            if info.weights:
+                self._weights[route.key] = info.weights
+            else:
+                self._weights.pop(route.key, None)
+            if info.adapters:
+                self._adapters[route.key] = info.adapters
+            else:
+                self._adapters.pop(route.key, None)
+        if scored_changed:
+            self._scored_endpoints = {ep for info in self._per_route.values() if info.scored for ep in info.endpoints}
+        if targets_changed:
+            self._kv_targets = {ep: t for info in self._per_route.values() for ep, t in info.targets}
+            self.kv.retain(self._kv_targets)
+        if any(ep not in self._endpoint_routes for ep in dropped):
+            self.index.retain(self._endpoint_routes)
+        # Engine state only for routed endpoints (a reading may land after its endpoint left);
+        # the book holds only the endpoints whose engines are read, so this walk stays small.
+        for ep in [ep for ep in self.engines if ep not in self._endpoint_routes]:
             del self.engines[ep]
+
+    def _unlist(self, info: _RouteInfo) -> set[str]:
+        """Take a route's endpoints off the count; returns them (some may be listed elsewhere still)."""
+        for ep in info.endpoints:
+            left = self._endpoint_routes[ep] - 1
+            if left:
+                self._endpoint_routes[ep] = left
+            else:
+                del self._endpoint_routes[ep]
+        return set(info.endpoints)
 
     def scored_endpoints(self) -> set[str]:
         """Endpoints of the models picked by scoring (whose engine state is worth reading)."""

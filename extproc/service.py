@@ -126,17 +126,31 @@ class Gateway:
         self.on_demand_change()
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
+        """Take a whole route set: every route there is."""
+        keys = {route.key for route in routes}
+        self.update_routes(routes, [key for key in self.table.routes if key not in keys])
+
+    def update_routes(self, changed: list[routing_pb2.ModelRoute], removed: list[str]) -> None:
+        """Take what changed in the route set: routes new or changed, and the keys of those gone.
+
+        The work is proportional to the change: a replica becoming ready touches its own route's
+        names and queue, not every model's; `/v1/models` is rebuilt only when a name changed.
+        """
+        first = not self.synced
         self.synced = True
-        gone = self.table.routes.keys() - {route.key for route in routes}
-        self.table = RouteTable(routes)
-        self.picker.configure(routes)
-        for key in gone:
+        self.table = RouteTable(changed) if first else self.table.updated(changed, removed)
+        self.picker.update(changed, removed)
+        for key in removed:
             self.picker.forget(key)
-        self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
-        self._scoped_bodies = {}
+        if first or self.table.names_changed:
+            self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
+            self._scoped_bodies = {}
         self.metrics.routes.set(len(self.table.routes))
-        for key, route in self.table.routes.items():
-            self.metrics.queue_limit.labels(key).set(route.cold.max_queue)
+        for route in changed:
+            self.metrics.queue_limit.labels(route.key).set(route.cold.max_queue)
+        for key in removed:
+            with contextlib.suppress(KeyError):
+                self.metrics.queue_limit.remove(key)
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
         self.adapters.on_routes(self.table.routes)

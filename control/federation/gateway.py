@@ -480,7 +480,7 @@ class GlobalGateway:
             "models": {
                 fed.model_key(m): fed.federated_status(m, self.members.values(), self.health) for m in self.models
             },
-            "routes": {r.key: sorted(self._names(r.endpoints)) for r in self._routes},
+            "routes": self._routed_now(),
             "waking": {key: w.member for key, w in self._wakes.items()},
             "components": {
                 c.child.name: {"pid": c.child.pid, "running": c.child.running, "restarts": c.restarts}
@@ -493,6 +493,17 @@ class GlobalGateway:
                 "wakes": dict(self.counters.wakes),
                 "wake_failures": self.counters.wake_failures,
             },
+        }
+
+    def _routed_now(self) -> dict[str, list[str]]:
+        """Per model, the members the global extprocs may send a request to now: the routes they
+        acknowledged, so a member is listed until they have dropped it (and from when they have
+        it). Before the ADS server runs: the routes as computed."""
+        ads = self.publisher.ads
+        held = ads.retained(self.node_id) if ads is not None else None
+        return {
+            r.key: sorted(self._names(r.endpoints if held is None else tuple(held.get(r.cluster, ()))))
+            for r in self._routes
         }
 
     async def _serve_admin(self) -> web.AppRunner | None:

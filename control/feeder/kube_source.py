@@ -101,10 +101,29 @@ class KubeSource:
     failed_now: dict[str, bool] = field(default_factory=dict)
     #: LoRAAdapters by namespace, then name (spec and metadata only)
     adapters: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    #: model key -> its manifest parsed (None: invalid), and its last RoutedModel; rebuilt only for
+    #: the keys an event touched (`_dirty`; None: all), so a change costs one Model, not all.
+    _parsed: dict[str, Model | None] = field(default_factory=dict)
+    _routed: dict[str, RoutedModel] = field(default_factory=dict)
+    _dirty: set[str] | None = field(default_factory=set)
+
+    def _touch(self, key: str) -> None:
+        if self._dirty is not None:
+            self._dirty.add(key)
+
+    def _touch_namespace(self, namespace: str) -> None:
+        for key in self.models:
+            if key.partition("/")[0] == namespace:
+                self._touch(key)
 
     def on_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
         key = names.model_key(meta["namespace"], meta["name"])
+        self._parsed.pop(key, None)
+        self._touch(key)
+        if self.adapters.get(str(meta["namespace"])):
+            # Adapters are chosen per namespace among its Models: its other Models may change too.
+            self._touch_namespace(str(meta["namespace"]))
         if event_type == "DELETED":
             self.models.pop(key, None)
             self.failures.pop(key, None)
@@ -123,16 +142,24 @@ class KubeSource:
         old = store.get(meta["name"])
         if event_type == "DELETED":
             store.pop(meta["name"], None)
-            return old is not None
-        new = {k: body.get(k) for k in ("metadata", "spec")}
-        store[meta["name"]] = new
-        return old is None or (old["metadata"].get("generation"), old["spec"]) != (meta.get("generation"), new["spec"])
+            changed = old is not None
+        else:
+            new = {k: body.get(k) for k in ("metadata", "spec")}
+            store[meta["name"]] = new
+            changed = old is None or (old["metadata"].get("generation"), old["spec"]) != (
+                meta.get("generation"),
+                new["spec"],
+            )
+        if changed:
+            self._touch_namespace(str(meta["namespace"]))
+        return changed
 
     def on_slice(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
         key = names.owning_model_key(meta)
         if key is None:
             return
+        self._touch(key)
         by_slice = self.slices.setdefault(key, {})
         if event_type == "DELETED":
             by_slice.pop(meta["name"], None)
@@ -147,7 +174,10 @@ class KubeSource:
             self.leaving.add(name)
         else:
             self.leaving.discard(name)
-        return was != (name in self.leaving)
+        if was != (name in self.leaving):
+            self._dirty = None  # which Models have endpoints there is not indexed: all, rarely
+            return True
+        return False
 
     def endpoints(self, key: str) -> set[tuple[str, int]]:
         """A Model's routable endpoints: those on nodes staying, or all when none is."""
@@ -158,42 +188,54 @@ class KubeSource:
         return staying or set(found)
 
     def routed(self) -> list[RoutedModel]:
-        parsed: dict[str, Model | None] = {}
-        for key, body in self.models.items():
+        """Every valid Model's RoutedModel, in key order; only the Models touched since the last
+        call are parsed and built again (the others are the same objects as last time)."""
+        dirty = set(self.models) if self._dirty is None else self._dirty & self.models.keys()
+        self._dirty = set()
+        for key in [k for k in self._routed if k not in self.models]:
+            del self._routed[key]
+        for key in [k for k in self._parsed if k not in self.models]:
+            del self._parsed[key]
+        if dirty:
+            self._rebuild(dirty)
+        return [self._routed[key] for key in sorted(self._routed)]
+
+    def _model(self, key: str) -> Model | None:
+        if key not in self._parsed:
             try:
-                parsed[key] = model_from_object(body)
+                self._parsed[key] = model_from_object(self.models[key])
             except ValidationError:
-                parsed[key] = None
-        selections = {
-            namespace: select(
-                {key.partition("/")[2]: m for key, m in parsed.items() if key.partition("/")[0] == namespace},
-                bodies.values(),
-            )
-            for namespace, bodies in self.adapters.items()
-            if bodies
-        }
-        out = []
-        for key, body in sorted(self.models.items()):
-            model = parsed[key]
+                self._parsed[key] = None
+        return self._parsed[key]
+
+    def _rebuild(self, dirty: set[str]) -> None:
+        selections = {}
+        for namespace in {key.partition("/")[0] for key in dirty}:
+            bodies = self.adapters.get(namespace)
+            if bodies:
+                members = {k.partition("/")[2]: self._model(k) for k in self.models if k.partition("/")[0] == namespace}
+                selections[namespace] = select(members, bodies.values())
+        for key in dirty:
+            body = self.models[key]
+            model = self._model(key)
             if model is None:
+                self._routed.pop(key, None)
                 continue
             selection = selections.get(key.partition("/")[0])
             if selection is not None and selection.of(model.name):
                 model = model.with_adapters(selection.of(model.name))
             status = body.get("status") or {}
-            endpoints = self.endpoints(key)
             failed = self.failed_now.get(key, False)
             ready_message = next(
                 (c.get("message", "") for c in status.get("conditions") or [] if c.get("type") == "Ready"), ""
             )
-            out.append(
-                routed_model(
-                    model,
-                    endpoints,
-                    generation=int(body["metadata"].get("generation", 0)),
-                    failed_activations=self.failures.get(key, 0),
-                    last_failure=str(ready_message) if failed else "",
-                    admitted=bool(status.get("admitted", True)),
-                )
+            routed = routed_model(
+                model,
+                self.endpoints(key),
+                generation=int(body["metadata"].get("generation", 0)),
+                failed_activations=self.failures.get(key, 0),
+                last_failure=str(ready_message) if failed else "",
+                admitted=bool(status.get("admitted", True)),
             )
-        return out
+            old = self._routed.get(key)
+            self._routed[key] = old if old == routed else routed

@@ -16,7 +16,15 @@ from collections.abc import Callable, Mapping
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import GatewayKey, GatewaySettings, Resources, RoutedModel, build, for_gateway
+from wakegate.control.feeder.resources import (
+    BuildMemo,
+    GatewayKey,
+    GatewaySettings,
+    Resources,
+    RoutedModel,
+    build,
+    for_gateway,
+)
 
 
 class Publisher:
@@ -29,6 +37,10 @@ class Publisher:
         self._pending = False
         #: The API keys native routes check (`GatewaySettings.key_checks`); set as the key file changes.
         self.keys: tuple[GatewayKey, ...] = ()
+        #: The last build's messages: a change rebuilds only what it touched.
+        self.memo = BuildMemo()
+        #: The models, keys and base snapshot of the last build.
+        self._last: tuple[tuple[RoutedModel, ...], tuple[GatewayKey, ...], Resources] | None = None
 
     def publish_soon(self) -> None:
         """Coalesce bursts of changes into one snapshot, pushed on the next loop turn."""
@@ -39,7 +51,17 @@ class Publisher:
     async def publish(self) -> None:
         self._pending = False
         routed = self._routed()
-        base = build(routed, self.gateway, keys=self.keys)
+        last = self._last
+        if (
+            last is not None
+            and last[1] is self.keys
+            and len(last[0]) == len(routed)
+            and all(a is b for a, b in zip(last[0], routed, strict=True))
+        ):
+            base = last[2]  # only acknowledgements moved: the same models give the same base
+        else:
+            base = build(routed, self.gateway, keys=self.keys, memo=self.memo)
+            self._last = (tuple(routed), self.keys, base)
         views = {}
         if self.ads is not None:
             views = {

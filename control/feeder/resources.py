@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, TypeVar
 
 # Importing the generated modules registers their types in the default pool, which
@@ -145,9 +146,14 @@ class RoutedModel:
     #: The routing path the Model asks for (`routing.path`): "decided" or "native" (where it can).
     path: str = "decided"
 
-    @property
+    @cached_property
     def cluster(self) -> str:
         return cluster_name(self.key)
+
+    @cached_property
+    def endpoint_set(self) -> frozenset[tuple[str, int]]:
+        """`endpoints` as a set (computed once per model object)."""
+        return frozenset(self.endpoints)
 
 
 def routed_model(
@@ -357,6 +363,8 @@ class Resources:
     """One consistent set of resources: type URL -> name -> message."""
 
     by_type: Mapping[str, Mapping[str, Message]]
+    #: Keys of the models Envoy routes alone in this (base) snapshot: `native_keys` without gating.
+    native: frozenset[str] = frozenset()
 
     def select(self, type_url: str, names: Iterable[str]) -> dict[str, Message]:
         available = self.by_type.get(type_url, {})
@@ -367,14 +375,37 @@ class Resources:
 
 
 def version_of(resources: Mapping[str, Message]) -> str:
-    """Content hash: equal resource sets have equal versions, so nothing is re-sent needlessly."""
+    """Content hash: equal resource sets have equal versions, so nothing is re-sent needlessly.
+
+    Built from each resource's own digest (`resource_digest`), which is computed once per message
+    object: a thousand unchanged resources cost a thousand dictionary lookups, not serialisations.
+    """
     digest = hashlib.blake2b(digest_size=12)
     for name in sorted(resources):
         digest.update(name.encode())
         digest.update(b"\0")
-        digest.update(resources[name].SerializeToString(deterministic=True))
-        digest.update(b"\1")
+        digest.update(resource_digest(resources[name]))
     return digest.hexdigest()
+
+
+#: id(message) -> (message, digest). The message is kept alive by the entry, so its id cannot be
+#: taken by another object while the entry stands; resources are never changed once built.
+_DIGESTS: dict[int, tuple[Message, bytes]] = {}
+#: Entries kept at most; past it the oldest half goes (the live set is a few per model and gateway).
+DIGEST_MEMO_LIMIT = 200_000
+
+
+def resource_digest(message: Message) -> bytes:
+    """A digest of one resource's content, memoised per message object (built messages never change)."""
+    found = _DIGESTS.get(id(message))
+    if found is not None and found[0] is message:
+        return found[1]
+    value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
+    if len(_DIGESTS) >= DIGEST_MEMO_LIMIT:
+        for key in list(_DIGESTS)[: DIGEST_MEMO_LIMIT // 2]:
+            del _DIGESTS[key]
+    _DIGESTS[id(message)] = (message, value)
+    return value
 
 
 def pack(message: Message) -> any_pb2.Any:
@@ -1439,7 +1470,11 @@ def _endpoint_authorization() -> dict[str, Any]:
 
 
 def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_pb2.ModelRoute:
-    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited)."""
+    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited).
+
+    An adapter's holders are only those among the route's endpoints: a gateway whose Envoy has
+    not confirmed an endpoint yet (`for_gateway`) sees neither the endpoint nor it as a holder."""
+    routable = {f"{ip}:{port}" for ip, port in model.endpoints}
     return routing_pb2.ModelRoute(
         key=model.key,
         names=list(model.names),
@@ -1452,7 +1487,7 @@ def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_p
                 served_name=a.served_name,
                 lora_id=a.lora_id if a.lora_id >= 0 else None,
                 scale=a.scale,
-                endpoints=list(a.endpoints),
+                endpoints=[e for e in a.endpoints if e in routable],
                 failed_loads=a.failed_loads,
                 last_failure=a.last_failure,
             )
@@ -1496,6 +1531,60 @@ def _route_endpoints(model: RoutedModel) -> list[routing_pb2.Endpoint]:
     ]
 
 
+class BuildMemo:
+    """What the last `build` made, reused by the next one for whatever did not change.
+
+    A change to one model rebuilds that model's cluster, endpoints and route and nothing else;
+    the listener and the route table are rebuilt only when their own inputs change. A model
+    counts as unchanged when it is the same object as last time (the feeders keep unchanged
+    models as they are) or equal to it.
+    """
+
+    def __init__(self) -> None:
+        #: model key -> (model, settings, counted by Envoy, cluster, load assignment, route)
+        self.models: dict[str, tuple[RoutedModel, GatewaySettings, bool, Message, Message, Message]] = {}
+        self.listener: tuple[tuple[Any, ...], Message] | None = None
+        self.routes: tuple[tuple[Any, ...], Message] | None = None
+        #: Per-model messages built (not reused) by the last build: what a change cost.
+        self.rebuilt = 0
+        self._last: dict[str, Mapping[str, Message]] = {}
+
+    def model(self, m: RoutedModel, settings: GatewaySettings, counted: bool) -> tuple[Message, Message, Message]:
+        found = self.models.get(m.key)
+        if (
+            found is not None
+            and (found[0] is m or found[0] == m)
+            and (found[1] is settings or found[1] == settings)
+            and found[2] == counted
+        ):
+            return found[3], found[4], found[5]
+        self.rebuilt += 1
+        made = (model_cluster(m, settings), load_assignment(m), model_route(m, counted))
+        self.models[m.key] = (m, settings, counted, *made)
+        return made
+
+    def same(self, kind: str, made: dict[str, Message]) -> Mapping[str, Message]:
+        """`made`, or the equal mapping of the last build (same names, same message objects)."""
+        last = self._last.get(kind)
+        if last is not None and len(last) == len(made) and all(last.get(n) is m for n, m in made.items()):
+            return last
+        self._last[kind] = made
+        return made
+
+    def keep_only(self, keys: AbstractSet[str]) -> None:
+        for key in [k for k in self.models if k not in keys]:
+            del self.models[key]
+
+
+def _memoised(
+    slot: tuple[tuple[Any, ...], Message] | None, inputs: tuple[Any, ...], make: Callable[[], _M]
+) -> tuple[tuple[tuple[Any, ...], Message], _M]:
+    if slot is not None and slot[0] == inputs:
+        return slot, slot[1]  # type: ignore[return-value]
+    made = make()
+    return (inputs, made), made
+
+
 def build(
     models: Sequence[RoutedModel],
     settings: GatewaySettings,
@@ -1503,32 +1592,48 @@ def build(
     retained: Mapping[str, frozenset[tuple[str, int]]] | None = None,
     routed_natively: AbstractSet[str] | None = None,
     keys: Sequence[GatewayKey] = (),
+    memo: BuildMemo | None = None,
 ) -> Resources:
     """Every resource for one consistent view of the fleet, as one gateway should see it.
 
     Without `confirmed`, `retained` and `routed_natively` this is the base snapshot: every ready
     endpoint, ungated. With them it is `for_gateway(build(models, settings), ...)`. `keys`: the
-    API keys native routes check (`GatewaySettings.key_checks`).
+    API keys native routes check (`GatewaySettings.key_checks`). `memo`: what the last build
+    with the same memo made, reused where its inputs did not change (the feeders keep one).
     """
+    memo = memo if memo is not None else BuildMemo()
+    memo.rebuilt = 0
     native = native_keys(models, settings)
     body_metadata = may_go_native(models, settings)
     limited = envoy_rate_limited(models, settings)
-    routes = route_configuration(
-        settings,
-        [m for m in models if m.key in native],
-        body_metadata=body_metadata,
-        keys=keys,
-        rate_limited=limited,
+    chosen = tuple(m for m in models if m.key in native)
+    keys = tuple(keys)
+    memo.routes, routes = _memoised(
+        memo.routes,
+        (settings, chosen, body_metadata, keys, limited),
+        lambda: route_configuration(settings, chosen, body_metadata=body_metadata, keys=keys, rate_limited=limited),
+    )
+    memo.listener, the_listener = _memoised(
+        memo.listener, (settings, body_metadata, limited), lambda: listener(settings, body_metadata, limited)
     )
     counted = {m.key for m in limited}
+    clusters: dict[str, Message] = {}
+    endpoints: dict[str, Message] = {}
+    model_routes: dict[str, Message] = {}
+    for m in models:
+        clusters[m.cluster], endpoints[m.cluster], model_routes[m.key] = memo.model(m, settings, m.key in counted)
+    if len(memo.models) > len(models):
+        memo.keep_only({m.key for m in models})
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: listener(settings, body_metadata, limited)},
+            LISTENER: {LISTENER_NAME: the_listener},
             ROUTE: {ROUTE_NAME: routes},
-            CLUSTER: {m.cluster: model_cluster(m, settings) for m in models},
-            ENDPOINT: {m.cluster: load_assignment(m) for m in models},
-            MODEL_ROUTE: {m.key: model_route(m, m.key in counted) for m in models},
-        }
+            # The same mapping as last time where nothing in it changed: a stream can tell at once.
+            CLUSTER: memo.same("clusters", clusters),
+            ENDPOINT: memo.same("endpoints", endpoints),
+            MODEL_ROUTE: memo.same("routes", model_routes),
+        },
+        native=native,
     )
     if confirmed is None and retained is None and routed_natively is None:
         return base
@@ -1566,28 +1671,43 @@ def for_gateway(
     Only the messages that differ from the base are rebuilt; in the steady state (every
     acknowledgement current) the base itself is returned.
     """
-    endpoints = dict(base.by_type[ENDPOINT])
-    routes = dict(base.by_type[MODEL_ROUTE])
+    base_endpoints = base.by_type[ENDPOINT]
+    base_routes = base.by_type[MODEL_ROUTE]
+    endpoints: dict[str, Message] | None = None  # copied on the first change only
+    routes: dict[str, Message] | None = None
     route_config = base.by_type[ROUTE]
-    changed = False
     native_clusters = routed_natively or frozenset()
+    no_retained: Mapping[str, frozenset[tuple[str, int]]] = {}
+    retained = retained or no_retained
+    empty: frozenset[tuple[str, int]] = frozenset()
+    # Per model a few set operations in C: with a thousand models a view costs about a millisecond.
     for m in models:
-        ready = set(m.endpoints)
-        kept = (retained or {}).get(m.cluster, frozenset()) - ready
-        if not ready | kept and m.cluster in native_clusters:
-            kept = (confirmed or {}).get(m.cluster, frozenset())
+        cluster = m.cluster
+        ready = m.endpoint_set
+        held = retained.get(cluster)
+        kept = held - ready if held is not None and not held <= ready else empty
+        if not ready and not kept and cluster in native_clusters:
+            kept = (confirmed or {}).get(cluster, empty)
         if kept:
-            endpoints[m.cluster] = load_assignment(replace(m, endpoints=tuple(sorted(ready | kept))))
-            changed = True
-        if confirmed is not None and m.cluster in confirmed:
-            allowed = tuple(e for e in m.endpoints if e in confirmed[m.cluster])
-            if len(allowed) != len(m.endpoints):
-                counted = routes[m.key].rate_limit.counted_by_envoy  # type: ignore[attr-defined]
+            if endpoints is None:
+                endpoints = dict(base_endpoints)
+            endpoints[cluster] = load_assignment(replace(m, endpoints=tuple(sorted(ready | kept))))
+        if confirmed is not None and ready:
+            have = confirmed.get(cluster)
+            if have is not None and not ready <= have:
+                if routes is None:
+                    routes = dict(base_routes)
+                allowed = tuple(e for e in m.endpoints if e in have)
+                counted = base_routes[m.key].rate_limit.counted_by_envoy  # type: ignore[attr-defined]
                 routes[m.key] = model_route(replace(m, endpoints=allowed), counted)
-                changed = True
-    if settings is not None:
-        native = native_keys(models, settings, confirmed)
-        if native != native_keys(models, settings):
+    if settings is not None and base.native:
+        native = frozenset(
+            m.key
+            for m in models
+            if m.key in base.native
+            and not (confirmed is not None and m.cluster in confirmed and not m.endpoint_set & confirmed[m.cluster])
+        )
+        if native != base.native:
             chosen = [m for m in models if m.key in native]
             route_config = {
                 ROUTE_NAME: route_configuration(
@@ -1598,10 +1718,17 @@ def for_gateway(
                     rate_limited=envoy_rate_limited(models, settings),
                 )
             }
-            changed = True
-    if not changed:
+    if endpoints is None and routes is None and route_config is base.by_type[ROUTE]:
         return base
-    return Resources(by_type={**base.by_type, ENDPOINT: endpoints, MODEL_ROUTE: routes, ROUTE: route_config})
+    return Resources(
+        by_type={
+            **base.by_type,
+            ENDPOINT: base_endpoints if endpoints is None else endpoints,
+            MODEL_ROUTE: base_routes if routes is None else routes,
+            ROUTE: route_config,
+        },
+        native=base.native,
+    )
 
 
 def natively_routed(config: route_pb2.RouteConfiguration) -> frozenset[str]:

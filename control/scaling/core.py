@@ -28,6 +28,8 @@ from wakegate.control.schema import Model
 
 __all__ = ["Core", "Verdict", "policy_of"]
 
+_NO_LOAD = ModelLoad()
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -75,6 +77,11 @@ class Core:
         self._groups: dict[str, _Group] = {}
         self.verdicts: dict[str, Verdict] = {}
         self.loads: dict[str, ModelLoad] = {}
+        self._policies: dict[str, autoscale.Policy] = {}
+        #: model -> (its demand and failed activations, desired replicas, busy, demand, next check)
+        #: of its last decision: reused while the inputs are the same and the check is not due,
+        #: so an evaluation costs a comparison per quiet model (autoscale.decide is stable then).
+        self._decided: dict[str, tuple[tuple[ModelLoad, int], int, bool, int, float | None]] = {}
 
     def set_models(self, models: Iterable[Model], now: float, current: Mapping[str, int] | None = None) -> None:
         """Replace the model set; state of models that stay is kept.
@@ -85,6 +92,8 @@ class Core:
         """
         current = current or {}
         self.models = {m.key: m for m in models}
+        self._policies = {key: policy_of(model) for key, model in self.models.items()}
+        self._decided.clear()
         for key in list(self._scale):
             if key not in self.models:
                 del self._scale[key]
@@ -138,6 +147,7 @@ class Core:
         state = self._scale.get(key)
         if state is not None and state.replicas != replicas:
             self._scale[key] = replace(state, replicas=replicas)
+            self._decided.pop(key, None)
 
     def _load(self, key: str, load: ModelLoad, failures: Mapping[str, int]) -> autoscale.Load:
         # A lease that began before the model's newest failed activation must not start another
@@ -164,11 +174,18 @@ class Core:
         wanted: dict[str, int] = {}
         busy: dict[str, bool] = {}
         demand: dict[str, int] = {}
-        for key, model in self.models.items():
-            load = self._load(key, self.loads.get(key, ModelLoad()), failures)
-            busy[key] = load.queued + load.in_flight + load.leases > 0
-            demand[key] = load.queued + load.in_flight
-            desired, self._scale[key], next_at = autoscale.decide(policy_of(model), load, self._scale[key], now)
+        for key in self.models:
+            raw = self.loads.get(key, _NO_LOAD)
+            inputs = (raw, failures.get(key, 0))
+            last = self._decided.get(key)
+            if last is not None and last[0] == inputs and (last[4] is None or last[4] > now):
+                _, desired, busy[key], demand[key], next_at = last
+            else:
+                load = self._load(key, raw, failures)
+                busy[key] = load.queued + load.in_flight + load.leases > 0
+                demand[key] = load.queued + load.in_flight
+                desired, self._scale[key], next_at = autoscale.decide(self._policies[key], load, self._scale[key], now)
+                self._decided[key] = (inputs, desired, busy[key], demand[key], next_at)
             wanted[key] = desired
             if next_at is not None:
                 next_checks.append(next_at)
@@ -182,13 +199,13 @@ class Core:
             key: Verdict(
                 replicas=wanted[key],
                 active=wanted[key] > 0,
-                demand=0 if key in held_back else self.loads.get(key, ModelLoad()).demand,
+                demand=0 if key in held_back else self.loads.get(key, _NO_LOAD).demand,
                 busy=busy[key],
-                target_in_flight=model.spec.scaling.targetInFlight,
+                target_in_flight=self._policies[key].target_in_flight,
                 admitted=key not in held_back,
                 waiting_for=waiting.get(key),
             )
-            for key, model in self.models.items()
+            for key in self.models
         }
         return self.verdicts, min(next_checks, default=None)
 

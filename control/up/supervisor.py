@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,7 @@ class Up:
             key_checks=settings.api_keys_file is not None,
             global_rate_limit=settings.global_rps > 0,
         )
-        self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed)
+        self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed, self._routed_one)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
         self.runtime_settings = RuntimeSettings(
             log_dir=self.state_dir / "logs",
@@ -208,7 +209,6 @@ class Up:
             base_dir=settings.file.resolve().parent,
         )
         self.gpus = discover(settings.fake_gpus)
-        publish = self.source.publish_soon
         # One cache and one registry access for every model: two Models naming one digest share
         # one entry, and one pull.
         self.delivery = Delivery(
@@ -225,7 +225,10 @@ class Up:
             ),
         )
         self.runtimes = {
-            m.key: ModelRuntime(m, self.runtime_settings, publish, self.gpus, self.delivery) for m in self.models
+            m.key: ModelRuntime(
+                m, self.runtime_settings, partial(self.source.publish_soon, m.key), self.gpus, self.delivery
+            )
+            for m in self.models
         }
         self.metrics = UpMetrics()
         self.book = DemandBook()
@@ -250,6 +253,8 @@ class Up:
             ).inc()
             self._watch_weights(runtime)
             self._watch_adapters(runtime)
+        #: The runtimes' adapter hot swaps (a demand report pokes these, not every model).
+        self._hotswaps = [rt.hotswap for rt in self.runtimes.values() if rt.hotswap is not None]
         self.components: dict[str, Supervised] = {}
         self.ports: Ports | None = None
         self.drain_seconds = DRAIN_SECONDS
@@ -294,9 +299,8 @@ class Up:
 
     def _demand_changed(self) -> None:
         self.scaler.poke()
-        for runtime in self.runtimes.values():
-            if runtime.hotswap is not None:
-                runtime.hotswap.poke()
+        for hotswap in self._hotswaps:
+            hotswap.poke()
         if self.scaler_hub is not None:
             self.scaler_hub.poke()
 
@@ -355,6 +359,10 @@ class Up:
 
     def _routed(self) -> list[RoutedModel]:
         return [runtime.routed() for runtime in self.runtimes.values()]
+
+    def _routed_one(self, key: str) -> RoutedModel | None:
+        runtime = self.runtimes.get(key)
+        return None if runtime is None else runtime.routed()
 
     # -- lifecycle ----------------------------------------------------------------------------
 

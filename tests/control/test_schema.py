@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import yaml
 
 from wakegate.control import crd
-from wakegate.control.feeder.resources import model_route, routed_adapters, routed_model
+from wakegate.control.feeder.resources import RoutedModel, model_route, routed_adapters, routed_model
 from wakegate.control.schema import ColdMode, ManifestError, parse_manifest, parse_models
 from wakegate.v1 import routing_pb2
 
@@ -276,11 +277,15 @@ def test_engines_that_load_adapters_at_run_time_may_have_more_than_max_adapters(
 
 
 def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
-    from wakegate.control.up.feeder import decode, encode
+    from wakegate.control.up.feeder import decode, state_message
+
+    def round_trip(model: RoutedModel) -> RoutedModel:
+        (again,) = decode(json.loads(json.dumps(state_message([model])))).upserted
+        return again
 
     (base,) = parse_models(ADAPTERS)
     routed = routed_model(base, [("127.0.0.1", 9000)])
-    (again,), _ = decode(encode([routed]))
+    again = round_trip(routed)
     assert again.adapters == routed.adapters and again.adapters[0].names == ("sql", "tiny-sql", "sql-v1")
 
     # On demand: the holders and failures survive too.
@@ -291,5 +296,5 @@ def test_adapters_survive_the_feed_from_up_to_its_feeder() -> None:
             replace(a, endpoints=("127.0.0.1:9000",), failed_loads=2, last_failure="refused") for a in routed.adapters
         ],
     )
-    (again,), _ = decode(encode([on_demand]))
+    again = round_trip(on_demand)
     assert again.adapters == on_demand.adapters and again.adapters_on_demand

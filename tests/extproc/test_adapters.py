@@ -124,3 +124,19 @@ def test_use_per_endpoint_is_reported_until_the_endpoint_leaves() -> None:
     assert [(u.in_flight, u.routed) for u in demand.uses] == [(0, 2)]  # the use stays visible
     book.on_routes({"chat": route({"sql": [B]}, ready=(B,))})
     assert book.report() == {}
+
+
+async def test_a_hold_is_released_only_to_a_holder_that_is_ready() -> None:
+    """The route's adapter list may name an endpoint its endpoints do not (yet) have: Envoy has
+    not confirmed it, or it left; a request held for it keeps waiting, or draws again."""
+    book = AdapterBook(lambda: None)
+    book.on_routes({"chat": route({"sql": [B]}, ready=(A,))})
+    waiter = asyncio.create_task(book.wait("chat", "sql", "", time.monotonic() + 5, max_queue=10))
+    drawn = asyncio.create_task(book.wait("chat", "sql", B, time.monotonic() + 5, max_queue=10))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and not drawn.done()  # B holds sql but is not ready
+    (demand,) = book.report()["chat"]
+    assert [(u.endpoint, u.queued) for u in demand.uses] == [(A, 1)]  # the drawn one drew A instead
+    book.on_routes({"chat": route({"sql": [A, B]}, ready=(A,))})
+    assert await asyncio.wait_for(waiter, 1) == Placement((A,))
+    assert await asyncio.wait_for(drawn, 1) == Placement((A,), A)

@@ -166,3 +166,21 @@ async def test_delivery_times_the_activation_signal_once(queues: ColdQueues, clo
     clock.now += 0.25
     assert queues.delivered() == [("m", 0.25)]
     assert queues.delivered() == []
+
+
+async def test_held_requests_wait_for_an_endpoint_not_for_any_route_push(queues: ColdQueues, clock: Clock) -> None:
+    queues.demand(route())
+    waiter = asyncio.create_task(queues.wait(route(), clock.now + 30))
+    await asyncio.sleep(0)
+    queues.on_routes({"m": route()})  # a push for the model, still without an endpoint
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and queues.depth("m") == 1
+    queues.on_routes({"m": route("10.0.0.1:80")})
+    await asyncio.wait_for(waiter, 1)
+    # Ready, then cold again (scaled to zero): a new request is held again, not waved through.
+    queues.on_routes({"m": route()})
+    again = asyncio.create_task(queues.wait(route(), clock.now + 30))
+    await asyncio.sleep(0.01)
+    assert not again.done() and queues.depth("m") == 1
+    queues.on_routes({"m": route("10.0.0.2:80")})
+    await asyncio.wait_for(again, 1)

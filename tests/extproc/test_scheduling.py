@@ -277,3 +277,14 @@ def test_session_weights_keep_a_session_on_its_ring_owner() -> None:
             picker.pick("m", "default", [A, B, C], {"x-session-id": f"s{s}"}, chat("x", str(i))) for i in range(4)
         }
         assert len(owners) == 1
+
+
+def test_the_default_profile_sends_equal_prefix_matches_to_the_shorter_queue() -> None:
+    picker = Picker()
+    picker.configure([route("m", [A, B], profile="balanced")])
+    body = chat("shared system prompt " * 300, "q")
+    for endpoint in (A, B):  # both engines hold the whole prompt
+        picker.index.record(endpoint, chain(prompt_text(body)))
+    for _ in range(3):
+        picker.inflight.acquire(A)
+    assert [picker.pick("m", "default", [A, B], {}, body) for _ in range(4)] == [B] * 4

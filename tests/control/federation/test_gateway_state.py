@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+from google.protobuf import json_format
+
 from tests.control.federation.test_members import FILE, report
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.members import MemberHealth
 from wakegate.control.federation_schema import parse_federation
-from wakegate.control.feeder.resources import MODEL_ROUTE
+from wakegate.control.feeder.resources import MODEL_ROUTE, ROUTE, ROUTE_NAME, build
 
 OTHER = """
 ---
@@ -81,3 +84,67 @@ async def test_a_tls_members_material_is_private_files_renamed_when_it_rotates(t
     gateway._recompute()
     chat = next(r for r in gateway._routes if r.key == "chat")
     assert chat.endpoints == () and chat.endpoint_tls == ()
+
+
+@pytest.mark.parametrize(
+    ("when", "conditions"),
+    [
+        ("unsent", {"connect-failure", "refused-stream", "reset-before-request"}),
+        ("before-response", {"connect-failure", "refused-stream", "reset"}),
+    ],
+)
+async def test_retries_happen_only_where_retries_when_allows(tmp_path: Path, when: str, conditions: set[str]) -> None:
+    """`unsent` never retries a request a member may have taken (a reset after it was written)."""
+    text = (
+        FILE
+        + f"""---
+apiVersion: wakegate.io/v1alpha1
+kind: GlobalProxy
+metadata: {{name: global}}
+spec: {{retries: {{attempts: 2, when: {when}}}}}
+"""
+    )
+    gateway = GlobalGateway(
+        GatewayConfig(federation=parse_federation(text, "f.yaml"), token_files={}, state_dir=tmp_path)
+    )
+    gateway.health["east"] = MemberHealth().observed(report(ready=1), 0.01, 1.0)
+    gateway._recompute()
+    built = build(gateway._routes, gateway.gateway)
+    route = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"]
+    (policy,) = [r["route"]["retryPolicy"] for r in route if "retryPolicy" in r.get("route", {})]
+    # retriable-headers: a member's reply no model server saw (x-wakegate-unserved) is retried in both
+    assert set(policy["retryOn"].split(",")) == conditions | {"retriable-headers"}
+    assert policy["numRetries"] == 2
+
+
+class AckedRoutes:
+    """Stands in for the ADS server: what the global extprocs acknowledged (cluster -> members)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, frozenset[tuple[str, int]]] = {}
+
+    def retained(self, node: str) -> dict[str, frozenset[tuple[str, int]]]:
+        return self.held
+
+
+async def test_status_lists_the_members_requests_may_still_go_to(tmp_path: Path) -> None:
+    """A member leaves /status's routes once the global extprocs dropped it, not when the gateway
+    decided it (a request sent in between could still reach it: tests/federation)."""
+    gateway = GlobalGateway(
+        GatewayConfig(federation=parse_federation(FILE, "f.yaml"), token_files={}, state_dir=tmp_path)
+    )
+    gateway.health["east"] = MemberHealth().observed(report(ready=1), 0.01, 1.0)
+    gateway._recompute()
+    assert gateway.status()["routes"] == {"chat": ["east"]}  # no ADS server yet: the routes as computed
+    acked = AckedRoutes()
+    gateway.publisher.ads = acked  # type: ignore[assignment]
+    (route,) = gateway._routes
+    assert gateway.status()["routes"] == {"chat": []}  # the extprocs have not got it yet
+    acked.held = {route.cluster: frozenset({("10.0.0.1", 8080)})}
+    assert gateway.status()["routes"] == {"chat": ["east"]}
+    gateway.health["east"] = MemberHealth().observed(report(ready=0), 0.01, 2.0)  # scaled to zero
+    gateway._recompute()
+    assert gateway._routes[0].endpoints == ()
+    assert gateway.status()["routes"] == {"chat": ["east"]}  # until the extprocs acknowledge its removal
+    acked.held = {route.cluster: frozenset()}
+    assert gateway.status()["routes"] == {"chat": []}

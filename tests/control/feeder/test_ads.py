@@ -122,7 +122,7 @@ async def test_route_feed_receives_pushes(server) -> None:
     cache, channel, _ = server
     target = channel.target
     seen: list[list[int]] = []
-    feed = RouteFeed(target, "extproc-test", lambda routes: seen.append([e.port for e in routes[0].endpoints]))
+    feed = RouteFeed(target, "extproc-test", lambda routes, _: seen.append([e.port for e in routes[0].endpoints]))
     task = asyncio.create_task(feed.run())
     try:
         await asyncio.wait_for(feed.synced.wait(), 2)
@@ -134,6 +134,107 @@ async def test_route_feed_receives_pushes(server) -> None:
         assert seen == [[9000], [9000, 9005]]
     finally:
         task.cancel()
+
+
+def fleet(n: int, ready: dict[int, tuple[int, ...]] | None = None) -> list[r.RoutedModel]:
+    return [
+        r.RoutedModel(
+            key=f"m{i}",
+            names=(f"m{i}",),
+            served_name=f"m{i}",
+            endpoints=tuple(("127.0.0.1", p) for p in (ready or {}).get(i, ())),
+        )
+        for i in range(n)
+    ]
+
+
+async def wait_until(check: object, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_route_feed_gets_only_what_changed_and_only_differences_after_a_reconnect(server) -> None:
+    cache, channel, ads = server
+    memo = r.BuildMemo()
+    await cache.set(r.build(fleet(300), r.GatewaySettings(), memo=memo))
+    updates: list[tuple[list[str], list[str]]] = []
+    feed = RouteFeed(channel.target, "extproc-test", lambda c, gone: updates.append(([x.key for x in c], gone)))
+    task = asyncio.create_task(feed.run())
+    try:
+        await asyncio.wait_for(feed.synced.wait(), 3)
+        assert len(updates[0][0]) == 300 and updates[0][1] == []
+
+        # One replica ready: one route crosses, not 300.
+        sent = ads.stats.resources_sent
+        await cache.set(r.build(fleet(300, {7: (9007,)}), r.GatewaySettings(), memo=memo))
+        await wait_until(lambda: len(updates) == 2)
+        assert updates[1] == (["m7"], []) and ads.stats.resources_sent == sent + 1
+
+        # A model removed: its name alone.
+        await cache.set(r.build(fleet(300, {7: (9007,)})[:299], r.GatewaySettings(), memo=memo))
+        await wait_until(lambda: len(updates) == 3)
+        assert updates[2] == ([], ["m299"]) and len(feed.versions) == 299
+
+        # The feed reconnects (the feeder restarted, say) while two models changed: it says
+        # what it holds and gets just those two.
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await cache.set(r.build(fleet(299, {7: (9007,), 8: (9008,)})[1:], r.GatewaySettings(), memo=memo))
+        task = asyncio.create_task(feed.run())
+        await wait_until(lambda: len(updates) == 4)
+        assert updates[3] == (["m8"], ["m0"])
+        assert sorted(feed.versions) == sorted(f"m{i}" for i in range(1, 299))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_route_update_extproc_refuses_is_nacked_and_offered_again_on_the_next_change(
+    server, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache, channel, ads = server
+    memo = r.BuildMemo()
+    await cache.set(r.build(fleet(3), r.GatewaySettings(), memo=memo))
+    updates: list[list[str]] = []
+    feed = RouteFeed(channel.target, "extproc-test", lambda c, _: updates.append([x.key for x in c]))
+    task = asyncio.create_task(feed.run())
+    try:
+        await asyncio.wait_for(feed.synced.wait(), 3)
+        broken = r.build(fleet(3, {1: (9001,)}), r.GatewaySettings(), memo=memo)
+        routes = dict(broken.by_type[r.MODEL_ROUTE])
+        routes["m1"] = r.routing_pb2.ModelRoute(key="m1")  # no cluster: extproc refuses it
+        await cache.set(r.Resources(by_type={**broken.by_type, r.MODEL_ROUTE: routes}))
+        await wait_until(lambda: ads.stats.nacks == 1)
+        assert "ModelRoute without key or cluster" in caplog.text and len(updates) == 1
+        await cache.set(r.build(fleet(3, {1: (9001,), 2: (9002,)}), r.GatewaySettings(), memo=memo))
+        await wait_until(lambda: len(updates) == 2)
+        assert sorted(updates[1]) == ["m1", "m2"]  # the refused one again, with the new change
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_endpoint_change_sends_envoy_that_cluster_alone(server) -> None:
+    cache, channel, _ = server
+    memo = r.BuildMemo()
+    await cache.set(r.build(fleet(50), r.GatewaySettings(), memo=memo))
+    client = Client(channel)
+    names = [f"model.m{i}" for i in range(50)]
+    await client.send(type_url=r.ENDPOINT, resource_names=names)
+    first = await client.receive()
+    assert len(first.resources) == 50
+    await client.send(
+        type_url=r.ENDPOINT, resource_names=names, response_nonce=first.nonce, version_info=first.version_info
+    )
+    await cache.set(r.build(fleet(50, {3: (9003,)}), r.GatewaySettings(), memo=memo))
+    second = await client.receive()
+    cla = r.endpoint_pb2.ClusterLoadAssignment()
+    (packed,) = second.resources
+    packed.Unpack(cla)
+    assert cla.cluster_name == "model.m3" and len(cla.endpoints[0].lb_endpoints) == 1
+    assert memo.rebuilt == 1
 
 
 class Gateway:

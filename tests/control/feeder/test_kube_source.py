@@ -199,3 +199,38 @@ def test_vllm_adapters_are_routed_by_name_and_refused_ones_not_at_all() -> None:
     source.on_adapter(None, lora("b", "chat", "2026-12-01T10:00:01Z", source="hf://org/b"))
     (routed,) = source.routed()
     assert [(a.name, a.lora_id) for a in routed.adapters] == [("a", -1)]
+
+
+def test_a_change_rebuilds_only_the_models_it_touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wakegate.control.feeder import kube_source
+
+    parsed: list[str] = []
+    real = kube_source.model_from_object
+
+    def counting(body: Any) -> Any:
+        parsed.append(body["metadata"]["name"])
+        return real(body)
+
+    monkeypatch.setattr(kube_source, "model_from_object", counting)
+    source = KubeSource()
+    for i in range(200):
+        source.on_model(None, model(f"m{i}"))
+    first = {m.key: m for m in source.routed()}
+    assert len(first) == 200 and len(parsed) == 200
+
+    # A replica of one Model becomes ready: that Model alone is looked at again, and every
+    # other RoutedModel is the very object of the last call (the feeder's build reuses them).
+    parsed.clear()
+    source.on_slice(None, endpoint_slice("s", "m7", ("10.0.0.7", True, False)))
+    again = {m.key: m for m in source.routed()}
+    assert parsed == []  # the manifest did not change: not even parsed again
+    assert again["ns/m7"].endpoints == (("10.0.0.7", 8000),)
+    assert all(again[k] is first[k] for k in first if k != "ns/m7")
+
+    # The Model's own object changes: parsed again, alone.
+    source.on_model(None, model("m8", aliases=["eight"]))
+    assert [m.names for m in source.routed() if m.key == "ns/m8"] == [("m8", "eight")] and parsed == ["m8"]
+
+    # A node starts leaving: any Model may have endpoints there, so all are looked at (not parsed).
+    assert source.on_node(None, {"metadata": {"name": "n1"}, "spec": {"unschedulable": True}})
+    assert len(source.routed()) == 200 and parsed == ["m8"]

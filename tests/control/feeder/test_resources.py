@@ -57,6 +57,17 @@ def test_select_named_and_wildcard() -> None:
     assert set(built.select(r.CLUSTER, ["ignored"])) == {"model.a", "model.ns.b"}
 
 
+def test_a_gateway_whose_envoy_has_not_confirmed_an_endpoint_sees_it_as_no_adapters_holder() -> None:
+    sql = r.RoutedAdapter(name="sql", names=("sql",), served_name="sql", endpoints=("127.0.0.1:9000", "127.0.0.1:9001"))
+    model = replace(MODELS[0], adapters=(sql,), adapters_on_demand=True)
+    base = r.build([model], r.GatewaySettings())
+    assert list(base.by_type[r.MODEL_ROUTE]["a"].adapters[0].endpoints) == ["127.0.0.1:9000", "127.0.0.1:9001"]  # type: ignore[attr-defined]
+    gated = r.build([model], r.GatewaySettings(), confirmed={model.cluster: frozenset({("127.0.0.1", 9000)})})
+    route = gated.by_type[r.MODEL_ROUTE]["a"]
+    assert [(e.address, e.port) for e in route.endpoints] == [("127.0.0.1", 9000)]  # type: ignore[attr-defined]
+    assert list(route.adapters[0].endpoints) == ["127.0.0.1:9000"]  # type: ignore[attr-defined]
+
+
 def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.ROUTE][r.ROUTE_NAME])
     assert "retryPolicy" not in plain["virtualHosts"][0]["routes"][0]["route"]

@@ -20,6 +20,7 @@ from wakegate.control.delivery.resolver import Access
 from wakegate.control.demand.book import AdapterLoad, DemandBook
 from wakegate.control.feeder.resources import routed_adapters
 from wakegate.control.schema import parse_models
+from wakegate.control.up import hotswap
 from wakegate.control.up.adapters import AdapterError, AdapterLoader, AdapterSlots
 from wakegate.control.up.hotswap import HotSwap, choose
 from wakegate.control.up.weights import Delivery, DeliveryConfig
@@ -223,3 +224,23 @@ async def test_a_load_asked_for_one_replica_waits_while_every_adapter_there_is_i
     del totals["x"]  # x's request ended: now it can make room
     swap.reconcile()
     assert swap.records["sql"].loading == {"e1"}
+
+
+async def test_an_adapter_one_request_uses_is_kept_though_the_engine_reports_nothing_running(
+    sim_factory: SimFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway reports the request in flight before the engine shows it (or after the engine's
+    own count went stale): that report alone keeps the adapter."""
+    monkeypatch.setattr(hotswap, "UNROUTE_SECONDS", 0.0)
+    sim = sim_factory("--served-model-name", "base", "--enable-lora", "--max-loras", "2")
+    ep = f"127.0.0.1:{sim.port}"
+    totals = {"sql": AdapterLoad(in_flight={ep: 1})}
+    swap = hotswap_of({ep: (0, 0)}, totals, tmp_path)
+    async with aiohttp.ClientSession() as s:
+        assert await swap.loader.ensure(s, ep, "sql", "/w/sql") is True
+        swap.loader.release(ep, "sql")
+        assert await swap._evict(s, ep, "sql", "idle") is False
+        assert await loaded(s, sim.url) == {"sql"}
+        totals["sql"] = AdapterLoad(routed={ep: 1})  # the request ended: now it may go
+        assert await swap._evict(s, ep, "sql", "idle") is True
+        assert await loaded(s, sim.url) == set()

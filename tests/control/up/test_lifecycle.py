@@ -49,13 +49,16 @@ def test_invalid_file_fails_before_anything_starts(tmp_path: Path) -> None:
 
 def test_sigterm_stops_every_child(tmp_path: Path) -> None:
     up = UpProcess(tmp_path, ONE)
-    up.wait_ready({"solo": 1})
-    assert chat(up) == 200
-    children = child_pids(up)
-    assert len(children) == 5  # feeder, two extprocs, envoy, one backend
-    assert up.stop(signal.SIGTERM) == 0
-    assert pids_alive(children) == []
-    assert "wakegate up: stopped" in up.log()
+    try:
+        up.wait_ready({"solo": 1})
+        assert chat(up) == 200
+        children = child_pids(up)
+        assert len(children) == 5  # feeder, two extprocs, envoy, one backend
+        assert up.stop(signal.SIGTERM) == 0
+        assert pids_alive(children) == []
+        assert "wakegate up: stopped" in up.log()
+    finally:
+        up.stop()
 
 
 def test_crashed_backend_is_restarted(tmp_path: Path) -> None:
@@ -102,27 +105,29 @@ def test_killed_envoy_is_restarted_and_serves_again(tmp_path: Path) -> None:
 
 def test_a_crash_loop_past_the_budget_stops_up_with_a_clear_message_and_no_orphans(tmp_path: Path) -> None:
     up = UpProcess(tmp_path, ONE)
-    up.wait_ready({"solo": 1})
-    children = child_pids(up)
-    killed: set[int] = set()
-    deadline = time.monotonic() + 60
-    while up.proc.poll() is None and time.monotonic() < deadline:
-        try:
-            pid = up.status()["components"]["extproc-1"]["pid"]
-        except OSError:
-            break
-        if pid not in killed:
-            killed.add(pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    up.proc.wait(30)
-    assert up.proc.returncode == 1
-    assert "extproc-1 exited 6 times within 60s" in up.log()
-    assert "wakegate up: stopped: extproc-1 exited 6 times" in up.log()
-    assert len(killed) == 6
-    assert pids_alive(children) == []
-    up.stop()
+    try:
+        up.wait_ready({"solo": 1})
+        children = child_pids(up)
+        killed: set[int] = set()
+        deadline = time.monotonic() + 60
+        while up.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                pid = up.status()["components"]["extproc-1"]["pid"]
+            except OSError:
+                break
+            if pid not in killed:
+                killed.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        up.proc.wait(30)
+        assert up.proc.returncode == 1
+        assert "extproc-1 exited 6 times within 60s" in up.log()
+        assert "wakegate up: stopped: extproc-1 exited 6 times" in up.log()
+        assert len(killed) == 6
+        assert pids_alive(children) == []
+    finally:
+        up.stop()
 
 
 def test_a_taken_port_is_an_error_and_a_non_zero_exit(tmp_path: Path) -> None:
@@ -177,15 +182,17 @@ def test_before_serving_requests_get_503_with_retry_after_never_500(tmp_path: Pa
 
 def test_sigkilled_up_leaves_no_orphans(tmp_path: Path) -> None:
     up = UpProcess(tmp_path, ONE)
-    up.wait_ready({"solo": 1})
-    children = child_pids(up)
-    up.proc.kill()
-    up.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while pids_alive(children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert pids_alive(children) == []
-    up.stop()
+    try:
+        up.wait_ready({"solo": 1})
+        children = child_pids(up)
+        up.proc.kill()
+        up.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while pids_alive(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pids_alive(children) == []
+    finally:
+        up.stop()
 
 
 def test_replicas_get_their_own_gpus_and_are_capped_by_them(tmp_path: Path) -> None:

@@ -620,3 +620,25 @@ async def test_an_idle_connection_is_closed_the_graceful_way_and_a_silent_one_at
     assert goaways == [(h2.MAX_WINDOW, h2.NO_ERROR), (0, h2.NO_ERROR)]  # announced, then final
     assert closed and silent_closed
     assert server.transport.refused["preface_timeout"] == 1
+
+
+async def test_a_ping_flood_under_the_shipped_limits_is_cut_within_the_documented_burst(served) -> None:
+    """The limits tests and the real-gateway floods set their own small burst; this is what a
+    server started with no --h2-limit does."""
+    from tests.extproc.h2grpc.test_limits import documented_defaults
+
+    server, channel, address, _ = served
+    burst = int(documented_defaults()["ping_burst"])
+
+    def exchange() -> list[tuple[int, int, int, bytes]]:
+        with _raw(address) as sock:
+            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"01234567") * (20 * burst))
+            return _read_frames(sock, h2.GOAWAY)
+
+    frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
+    answered = sum(f[0] == h2.PING for f in frames)
+    # the burst, and what the documented 10/s refills while the flood is read: never the flood
+    assert burst <= answered <= burst + 10, answered
+    assert frames[-1][0] == h2.GOAWAY and struct.unpack(">I", frames[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert server.transport.refused["ping"] == 1
+    assert await channel.unary_unary(UPPER)(b"fine") == b"FINE"  # only that connection ended

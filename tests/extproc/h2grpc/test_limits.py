@@ -3,11 +3,14 @@ Envoy must share with extproc (its cluster's max_concurrent_streams)."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 
 import pytest
 import yaml
 
+from tests.support import REPO_ROOT
 from wakegate import contract
 from wakegate.control import bootstrap
 from wakegate.extproc.h2grpc.limits import Budget, H2Limits
@@ -78,3 +81,37 @@ def test_up_passes_limits_on_and_refuses_what_is_not_name_equals_number() -> Non
     for bad in ("ping_burst", "ping_burst=lots", "=5"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--extproc-h2-limit", bad])
+
+
+UNITS = {"KiB": 1024, "MiB": 1024 * 1024}
+
+
+def documented_defaults() -> dict[str, float]:
+    """Each limit's default as docs/decisions.md's table of HTTP/2 limits states it: the names in
+    the first column (`ping_*` stands for ping_burst and ping_per_second, in H2Limits' order),
+    their numbers in the second, in the same order."""
+    fields = [f.name for f in dataclasses.fields(H2Limits)]
+    out: dict[str, float] = {}
+    for line in (REPO_ROOT / "docs" / "decisions.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) < 4 or not cells[1].startswith("`") or not re.match(r"\d", cells[2]):
+            continue
+        numbers = [
+            float(n.replace(" ", "")) * UNITS.get(unit, 1)
+            for n, unit in re.findall(r"(\d+(?: \d{3})*(?:\.\d+)?)\s*(KiB|MiB)?", cells[2])
+        ]
+        names = re.findall(r"`([a-z_*]+)`", cells[1])
+        if not names or any(n.rstrip("*").rstrip("_") not in "".join(fields) for n in names):
+            continue
+        groups = [[f for f in fields if f.startswith(n[:-1])] if n.endswith("*") else [n] for n in names]
+        if all(len(g) == len(numbers) for g in groups):
+            pairs = [(f, v) for g in groups for f, v in zip(g, numbers, strict=True)]
+        else:
+            pairs = list(zip([f for g in groups for f in g], numbers, strict=True))
+        out.update(pairs)
+    return out
+
+
+def test_the_shipped_defaults_are_the_documented_ones() -> None:
+    shipped = dataclasses.asdict(H2Limits())
+    assert documented_defaults() == shipped
