@@ -54,11 +54,12 @@ async def attack_once(port: int, name: str) -> dict[str, float]:
 
 
 async def subscribe(port: int) -> tuple[list[list[int]], asyncio.Task[None]]:
-    """extproc's route feed on the feeder; the endpoint ports of each route table it gets."""
+    """extproc's route feed on the feeder; the endpoint ports of the (one) model's route, each
+    time it changes."""
     seen: list[list[int]] = []
 
-    def on_routes(routes: list[ModelRoute]) -> None:
-        seen.append([e.port for e in routes[0].endpoints])
+    def on_routes(changed: list[ModelRoute], removed: list[str]) -> None:
+        seen.extend([e.port for e in route.endpoints] for route in changed)
 
     feed = RouteFeed(f"127.0.0.1:{port}", "extproc-test", on_routes)
     task = asyncio.create_task(feed.run())
