@@ -36,25 +36,64 @@ RETRY_SECONDS = 2.0
 BACKEND_SELECTOR = f"{names.LABEL_COMPONENT}=model-backend,{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
-def valid_models(watch: ListWatch) -> list[Model]:
-    """The watched Models the schema accepts; one warning for each that it does not."""
-    models = []
-    for obj in watch.items():
-        try:
-            models.append(model_from_object(obj))
-        except ValidationError as exc:
+class ParsedModels:
+    """The watched Models, parsed again only where an object changed what a Model is made of.
+
+    A Model is its metadata's name, namespace and labels and its spec: the object's generation
+    (which the API server moves on every spec change) and its labels tell when to parse again,
+    so the operator's status writes (several per Model) cost a dictionary lookup each, not a
+    parse of every Model. Calling it gives the valid Models when they changed since the last
+    call (one warning for each invalid one, when it changes), else None.
+    """
+
+    def __init__(self) -> None:
+        #: (namespace, name) -> (what it was parsed from, the Model or None when invalid)
+        self._cache: dict[tuple[str, str], tuple[tuple[Any, ...], Model | None]] = {}
+        self._delivered = False
+
+    def __call__(self, watch: ListWatch) -> list[Model] | None:
+        models = []
+        seen = set()
+        changed = not self._delivered
+        for obj in watch.items():
             meta = obj.get("metadata") or {}
-            log.warning("ignoring Model %s/%s: %s", meta.get("namespace"), meta.get("name"), exc.errors()[:1])
-    return models
+            key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+            made_of = (
+                meta.get("uid"),
+                meta.get("generation") or meta.get("resourceVersion"),
+                tuple(sorted((meta.get("labels") or {}).items())),
+            )
+            seen.add(key)
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == made_of:
+                model = hit[1]
+            else:
+                changed = True
+                try:
+                    model = model_from_object(obj)
+                except ValidationError as exc:
+                    log.warning("ignoring Model %s/%s: %s", key[0], key[1], exc.errors()[:1])
+                    model = None
+                self._cache[key] = (made_of, model)
+            if model is not None:
+                models.append(model)
+        for key in [k for k in self._cache if k not in seen]:
+            del self._cache[key]
+            changed = True
+        self._delivered = True
+        return models if changed else None
 
 
 def model_watch(
     kube: Kube, namespace: str | None, loop: asyncio.AbstractEventLoop, on_models: Callable[[list[Model]], None]
 ) -> ListWatch:
-    """A watch of the Models (one namespace, or all) that hands every valid set to the loop."""
+    """A watch of the Models (one namespace, or all) that hands each changed valid set to the loop."""
+    parsed = ParsedModels()
 
     def changed(watch: ListWatch) -> None:
-        loop.call_soon_threadsafe(on_models, valid_models(watch))
+        models = parsed(watch)
+        if models is not None:
+            loop.call_soon_threadsafe(on_models, models)
 
     return ListWatch(kube, "models", path(names.API_VERSION, "Model", namespace), on_change=changed)
 

@@ -210,6 +210,7 @@ class Scaler:
         self.hub.add_listener(engine.apply)
         self.hub.add_listener(waiting.apply)
 
+        # Only the newest Model set waits to be taken (a burst of changes is one set, not many).
         latest: list[list[Model]] = []
         serial = asyncio.Lock()
 
@@ -218,7 +219,6 @@ class Scaler:
                 if not latest:
                     return
                 models = latest.pop()
-                latest.clear()
                 current: dict[str, int] = {}
                 for model in models:
                     if model.key not in self.core.models:
@@ -231,9 +231,11 @@ class Scaler:
                 self.hub.poke()
 
         def on_models(models: list[Model]) -> None:
-            latest.append(models)
-            self._tasks.add(task := loop.create_task(take_models()))
-            task.add_done_callback(self._tasks.discard)
+            pending = bool(latest)
+            latest[:] = [models]
+            if not pending:
+                self._tasks.add(task := loop.create_task(take_models()))
+                task.add_done_callback(self._tasks.discard)
 
         def on_pods(counts: dict[str, int]) -> None:
             if counts != self.pods:
