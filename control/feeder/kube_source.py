@@ -106,6 +106,8 @@ class KubeSource:
     _parsed: dict[str, Model | None] = field(default_factory=dict)
     _routed: dict[str, RoutedModel] = field(default_factory=dict)
     _dirty: set[str] | None = field(default_factory=set)
+    #: model key -> what its parsed manifest was made of (uid, generation, labels)
+    _made_of: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def _touch(self, key: str) -> None:
         if self._dirty is not None:
@@ -119,7 +121,11 @@ class KubeSource:
     def on_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]
         key = names.model_key(meta["namespace"], meta["name"])
-        self._parsed.pop(key, None)
+        made_of = (meta.get("uid"), meta.get("generation") or meta.get("resourceVersion"), meta.get("labels"))
+        if self._made_of.get(key) != made_of:
+            # The spec or labels moved (status writes leave the parsed manifest as it is).
+            self._parsed.pop(key, None)
+            self._made_of[key] = made_of
         self._touch(key)
         if self.adapters.get(str(meta["namespace"])):
             # Adapters are chosen per namespace among its Models: its other Models may change too.
@@ -196,6 +202,7 @@ class KubeSource:
             del self._routed[key]
         for key in [k for k in self._parsed if k not in self.models]:
             del self._parsed[key]
+            self._made_of.pop(key, None)
         if dirty:
             self._rebuild(dirty)
         return [self._routed[key] for key in sorted(self._routed)]

@@ -227,8 +227,14 @@ def test_a_change_rebuilds_only_the_models_it_touched(monkeypatch: pytest.Monkey
     assert again["ns/m7"].endpoints == (("10.0.0.7", 8000),)
     assert all(again[k] is first[k] for k in first if k != "ns/m7")
 
-    # The Model's own object changes: parsed again, alone.
-    source.on_model(None, model("m8", aliases=["eight"]))
+    # The operator writes a Model's status: routed again (admission, failures), not parsed again.
+    source.on_model(None, model("m9", phase="Failed", admitted=False))
+    assert [m.admitted for m in source.routed() if m.key == "ns/m9"] == [False] and parsed == []
+
+    # The Model's spec changes (the API server moves its generation): parsed again, alone.
+    changed = model("m8", aliases=["eight"])
+    changed["metadata"]["generation"] = 5
+    source.on_model(None, changed)
     assert [m.names for m in source.routed() if m.key == "ns/m8"] == [("m8", "eight")] and parsed == ["m8"]
 
     # A node starts leaving: any Model may have endpoints there, so all are looked at (not parsed).
