@@ -91,9 +91,16 @@ class Core:
         scaler neither wakes an idle model nor cuts a running one before its idle timeout.
         """
         current = current or {}
+        before = self.models
         self.models = {m.key: m for m in models}
-        self._policies = {key: policy_of(model) for key, model in self.models.items()}
-        self._decided.clear()
+        # A model that is the same object as before keeps its policy and its last decision.
+        for key, model in self.models.items():
+            if before.get(key) is not model:
+                self._policies[key] = policy_of(model)
+                self._decided.pop(key, None)
+        for key in [k for k in self._policies if k not in self.models]:
+            del self._policies[key]
+            self._decided.pop(key, None)
         for key in list(self._scale):
             if key not in self.models:
                 del self._scale[key]
