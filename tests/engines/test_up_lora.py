@@ -156,7 +156,10 @@ def test_an_adapter_whose_weights_are_missing_fails_its_activation_with_the_reas
 ) -> None:
     (tmp_path / "weights").mkdir()
     shutil.copy(tiny.model, tmp_path / "weights" / "tiny.gguf")
-    up = UpProcess(tmp_path, FLEET, env=engines_path(llama_server_bin))
+    # A start that fails is retried until the activation's time is up (docs/scaling.md): a short
+    # activationTimeout, so the request hears the reason within the client's timeout.
+    fleet = FLEET.replace("activationTimeout: 120", "activationTimeout: 6")
+    up = UpProcess(tmp_path, fleet, env=engines_path(llama_server_bin))
     try:
         up.wait_ready({"llama": 0}, timeout=90)
         client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=60)

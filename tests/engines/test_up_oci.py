@@ -2,8 +2,8 @@
 once into the machine's cache on the first wake (progress in the log and /status), served, asleep
 when idle, woken again from the cache; two Models naming one digest share one entry; a corrupt
 entry is found and fetched again; a registry that is down or never answers fails the held
-requests with `weights_unavailable` before their activationTimeout; credentials stay out of
-logs, /status and argv."""
+requests with `weights_unavailable` when their activationTimeout is up (each failed pull is
+retried meanwhile); credentials stay out of logs, /status and argv."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: TinyFiles, llama_serve
             model_doc("tiny", f"oci://{slow.host}/models/tiny:v1")
             + model_doc("pinned", f"oci://{slow.host}/models/tiny@{digest}")
             + model_doc("flashy", f"oci://{slow.host}/models/tiny:v1", extra="  cache: {flash: true}\n")
-            + model_doc("offline", f"oci://{down}/models/tiny:v1", activation_timeout=20)
+            + model_doc("offline", f"oci://{down}/models/tiny:v1", activation_timeout=6)
             + model_doc("stalled", f"oci://127.0.0.1:{stalled.getsockname()[1]}/models/tiny:v1", activation_timeout=4)
         )
         cache = tmp / "cache"
@@ -230,8 +230,8 @@ def up_source(up: UpProcess, key: str) -> str:
     return str(delivery(up, key)["source"]).removeprefix("oci://")
 
 
-@pytest.mark.parametrize(("key", "reason", "within"), [("offline", "unreachable", 5.0), ("stalled", "timeout", 4.0)])
-def test_weights_that_cannot_be_had_fail_the_held_requests_before_their_timeout(
+@pytest.mark.parametrize(("key", "reason", "within"), [("offline", "unreachable", 6.0), ("stalled", "timeout", 4.0)])
+def test_weights_that_cannot_be_had_fail_the_held_requests_at_their_timeout(
     fleet: Fleet, key: str, reason: str, within: float
 ) -> None:
     started = time.monotonic()
@@ -241,7 +241,9 @@ def test_weights_that_cannot_be_had_fail_the_held_requests_before_their_timeout(
     error = reply.json()["error"]
     assert error["code"] == "weights_unavailable" and error["type"] == "service_unavailable"
     assert error["message"].startswith(f"model '{key}' cannot get its weights: weights unavailable: oci://")
-    assert took < within  # the registry down: at once; one that never answers: before activationTimeout
+    # Each failed pull is retried while the activation has time (a registry may come back): the
+    # held request hears the last reason when the time is up, not before and not after it.
+    assert within * 0.5 < took < within + 5, took
     status = model_status(fleet.up, key)
     assert status["last_failure_code"] == "weights_unavailable" and status["replicas"] == []
     assert status["delivery"]["error"]["reason"] == reason  # type: ignore[index]
