@@ -84,6 +84,8 @@ class _DeltaWatch:
     waiting: bool = True
     #: The snapshot's route mapping last compared against (the same object: nothing to compare).
     source: Mapping[str, Message] | None = None
+    #: A response went out on this stream: a client is in sync once it has one, even an empty one.
+    answered: bool = False
 
 
 @dataclass
@@ -313,8 +315,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             if known.get(name) != version:
                 changed[name] = (version, message)
         removed = tuple(sorted(name for name in known if name not in current))
-        if not changed and not removed:
-            return None
+        if not changed and not removed and watch.answered:
+            return None  # (the first request is always answered, if only to say there is nothing)
+        watch.answered = True
         after = dict(known)
         for name in removed:
             del after[name]

@@ -404,3 +404,22 @@ async def test_a_native_models_last_endpoint_leaves_only_after_envoy_acked_route
             envoy.call.cancel()
     finally:
         await srv.stop(0)
+
+
+async def test_the_route_feed_is_in_sync_with_an_empty_route_set(server) -> None:
+    """A gateway in front of a cluster with no Models yet: extproc still hears that there is
+    nothing (its readiness waits for a first route table), then gets the first Model."""
+    cache, channel, _ = server
+    await cache.set(r.build([], r.GatewaySettings()))
+    updates: list[tuple[list[str], list[str]]] = []
+    feed = RouteFeed(channel.target, "extproc-test", lambda c, gone: updates.append(([x.key for x in c], gone)))
+    task = asyncio.create_task(feed.run())
+    try:
+        await asyncio.wait_for(feed.synced.wait(), 3)
+        assert updates == [([], [])]
+        await cache.set(r.build(fleet(1), r.GatewaySettings()))
+        await wait_until(lambda: len(updates) == 2)
+        assert updates[1] == (["m0"], [])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
