@@ -161,6 +161,9 @@ class Backend:
     load_by_answering: bool = False
     #: The engine loads one weight file (GGUF), so `spec.source` must name one.
     needs_file: bool = False
+    #: The engine loads a model folder (config, tokenizer and weights: a Hugging Face layout), so
+    #: it is given the source's folder even when that holds a single weight file.
+    loads_folder: bool = False
     #: When SIGTERM does not drain in-flight requests, wakegate waits for the load to reach zero first.
     drains_on_sigterm: bool = False
     #: Seconds between SIGTERM and SIGKILL.

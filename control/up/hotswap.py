@@ -402,7 +402,8 @@ class HotSwap:
                 record.weights = await self._delivery.acquire_adapter(
                     record.adapter, record.watch, base_dir=self._base_dir
                 )
-            seconds = await self.loader.load(session, endpoint, name, str(record.weights.path))
+            # The adapter's folder (PEFT's config beside its weights) is what the engine loads.
+            seconds = await self.loader.load(session, endpoint, name, str(record.weights.folder))
         except DeliveryError as exc:
             self._failed(record, f"weights unavailable: {exc}")
             return

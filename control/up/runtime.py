@@ -337,7 +337,8 @@ class ModelRuntime:
         timeout = float(self.model.spec.scaling.activationTimeout)
         budget = timeout - min(2.0, timeout / 4)
         acquire = self.delivery.acquire(
-            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file
+            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file,
+            folder=self.backend.loads_folder,
         )
         try:
             replica.weights = await asyncio.wait_for(acquire, budget)
