@@ -195,11 +195,15 @@ def greedy(server: EngineProcess, max_tokens: int = 8, model: str = "tiny", **ex
     return chat(server, model=model, max_tokens=max_tokens, **extra).text
 
 
-def start_engine(argv: list[str], port: int, health: str, env: dict[str, str] | None = None) -> EngineProcess:
+def start_engine(
+    argv: list[str], port: int, health: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> EngineProcess:
     """Start an engine and wait until GET `health` answers 200 (stopping it if that fails)."""
     server = EngineProcess(argv, port, env)
     try:
-        server.wait_until(lambda: http_status(f"{server.url}{health}", timeout=0.5) == 200, f"answering {health}")
+        server.wait_until(
+            lambda: http_status(f"{server.url}{health}", timeout=0.5) == 200, f"answering {health}", timeout
+        )
     except BaseException:
         server.stop()
         raise
