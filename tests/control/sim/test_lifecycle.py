@@ -26,7 +26,8 @@ async def scrape(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
         text = await r.text()
     out: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
-        rest = ",".join(p.replace('"', "") for p in labels.split(",") if p and not p.startswith(("model_name=", "engine=")))
+        kept = (p for p in labels.split(",") if p and not p.startswith(("model_name=", "engine=")))
+        rest = ",".join(p.replace('"', "") for p in kept)
         out[f"{name}{{{rest}}}" if rest else name] = float(value)
     return out
 
