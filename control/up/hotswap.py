@@ -478,10 +478,8 @@ class HotSwap:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
-        for line in text.splitlines():
-            if line.startswith(contract.VLLM_LORA_INFO + "{"):
-                return name in contract.lora_info(line)[0]
-        return False
+        current = contract.current_lora_info(text.splitlines())
+        return current is not None and name in current[0]
 
     def _routed_at(self, name: str, endpoint: str) -> int:
         load = self._demand().get(name)
