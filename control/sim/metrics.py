@@ -55,6 +55,8 @@ class SimMetrics(Collector):
         self.lora_running: dict[str, int] = {}
         self.lora_waiting: dict[str, int] = {}
         self.max_lora: int | None = None
+        #: (waiting, running) adapter lists -> when last reported, kept as vLLM keeps its samples
+        self.lora_seen: dict[tuple[str, str], float] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.ttft = Histogram(
@@ -104,17 +106,18 @@ class SimMetrics(Collector):
             success.add_metric([ENGINE, reason, self.model_name], n)
         yield success
         if self.max_lora is not None:
-            # As vLLM exports it: one sample, the adapters as comma-separated label values, the
-            # value the time of the reading.
+            # As vLLM exports it: the adapters as comma-separated label values, valued with the
+            # time that state was last seen; every state ever seen stays, in the order first seen
+            # (readers take the newest: contract.current_lora_info).
+            now = (",".join(sorted(self.lora_waiting)), ",".join(sorted(self.lora_running)))
+            self.lora_seen[now] = time.time()
             info = GaugeMetricFamily(
                 contract.VLLM_LORA_INFO,
                 "Running stats on lora requests.",
                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             )
-            info.add_metric(
-                [str(self.max_lora), ",".join(sorted(self.lora_waiting)), ",".join(sorted(self.lora_running))],
-                time.time(),
-            )
+            for (waiting, running), when in self.lora_seen.items():
+                info.add_metric([str(self.max_lora), waiting, running], when)
             yield info
 
     @staticmethod
