@@ -34,6 +34,10 @@ VLLM_FLAGS = ("--host", "{host}", "--port", "{port}", "--served-model-name", "{s
 #: Adapters loaded at run time: `--enable-lora --max-loras N`, and the switch that opens the API.
 LORA_ARGS = ("--enable-lora", "--max-loras", "{max_adapters}")
 LORA_ENV = (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
+#: KV events for the precise scorer: `--kv-events-config JSON` (base.kv_events_argv), with the
+#: prefix cache they report on (on by default in vLLM 0.32; stated so an older one has it too).
+KV_EVENTS_ARG = "--kv-events-config"
+PREFIX_CACHING = ("--enable-prefix-caching",)
 
 VLLM_LOAD = LoadMetrics(
     running=(contract.VLLM_RUNNING,),
@@ -61,6 +65,8 @@ VLLM = Backend(
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
     loads_folder=True,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )
 
 VLLM_OMNI = Backend(
@@ -80,6 +86,8 @@ VLLM_OMNI = Backend(
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
     loads_folder=True,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )
 
 SIM = Backend(
@@ -97,4 +105,6 @@ SIM = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )

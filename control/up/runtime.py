@@ -26,7 +26,7 @@ import aiohttp
 from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS, LoadSignals
-from wakegate.control.backends.base import fill
+from wakegate.control.backends.base import fill, kv_events_argv
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
@@ -276,6 +276,9 @@ class ModelRuntime:
                 argv += [self.backend.lora_arg, str(weights.path)]
         elif self.model.adapters and self.backend.lora_runtime_args:
             argv += [fill(a, values) for a in self.backend.lora_runtime_args]
+        kv = self.model.spec.routing.kvEvents
+        if kv is not None:
+            argv += kv_events_argv(self.backend, argv, int(values["port"]), kv.portOffset, kv.replayPortOffset)
         return argv
 
     def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """`wakegate up` running real vLLM (the CPU build `e2e.engines` installs) on a generated Hugging
 Face model folder: asleep until the first request, answered through the gateway by the official
 openai client (streamed and not), two LoRAAdapters loaded into the running engine through vLLM's
-own API and answering with their own outputs, and /status showing the load vLLM's metrics report.
+own API and answering with their own outputs, /status showing the load vLLM's metrics report, and
+the KV events `routing.kvEvents` asks for published by vLLM and taken by the gateway.
 
 One engine start serves the whole module (a vLLM cold start is about a minute on two cores and the
 engine holds ~4 GB): the tests run in order on the replica the first one woke.
@@ -16,8 +17,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import openai
 import pytest
+import zmq
 
 from tests.engines.conftest import PROMPT, VLLM_ARGS, HFTiny
 from tests.engines.test_up_engines import engines_path, model_status, wait_for
@@ -33,6 +36,7 @@ spec:
   source: file://weights/tiny
   args: {json.dumps(list(VLLM_ARGS))}
   adapters: {{maxAdapters: 2}}
+  routing: {{profile: precise, kvEvents: {{portOffset: 1}}}}
   scaling: {{min: 0, max: 1, idleTimeout: 900, activationTimeout: 300}}
 ---
 apiVersion: wakegate.io/v1alpha1
@@ -211,3 +215,52 @@ def test_status_shows_the_load_vllm_reports(fleet: UpProcess) -> None:
         return isinstance(load, dict) and load["running"] + load["waiting"] == 0
 
     wait_for(idle, 60, "vLLM's metrics to show it idle")
+
+
+def test_vllm_publishes_the_kv_events_the_routing_asks_for(fleet: UpProcess) -> None:
+    up = fleet
+    ask(up, "tiny")
+    replica = the_replica(up)
+    port = int(replica["port"])  # type: ignore[call-overload]
+    # up rendered the flags (the Model's args name none): vLLM binds port + portOffset.
+    argv = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().decode().split("\0")
+    assert "--enable-prefix-caching" in argv
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config["endpoint"] == f"tcp://*:{port + 1}" and config["enable_kv_cache_events"] is True
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 10_000)
+    sub.connect(f"tcp://127.0.0.1:{port + 1}")
+    stored: list[dict[str, object]] = []
+    try:
+        for attempt in range(5):
+            # A prompt of whole 128-token blocks, through the gateway, new each time (a
+            # subscription still joining misses the first batches).
+            content = f"{attempt}" + " the weather" * 150
+            client(up).chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=2,  # type: ignore[arg-type]
+            )
+            try:
+                _topic, _seq, payload = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            stored += [e for e in msgpack.unpackb(payload, raw=False)[1] if e["type"] == "BlockStored"]
+            if stored:
+                break
+    finally:
+        sub.close(0)
+        ctx.term()
+    assert stored and stored[0]["block_size"] == 128
+    # The gateways subscribed to the same endpoint and decoded those batches (vLLM 0.32 sends
+    # events as maps, which they once dropped as malformed).
+    logs = sorted((up.state_dir / "logs").glob("extproc-*.log"))
+
+    def subscribed() -> bool:
+        return all(f"kv events subscribed endpoint=127.0.0.1:{port}" in log.read_text() for log in logs)
+
+    wait_for(subscribed, 30, "the gateways to subscribe")
+    assert logs and not any("kv events malformed" in log.read_text() for log in logs)
