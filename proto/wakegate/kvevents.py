@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "parse_config",
     "seq_bytes",
     "seq_of",
+    "vllm_block_hashes",
 ]
 
 BLOCK_TOKENS = 16
@@ -89,6 +91,37 @@ def block_hashes(tokens: Sequence[str], parent: bytes = ROOT, start: int = 0, li
             parent + "\x1f".join(tokens[i : i + BLOCK_TOKENS]).encode("utf-8", "surrogatepass"), digest_size=8
         ).digest()
         out.append(parent)
+    return out
+
+
+#: vLLM's seed for the parent of a prompt's first block when PYTHONHASHSEED is not set and the
+#: hash is SHA-256 (vllm/v1/core/kv_cache_utils.py, 0.32)
+VLLM_NONE_HASH_SEED = "vllm-none-hash"
+
+
+def _vllm_sha256(value: Any) -> bytes:
+    """vLLM's `sha256` prefix-cache hash: SHA-256 of the value pickled with the highest protocol."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple[Any, ...] | None = None,
+    seed: str = VLLM_NONE_HASH_SEED,
+) -> list[int]:
+    """The hashes vLLM (0.32, `--prefix-caching-hash-algo sha256`, the default) gives the full
+    blocks of a prompt's token ids, as its KV events carry them: each block's SHA-256 over the
+    pickled ``(parent hash, block's token ids, extra keys)``, the first block's parent derived
+    from ``seed`` (``PYTHONHASHSEED`` when the engine has one), each event hash the digest's last
+    8 bytes as an integer. ``extra_keys`` is None for a plain prompt (LoRA, multimodal inputs and
+    a cache salt add keys). Only the hashing half of precise scoring against real vLLM: the
+    token ids must be the engine's own (its tokenizer and chat template)."""
+    parent = _vllm_sha256(seed)
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _vllm_sha256((parent, tuple(token_ids[start : start + block_size]), extra_keys))
+        out.append(int.from_bytes(parent, "big") & 0xFFFF_FFFF_FFFF_FFFF)
     return out
 
 

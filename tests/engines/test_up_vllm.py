@@ -25,6 +25,7 @@ import zmq
 from tests.engines.conftest import PROMPT, VLLM_ARGS, HFTiny
 from tests.engines.test_up_engines import engines_path, model_status, wait_for
 from tests.support.up import UpProcess, pids_alive
+from wakegate.kvevents import vllm_block_hashes
 
 FLEET = f"""---
 apiVersion: wakegate.io/v1alpha1
@@ -255,6 +256,11 @@ def test_vllm_publishes_the_kv_events_the_routing_asks_for(fleet: UpProcess) -> 
         sub.close(0)
         ctx.term()
     assert stored and stored[0]["block_size"] == 128
+    # The hashes are vLLM's SHA-256 chain over the block's token ids, which wakegate reproduces
+    # from the ids alone (the half of precise scoring that needs no tokenizer).
+    first = stored[0]
+    assert first["parent_block_hash"] is None and first["lora_id"] is None
+    assert vllm_block_hashes(first["token_ids"], 128) == first["block_hashes"]  # type: ignore[arg-type]
     # The gateways subscribed to the same endpoint and decoded those batches (vLLM 0.32 sends
     # events as maps, which they once dropped as malformed).
     logs = sorted((up.state_dir / "logs").glob("extproc-*.log"))

