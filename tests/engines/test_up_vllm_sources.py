@@ -62,7 +62,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, hf_tiny: HFTiny, vllm_bin: P
             "HF_ENDPOINT": hub.url,
             "HF_HUB_DISABLE_TELEMETRY": "1",
         }
-        up = UpProcess(tmp, model_doc("from-oci", ref) + model_doc("from-hf", "hf://org/tiny"), env=env)
+        fleet_doc = model_doc("from-oci", ref) + model_doc("from-hf", "hf://org/tiny")
+        cache_args = ("--cache-dir", str(tmp / "cache"), "--flash-dir", str(tmp / "flash"))  # not the machine's
+        up = UpProcess(tmp, fleet_doc, *cache_args, env=env)
         try:
             up.wait_ready({"from-oci": 0, "from-hf": 0}, timeout=90)
             yield Fleet(up, folder)
@@ -86,7 +88,7 @@ def test_oci_and_hf_sources_wake_vllm_on_the_pulled_folder(fleet: Fleet) -> None
         status = model_status(up, key)
         # vLLM was given the cache entry's folder: the same files as the generated one.
         weights = Path(str(status["weights"]))
-        assert weights.is_dir() and weights != fleet.folder
+        assert weights.is_dir() and weights.is_relative_to(up.tmp / "cache")
         for name in ("config.json", "tokenizer.json", "model.safetensors"):
             want = hashlib.sha256((fleet.folder / name).read_bytes()).hexdigest()
             assert hashlib.sha256((weights / name).read_bytes()).hexdigest() == want, (key, name)
