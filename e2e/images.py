@@ -138,6 +138,20 @@ def ollama_image(ctx: ContainerContext) -> list[str]:
     return [ctx.host_path(a) for a in argv]
 
 
+def vllm_image(ctx: ContainerContext) -> list[str]:
+    """vLLM's images (`vllm/vllm-openai`, the CPU release image): `vllm serve …` runs as the
+    `vllm` script of the CPU install e2e/engines.py keeps (it takes the same command line)."""
+    from e2e import engines
+
+    argv = [*ctx.command, *ctx.args]
+    if argv and argv[0] == "vllm":
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-") and argv[0] != "serve":
+        raise ValueError(f"vLLM image: only vllm runs here, not {argv[0]!r}")
+    argv = [ctx.pod_ip if a == "0.0.0.0" else ctx.host_path(a) for a in argv]
+    return [str(engines.ensure("vllm")), *argv]
+
+
 #: repository path (registry host and tag ignored; matched on whole path
 #: segments from the right) -> recipe
 IMAGES: dict[str, Recipe] = {
@@ -147,6 +161,8 @@ IMAGES: dict[str, Recipe] = {
     "envoyproxy/envoy": envoy,
     "ggml-org/llama.cpp": llama_cpp_server,
     "ollama/ollama": ollama_image,
+    "vllm/vllm-openai": vllm_image,
+    "q9t5s3a7/vllm-cpu-release-repo": vllm_image,
 }
 
 

@@ -270,7 +270,7 @@ def gateway(kube: Kube, model_crd: None, tmp_path: Path, request: pytest.Fixture
         gw.stop()
 
 
-def chat(url: str, model: str, out: list[tuple[int, str, float]]) -> None:
+def chat(url: str, model: str, out: list[tuple[int, str, float]], timeout: float = 90) -> None:
     import urllib.error
     import urllib.request
 
@@ -278,7 +278,7 @@ def chat(url: str, model: str, out: list[tuple[int, str, float]]) -> None:
     req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"}, method="POST")
     start = time.monotonic()
     try:
-        with urllib.request.urlopen(req, timeout=90) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             out.append((resp.status, resp.read().decode(), time.monotonic() - start))
     except urllib.error.HTTPError as exc:
         out.append((exc.code, exc.read().decode(), time.monotonic() - start))
@@ -290,7 +290,9 @@ def replicas(kube: Kube) -> int:
     )
 
 
-def cold_round_trip(kube: Kube, gateway: Gateway, idle_within: float) -> tuple[float, float]:
+def cold_round_trip(
+    kube: Kube, gateway: Gateway, idle_within: float, answer_within: float = 90
+) -> tuple[float, float]:
     """Cold request through the gateway: 0 -> 1, answered, back to 0. Returns (answer s, idle s)."""
     model = model_name(kube.ns)
     ref = externalscaler_pb2.ScaledObjectRef(name=names.backend_name(model), namespace=kube.ns)
@@ -313,12 +315,13 @@ def cold_round_trip(kube: Kube, gateway: Gateway, idle_within: float) -> tuple[f
 
         results: list[tuple[int, str, float]] = []
         worker = threading.Thread(
-            target=chat, args=(f"http://127.0.0.1:{gateway.port}/v1/chat/completions", model, results)
+            target=chat,
+            args=(f"http://127.0.0.1:{gateway.port}/v1/chat/completions", model, results, answer_within),
         )
         worker.start()
         wait_for(lambda: replicas(kube) == 1, 10, f"Deployment scaled 0 -> 1\n{gateway.logs()}")
         assert stub.IsActive(ref).result is True
-        worker.join(90)
+        worker.join(answer_within)
         assert results and results[0][0] == 200, f"{results}\n{gateway.logs()}"
         idle_from = time.monotonic()
         wait_for(lambda: replicas(kube) == 0, idle_within + 10, f"Deployment back to 0\n{gateway.logs()}")
@@ -439,25 +442,33 @@ def test_lease_elects_one_scaler_and_hands_over(kube: Kube) -> None:
 def create_llama_model(kube: Kube, gguf: Path) -> None:
     """A llama.cpp Model on a GGUF the node reads through a hostPath volume; its Deployment and
     Service are what the operator renders from the shipped `llamacpp` InferenceRuntime."""
+    from wakegate.control.runtimes import shipped_runtimes
+
+    spec = {
+        "backend": "llamacpp",
+        "source": f"file://{gguf}",
+        "args": ["--threads", "1", "--ctx-size", "512"],
+        "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 90, "engine": "builtin"},
+    }
+    create_rendered_model(kube, spec, next(r for r in shipped_runtimes() if r["metadata"]["name"] == "llamacpp"))
+
+
+def create_rendered_model(kube: Kube, spec: dict[str, Any], runtime_object: dict[str, Any]) -> None:
+    """A Model with `spec`, and the Deployment and Service the operator renders for it from
+    `runtime_object` (an InferenceRuntime), created at 0 replicas."""
     from wakegate.control.k8s.objects import runtime_from_object
     from wakegate.control.operator import render
-    from wakegate.control.runtimes import shipped_runtimes
 
     model = {
         "apiVersion": names.API_VERSION,
         "kind": "Model",
         "metadata": {"name": model_name(kube.ns), "namespace": kube.ns},
-        "spec": {
-            "backend": "llamacpp",
-            "source": f"file://{gguf}",
-            "args": ["--threads", "1", "--ctx-size", "512"],
-            "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 90, "engine": "builtin"},
-        },
+        "spec": spec,
     }
     created = kube.custom.create_namespaced_custom_object(
         names.GROUP, names.VERSION, kube.ns, names.MODEL_PLURAL, model
     )
-    runtime = runtime_from_object(next(r for r in shipped_runtimes() if r["metadata"]["name"] == "llamacpp"))
+    runtime = runtime_from_object(runtime_object)
     rendered = render.render(created, runtime, render.Settings(keda_available=False), initial_replicas=0)
     for obj in rendered.objects:
         if obj["kind"] == "Deployment":
@@ -491,3 +502,34 @@ def test_llamacpp_model_scales_from_zero_answers_and_goes_back(kube: Kube, llama
     once /health says the model is loaded, answers through the cluster gateway, and goes away."""
     answered, idle = cold_round_trip(kube, llama_gateway, idle_within=15)
     print(f"llamacpp: cold request answered in {answered:.2f}s; scaled to zero {idle:.1f}s after it")
+
+
+@pytest.fixture
+def vllm_gateway(kube: Kube, model_crd: None, tmp_path: Path) -> Iterator[Gateway]:
+    from e2e import engines, hfmodel
+    from wakegate.control.backends import BACKENDS, Image
+    from wakegate.control.runtimes import runtime_for
+
+    engines.ensure("vllm")
+    folder = hfmodel.write_model(tmp_path / "weights" / "tiny")
+    spec = {
+        "backend": "vllm",
+        "source": f"file://{folder}",
+        "args": ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
+        "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 300, "engine": "builtin"},
+    }
+    # vLLM's runtime as the plugin renders it, for a CPU image (the shipped ones are CUDA and ROCm).
+    create_rendered_model(kube, spec, runtime_for(BACKENDS["vllm"], Image("cpu", "vllm/vllm-openai:latest")))
+    gw = Gateway(kube.cluster, kube.ns, tmp_path)
+    gw.start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def test_vllm_model_scales_from_zero_answers_and_goes_back(kube: Kube, vllm_gateway: Gateway) -> None:
+    """Real vLLM as a pod: it loads the generated folder from its hostPath volume, is Ready once
+    /health says the model is loaded, answers through the cluster gateway, and goes away."""
+    answered, idle = cold_round_trip(kube, vllm_gateway, idle_within=45, answer_within=300)
+    print(f"vllm: cold request answered in {answered:.2f}s; scaled to zero {idle:.1f}s after it")

@@ -42,7 +42,7 @@ _NAMES = {**dict.fromkeys(_WAITING, "waiting"), **dict.fromkeys(_RUNNING, "runni
 def parse(text: str) -> EngineState | None:
     """The engine state in a Prometheus text exposition, or None when it names none of it."""
     found: dict[str, float] = {}
-    lora: tuple[frozenset[str], int | None] | None = None
+    lora_lines: list[str] = []
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -54,7 +54,7 @@ def parse(text: str) -> EngineState | None:
         kind = _NAMES.get(name)
         if kind is None:
             if name == contract.VLLM_LORA_INFO and brace > 0:
-                lora = contract.lora_info(line)
+                lora_lines.append(line)
             continue
         try:
             value = float(line.rsplit(" ", 1)[1] if brace < 0 else line[line.rindex("}") + 1 :].split()[0])
@@ -64,6 +64,7 @@ def parse(text: str) -> EngineState | None:
             found.setdefault(kind, value)  # the first name listed wins over its deprecated alias
         else:
             found[kind] = found.get(kind, 0.0) + value
+    lora = contract.current_lora_info(lora_lines)
     if not found and lora is None:
         return None
     state = EngineState(waiting=found.get("waiting"), running=found.get("running"), kv_usage=found.get("kv"))

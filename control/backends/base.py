@@ -11,9 +11,10 @@ folder private to one replica).
 
 from __future__ import annotations
 
+import json
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -161,6 +162,9 @@ class Backend:
     load_by_answering: bool = False
     #: The engine loads one weight file (GGUF), so `spec.source` must name one.
     needs_file: bool = False
+    #: The engine loads a model folder (config, tokenizer and weights: a Hugging Face layout), so
+    #: it is given the source's folder even when that holds a single weight file.
+    loads_folder: bool = False
     #: When SIGTERM does not drain in-flight requests, wakegate waits for the load to reach zero first.
     drains_on_sigterm: bool = False
     #: Seconds between SIGTERM and SIGKILL.
@@ -175,6 +179,11 @@ class Backend:
     #: and the environment that allows it.
     lora_runtime_args: tuple[str, ...] = ()
     lora_runtime_env: tuple[tuple[str, str], ...] = ()
+    #: Engines that publish KV events (vLLM's `--kv-events-config JSON`): the flag, and what
+    #: turns on the prefix cache whose blocks they report. Given to a Model whose routing names
+    #: `kvEvents` and whose args do not set the flag themselves (`kv_events_argv`).
+    kv_events_arg: str = ""
+    prefix_caching_args: tuple[str, ...] = ()
 
     @property
     def serves_adapters(self) -> bool:
@@ -239,3 +248,19 @@ def fill_json(value: Any, values: Mapping[str, str]) -> Any:
     if isinstance(value, list | tuple):
         return [fill_json(v, values) for v in value]
     return value
+
+
+def kv_events_argv(backend: Backend, args: Sequence[str], port: int, offset: int, replay_offset: int = 0) -> list[str]:
+    """What `backend` needs to publish KV events on its HTTP `port` + `offset` (and a replay socket
+    on `port` + `replay_offset`, 0: none) when a Model's routing asks for them: vLLM binds a
+    `tcp://*:PORT` endpoint (a concrete address would make it connect instead), so gateways
+    connect. Nothing for engines without KV events, or when `args` already configure them."""
+    if not backend.kv_events_arg or not offset or backend.kv_events_arg in args:
+        return []
+    config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    config["endpoint"] = f"tcp://*:{port + offset}"
+    if replay_offset:
+        config["replay_endpoint"] = f"tcp://*:{port + replay_offset}"
+    config["topic"] = "kv-events"
+    caching = [a for a in backend.prefix_caching_args if a not in args]
+    return [*caching, backend.kv_events_arg, json.dumps(config, separators=(",", ":"))]

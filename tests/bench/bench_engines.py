@@ -2,11 +2,12 @@
 
 Run from the repository root (not collected by `pytest tests`):
 
-    python -m tests.bench.bench_engines [--runs 10] [--engines llamacpp,ollama] [--json OUT]
+    python -m tests.bench.bench_engines [--runs 10] [--engines llamacpp,ollama,vllm] [--json OUT]
                                         [--dim 64 --layers 2]
 
-For each engine, on one generated GGUF (e2e/tinymodel.py; `--dim/--layers` for a bigger one),
-alternating run by run in one process so both sides see the same machine load:
+For each engine, on one generated GGUF (e2e/tinymodel.py; `--dim/--layers` for a bigger one) or,
+for vLLM, one generated Hugging Face folder (e2e/hfmodel.py, its default shape), alternating run
+by run in one process so both sides see the same machine load:
 
 * by hand: the engine's own command (the same argv and environment the plugin renders, e.g.
   `llama-server --model F --alias N --host 127.0.0.1 --port P --metrics --threads 1`), its
@@ -43,7 +44,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from e2e import engines
+from e2e import engines, hfmodel
 from e2e.tinymodel import ModelSpec, write_model
 from tests.bench.common import git_state, loadavg
 from tests.support.up import UpProcess, pids_alive
@@ -51,14 +52,21 @@ from wakegate.control.admin import free_port
 from wakegate.control.backends import BACKENDS
 
 PROMPT = [{"role": "user", "content": "tell me about the weather"}]
-ARGS = {"llamacpp": ["--threads", "1"], "ollama": []}
-ENV = {"llamacpp": {}, "ollama": {"OLLAMA_NUM_PARALLEL": "1"}}
-BINARY = {"llamacpp": "llama-server", "ollama": "ollama"}
+ARGS = {
+    "llamacpp": ["--threads", "1"],
+    "ollama": [],
+    # as tests/engines runs it: float32, a small context, no torch.compile (docs/decisions.md)
+    "vllm": ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
+}
+ENV: dict[str, dict[str, str]] = {"llamacpp": {}, "ollama": {"OLLAMA_NUM_PARALLEL": "1"}, "vllm": {}}
+BINARY = {"llamacpp": "llama-server", "ollama": "ollama", "vllm": "vllm"}
+#: seconds a cold start may take (vLLM's is about a minute on two cores)
+START_TIMEOUT = {"llamacpp": 60.0, "ollama": 60.0, "vllm": 400.0}
 
 
-def ttft(base_url: str, model: str) -> tuple[float, int]:
+def ttft(base_url: str, model: str, timeout: float = 120.0) -> tuple[float, int]:
     """Seconds from now to the first content chunk of the streamed request; and the chunk count."""
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout)
     started = time.monotonic()
     first = None
     chunks = 0
@@ -137,7 +145,7 @@ spec:
   source: file://{model}
   args: {json.dumps(ARGS[name])}
   env: {json.dumps(ENV[name])}
-  scaling: {{min: 0, max: 1, idleTimeout: 1}}
+  scaling: {{min: 0, max: 1, idleTimeout: 1, activationTimeout: {int(START_TIMEOUT[name])}}}
 """
     up = UpProcess(folder, manifest, env={"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}"})
     hand: list[float] = []
@@ -150,7 +158,7 @@ spec:
             hand.append(spawn_to_first_token(name, binary, model, hand_state))
             # A cold start from idle: the previous engine process has exited (a request that
             # arrives while it is still being stopped waits for that stop first).
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while True:
                 (status,) = [m for m in up.status()["models"] if m["key"] == "tiny"]
                 if not status["replicas"] and status["state"] == "idle" and not pids_alive(pids):
@@ -158,10 +166,11 @@ spec:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the engine did not go back to zero")
                 time.sleep(0.05)
-            first, _ = ttft(up.base_url, "tiny")
+            first, _ = ttft(up.base_url, "tiny", START_TIMEOUT[name])
             gate.append(first)
-            # The engine's first answer to wakegate's own check comes after the held request.
-            until = time.monotonic() + 10
+            # The engine's first answer to wakegate's own check comes after the held request
+            # (engines that get one: not vLLM, whose /health passes once the model is loaded).
+            until = time.monotonic() + (10 if BACKENDS[name].answer_probe else 0)
             while True:
                 (status,) = [m for m in up.status()["models"] if m["key"] == "tiny"]
                 if "first_byte" in status["last_cold_start"] or time.monotonic() > until:
@@ -188,12 +197,15 @@ def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> f
     values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny", "state": str(state)}
     argv = [str(binary), *backend.command(values)[1:], *ARGS[name]]
     env = dict(os.environ, **backend.environment(values), **ENV[name])
+    deadline = time.monotonic() + START_TIMEOUT[name]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         while not http_ok(f"http://127.0.0.1:{port}{backend.health_path}"):
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not pass its health check in {START_TIMEOUT[name]:.0f} s")
             time.sleep(0.005)
         sent = time.monotonic()
         first, _ = ttft(f"http://127.0.0.1:{port}/v1", "tiny")
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
     try:
         model = write_model(tmp / "tiny.gguf", ModelSpec(dim=args.dim, layers=args.layers))
+        folder = hfmodel.write_model(tmp / "tiny-hf")
         result: dict[str, Any] = {
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "git": git_state(),
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name in args.engines.split(","):
             binary = engines.ensure(BINARY[name])
-            result["engines"][name] = bench_engine(name, binary, model, args.runs, tmp)
+            weights = folder if BACKENDS[name].loads_folder else model
+            result["engines"][name] = bench_engine(name, binary, weights, args.runs, tmp)
             res = result["engines"][name]
             stages = json.dumps({k: round(v) for k, v in res["timeline_p50_ms"].items()})
             print(

@@ -1,7 +1,8 @@
 """Real engines for tests: llama-server and ollama built by `e2e.engines`, serving a GGUF
-that `e2e.tinymodel` generates.
+that `e2e.tinymodel` generates; vLLM installed by `e2e.engines`, serving a Hugging Face folder
+that `e2e.hfmodel` generates.
 
-`llama_server_bin` / `ollama_bin` build or reuse the engine (a test that needs one is skipped,
+`llama_server_bin` / `ollama_bin` / `vllm_bin` build (install) or reuse the engine (a test that needs one is skipped,
 with the reason, on a machine without its toolchain; CI has them). `start_llama_server(...)`
 and `start_ollama(...)` start one on a free loopback port and wait until it answers;
 `EngineProcess.stop()` sends SIGTERM and reports the exit status. `chat(...)` / `greedy(...)`
@@ -27,7 +28,7 @@ import pytest
 from openai import OpenAI
 from openai.types import CompletionUsage
 
-from e2e import engines
+from e2e import engines, hfmodel
 from e2e.tinymodel import ModelSpec, write_lora, write_model
 from tests.support.sim import http_status
 from wakegate.control.admin import free_port
@@ -50,6 +51,37 @@ def llama_server_bin() -> Path:
 @pytest.fixture(scope="session")
 def ollama_bin() -> Path:
     return engine_binary("ollama")
+
+
+@pytest.fixture(scope="session")
+def vllm_bin() -> Path:
+    """The `vllm` script of the cached install (minutes the first time on a machine)."""
+    return engine_binary("vllm")
+
+
+@dataclass(frozen=True)
+class HFTiny:
+    """A generated Hugging Face model folder and two PEFT adapter folders for it."""
+
+    model: Path
+    sql: Path
+    poet: Path
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory: pytest.TempPathFactory) -> HFTiny:
+    folder = tmp_path_factory.mktemp("hfmodel")
+    spec = hfmodel.HFModelSpec(seed=0)
+    return HFTiny(
+        model=hfmodel.write_model(folder / "tiny", spec),
+        sql=hfmodel.write_lora(folder / "sql", spec, seed=11),
+        poet=hfmodel.write_lora(folder / "poet", spec, seed=12),
+    )
+
+
+#: vLLM on a small CPU: float32 (the generated weights' type), a context that fits the tiny
+#: KV cache, and no torch.compile (eager starts tens of seconds sooner; docs/decisions.md).
+VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
 
 
 @dataclass(frozen=True)
@@ -163,11 +195,15 @@ def greedy(server: EngineProcess, max_tokens: int = 8, model: str = "tiny", **ex
     return chat(server, model=model, max_tokens=max_tokens, **extra).text
 
 
-def start_engine(argv: list[str], port: int, health: str, env: dict[str, str] | None = None) -> EngineProcess:
+def start_engine(
+    argv: list[str], port: int, health: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> EngineProcess:
     """Start an engine and wait until GET `health` answers 200 (stopping it if that fails)."""
     server = EngineProcess(argv, port, env)
     try:
-        server.wait_until(lambda: http_status(f"{server.url}{health}", timeout=0.5) == 200, f"answering {health}")
+        server.wait_until(
+            lambda: http_status(f"{server.url}{health}", timeout=0.5) == 200, f"answering {health}", timeout
+        )
     except BaseException:
         server.stop()
         raise

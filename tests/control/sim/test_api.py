@@ -156,5 +156,5 @@ async def test_http_errors_and_defaults(shared_sim: SimProcess) -> None:
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:e2e_request_latency_seconds_count",
     ):
-        assert f'{name}{{model_name="sim-model"' in text or f"{name}{{le=" in text, name
-    assert 'vllm:request_success_total{finished_reason="length",model_name="sim-model"}' in text
+        assert f'{name}{{engine="0",model_name="sim-model"' in text or f'{name}{{engine="0",le=' in text, name
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="sim-model"}' in text

@@ -21,12 +21,13 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)\{([^}]*)\} (\S+)$", re.M)
 
 
 async def scrape(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """``name{labels}`` -> value, with the labels written as ``k=v,...`` minus model_name."""
+    """``name{labels}`` -> value, with the labels written as ``k=v,...`` minus model_name and engine."""
     async with s.get(f"{url}/metrics") as r:
         text = await r.text()
     out: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
-        rest = ",".join(p.replace('"', "") for p in labels.split(",") if p and not p.startswith("model_name="))
+        kept = (p for p in labels.split(",") if p and not p.startswith(("model_name=", "engine=")))
+        rest = ",".join(p.replace('"', "") for p in kept)
         out[f"{name}{{{rest}}}" if rest else name] = float(value)
     return out
 

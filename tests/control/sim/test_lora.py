@@ -55,6 +55,11 @@ async def test_adapters_load_serve_report_and_unload(sim_factory: SimFactory) ->
             await asyncio.sleep(0.02)
         assert state is not None and state.adapters == frozenset({"sql"})
         assert (await slow).model == "sql"
+        # As vLLM, the sample of that past state stays; the newest one says nothing runs now.
+        text = await (await s.get(f"{sim.url}/metrics")).text()
+        assert 'running_lora_adapters="sql"' in text
+        state = parse(text)
+        assert state is not None and state.adapters == frozenset()
 
         assert (await post(s, f"{sim.url}/v1/unload_lora_adapter", {"lora_name": "sql"}))[0] == 200
         status, text = await post(s, f"{sim.url}/v1/unload_lora_adapter", {"lora_name": "sql"})

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e.hfmodel import write_model as write_hf_model
 from e2e.tools.registry import Registry, start_registry
 from tests.control.delivery.conftest import weights
 from tests.support.http import request
@@ -220,3 +221,26 @@ def test_flash_finds_a_corrupt_entry_while_staging_and_fetches_it_again(tmp_path
         again.release()
         assert watch.corrupt == 1 and "does not match its digest" in watch.last_corrupt
         assert again.path.read_bytes() == file.read_bytes() and blob_gets(reg, file) == 2
+
+
+def test_an_engine_that_loads_a_folder_gets_the_pulled_folder(tmp_path: Path) -> None:
+    """A Hugging Face folder pushed as one artifact (config, tokenizer, one safetensors): vLLM
+    is given the entry's folder, plain or flash-staged, never the single weight file in it."""
+    folder = write_hf_model(tmp_path / "src" / "tiny-hf")
+    with start_registry(tmp_path / "reg") as reg:
+        ref = publish(reg, folder)
+        up = delivery(tmp_path)
+
+        async def main(flash: bool) -> None:
+            watch = WeightsWatch("m", ref)
+            got = await up.acquire(model("m", ref, flash=flash), watch, base_dir=None, needs_file=False, folder=True)
+            try:
+                assert got.path.is_dir() and got.path == got.folder
+                assert got.path == (got.staged if flash else up.cache.files_dir(watch.entry))  # type: ignore[arg-type]
+                for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+                    assert (got.path / name).read_bytes() == (folder / name).read_bytes(), name
+            finally:
+                got.release()
+
+        asyncio.run(main(flash=False))
+        asyncio.run(main(flash=True))
