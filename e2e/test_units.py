@@ -22,7 +22,9 @@ pytestmark = pytest.mark.e2e
         ("wakegate/wakegate", images.wakegate),
         ("wakegate/e2e-exec:dev", images.exec_image),
         ("ghcr.io/other/wakegate-sim:1", None),
-        ("vllm/vllm-openai:v0.11", None),
+        # vLLM's images run as the cached CPU install (e2e/engines.py), whatever their tag.
+        ("vllm/vllm-openai:v0.11", images.vllm_image),
+        ("docker.io/library/nginx:1.27", None),
     ],
 )
 def test_image_lookup(image: str, recipe: images.Recipe | None) -> None:
