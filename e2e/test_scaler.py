@@ -50,6 +50,15 @@ def model_name(ns: str) -> str:
     return "lazy-" + ns.removeprefix("e2e-")
 
 
+
+def serving(gw: Gateway) -> Iterator[Gateway]:
+    """A fixture's body: the gateway started, handed to the test, stopped whatever happens."""
+    gw.start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
 @pytest.fixture(scope="module")
 def model_crd(cluster: Cluster) -> None:
     """The harness installs KEDA's CRDs only; the Model CRD comes from the chart."""
@@ -263,11 +272,7 @@ def create_model(kube: Kube, engine: str, scaler_address: str) -> None:
 def gateway(kube: Kube, model_crd: None, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]:
     gw = Gateway(kube.cluster, kube.ns, tmp_path)
     create_model(kube, getattr(request, "param", "builtin"), gw.keda)
-    gw.start()
-    try:
-        yield gw
-    finally:
-        gw.stop()
+    yield from serving(gw)
 
 
 def chat(url: str, model: str, out: list[tuple[int, str, float]], timeout: float = 90) -> None:
@@ -489,12 +494,7 @@ def llama_gateway(kube: Kube, model_crd: None, tmp_path: Path) -> Iterator[Gatew
     weights = tmp_path / "weights"
     weights.mkdir()
     create_llama_model(kube, write_model(weights / "tiny.gguf", ModelSpec()))
-    gw = Gateway(kube.cluster, kube.ns, tmp_path)
-    gw.start()
-    try:
-        yield gw
-    finally:
-        gw.stop()
+    yield from serving(Gateway(kube.cluster, kube.ns, tmp_path))
 
 
 def test_llamacpp_model_scales_from_zero_answers_and_goes_back(kube: Kube, llama_gateway: Gateway) -> None:
@@ -520,12 +520,7 @@ def vllm_gateway(kube: Kube, model_crd: None, tmp_path: Path) -> Iterator[Gatewa
     }
     # vLLM's runtime as the plugin renders it, for a CPU image (the shipped ones are CUDA and ROCm).
     create_rendered_model(kube, spec, runtime_for(BACKENDS["vllm"], Image("cpu", "vllm/vllm-openai:latest")))
-    gw = Gateway(kube.cluster, kube.ns, tmp_path)
-    gw.start()
-    try:
-        yield gw
-    finally:
-        gw.stop()
+    yield from serving(Gateway(kube.cluster, kube.ns, tmp_path))
 
 
 def test_vllm_model_scales_from_zero_answers_and_goes_back(kube: Kube, vllm_gateway: Gateway) -> None:
