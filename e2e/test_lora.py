@@ -50,6 +50,7 @@ from e2e.gateway import (
 from e2e.helpers import Kube, is_ready, wait_for
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_lora, write_model
+from tests.support.required import missing
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import GATE_ADAPTERS
@@ -210,7 +211,7 @@ def _ready_pods(kube: Kube, model: str) -> list[Any]:
 
 def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(served: Served, tmp_path: Path) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     kube, gateway = served.kube, served.gateway
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -290,7 +291,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
 
 def test_an_adapter_request_wakes_its_base_from_zero_once(served: Served, tmp_path: Path) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     kube = served.kube
     weights = tmp_path / "weights"
     weights.mkdir()

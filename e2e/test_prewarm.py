@@ -41,6 +41,7 @@ from e2e.helpers import Kube, is_ready, wait_for
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_model
 from e2e.tools.registry import Registry, start_registry
+from tests.support.required import missing
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 
@@ -222,7 +223,7 @@ def llama_model(source: str, **extra: Any) -> dict[str, Any]:
 
 def test_modelcache_prewarms_the_node_and_the_model_serves_from_it(prewarm: Prewarm, pkube: Kube) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     create(pkube, "models", "tiny", llama_model(source, nodeSelector={"pool": "warm"}))
     cache = names.owned_cache_name("tiny")
@@ -308,7 +309,7 @@ def test_the_extender_prefers_the_node_holding_the_weights(prewarm: Prewarm, pku
 
 def test_cache_node_runs_where_a_modelcache_of_yours_has_the_weights(prewarm: Prewarm, pkube: Kube) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     create(pkube, "modelcaches", "warm-pool", {"sources": [source], "nodeSelector": {"pool": "warm"}})
     create(pkube, "models", "nodal", {**llama_model(source), "cache": {"strategy": "node"}})

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from e2e.helm import HELM, BuildError, ensure_helm, is_current
+from tests.support.required import missing
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
@@ -113,7 +114,7 @@ DISABLED = {key: {"enabled": False} for key in ("operator", "xds", "scaler", "ag
 @pytest.fixture(scope="session")
 def helm() -> Path:
     if not is_current() and shutil.which("go") is None:
-        pytest.skip("helm is not built and `go` is missing (python -m e2e.helm builds it)")
+        missing("helm is not built and `go` is missing (python -m e2e.helm builds it)")
     try:
         return ensure_helm()
     except BuildError as exc:

@@ -30,6 +30,7 @@ from openai.types import CompletionUsage
 
 from e2e import engines, hfmodel
 from e2e.tinymodel import ModelSpec, write_lora, write_model
+from tests.support.required import missing
 from tests.support.sim import http_status
 from wakegate.control.admin import free_port
 
@@ -40,7 +41,7 @@ def engine_binary(name: str) -> Path:
     try:
         return engines.ensure(name)
     except engines.ToolchainMissing as exc:
-        pytest.skip(str(exc))
+        missing(str(exc))
 
 
 @pytest.fixture(scope="session")
