@@ -184,6 +184,10 @@ class Backend:
     #: `kvEvents` and whose args do not set the flag themselves (`kv_events_argv`).
     kv_events_arg: str = ""
     prefix_caching_args: tuple[str, ...] = ()
+    #: Its KV events name blocks by vLLM's SHA-256 chain over the prompt's token ids, so the
+    #: gateway tokenizes prompts with the model's tokenizer and chat template to match them
+    #: (`ModelRoute.tokenizer`); False: by the simulator's words (`wakegate.kvevents`).
+    kv_hashes_token_ids: bool = False
 
     @property
     def serves_adapters(self) -> bool:
