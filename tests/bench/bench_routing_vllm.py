@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from e2e import engines, hfmodel
-from tests.bench.common import git_state, loadavg
-from tests.engines.conftest import VLLM_ARGS
+from tests.bench.common import first_token_seconds, git_state, loadavg
+from tests.engines.conftest import vllm_model
 from tests.engines.test_up_engines import engines_path
 from tests.support.up import UpProcess
 from wakegate.extproc.engineprompt import EnginePrompt
@@ -57,18 +57,7 @@ WORDS = hfmodel.CORPUS.replace(";", " ").replace(",", " ").replace(".", " ").rep
 
 
 def fleet(routing: str) -> str:
-    return f"""---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {{name: tiny}}
-spec:
-  backend: vllm
-  servedName: org/tiny-hf
-  source: file://weights/tiny
-  args: {json.dumps(list(VLLM_ARGS))}
-  routing: {routing}
-  scaling: {{min: 2, max: 2, idleTimeout: 3600, activationTimeout: 600}}
-"""
+    return vllm_model(routing, "{min: 2, max: 2, idleTimeout: 3600, activationTimeout: 600}")
 
 
 def metrics(endpoint: str) -> dict[str, float]:
@@ -91,18 +80,7 @@ def ask(base: str, model: str, system: str, user: str) -> float:
         "temperature": 0.0,
         "stream": True,
     }
-    request = urllib.request.Request(
-        f"{base.rstrip('/')}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    t0 = time.monotonic()
-    first = None
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        for line in resp:
-            if first is None and line.startswith(b"data: {"):
-                first = time.monotonic() - t0
-    return first if first is not None else float("nan")
+    return first_token_seconds(f"{base.rstrip('/')}/chat/completions", body)
 
 
 def system_prompts(prompt: EnginePrompt, count: int, rng: random.Random) -> list[str]:

@@ -290,3 +290,20 @@ def ollama(ollama_bin: Path, tiny: TinyFiles, tmp_path_factory: pytest.TempPathF
         yield server
     finally:
         server.stop()
+
+
+def vllm_model(routing: str, scaling: str, extra: str = "") -> str:
+    """A `backend: vllm` Model document named tiny over `file://weights/tiny` with VLLM_ARGS;
+    `extra` is more spec lines (two-space indented)."""
+    return f"""---
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {{name: tiny}}
+spec:
+  backend: vllm
+  servedName: org/tiny-hf
+  source: file://weights/tiny
+  args: {json.dumps(list(VLLM_ARGS))}
+{extra}  routing: {routing}
+  scaling: {scaling}
+"""

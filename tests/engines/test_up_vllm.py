@@ -22,34 +22,26 @@ import openai
 import pytest
 import zmq
 
-from tests.engines.conftest import PROMPT, VLLM_ARGS, HFTiny
+from tests.engines.conftest import PROMPT, HFTiny, vllm_model
 from tests.engines.test_up_engines import engines_path, model_status, wait_for
 from tests.support.up import UpProcess, pids_alive
 from wakegate.extproc.engineprompt import EnginePrompt
 from wakegate.kvevents import vllm_block_hashes
 
-FLEET = f"""---
+FLEET = vllm_model(
+    "{profile: precise, kvEvents: {portOffset: 1}}",
+    "{min: 0, max: 1, idleTimeout: 900, activationTimeout: 300}",
+    extra="  adapters: {maxAdapters: 2}\n",
+) + """---
 apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {{name: tiny}}
-spec:
-  backend: vllm
-  servedName: org/tiny-hf
-  source: file://weights/tiny
-  args: {json.dumps(list(VLLM_ARGS))}
-  adapters: {{maxAdapters: 2}}
-  routing: {{profile: precise, kvEvents: {{portOffset: 1}}}}
-  scaling: {{min: 0, max: 1, idleTimeout: 900, activationTimeout: 300}}
+kind: LoRAAdapter
+metadata: {name: sql}
+spec: {baseModel: tiny, source: file://weights/sql, servedName: tiny-sql}
 ---
 apiVersion: wakegate.io/v1alpha1
 kind: LoRAAdapter
-metadata: {{name: sql}}
-spec: {{baseModel: tiny, source: file://weights/sql, servedName: tiny-sql}}
----
-apiVersion: wakegate.io/v1alpha1
-kind: LoRAAdapter
-metadata: {{name: poet}}
-spec: {{baseModel: tiny, source: file://weights/poet}}
+metadata: {name: poet}
+spec: {baseModel: tiny, source: file://weights/poet}
 """
 
 MAX_TOKENS = 12
