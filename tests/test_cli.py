@@ -44,3 +44,26 @@ def test_log_level_is_one_spelling_in_any_case(level: str) -> None:
     assert parser.parse_args(["--log-level", level]).log_level in ("DEBUG", "WARNING", "INFO")
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-level", "loud"])
+
+
+def test_the_operators_help_names_every_kind_it_watches() -> None:
+    import kopf
+    import yaml
+
+    from wakegate.control import crd
+    from wakegate.control.k8s import names
+    from wakegate.control.operator.controller import register
+
+    registry = kopf.OperatorRegistry()
+    register(registry, None)  # type: ignore[arg-type]
+    plurals = {h.selector.any_name for h in registry._watching.get_all_handlers() if h.selector.group == names.GROUP}
+    kinds = {
+        doc["spec"]["names"]["plural"]: doc["spec"]["names"]["kind"]
+        for doc in map(yaml.safe_load, crd.render().values())
+    }
+    watched = {kinds[plural] for plural in plurals}
+    assert len(watched) == 5
+    readme = (REPO_ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `wakegate operator` |"))
+    for text in (COMMANDS["operator"][1], row):
+        assert set(re.findall(r"\b[A-Z][A-Za-z]+\b", text)) >= watched, text

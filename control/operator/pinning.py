@@ -3,10 +3,10 @@
 A tag can move; a Deployment whose pods name the tag would load whatever it names when each pod
 starts, so two replicas of one Model could serve different weights. The operator resolves a
 tag to a digest once (of the manifest, or index, the tag names then), records `spec.source`
-with that digest in the Model's `status.pinnedSource`, and renders from the pinned source (`pinned_body`): image volumes and the
-ModelCache it keeps name `…:TAG@sha256:…`. The record holds while `spec.source` stays the same
-text (`recorded`); a new `spec.source` is resolved anew. A source already naming a digest, and
-every other scheme, is used as written.
+with that digest in the Model's `status.pinnedSource`, and renders from the pinned source
+(`pinned_body`): image volumes and the ModelCache it keeps name `…:TAG@sha256:…`. The record
+holds while `spec.source` stays the same text (`recorded`); a new `spec.source` is resolved
+anew. A source already naming a digest, and every other scheme, is used as written.
 
 Pure: the operator's controller asks the registry (`Reconciler._pin`); this module decides what
 a recorded pin is worth and what the pods are rendered from.
