@@ -67,3 +67,33 @@ def test_the_operators_help_names_every_kind_it_watches() -> None:
     row = next(line for line in readme.splitlines() if line.startswith("| `wakegate operator` |"))
     for text in (COMMANDS["operator"][1], row):
         assert set(re.findall(r"\b[A-Z][A-Za-z]+\b", text)) >= watched, text
+
+
+REGISTRY_COMMANDS = ("cache", "catalog", "flash-load", "up", "agent", "operator")
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_renamed_flags_have_one_spelling_in_help(name: str) -> None:
+    help_text = command_parser(name)[0].format_help()
+    assert not re.search(r"--ca-file\b|(?<![-\w])--max-size\b", help_text)
+    assert ("--registry-ca-file" in help_text) == (name in REGISTRY_COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new", "dest", "tail"),
+    [
+        ("cache", ["--ca-file", "/ca.pem", "--max-size", "5G"],
+         ["--registry-ca-file", "/ca.pem", "--cache-max-size", "5G"], ("ca_file", "max_size"), ["ls"]),
+        ("flash-load", ["--ca-file", "/ca.pem", "--max-size", "5G"],
+         ["--registry-ca-file", "/ca.pem", "--cache-max-size", "5G"], ("ca_file", "max_size"), ["/m.gguf"]),
+        ("up", ["--ca-file", "/ca.pem"], ["--registry-ca-file", "/ca.pem"], ("ca_file",), []),
+    ],
+)
+def test_an_old_spelling_still_sets_the_same_option(
+    name: str, old: list[str], new: list[str], dest: tuple[str, ...], tail: list[str]
+) -> None:
+    parser, _ = command_parser(name)
+    given, renamed, default = (parser.parse_args([*argv, *tail]) for argv in (old, new, []))
+    assert [getattr(given, d) for d in dest] == [getattr(renamed, d) for d in dest]
+    assert [getattr(default, d) for d in dest] == [None] * len(dest)
+    assert str(given.ca_file) == "/ca.pem"
