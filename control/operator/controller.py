@@ -115,9 +115,12 @@ class Reconciler:
         #: how registries are reached (CA file from the operator's flags); credentials per catalog
         self.registry_settings = RegistrySettings()
         self.applied: dict[str, str] = {}
-        #: Model key -> (spec.source, the pinned source its pods use): the newest pin, kept here as
-        #: well as in status (a watch event may bring an older status than the one we wrote)
-        self._pins: dict[str, tuple[str, str]] = {}
+        #: Model key -> (uid, spec.source, the pinned source its pods use): the newest pin, kept here
+        #: as well as in status (a watch event may bring an older status than the one we wrote)
+        self._pins: dict[str, tuple[str | None, str, str]] = {}
+        #: Model key -> (uid, spec.source, monotonic time before which the registry is not asked
+        #: again, the error): a tag that did not resolve
+        self._pin_failures: dict[str, tuple[str | None, str, float, rnd.RenderError]] = {}
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
         self._stopped_at: dict[str, float] = {}
@@ -278,7 +281,8 @@ class Reconciler:
         body = self.models.get(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Owner references cascade the deletion; only our memory needs forgetting.
-            for memory in (self.applied, self.pods, self._pins, self._was_running, self._started_at, self._stopped_at):
+            for memory in (self.applied, self.pods, self._pins, self._pin_failures, self._was_running,
+                           self._started_at, self._stopped_at):
                 memory.pop(key, None)
             self.lora_loader.forget(key)
             self._poke_adapters_of(key)
@@ -337,15 +341,19 @@ class Reconciler:
         """The Model's source pinned to a digest (`pinning`) when it names an oci:// tag: the pin
         already made for this `spec.source`, else the digest the registry gives for the tag now
         (with the Model's and runtime's imagePullSecrets). A registry that cannot answer is a
-        render error with its reason, tried again in `PIN_RETRY` seconds; nothing is rendered
-        from the tag meanwhile."""
+        render error with its reason, and the registry is asked again only `PIN_RETRY` seconds
+        later (however many events come meanwhile); nothing is rendered from the tag until then."""
         source = model.spec.source
         tag = pinning.tag_source(source)
         if source is None or tag is None:
             return None
+        uid = body["metadata"].get("uid")
         kept = self._pins.get(key)
-        if kept is not None and kept[0] == source:
-            return kept[1]
+        if kept is not None and kept[:2] == (uid, source):
+            return kept[2]
+        failed = self._pin_failures.get(key)
+        if failed is not None and failed[:2] == (uid, source) and time.monotonic() < failed[2]:
+            raise failed[3]
         pinned = pinning.recorded(source, body.get("status"))
         if pinned is None:
             refs = list(model.spec.imagePullSecrets)
@@ -356,19 +364,22 @@ class Reconciler:
                 async with RegistryClient(tag.registry, self.registry_settings, auths) as client:
                     digest, _, _ = await client.manifest(tag.repository, tag.reference)
             except DeliveryError as exc:
+                error = rnd.RenderError(exc.reason, f"cannot resolve {source} to a digest: {exc}")
+                self._pin_failures[key] = (uid, source, time.monotonic() + PIN_RETRY, error)
                 asyncio.get_running_loop().call_later(PIN_RETRY, self.poke, key)
-                raise rnd.RenderError(exc.reason, f"cannot resolve {source} to a digest: {exc}") from None
+                raise error from None
             pinned = str(tag.at(digest))
             log.info("Model %s: %s pinned to %s", key, source, digest)
-        self._pins[key] = (source, pinned)
+        self._pin_failures.pop(key, None)
+        self._pins[key] = (uid, source, pinned)
         return pinned
 
     def _kept_pin(self, key: str, body: Mapping[str, Any]) -> str | None:
         """The pin status keeps while the Model cannot be rendered: the one of its current source."""
         source = (body.get("spec") or {}).get("source")
         kept = self._pins.get(key)
-        if kept is not None and kept[0] == source:
-            return kept[1]
+        if kept is not None and kept[:2] == (body["metadata"].get("uid"), source):
+            return kept[2]
         return pinning.recorded(source, body.get("status")) if isinstance(source, str) else None
 
     async def _registry_auths_of(self, namespace: str, secrets: list[str]) -> DockerAuths:

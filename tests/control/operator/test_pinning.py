@@ -21,6 +21,7 @@ from tests.control.operator.recording import RecordingKube
 from tests.support.tools import registry_bin
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
+from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object
 from wakegate.control.operator import pinning
 from wakegate.control.operator import render as rnd
@@ -115,15 +116,23 @@ def test_a_moving_tag_keeps_the_digest_the_operator_resolved(tmp_path: Path, cap
 
 
 def test_an_unresolvable_tag_renders_no_pods_and_says_why(tmp_path: Path) -> None:
-    with start_registry(tmp_path / "reg", auth=True) as reg:
+    with start_registry(tmp_path / "reg", auth=True, access_log=True) as reg:
         kube = Kube({})  # the imagePullSecret is missing: the registry is asked anonymously
 
-        async def once() -> None:
+        def manifest_requests() -> int:
+            return sum("/manifests/" in line for line in reg.requests())
+
+        async def twice() -> None:
             reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
             reconciler.on_model("ADDED", model(f"oci://{reg.host}/models/tiny:stable"))
             await reconciler.reconcile("ns/m")
+            asked = manifest_requests()
+            reconciler.on_pod("ADDED", {"metadata": {"name": "p", "namespace": "ns",
+                                                     "labels": names.backend_labels("m")}})
+            await reconciler.reconcile("ns/m")  # another event: the registry is not asked again yet
+            assert asked > 0 and manifest_requests() == asked
 
-        asyncio.run(once())
+        asyncio.run(twice())
         assert kube.image_volumes() == set()
         ready = next(c for c in kube.patched[-1][1]["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("False", "unauthorized")
