@@ -50,7 +50,7 @@ def _special(config: Mapping[str, Any], name: str) -> str | None:
 class EnginePrompt:
     """The token ids an engine serving the model in ``folder`` gives a request's prompt."""
 
-    __slots__ = ("_cache", "_ids", "_split", "_specials", "_template", "_tokenizer", "folder", "hits", "misses")
+    __slots__ = ("_cache", "_ids", "_specials", "_split", "_template", "_tokenizer", "folder", "hits", "misses")
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
