@@ -45,6 +45,10 @@ class Verdict:
     #: The group peer a demanded member waits for: the holder, or (for the member the group was
     #: just handed to) the outgoing one whose replicas are not gone yet. None: not waiting.
     waiting_for: str | None = None
+    #: The replicas the model's own demand wants, before its GPU group held it back (0: it idled).
+    own_replicas: int = 0
+    #: Since when it has had no demand (monotonic), None while busy.
+    idle_since: float | None = None
 
 
 @dataclass
@@ -181,6 +185,7 @@ class Core:
         wanted: dict[str, int] = {}
         busy: dict[str, bool] = {}
         demand: dict[str, int] = {}
+        own: dict[str, int] = {}
         for key in self.models:
             raw = self.loads.get(key, _NO_LOAD)
             inputs = (raw, failures.get(key, 0))
@@ -194,6 +199,7 @@ class Core:
                 desired, self._scale[key], next_at = autoscale.decide(self._policies[key], load, self._scale[key], now)
                 self._decided[key] = (inputs, desired, busy[key], demand[key], next_at)
             wanted[key] = desired
+            own[key] = desired
             if next_at is not None:
                 next_checks.append(next_at)
         for group in self._groups.values():
@@ -211,6 +217,8 @@ class Core:
                 target_in_flight=self._policies[key].target_in_flight,
                 admitted=key not in held_back,
                 waiting_for=waiting.get(key),
+                own_replicas=own[key],
+                idle_since=self._scale[key].idle_since,
             )
             for key in self.models
         }

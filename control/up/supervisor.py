@@ -39,14 +39,15 @@ from wakegate.control.demand.service import DemandService
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
+from wakegate.control.scaling.savings import Ledger
 from wakegate.control.schema import ManifestError, Model, parse_models
 from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
-from wakegate.control.up.metrics import UpMetrics
+from wakegate.control.up.metrics import TierCollector, UpMetrics
 from wakegate.control.up.native import NativeDemand
-from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
+from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
@@ -232,7 +233,16 @@ class Up:
         }
         self.metrics = UpMetrics()
         self.book = DemandBook()
-        self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
+        self.scaler = LocalScaler(
+            self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap, on_tier=self._tier
+        )
+        #: What idling saved (accelerator-seconds per tier, wakes): /status, /savings, /metrics.
+        self.ledger = Ledger()
+        self.started_at = time.time()
+        for runtime in self.runtimes.values():
+            self._tier(runtime)
+            runtime.on_woken = self._woken
+        self.metrics.registry.register(TierCollector(self.ledger))
         # The internal channels (ADS, demand) are authenticated on loopback too: another local
         # user must not be able to subscribe to the routes or report fake demand.
         self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
@@ -306,7 +316,20 @@ class Up:
 
     # -- observability --------------------------------------------------------------------------
 
+    def _tier(self, runtime: ModelRuntime) -> None:
+        self.ledger.observe(runtime.model.key, runtime.tier.value, runtime.tier_units, time.time())
+
+    def _woken(self, runtime: ModelRuntime, seconds: float) -> None:
+        self._wake(runtime.model.key, Tier.ASLEEP.value, seconds)
+
+    def _wake(self, model: str, tier: str, seconds: float) -> None:
+        self.ledger.wake(model, tier, seconds, time.time())
+        self.metrics.wake_seconds.labels(model, tier).observe(seconds)
+        log.info("wake model=%s tier=%s seconds=%.3f", model, tier, seconds)
+
     def _cold_start(self, model: str, stage: str, seconds: float) -> None:
+        if stage == "total":
+            self._wake(model, Tier.ZERO.value, seconds)
         self.metrics.cold_start.labels(model, stage).observe(seconds)
         if stage == "process_start":
             self.metrics.cold_starts.labels(model).inc()
@@ -496,6 +519,17 @@ class Up:
                     ],
                     "ready": len(rt.ready_endpoints),
                     "state": _model_state(rt),
+                    "tier": rt.tier.value,
+                    "sleep": {
+                        "after_seconds": rt.model.spec.scaling.sleepAfter,
+                        "level": rt.model.spec.scaling.sleepLevel,
+                        "engine_can_sleep": rt.backend.can_sleep,
+                        "skipped": rt.sleep_refused or None,
+                    },
+                    "last_wake_seconds": {
+                        Tier.ASLEEP.value: rt.last_wake_from_asleep,
+                        Tier.ZERO.value: rt.last_cold_start,
+                    },
                     **self._routing_path(rt),
                     "admitted": rt.admitted,
                     "waiting_for": rt.waiting_for,
@@ -516,6 +550,7 @@ class Up:
                 }
                 for rt in self.runtimes.values()
             ],
+            "savings": self.savings(self.started_at, time.time()),
             "cache": {"dir": str(self.delivery.config.cache_dir), "max_bytes": self.delivery.config.max_size},
             "gpu_groups": {
                 name: {"active": self.scaler.group_active(name), "swaps": swaps}
@@ -523,9 +558,24 @@ class Up:
             },
         }
 
+    def savings(self, since: float, until: float) -> dict[str, Any]:
+        """Accelerator-seconds per tier and wakes per model in [since, until] (wall clock)."""
+        return {"since": since, "until": until, "models": self.ledger.window(since, until)}
+
     async def _start_admin(self) -> web.AppRunner:
         async def status(_: web.Request) -> web.Response:
             return web.json_response(self.status())
+
+        async def savings(request: web.Request) -> web.Response:
+            now = time.time()
+            try:
+                until = float(request.query.get("until", now))
+                since = float(request.query.get("since", self.started_at))
+            except ValueError:
+                return web.json_response({"error": "since and until are epoch seconds"}, status=400)
+            if since > until:
+                return web.json_response({"error": "since is after until"}, status=400)
+            return web.json_response(self.savings(since, until))
 
         async def healthz(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
@@ -538,7 +588,8 @@ class Up:
             return await self._gateway_metrics()
 
         host, port = admin.host_port(self.settings.admin_listen)
-        routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz}
+        routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz,
+                  "/savings": savings}
         return await admin.serve(routes, host, port)
 
     async def _gateway_metrics(self) -> web.Response:
@@ -815,6 +866,10 @@ def _model_state(runtime: ModelRuntime) -> str:
     states = {r.state for r in runtime.replicas}
     if ReplicaState.READY in states:
         return "ready"
+    if ReplicaState.WAKING in states:
+        return "waking"
+    if states and states <= {ReplicaState.ASLEEP, ReplicaState.SLEEPING}:
+        return "asleep"
     if ReplicaState.STARTING in states:
         return "loading"
     if ReplicaState.RESTARTING in states:
