@@ -111,16 +111,28 @@ class Engine:
         self.values["sleep_level"] = str(level)
         for step in self.backend.sleep:
             await self._step(step)
-        for step in self.backend.asleep:
-            await self._step(step)
+        await self._until(self.backend.asleep, 30.0)
+
+    async def _until(self, checks: tuple[HttpStep, ...], timeout: float) -> None:
+        """Repeat `checks` until they all pass (an engine lets go of a model in the background);
+        the last failure after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                for step in checks:
+                    await self._step(step)
+                return
+            except EngineError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
 
     async def wake(self, level: int) -> None:
         """Wake the engine from `level` and check that it is awake (raises EngineError)."""
         self.values["sleep_level"] = str(level)
         for step in self.backend.wake_steps(level):
             await self._step(step)
-        for step in self.backend.awake:
-            await self._step(step)
+        await self._until(self.backend.awake, 30.0)
 
     async def answer(self) -> float:
         """One token through the OpenAI API; returns seconds to the answer's first byte."""
