@@ -74,6 +74,26 @@ class UpMetrics:
             buckets=COLD_START_BUCKETS,
             registry=r,
         )
+        self.first_requests = Counter(
+            "wakegate_first_requests",
+            "Demand onsets (the first request after a time without any) by whether they found the model warm.",
+            ["model", "found"],
+            registry=r,
+        )
+        self.predictive_wakes = Counter(
+            "wakegate_predictive_wakes",
+            "Predictive wakes by outcome: hit (demand found the model warm), late (demand came while it was "
+            "still waking), miss (none came).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.predictive_seconds = Counter(
+            "wakegate_predictive_accelerator_seconds",
+            "Accelerator-seconds predictive wakes kept models warm before demand came (hit) or in vain "
+            "(miss: wasted).",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.cold_starts = Counter("wakegate_cold_starts", "Scale-from-zero activations.", ["model"], registry=r)
         self.activation_failures = Counter(
             "wakegate_activation_failures",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from wakegate.control.demand.book import DemandBook, ModelLoad
 from wakegate.control.scaling.core import Core, Verdict
+from wakegate.control.up.predictive import Predictive
 from wakegate.control.up.runtime import DORMANT, ModelRuntime, Replica, ReplicaState
 
 log = logging.getLogger("wakegate.up")
@@ -62,6 +63,8 @@ class LocalScaler:
         self.core.set_models([rt.model for rt in runtimes.values()], clock(), {key: 0 for key in runtimes})
         self._wake = asyncio.Event()
         self._timer_at: float | None = None
+        #: Predictive wake (control/up/predictive.py), set by `up` when a model enables it.
+        self.predictive: Predictive | None = None
 
     @property
     def loads(self) -> dict[str, ModelLoad]:
@@ -102,6 +105,12 @@ class LocalScaler:
             if runtime.can_sleep and self._tier(runtime, verdict, now):
                 continue
             self._apply(key, min(verdict.replicas, runtime.capacity), now)
+        if self.predictive is not None:
+            at = self.predictive.evaluate(verdicts, now)
+            if at is not None:
+                self._timer_at = at if self._timer_at is None else min(self._timer_at, at)
+            if self.predictive.started:
+                self.poke()  # its lease counts from the next evaluation
 
     def _tier(self, runtime: ModelRuntime, verdict: Verdict, now: float) -> bool:
         """The asleep tier of a model whose engine can sleep: True when it was sent to sleep (its

@@ -47,6 +47,7 @@ from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import TierCollector, UpMetrics
 from wakegate.control.up.native import NativeDemand
+from wakegate.control.up.predictive import HISTORY_FILE, Predictive
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
@@ -243,6 +244,21 @@ class Up:
             self._tier(runtime)
             runtime.on_woken = self._woken
         self.metrics.registry.register(TierCollector(self.ledger))
+        # Demand history (every model's, kept across restarts) and predictive wakes.
+        self.predictive = Predictive(
+            self.runtimes,
+            self.scaler.core,
+            self.state_dir / HISTORY_FILE,
+            warm_seconds=lambda key, since, until: self.ledger.window(since, until)
+            .get(key, {})
+            .get("accelerator_seconds", {})
+            .get("warm", 0.0),
+        )
+        self.predictive.on_outcome = self._predicted
+        self.predictive.on_first_request = lambda key, warm: self.metrics.first_requests.labels(
+            key, "warm" if warm else "cold"
+        ).inc()
+        self.scaler.predictive = self.predictive
         # The internal channels (ADS, demand) are authenticated on loopback too: another local
         # user must not be able to subscribe to the routes or report fake demand.
         self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
@@ -318,6 +334,10 @@ class Up:
 
     def _tier(self, runtime: ModelRuntime) -> None:
         self.ledger.observe(runtime.model.key, runtime.tier.value, runtime.tier_units, time.time())
+
+    def _predicted(self, model: str, outcome: str, spent: float) -> None:
+        self.metrics.predictive_wakes.labels(model, outcome).inc()
+        self.metrics.predictive_seconds.labels(model, outcome).inc(spent)
 
     def _woken(self, runtime: ModelRuntime, seconds: float) -> None:
         self._wake(runtime.model.key, Tier.ASLEEP.value, seconds)
@@ -526,6 +546,7 @@ class Up:
                         "engine_can_sleep": rt.backend.can_sleep,
                         "skipped": rt.sleep_refused or None,
                     },
+                    "predictive": self.predictive.status(rt.model.key),
                     "last_wake_seconds": {
                         Tier.ASLEEP.value: rt.last_wake_from_asleep,
                         Tier.ZERO.value: rt.last_cold_start,

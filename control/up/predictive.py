@@ -1,0 +1,193 @@
+"""Predictive wake in `wakegate up`: demand history per model, kept across restarts, and the
+speculative wakes it leads to (control/scaling/predict.py decides; this module applies and measures).
+
+Every model's demand onsets (busy after idle, as the scaling core sees them) go into the history,
+saved to the state directory (`demand-history.json`, written aside and renamed) and read at start.
+For a model with `scaling.predictive.enabled`, at zero or asleep, each evaluation asks for the next
+predicted onset; `leadSeconds` before it, while the budget allows, the model is held up as an
+activation lease would hold it (`Core.speculate`) until the prediction's tolerance has passed. A
+demand onset while it is warm for a prediction is a hit; the tolerance passing without one is a
+miss, and the model goes back to where it was (asleep, or zero) at once. Every first request is
+counted as having found the model warm or not, predictive or not, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from wakegate.control.scaling.core import Core, Verdict
+from wakegate.control.scaling.predict import History, Policy, Prediction, Speculation, predict
+from wakegate.control.up.runtime import ModelRuntime
+
+log = logging.getLogger("wakegate.up")
+
+HISTORY_FILE = "demand-history.json"
+
+
+def policy_of(runtime: ModelRuntime) -> Policy | None:
+    spec = runtime.model.spec.scaling.predictive
+    if not spec.enabled:
+        return None
+    return Policy(lead=float(spec.leadSeconds), budget=float(spec.budgetSeconds), period=float(spec.periodSeconds))
+
+
+class Predictive:
+    def __init__(
+        self,
+        runtimes: Mapping[str, ModelRuntime],
+        core: Core,
+        path: Path | None,
+        *,
+        warm_seconds: Callable[[str, float, float], float] = lambda model, since, until: 0.0,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.runtimes = runtimes
+        #: The scaling core whose verdicts it reads and whose leases it extends (`speculate`).
+        self.core = core
+        #: Where the history is kept (None: memory only).
+        self.path = path
+        self.history = self._load()
+        #: Accelerator-seconds a model spent warm between two wall-clock times (the savings ledger).
+        self._warm_seconds, self._wall = warm_seconds, wall
+        #: A speculative wake began in the last evaluation: evaluate again at once.
+        self.started = False
+        self.speculation = {
+            key: Speculation(policy) for key, rt in runtimes.items() if (policy := policy_of(rt)) is not None
+        }
+        self._busy: dict[str, bool] = {}
+        #: model -> [first requests that found it warm, that did not]
+        self.first_requests: dict[str, list[int]] = {key: [0, 0] for key in runtimes}
+        #: model -> (the prediction a wake is for, when the tolerance after it passes: monotonic)
+        self._pending: dict[str, tuple[Prediction, float]] = {}
+        self._next: dict[str, Prediction | None] = {}
+        #: Hooks: a speculative wake settled (model, outcome, accelerator-seconds spent); a first request.
+        self.on_outcome: Callable[[str, str, float], None] = lambda model, outcome, spent: None
+        self.on_first_request: Callable[[str, bool], None] = lambda model, warm: None
+
+    # -- history ---------------------------------------------------------------------------------
+
+    def _load(self) -> History:
+        if self.path is None or not self.path.exists():
+            return History()
+        try:
+            return History.from_json(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("demand history unreadable, starting without it path=%s: %s", self.path, exc)
+            return History()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        aside = self.path.with_suffix(".tmp")
+        try:
+            aside.write_text(self.history.to_json())
+            os.replace(aside, self.path)
+        except OSError as exc:
+            log.warning("demand history not saved path=%s: %s", self.path, exc)
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    def evaluate(self, verdicts: Mapping[str, Verdict], now: float) -> float | None:
+        """Record onsets, settle and start speculative wakes; the next time to evaluate (monotonic)."""
+        wall = self._wall()
+        self.started = False
+        for key, speculation in self.speculation.items():
+            if (episode := speculation.open) is not None:
+                episode.spent = self._warm_seconds(key, episode.woke_at, wall)
+        onsets = False
+        for key in verdicts:
+            runtime = self.runtimes[key]
+            # Requests held or in flight (a lease outlives its requests: not an onset).
+            load = self.core.loads.get(key)
+            busy = load is not None and load.demand > 0
+            if busy and not self._busy.get(key, False):
+                onsets = True
+                self._onset(key, runtime, wall, now)
+            self._busy[key] = busy
+        if onsets:
+            self._save()
+        checks: list[float] = []
+        for key, speculation in self.speculation.items():
+            at = self._consider(key, speculation, now, wall)
+            if at is not None:
+                checks.append(at)
+        return min(checks, default=None)
+
+    def _onset(self, key: str, runtime: ModelRuntime, wall: float, now: float) -> None:
+        self.history.add(key, wall)
+        warm = bool(runtime.ready_endpoints)
+        self.first_requests[key][0 if warm else 1] += 1
+        self.on_first_request(key, warm)
+        if key in self._pending and (speculation := self.speculation.get(key)) is not None:
+            del self._pending[key]
+            # Demand came for it: a hit if it found the model warm, late if the wake was not done.
+            outcome = "hit" if warm else "late"
+            episode = speculation.settle(outcome)
+            if episode is not None:
+                log.info("predictive wake %s model=%s spent=%.1fs (%s)", outcome, key, episode.spent,
+                         episode.prediction.why)
+                self.on_outcome(key, outcome, episode.spent)
+
+    def _consider(self, key: str, speculation: Speculation, now: float, wall: float) -> float | None:
+        runtime = self.runtimes[key]
+        pending = self._pending.get(key)
+        if pending is not None:
+            _, expires = pending
+            if now < expires:
+                return expires
+            del self._pending[key]
+            self.core.unspeculate(key, now)
+            if runtime.can_sleep:
+                runtime.want_asleep(True)
+            episode = speculation.settle("miss")
+            if episode is not None:
+                log.info("predictive wake miss model=%s wasted=%.1fs (%s)", key, episode.spent,
+                         episode.prediction.why)
+                self.on_outcome(key, "miss", episode.spent)
+            return None
+        if self._busy.get(key):
+            self._next[key] = None
+            return None
+        prediction = predict(self.history.of(key), wall, speculation.policy)
+        self._next[key] = prediction
+        if prediction is None:
+            return None
+        wake_wall = prediction.at - speculation.policy.lead
+        if wall < wake_wall:
+            return now + (wake_wall - wall)
+        if not speculation.affordable(wall):
+            return None
+        expires = now + (prediction.at - wall) + speculation.policy.tolerance
+        self._pending[key] = (prediction, expires)
+        speculation.woke(prediction, wall)
+        self.core.speculate(key, expires)
+        self.started = True
+        # A warm model is kept warm for it (its idle time no longer counts); asleep or zero, it wakes.
+        log.info("predictive wake model=%s tier=%s predicted_in=%.1fs: %s", key, runtime.tier.value,
+                 prediction.at - wall, prediction.why)
+        return expires
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self, key: str) -> dict[str, Any]:
+        found = self.first_requests.get(key, [0, 0])
+        out: dict[str, Any] = {
+            "enabled": key in self.speculation,
+            "history_onsets": len(self.history.of(key)),
+            "first_requests": {"found_warm": found[0], "found_cold": found[1]},
+        }
+        speculation = self.speculation.get(key)
+        if speculation is not None:
+            prediction = self._next.get(key)
+            out["next"] = None if prediction is None else {
+                "at": prediction.at,
+                "wake_at": prediction.at - speculation.policy.lead,
+                "why": prediction.why,
+            }
+            out.update(speculation.status(self._wall()))
+        return out
