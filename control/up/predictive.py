@@ -60,6 +60,8 @@ class Predictive:
             key: Speculation(policy) for key, rt in runtimes.items() if (policy := policy_of(rt)) is not None
         }
         self._busy: dict[str, bool] = {}
+        #: model -> when it last had requests held or in flight (monotonic)
+        self._last_demand: dict[str, float] = {}
         #: model -> [first requests that found it warm, that did not]
         self.first_requests: dict[str, list[int]] = {key: [0, 0] for key in runtimes}
         #: model -> (the prediction a wake is for, when the tolerance after it passes: monotonic)
@@ -105,9 +107,12 @@ class Predictive:
             # Requests held or in flight (a lease outlives its requests: not an onset).
             load = self.core.loads.get(key)
             busy = load is not None and load.demand > 0
-            if busy and not self._busy.get(key, False):
+            last = self._last_demand.get(key)
+            if busy and not self._busy.get(key, False) and (last is None or now - last >= self._gap(runtime)):
                 onsets = True
                 self._onset(key, runtime, wall, now)
+            if busy or self._busy.get(key, False):
+                self._last_demand[key] = now
             self._busy[key] = busy
         if onsets:
             self._save()
@@ -117,6 +122,29 @@ class Predictive:
             if at is not None:
                 checks.append(at)
         return min(checks, default=None)
+
+    def requests_seen(self, key: str, now: float) -> None:
+        """Envoy routed requests of `key` to its backends since the last look (its counters, polled):
+        a request too short for the demand reports still marks activity, and may be a first one."""
+        runtime = self.runtimes.get(key)
+        if runtime is None:
+            return
+        last = self._last_demand.get(key)
+        if not self._busy.get(key, False) and (last is None or now - last >= self._gap(runtime)):
+            self._onset(key, runtime, self._wall(), now)
+            self._save()
+        self._last_demand[key] = now
+
+    @staticmethod
+    def _gap(runtime: ModelRuntime) -> float:
+        """Idle seconds after which a request counts as a first one: when the model would have left
+        warm (its sleepAfter, else its idleTimeout); requests closer together are one session."""
+        scaling = runtime.model.spec.scaling
+        return float(scaling.sleepAfter if scaling.sleepAfter is not None else scaling.idleTimeout)
+
+    def speculating(self, key: str) -> bool:
+        """Whether `key` is held up for a prediction no demand has come for yet."""
+        return key in self._pending
 
     def _onset(self, key: str, runtime: ModelRuntime, wall: float, now: float) -> None:
         self.history.add(key, wall)

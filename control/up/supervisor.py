@@ -39,13 +39,14 @@ from wakegate.control.demand.service import DemandService
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
+from wakegate.control.savings.metrics import TierCollector
 from wakegate.control.scaling.savings import Ledger
 from wakegate.control.schema import ManifestError, Model, parse_models
 from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
-from wakegate.control.up.metrics import TierCollector, UpMetrics
+from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.native import NativeDemand
 from wakegate.control.up.predictive import HISTORY_FILE, Predictive
 from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
@@ -340,7 +341,8 @@ class Up:
         self.metrics.predictive_seconds.labels(model, outcome).inc(spent)
 
     def _woken(self, runtime: ModelRuntime, seconds: float) -> None:
-        self._wake(runtime.model.key, Tier.ASLEEP.value, seconds)
+        if not self.predictive.speculating(runtime.model.key):
+            self._wake(runtime.model.key, Tier.ASLEEP.value, seconds)
 
     def _wake(self, model: str, tier: str, seconds: float) -> None:
         self.ledger.wake(model, tier, seconds, time.time())
@@ -348,7 +350,8 @@ class Up:
         log.info("wake model=%s tier=%s seconds=%.3f", model, tier, seconds)
 
     def _cold_start(self, model: str, stage: str, seconds: float) -> None:
-        if stage == "total":
+        if stage == "total" and not self.predictive.speculating(model):
+            # A predictive wake no request waited for costs no waiting (its seconds are its own).
             self._wake(model, Tier.ZERO.value, seconds)
         self.metrics.cold_start.labels(model, stage).observe(seconds)
         if stage == "process_start":
@@ -448,6 +451,8 @@ class Up:
             watchers.append(asyncio.create_task(self.scaler.run()))
             watchers += [asyncio.create_task(rt.hotswap.run()) for rt in self.runtimes.values() if rt.hotswap]
             watchers.append(asyncio.create_task(self._native_demand()))
+            if self.predictive.speculation:
+                watchers.append(asyncio.create_task(self._requests_routed()))
             self.scaler.poke()
             if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
@@ -786,6 +791,25 @@ class Up:
                 self.book.apply(native.report(counters, keys, in_flight), time.monotonic())
                 if native.reported != before:
                     self._demand_changed()
+
+    async def _requests_routed(self) -> None:
+        """While a model uses predictive wake: Envoy's per-model request totals, every POLL_SECONDS,
+        so that first requests too short for the demand reports are seen (and counted warm)."""
+        stat_names = {stat_name(key): key for key in self.runtimes}
+        totals: dict[str, int] | None = None  # None until a first look sets the baseline
+        async with self._admin_session() as session:
+            while True:
+                await asyncio.sleep(POLL_SECONDS)
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                    async with session.get(STATS_QUERY) as response:
+                        counters = parse_counters((await response.json()).get("stats", []), stat_names)
+                    now = time.monotonic()
+                    seen = {key: total for key, (_, total) in counters.items()}
+                    if totals is not None:
+                        # Envoy lists a model's counters from its first request on (usedonly).
+                        for key in (k for k, total in seen.items() if total > totals.get(k, 0)):
+                            self.predictive.requests_seen(key, now)
+                    totals = seen
 
     async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):

@@ -211,12 +211,16 @@ def run_predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         start = time.time() + 1
         trace = sorted(start + day * period + phase + rng.uniform(-0.3, 0.3)
                        for day in range(args.days) for phase in phases)
-        with ThreadPoolExecutor(2) as pool:
+        def replay(model: str) -> None:
+            """The trace to one model, on its own: each session two requests 0.5 s apart."""
             for at in trace:
                 time.sleep(max(0.0, at - time.time()))
-                for _ in range(2):
-                    list(pool.map(lambda m: ask(up, m), ("pred", "react")))
-                    time.sleep(0.5)
+                ask(up, model)
+                time.sleep(0.5)
+                ask(up, model)
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(replay, ("pred", "react")))
         time.sleep(3)
         status = {m["key"]: m for m in up.status()["models"]}
         savings = request("GET", f"http://127.0.0.1:{up.admin_port}/savings?since={start!r}").json()["models"]
