@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 import time
 from collections import deque
@@ -81,10 +82,17 @@ def _support(onsets: list[float], t: float, period: float, tolerance: float) -> 
 def periodic(onsets: list[float], now: float, policy: Policy, lookahead: float) -> Prediction | None:
     tolerance = policy.tolerance
     best: Prediction | None = None
+    # A time the latest onset already came near was served: it is not predicted again.
+    served = onsets[-1] + tolerance if onsets else -math.inf
     for period, name in ((policy.period, "daily"), (policy.period * 7, "weekly")):
         recent = [o for o in onsets if o >= now - CYCLES * period - tolerance]
         candidates = sorted(
-            {o + k * period for o in recent for k in range(1, CYCLES + 1) if now < o + k * period <= now + lookahead}
+            {
+                o + k * period
+                for o in recent
+                for k in range(1, CYCLES + 1)
+                if max(now, served) < o + k * period <= now + lookahead
+            }
         )
         for t in candidates:
             hits, covered = _support(recent, t, period, tolerance)
@@ -126,9 +134,12 @@ class History:
 
     def __init__(self, onsets: Mapping[str, Iterable[float]] | None = None) -> None:
         self.onsets: dict[str, deque[float]] = {k: deque(v, maxlen=KEEP) for k, v in (onsets or {}).items()}
+        #: onsets added since the start, per model (tells a cached prediction it is stale)
+        self.added: dict[str, int] = {}
 
     def add(self, model: str, at: float) -> None:
         self.onsets.setdefault(model, deque(maxlen=KEEP)).append(at)
+        self.added[model] = self.added.get(model, 0) + 1
 
     def of(self, model: str) -> list[float]:
         return list(self.onsets.get(model, ()))

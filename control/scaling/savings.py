@@ -82,27 +82,33 @@ class Ledger:
 
     def window(self, since: float, until: float) -> dict[str, dict[str, Any]]:
         """model -> accelerator-seconds per tier, held and released, and wakes by tier, in [since, until]."""
-        out: dict[str, dict[str, Any]] = {}
-        for model, book in self._books.items():
-            seconds = dict.fromkeys(TIERS, 0.0)
-            events = list(book.events)
-            for i, (at, tier, units) in enumerate(events):
-                end = events[i + 1][0] if i + 1 < len(events) else until
-                start, stop = max(at, since), min(end, until)
-                if stop > start:
-                    seconds[tier] += (stop - start) * units
-            wakes = {t: {"count": 0, "wait_seconds": 0.0} for t in WAKE_TIERS}
-            for at, tier, waited in book.wakes:
-                if since <= at <= until:
-                    wakes[tier]["count"] += 1
-                    wakes[tier]["wait_seconds"] += waited
-            held = seconds["warm"]
-            released = seconds["asleep"] + seconds["zero"]
-            out[model] = {
-                "accelerator_seconds": seconds,
-                "held": held,
-                "released": released,
-                "released_share": released / (held + released) if held + released > 0 else 0.0,
-                "wakes": wakes,
-            }
-        return out
+        return {model: self._window(book, since, until) for model, book in self._books.items()}
+
+    def window_of(self, model: str, since: float, until: float) -> dict[str, Any] | None:
+        """One model's `window` (None: never observed)."""
+        book = self._books.get(model)
+        return None if book is None else self._window(book, since, until)
+
+    @staticmethod
+    def _window(book: _Book, since: float, until: float) -> dict[str, Any]:
+        seconds = dict.fromkeys(TIERS, 0.0)
+        events = list(book.events)
+        for i, (at, tier, units) in enumerate(events):
+            end = events[i + 1][0] if i + 1 < len(events) else until
+            start, stop = max(at, since), min(end, until)
+            if stop > start:
+                seconds[tier] += (stop - start) * units
+        wakes = {t: {"count": 0, "wait_seconds": 0.0} for t in WAKE_TIERS}
+        for at, tier, waited in book.wakes:
+            if since <= at <= until:
+                wakes[tier]["count"] += 1
+                wakes[tier]["wait_seconds"] += waited
+        held = seconds["warm"]
+        released = seconds["asleep"] + seconds["zero"]
+        return {
+            "accelerator_seconds": seconds,
+            "held": held,
+            "released": released,
+            "released_share": released / (held + released) if held + released > 0 else 0.0,
+            "wakes": wakes,
+        }

@@ -67,6 +67,8 @@ class Predictive:
         #: model -> (the prediction a wake is for, when the tolerance after it passes: monotonic)
         self._pending: dict[str, tuple[Prediction, float]] = {}
         self._next: dict[str, Prediction | None] = {}
+        #: model -> (onsets added when predicted, the prediction, recompute after: wall clock)
+        self._cache: dict[str, tuple[int, Prediction | None, float]] = {}
         #: Hooks: a speculative wake settled (model, outcome, accelerator-seconds spent); a first request.
         self.on_outcome: Callable[[str, str, float], None] = lambda model, outcome, spent: None
         self.on_first_request: Callable[[str, bool], None] = lambda model, warm: None
@@ -181,15 +183,24 @@ class Predictive:
         if self._busy.get(key):
             self._next[key] = None
             return None
-        prediction = predict(self.history.of(key), wall, speculation.policy)
+        # A prediction holds until the history changes or a recheck is due (a new candidate time can
+        # come within reach as time passes): a quiet model costs a comparison per evaluation.
+        count = self.history.added.get(key, 0)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] == count and wall < cached[2]:
+            prediction = cached[1]
+        else:
+            prediction = predict(self.history.of(key), wall, speculation.policy)
+            self._cache[key] = (count, prediction, wall + speculation.policy.tolerance / 2)
         self._next[key] = prediction
+        recheck = now + (self._cache[key][2] - wall)
         if prediction is None:
-            return None
+            return recheck
         wake_wall = prediction.at - speculation.policy.lead
         if wall < wake_wall:
-            return now + (wake_wall - wall)
+            return min(recheck, now + (wake_wall - wall))
         if not speculation.affordable(wall):
-            return None
+            return recheck
         expires = now + (prediction.at - wall) + speculation.policy.tolerance
         self._pending[key] = (prediction, expires)
         speculation.woke(prediction, wall)

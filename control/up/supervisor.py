@@ -250,10 +250,7 @@ class Up:
             self.runtimes,
             self.scaler.core,
             self.state_dir / HISTORY_FILE,
-            warm_seconds=lambda key, since, until: self.ledger.window(since, until)
-            .get(key, {})
-            .get("accelerator_seconds", {})
-            .get("warm", 0.0),
+            warm_seconds=self._warm_seconds,
         )
         self.predictive.on_outcome = self._predicted
         self.predictive.on_first_request = lambda key, warm: self.metrics.first_requests.labels(
@@ -335,6 +332,10 @@ class Up:
 
     def _tier(self, runtime: ModelRuntime) -> None:
         self.ledger.observe(runtime.model.key, runtime.tier.value, runtime.tier_units, time.time())
+
+    def _warm_seconds(self, model: str, since: float, until: float) -> float:
+        window = self.ledger.window_of(model, since, until)
+        return 0.0 if window is None else float(window["accelerator_seconds"]["warm"])
 
     def _predicted(self, model: str, outcome: str, spent: float) -> None:
         self.metrics.predictive_wakes.labels(model, outcome).inc()

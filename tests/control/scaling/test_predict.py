@@ -20,6 +20,8 @@ def test_the_same_time_on_past_days_predicts_it_again() -> None:
     assert predict(onsets, 280.0, DAY) is None
     # One past day is not a pattern.
     assert predict([209.0], 301.0, DAY) is None
+    # Demand that came for the predicted time served it: not predicted again.
+    assert predict([*onsets, 309.5], 309.6, DAY) is None
 
 
 def test_a_missed_day_weakens_but_does_not_erase_the_pattern() -> None:

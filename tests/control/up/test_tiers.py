@@ -6,6 +6,8 @@ and /metrics show the tier, the wakes by tier and the accelerator-seconds held a
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -77,5 +79,27 @@ def test_warm_asleep_zero_and_the_wake_in_between(tmp_path: Path) -> None:
         metrics = request("GET", f"http://127.0.0.1:{up.admin_port}/metrics").body.decode()
         assert 'wakegate_model_tier{model="m",tier="zero"} 1.0' in metrics
         assert 'wakegate_wake_seconds_count{model="m",tier="asleep"} 1.0' in metrics
+    finally:
+        assert up.stop() == 0, up.log()
+
+
+def test_a_sleeping_engine_that_dies_is_started_anew(tmp_path: Path) -> None:
+    doc = model_doc(
+        "m",
+        extra="""  args: [--wake-seconds, "0.05"]
+  scaling: {min: 0, max: 1, sleepAfter: 1, idleTimeout: 60, activationTimeout: 30}
+""",
+    )
+    up = UpProcess(tmp_path, doc)
+    try:
+        up.wait_ready({}, timeout=60)
+        assert chat(up, "m") == 200
+        wait_for("asleep", lambda: model_status(up, "m")["tier"] == "asleep")
+        pid = model_status(up, "m")["replicas"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for("zero", lambda: model_status(up, "m")["tier"] == "zero")
+        assert chat(up, "m") == 200  # held, and answered by a new process
+        (replica,) = model_status(up, "m")["replicas"]
+        assert replica["pid"] != pid and model_status(up, "m")["tier"] == "warm"
     finally:
         assert up.stop() == 0, up.log()
