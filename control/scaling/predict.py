@@ -183,6 +183,8 @@ class Speculation:
     late: int = 0
     misses: int = 0
     wasted: float = 0.0
+    #: accelerator-seconds of every settled wake (hits and late ones included)
+    spent_total: float = 0.0
 
     @property
     def open(self) -> Episode | None:
@@ -208,6 +210,7 @@ class Speculation:
         if episode is None:
             return None
         episode.outcome = outcome
+        self.spent_total += episode.spent
         if outcome == "hit":
             self.hits += 1
         elif outcome == "late":
@@ -225,6 +228,7 @@ class Speculation:
             "misses": self.misses,
             "wasted_seconds": round(self.wasted, 3),
             "spent_seconds_this_period": round(self.spent(now), 3),
+            "spent_seconds_total": round(self.spent_total + (self.open.spent if self.open else 0.0), 3),
             "budget_seconds": self.policy.budget,
             "last_wake": None if last is None else {
                 "at": last.woke_at, "predicted_at": last.prediction.at, "why": last.prediction.why,

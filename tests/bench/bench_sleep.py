@@ -17,7 +17,7 @@
             (-> the incoming model ready or awake), first inference (-> its first token).
 ``predict`` A compressed daily trace (a day of `--period` s, sessions of two requests starting at
             the same times each day, ±0.3 s jitter, seeded) replayed to two sim models in one
-            `up` (load 2 s, idleTimeout 2 s): `pred` with predictive wake (lead 4 s, budget 60 s a
+            `up` (load 2 s, idleTimeout 2 s): `pred` with predictive wake (lead `--lead` s, budget 60 s a
             day), `react` without. Reported: the share of first requests that found the model
             warm, predictive wakes by outcome, the speculative accelerator-seconds spent, and each
             model's accelerator-seconds warm over the run (from `/savings`).
@@ -194,10 +194,10 @@ def run_swap(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 # -- predict --------------------------------------------------------------------------------------
 
 
-def pred_doc(name: str, predictive: bool, period: float) -> str:
+def pred_doc(name: str, predictive: bool, period: float, lead: float) -> str:
     extra = "  args: [--startup-seconds, \"2\"]\n  scaling: {min: 0, max: 1, idleTimeout: 2, activationTimeout: 60"
     if predictive:
-        extra += f", predictive: {{enabled: true, leadSeconds: 4, periodSeconds: {period:g}, budgetSeconds: 60}}"
+        extra += f", predictive: {{enabled: true, leadSeconds: {lead:g}, periodSeconds: {period:g}, budgetSeconds: 60}}"
     return model_doc(name, extra=extra + "}\n")
 
 
@@ -205,7 +205,7 @@ def run_predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     period = args.period
     rng = random.Random(7)
     phases = (3.0, period / 2 + 2.0)
-    up = UpProcess(tmp, pred_doc("pred", True, period) + pred_doc("react", False, period))
+    up = UpProcess(tmp, pred_doc("pred", True, period, args.lead) + pred_doc("react", False, period, args.lead))
     try:
         up.wait_ready({}, timeout=120)
         start = time.time() + 1
@@ -237,7 +237,8 @@ def run_predict(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "warm_accelerator_s": round(savings[key]["accelerator_seconds"]["warm"], 1),
             "zero_wakes": savings[key]["wakes"]["zero"]["count"],
             "zero_wake_wait_s": round(savings[key]["wakes"]["zero"]["wait_seconds"], 2),
-            **({k: p[k] for k in ("hits", "late", "misses", "wasted_seconds")} if p["enabled"] else {}),
+            **({k: p[k] for k in ("hits", "late", "misses", "wasted_seconds", "spent_seconds_total")}
+               if p["enabled"] else {}),
         }
     return out
 
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--days", type=int, default=5)
     parser.add_argument("--period", type=float, default=20.0)
+    parser.add_argument("--lead", type=float, default=6.0, help="predict: leadSeconds (above a cold start here)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     results = []

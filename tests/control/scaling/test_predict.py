@@ -58,7 +58,7 @@ def test_the_budget_and_the_outcomes() -> None:
     episode = speculation.woke(found, 320.0)
     episode.spent = 20.0
     speculation.settle("miss")
-    assert speculation.misses == 1 and speculation.wasted == 20.0
+    assert speculation.misses == 1 and speculation.wasted == 20.0 and speculation.spent_total == 32.0
     assert speculation.spent(330.0) == 32.0 and not speculation.affordable(330.0)
     assert speculation.affordable(430.0)  # a period later the budget is fresh
     status = speculation.status(330.0)
