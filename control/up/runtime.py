@@ -309,7 +309,10 @@ class ModelRuntime:
         elif self.sleep_refused:
             return
         self._asleep_wanted = asleep
-        if self._tier_task is None or self._tier_task.done():
+        idle = self._tier_task is None or self._tier_task.done()
+        moving = ReplicaState.READY if asleep else ReplicaState.ASLEEP
+        if idle and any(r.state is moving for r in self.replicas):
+            # Only when a replica has somewhere to go: a model that is already there costs no task.
             self._tier_task = asyncio.create_task(self._drive_tier(), name=f"tier-{self.model.name}")
 
     async def _drive_tier(self) -> None:
