@@ -29,8 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Onsets kept per model (the oldest go first).
-KEEP = 2048
+#: Onsets kept per model (the oldest go first): four weeks of 18 a day.
+KEEP = 512
 #: Periods looked back on, and gaps averaged.
 CYCLES = 4
 GAPS = 4

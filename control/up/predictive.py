@@ -1,8 +1,10 @@
 """Predictive wake in `wakegate up`: demand history per model, kept across restarts, and the
 speculative wakes it leads to (control/scaling/predict.py decides; this module applies and measures).
 
-Every model's demand onsets (busy after idle, as the scaling core sees them) go into the history,
-saved to the state directory (`demand-history.json`, written aside and renamed) and read at start.
+Every model's demand onsets (the first request after its idle gap: held or in flight in the demand
+book, or counted by Envoy) go into the history, saved to the state directory
+(`demand-history.json`, written aside and renamed, at most every 5 s and when `up` stops) and read
+at start.
 For a model with `scaling.predictive.enabled`, at zero or asleep, each evaluation asks for the next
 predicted onset; `leadSeconds` before it, while the budget allows, the model is held up as an
 activation lease would hold it (`Core.speculate`) until the prediction's tolerance has passed. A
@@ -27,6 +29,8 @@ from wakegate.control.up.runtime import ModelRuntime
 log = logging.getLogger("wakegate.up")
 
 HISTORY_FILE = "demand-history.json"
+#: The history is written at most this often (the whole file each time), and when `up` stops.
+SAVE_EVERY = 5.0
 
 
 def policy_of(runtime: ModelRuntime) -> Policy | None:
@@ -52,6 +56,8 @@ class Predictive:
         #: Where the history is kept (None: memory only).
         self.path = path
         self.history = self._load()
+        self._dirty = False
+        self._saved_at = -SAVE_EVERY
         #: Accelerator-seconds a model spent warm between two wall-clock times (the savings ledger).
         self._warm_seconds, self._wall = warm_seconds, wall
         #: A speculative wake began in the last evaluation: evaluate again at once.
@@ -85,8 +91,18 @@ class Predictive:
             return History()
 
     def _save(self) -> None:
-        if self.path is None:
+        """Write the history soon: at once when the last write is SAVE_EVERY old, else at the first
+        evaluation after that (or at `flush`)."""
+        self._dirty = True
+        now = time.monotonic()
+        if now - self._saved_at >= SAVE_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the history now if it changed."""
+        if self.path is None or not self._dirty:
             return
+        self._dirty, self._saved_at = False, time.monotonic()
         aside = self.path.with_suffix(".tmp")
         try:
             aside.write_text(self.history.to_json())
@@ -116,26 +132,28 @@ class Predictive:
             if busy or self._busy.get(key, False):
                 self._last_demand[key] = now
             self._busy[key] = busy
-        if onsets:
+        if onsets or self._dirty:
             self._save()
-        checks: list[float] = []
+        checks: list[float] = [now + SAVE_EVERY] if self._dirty else []
         for key, speculation in self.speculation.items():
             at = self._consider(key, speculation, now, wall)
             if at is not None:
                 checks.append(at)
         return min(checks, default=None)
 
-    def requests_seen(self, key: str, now: float) -> None:
+    def requests_seen(self, key: str, now: float) -> bool:
         """Envoy routed requests of `key` to its backends since the last look (its counters, polled):
         a request too short for the demand reports still marks activity, and may be a first one."""
         runtime = self.runtimes.get(key)
         if runtime is None:
-            return
+            return False
         last = self._last_demand.get(key)
-        if not self._busy.get(key, False) and (last is None or now - last >= self._gap(runtime)):
+        onset = not self._busy.get(key, False) and (last is None or now - last >= self._gap(runtime))
+        if onset:
             self._onset(key, runtime, self._wall(), now)
             self._save()
         self._last_demand[key] = now
+        return onset
 
     @staticmethod
     def _gap(runtime: ModelRuntime) -> float:

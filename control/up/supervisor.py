@@ -809,7 +809,8 @@ class Up:
                     if totals is not None:
                         # Envoy lists a model's counters from its first request on (usedonly).
                         for key in (k for k, total in seen.items() if total > totals.get(k, 0)):
-                            self.predictive.requests_seen(key, now)
+                            if self.predictive.requests_seen(key, now):
+                                self.scaler.poke()  # its outcome and the history's save are evaluated
                     totals = seen
 
     async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
@@ -893,6 +894,7 @@ class Up:
             if component is not None:
                 await component.stop(5.0)
         await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
+        self.predictive.flush()
         log.info("wakegate up: stopped")
 
 
