@@ -112,6 +112,8 @@ STATUS_SCHEMA: dict[str, Any] = {
         "readyReplicas": {"type": "integer"},
         "replicas": {"type": "integer"},
         "lastColdStartSeconds": {"type": "number"},
+        # The idle tier: warm (replicas exist) or zero; asleep is `wakegate up`'s only (issue 34).
+        "tier": {"type": "string", "enum": ["warm", "asleep", "zero"]},
         # Written by the scaler, not the operator: the GPU-group peer this Model waits for.
         "waitingFor": {"type": "string"},
         # Which path warm requests take (docs/decisions.md, "The native path"), and why not native.
@@ -247,6 +249,7 @@ def model_crd() -> dict[str, Any]:
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Tier", "type": "string", "jsonPath": ".status.tier"},
         {"name": "Group", "type": "string", "jsonPath": ".spec.gpu.shared"},
         {"name": "Waiting For", "type": "string", "jsonPath": ".status.waitingFor"},
         {"name": "Path", "type": "string", "jsonPath": ".status.routingPath"},

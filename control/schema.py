@@ -174,11 +174,39 @@ class Limits(_Spec):
     burst: float = Field(0, ge=0, description="Token-bucket burst; 0 means max(1, requestsPerSecond).")
 
 
+class Predictive(_Spec):
+    enabled: bool = Field(
+        False,
+        description="Wake the model before the demand its history predicts (daily and weekly periodicity, "
+        "recent inter-arrival times); off: it wakes only on demand.",
+    )
+    leadSeconds: int = Field(
+        30, ge=1, le=3600, description="How long before the predicted demand the model is woken."
+    )
+    budgetSeconds: int = Field(
+        600,
+        ge=0,
+        le=86400 * 7,
+        description="Accelerator-seconds a period may spend warm on predictions before demand arrives; "
+        "a prediction that would exceed it is skipped.",
+    )
+    periodSeconds: int = Field(
+        86400,
+        ge=10,
+        le=86400 * 7,
+        description="The daily period the history is folded on (weekly: seven of them), and the budget's window.",
+    )
+
+
 class Scaling(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {"rule": "self.min <= self.max", "message": "scaling.min must not exceed scaling.max"}
+                {"rule": "self.min <= self.max", "message": "scaling.min must not exceed scaling.max"},
+                {
+                    "rule": "!has(self.sleepAfter) || self.sleepAfter < self.idleTimeout",
+                    "message": "scaling.sleepAfter must be below scaling.idleTimeout",
+                },
             ]
         }
     )
@@ -204,11 +232,33 @@ class Scaling(_Spec):
         ScalingEngine.KEDA,
         description="Who owns replicas on Kubernetes: KEDA (external-push) or the builtin engine.",
     )
+    sleepAfter: int | None = Field(
+        None,
+        ge=1,
+        le=86400,
+        description="Seconds without demand or in-flight requests before a warm replica is put to sleep with "
+        "the engine's own mechanism (vLLM sleep mode, Ollama's unload): the process stays, the accelerator is "
+        "freed, and the next request wakes it faster than a start from zero. Below idleTimeout, which still "
+        "takes the model to min (zero). Unset: no asleep tier. Engines without such a mechanism skip it.",
+    )
+    sleepLevel: Literal[1, 2] = Field(
+        1,
+        description="vLLM's sleep level: 1 keeps the weights in host memory (fastest wake; needs that much "
+        "host memory free), 2 discards them and reloads them from disk on wake. Other engines ignore it.",
+    )
+    predictive: Predictive = Field(
+        default_factory=Predictive,
+        description="Wake the model shortly before the demand its own history predicts.",
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> Scaling:
         if self.min > self.max:
             raise ValueError(f"scaling.min ({self.min}) must not exceed scaling.max ({self.max})")
+        if self.sleepAfter is not None and self.sleepAfter >= self.idleTimeout:
+            raise ValueError(
+                f"scaling.sleepAfter ({self.sleepAfter}) must be below scaling.idleTimeout ({self.idleTimeout})"
+            )
         return self
 
 

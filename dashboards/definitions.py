@@ -25,6 +25,13 @@ def engines(*series: str, wrap: str = "{}") -> str:
     return " or ".join(wrap.format(f"{name}{{{M}}}") for name in series)
 
 
+def over_range(series: str) -> str:
+    """How much a counter grew over the dashboard's range, exactly (no extrapolation, unlike
+    increase()): its value now less its value a range ago, or all of it when it began within the
+    range. `wakegate savings` cuts the same counters at the same ends."""
+    return f"({series} - ({series} offset $__range or {series} * 0))"
+
+
 def _quantiles(metric: str, selector: str, by: str = "") -> tuple[Target, ...]:
     group = f"{by}, le" if by else "le"
     return tuple(
@@ -197,6 +204,29 @@ MODEL = Dashboard(
             ),
             kind="bargauge",
             unit="s",
+        ),
+        Panel(
+            "Savings: accelerator-seconds by tier",
+            "Accelerator-seconds over the time range (a replica without an accelerator counts as one): warm is "
+            "held; asleep (the engine's own sleep, process alive) and zero (no process) are released. The same "
+            "numbers as `wakegate savings --since … --until …`.",
+            (
+                Target(
+                    f"sum by (tier) {over_range(f'wakegate_accelerator_seconds_total{{{M}}}')}", "{{tier}}", True
+                ),
+            ),
+            kind="bargauge",
+            unit="s",
+        ),
+        Panel(
+            "Wakes by tier and their waiting",
+            "Wakes over the time range by the tier they woke from (asleep: the engine's wake; zero: a start), "
+            "and the seconds of waiting they cost in all (from the demand that woke the model to it routed).",
+            (
+                Target(f"sum by (tier) {over_range(f'wakegate_wake_seconds_count{{{M}}}')}", "wakes {{tier}}", True),
+                Target(f"sum by (tier) {over_range(f'wakegate_wake_seconds_sum{{{M}}}')}", "waited {{tier}}", True),
+            ),
+            kind="bargauge",
         ),
         Panel(
             "Replicas",

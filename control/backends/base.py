@@ -47,6 +47,8 @@ class HttpStep:
     upload_model: bool = False
     #: The answer must contain this text (templated), e.g. the model's name in a listing.
     contains: str = ""
+    #: The answer must not contain this text (templated), e.g. an unloaded model's name.
+    lacks: str = ""
     #: Seconds the step may take (a model load can be slow).
     timeout: float = 600.0
     what: str = ""
@@ -178,6 +180,31 @@ class Backend:
     #: gateway tokenizes prompts with the model's tokenizer and chat template to match them
     #: (`ModelRoute.tokenizer`); False: by the simulator's words (`wakegate.kvevents`).
     kv_hashes_token_ids: bool = False
+    #: The engine's own "asleep" tier (a Model's `scaling.sleepAfter`): the process stays, the model
+    #: leaves the accelerator. Flags and environment that enable it, the steps that put it to sleep
+    #: and wake it per sleep level (`{sleep_level}` is `scaling.sleepLevel`), and checks that it sleeps
+    #: (after `sleep`) and is awake (with `loaded`, after `wake`). No `sleep` steps: no such tier.
+    sleep_args: tuple[str, ...] = ()
+    sleep_env: tuple[tuple[str, str], ...] = ()
+    sleep: tuple[HttpStep, ...] = ()
+    wake: tuple[HttpStep, ...] = ()
+    wake_level2: tuple[HttpStep, ...] = ()
+    asleep: tuple[HttpStep, ...] = ()
+    awake: tuple[HttpStep, ...] = ()
+    #: Whether level 1 keeps the weights in host memory (vLLM), so sleeping needs that much free.
+    sleep_holds_weights: bool = False
+    #: MiB a sleeping engine keeps on each accelerator (its context and buffers): another model
+    #: may use the device while it sleeps if what it needs fits beside that.
+    asleep_vram_mb: int = 0
+
+    @property
+    def can_sleep(self) -> bool:
+        """Whether the engine has an asleep tier wakegate can use."""
+        return bool(self.sleep and self.wake)
+
+    def wake_steps(self, level: int) -> tuple[HttpStep, ...]:
+        """What wakes the engine from `level` (level 2 may need its weights reloaded first)."""
+        return self.wake_level2 if level == 2 and self.wake_level2 else self.wake
 
     @property
     def serves_adapters(self) -> bool:

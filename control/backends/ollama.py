@@ -61,6 +61,17 @@ OLLAMA = Backend(
     loaded=(HttpStep("GET", "/api/ps", contains='"name":"{served_name}', what="the model is loaded", timeout=5),),
     answer_probe=True,
     load_by_answering=True,
+    # Asleep: the model unloaded from the running server (`keep_alive: 0` on a request without a
+    # prompt), reloaded by the same request with `keep_alive: -1`; no process start, no create.
+    sleep=(
+        HttpStep("POST", "/api/generate", body={"model": "{served_name}", "keep_alive": 0, "stream": False},
+                 what="unload the model", timeout=60),
+    ),
+    wake=(
+        HttpStep("POST", "/api/generate", body={"model": "{served_name}", "keep_alive": -1, "stream": False},
+                 what="load the model"),
+    ),
+    asleep=(HttpStep("GET", "/api/ps", lacks='"name":"{served_name}', what="the model is unloaded", timeout=5),),
     needs_file=True,
     term_grace=5.0,
     container_command=("/bin/sh", "-c"),

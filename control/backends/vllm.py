@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 
 from wakegate import contract
-from wakegate.control.backends.base import Backend, Image, LoadMetrics
+from wakegate.control.backends.base import Backend, HttpStep, Image, LoadMetrics
 
 NVIDIA_ARCH = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
 AMD_ARCH = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "gfx1201")
@@ -38,6 +38,37 @@ LORA_ENV = (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
 #: prefix cache they report on (on by default in vLLM 0.32; stated so an older one has it too).
 KV_EVENTS_ARG = "--kv-events-config"
 PREFIX_CACHING = ("--enable-prefix-caching",)
+
+#: Sleep mode (docs.vllm.ai, "Sleep Mode"): `--enable-sleep-mode`, and the HTTP endpoints that
+#: exist only with VLLM_SERVER_DEV_MODE=1. `POST /sleep?level=1` offloads the weights to host memory
+#: and drops the KV cache, `level=2` drops both; `POST /wake_up` brings them back. After level 2 the
+#: weights are reloaded from disk: wake the weights alone, `collective_rpc reload_weights`, then the
+#: KV cache. `GET /is_sleeping` answers `{"is_sleeping": true|false}`. GPU builds only; the sim
+#: implements the same API (docs/testing.md).
+SLEEP_ARGS = ("--enable-sleep-mode",)
+SLEEP_ENV = (("VLLM_SERVER_DEV_MODE", "1"),)
+SLEEP = (HttpStep("POST", "/sleep?level={sleep_level}", what="put the engine to sleep", timeout=120),)
+WAKE = (HttpStep("POST", "/wake_up", what="wake the engine", timeout=300),)
+WAKE_LEVEL2 = (
+    HttpStep("POST", "/wake_up?tags=weights", what="wake the weights' memory", timeout=300),
+    HttpStep("POST", "/collective_rpc", body={"method": "reload_weights"}, what="reload the weights", timeout=600),
+    HttpStep("POST", "/wake_up?tags=kv_cache", what="wake the KV cache", timeout=300),
+)
+ASLEEP = (HttpStep("GET", "/is_sleeping", contains='"is_sleeping":true', what="the engine sleeps", timeout=5),)
+AWAKE = (HttpStep("GET", "/is_sleeping", contains='"is_sleeping":false', what="the engine is awake", timeout=5),)
+SLEEP_MODE = {
+    "sleep_args": SLEEP_ARGS,
+    "sleep_env": SLEEP_ENV,
+    "sleep": SLEEP,
+    "wake": WAKE,
+    "wake_level2": WAKE_LEVEL2,
+    "asleep": ASLEEP,
+    "awake": AWAKE,
+    "sleep_holds_weights": True,
+    # The CUDA context, allocator pools and buffers a sleeping vLLM keeps (an estimate: vLLM's docs
+    # say sleep frees "up to 90%+" of what it held).
+    "asleep_vram_mb": 1024,
+}
 
 VLLM_LOAD = LoadMetrics(
     running=(contract.VLLM_RUNNING,),
@@ -68,6 +99,7 @@ VLLM = Backend(
     kv_events_arg=KV_EVENTS_ARG,
     prefix_caching_args=PREFIX_CACHING,
     kv_hashes_token_ids=True,
+    **SLEEP_MODE,  # type: ignore[arg-type]
 )
 
 VLLM_OMNI = Backend(
@@ -90,6 +122,7 @@ VLLM_OMNI = Backend(
     kv_events_arg=KV_EVENTS_ARG,
     prefix_caching_args=PREFIX_CACHING,
     kv_hashes_token_ids=True,
+    **SLEEP_MODE,  # type: ignore[arg-type]
 )
 
 SIM = Backend(
@@ -109,4 +142,5 @@ SIM = Backend(
     lora_runtime_env=LORA_ENV,
     kv_events_arg=KV_EVENTS_ARG,
     prefix_caching_args=PREFIX_CACHING,
+    **SLEEP_MODE,  # type: ignore[arg-type]
 )

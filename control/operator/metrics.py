@@ -9,6 +9,7 @@ exports its leader gauge at 0 and no model series.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from prometheus_client.registry import Collector
 
 from wakegate.control.admin import COLD_START_BUCKETS
 from wakegate.control.operator.status import cold_start_stages, restarts
+from wakegate.control.savings.metrics import TierCollector, wake_histogram
+from wakegate.control.scaling.savings import Ledger
 
 #: model key -> its backend Deployment (None: not created yet, or scaled away and deleted)
 Deployments = Callable[[], Mapping[str, Mapping[str, Any] | None]]
@@ -68,6 +71,19 @@ class OperatorMetrics:
         )
         #: pod uid -> (restarts seen, counted as failed)
         self._pods: dict[str, tuple[int, bool]] = {}
+        # Savings on a cluster: warm while the Deployment has replicas, else zero (no asleep tier
+        # there), one unit per replica; wakes from zero are the cold starts.
+        self.ledger = Ledger()
+        self.registry.register(TierCollector(self.ledger, refresh=self._tiers))
+        self.wake_seconds = wake_histogram(self.registry)
+
+    def _tiers(self) -> None:
+        if not self.leader:
+            return
+        now = time.time()
+        for key, deployment in self._deployments().items():
+            replicas = int(((deployment or {}).get("status") or {}).get("replicas") or 0)
+            self.ledger.observe(key, "warm" if replicas else "zero", max(1, replicas), now)
 
     def watch(self, deployments: Deployments) -> None:
         """Read the replica gauges from these Deployments (the reconciler's copies)."""
@@ -78,6 +94,10 @@ class OperatorMetrics:
         self.cold_starts.labels(key).inc()
         for stage, seconds in cold_start_stages(pods).items():
             self.cold_start.labels(key, stage).observe(seconds)
+            if stage == "total":
+                self._tiers()
+                self.ledger.wake(key, "zero", seconds, time.time())
+                self.wake_seconds.labels(key, "zero").observe(seconds)
 
     def observe_pod(self, key: str, pod: Mapping[str, Any], deleted: bool = False) -> None:
         """Count what failed in a backend pod since it was last seen: container restarts, phase Failed."""

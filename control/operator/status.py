@@ -269,6 +269,8 @@ def compute(observed: Observed, previous: Mapping[str, Any], now: str) -> dict[s
         "phase": phase,
         "readyReplicas": ready,
         "replicas": desired,
+        # Pods that exist hold their accelerators, terminating ones included.
+        "tier": "warm" if desired > 0 or observed.pods else "zero",
         "observedGeneration": observed.generation,
         "admitted": observed.preempted_by is None and phase != "Waiting",
         "conditions": conditions,

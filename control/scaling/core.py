@@ -45,6 +45,10 @@ class Verdict:
     #: The group peer a demanded member waits for: the holder, or (for the member the group was
     #: just handed to) the outgoing one whose replicas are not gone yet. None: not waiting.
     waiting_for: str | None = None
+    #: The replicas the model's own demand wants, before its GPU group held it back (0: it idled).
+    own_replicas: int = 0
+    #: Since when it has had no demand (monotonic), None while busy.
+    idle_since: float | None = None
 
 
 @dataclass
@@ -81,7 +85,23 @@ class Core:
         #: model -> (its demand and failed activations, desired replicas, busy, demand, next check)
         #: of its last decision: reused while the inputs are the same and the check is not due,
         #: so an evaluation costs a comparison per quiet model (autoscale.decide is stable then).
-        self._decided: dict[str, tuple[tuple[ModelLoad, int], int, bool, int, float | None]] = {}
+        self._decided: dict[str, tuple[tuple[ModelLoad, int, bool], int, bool, int, float | None]] = {}
+        #: model -> until when a predictive wake holds it up as a lease would (monotonic)
+        self._speculative: dict[str, float] = {}
+
+    def speculate(self, key: str, until: float) -> None:
+        """Hold `key` up as if one activation lease lived until `until` (a predictive wake)."""
+        self._speculative[key] = until
+
+    def unspeculate(self, key: str, now: float) -> None:
+        """End a predictive wake no demand came for: the model idles from `now` as if it never woke."""
+        if self._speculative.pop(key, None) is None:
+            return
+        state = self._scale.get(key)
+        policy = self._policies.get(key)
+        if state is not None and policy is not None and policy.min == 0:
+            self._scale[key] = autoscale.ScaleState(replicas=0, idle_since=now)
+            self._decided.pop(key, None)
 
     def set_models(self, models: Iterable[Model], now: float, current: Mapping[str, int] | None = None) -> None:
         """Replace the model set; state of models that stay is kept.
@@ -156,10 +176,12 @@ class Core:
             self._scale[key] = replace(state, replicas=replicas)
             self._decided.pop(key, None)
 
-    def _load(self, key: str, load: ModelLoad, failures: Mapping[str, int]) -> autoscale.Load:
+    def _load(
+        self, key: str, load: ModelLoad, failures: Mapping[str, int], speculative: bool = False
+    ) -> autoscale.Load:
         # A lease that began before the model's newest failed activation must not start another
         # one; the requests it held were failed with that activation.
-        if load.leases and load.newest_failures_seen < failures.get(key, 0):
+        if load.leases and load.newest_failures_seen < failures.get(key, 0) and not speculative:
             return autoscale.Load(queued=0, in_flight=load.in_flight, leases=0)
         return autoscale.Load(queued=load.queued, in_flight=load.in_flight, leases=load.leases)
 
@@ -181,19 +203,29 @@ class Core:
         wanted: dict[str, int] = {}
         busy: dict[str, bool] = {}
         demand: dict[str, int] = {}
+        own: dict[str, int] = {}
         for key in self.models:
             raw = self.loads.get(key, _NO_LOAD)
-            inputs = (raw, failures.get(key, 0))
+            until = self._speculative.get(key)
+            speculative = until is not None and now < until
+            if until is not None and speculative:
+                next_checks.append(until)
+            elif until is not None:
+                del self._speculative[key]
+            if speculative:
+                raw = replace(raw, leases=raw.leases + 1)
+            inputs = (raw, failures.get(key, 0), speculative)
             last = self._decided.get(key)
             if last is not None and last[0] == inputs and (last[4] is None or last[4] > now):
                 _, desired, busy[key], demand[key], next_at = last
             else:
-                load = self._load(key, raw, failures)
+                load = self._load(key, raw, failures, speculative)
                 busy[key] = load.queued + load.in_flight + load.leases > 0
                 demand[key] = load.queued + load.in_flight
                 desired, self._scale[key], next_at = autoscale.decide(self._policies[key], load, self._scale[key], now)
                 self._decided[key] = (inputs, desired, busy[key], demand[key], next_at)
             wanted[key] = desired
+            own[key] = desired
             if next_at is not None:
                 next_checks.append(next_at)
         for group in self._groups.values():
@@ -211,6 +243,8 @@ class Core:
                 target_in_flight=self._policies[key].target_in_flight,
                 admitted=key not in held_back,
                 waiting_for=waiting.get(key),
+                own_replicas=own[key],
+                idle_since=self._scale[key].idle_since,
             )
             for key in self.models
         }

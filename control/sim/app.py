@@ -43,6 +43,7 @@ from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 from wakegate.control.sim.kvcache import BLOCK_TOKENS, ROOT, Allocation, KVCache, block_hashes, blocks_for
 from wakegate.control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wakegate.control.sim.metrics import SimMetrics
+from wakegate.control.sim.sleep import SleepConfig, SleepMode, SleepRefused
 from wakegate.kvevents import KVEventsConfig, chat_tokens, completion_tokens
 
 log = logging.getLogger("wakegate.sim")
@@ -119,6 +120,8 @@ class SimConfig:
     max_loras: int = 1
     #: milliseconds one adapter load takes
     lora_load_ms: float = 0.0
+    #: vLLM's sleep mode and what it costs (control/sim/sleep.py)
+    sleep: SleepConfig = field(default_factory=SleepConfig)
 
     @property
     def primary(self) -> str:
@@ -167,6 +170,18 @@ def error_response(
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
+def _refusals_answered(handler: Handler) -> Handler:
+    """`handler` with its sleep-mode refusals answered as vLLM answers errors."""
+
+    async def answered(request: web.BaseRequest) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except SleepRefused as exc:
+            return error_response(exc.status, str(exc), "BadRequestError")
+
+    return answered
+
+
 class Sim:
     """State and handlers of one simulated vLLM server."""
 
@@ -208,11 +223,22 @@ class Sim:
             "/v1/completions": (frozenset({"POST"}), self._completions, True),
             "/v1/embeddings": (frozenset({"POST"}), self._embeddings, True),
         }
+        #: vLLM's sleep mode (`--enable-sleep-mode` with VLLM_SERVER_DEV_MODE=1), control/sim/sleep.py
+        self.sleep: SleepMode | None = None
+        if cfg.sleep.enabled and cfg.sleep.dev_mode:  # vLLM serves the API only in dev mode
+            self.sleep = SleepMode(cfg.sleep, self._forget_cache)
+            self.metrics.registry.register(self.sleep)
+            for path, (methods, handler) in self.sleep.routes().items():
+                self._routes[path] = (methods, _refusals_answered(handler), False)
         if cfg.enable_lora:
             self._routes["/v1/load_lora_adapter"] = (frozenset({"POST"}), self._load_lora, True)
             self._routes["/v1/unload_lora_adapter"] = (frozenset({"POST"}), self._unload_lora, True)
 
     # ---- plumbing -------------------------------------------------------------------
+
+    def _forget_cache(self) -> None:
+        """Sleep discards the KV cache: the prefix cache starts empty after a wake."""
+        self.kv.forget()
 
     def _build_models_body(self) -> bytes:
         created = int(time.time())
@@ -249,6 +275,8 @@ class Sim:
                 return error_response(401, "Unauthorized", "AuthenticationError")
             if not self.ready:
                 return error_response(503, "The model is still loading", "ServiceUnavailableError")
+            if self.sleep is not None and (refused := self.sleep.refusal()) is not None:
+                return error_response(refused[0], refused[1], "ServiceUnavailableError")
             task = asyncio.current_task()
             assert task is not None
             self._tasks.add(task)

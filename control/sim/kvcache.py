@@ -182,3 +182,12 @@ class KVCache:
                 del refs[h]
                 cached[h] = None
                 self.used -= 1
+
+    def forget(self) -> None:
+        """Drop every cached block no request holds (a sleeping engine discards its KV cache)."""
+        if not self._cached:
+            return
+        gone = list(self._cached)
+        self._cached.clear()
+        if self.on_removed is not None:
+            self.on_removed(gone)

@@ -32,6 +32,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from wakegate.control.sim.app import Sim, SimConfig
 from wakegate.control.sim.events import Publisher
+from wakegate.control.sim.sleep import SleepConfig
 from wakegate.kvevents import KVEventsConfig, parse_config
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 
@@ -113,6 +114,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", help="vLLM: no torch.compile or graphs; ignored")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
       help="vLLM's prefix caching; ignored (the sim's prefix cache is always on)")
+    a("--enable-sleep-mode", action="store_true",
+      help="vLLM's sleep mode: with VLLM_SERVER_DEV_MODE=1 in the environment, POST /sleep?level=1|2, "
+      "POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping and POST /collective_rpc (reload_weights)")
+    a("--sleep-seconds", type=float, default=0.05, help="how long POST /sleep takes (default 0.05)")
+    a("--wake-seconds", type=float, default=0.2,
+      help="how long waking the weights from host memory (level 1) takes (default 0.2)")
+    a("--reload-weights-seconds", type=float, default=1.0,
+      help="how long reloading the weights after a level-2 sleep takes (default 1.0)")
+    a("--weights-mb", type=int, default=1024, help="simulated weights, MiB (accelerator; host while asleep at level 1)")
+    a("--kv-cache-mb", type=int, default=1024, help="simulated KV cache on the accelerator, MiB (freed asleep)")
+    a("--context-mb", type=int, default=256, help="simulated accelerator memory a sleeping engine keeps, MiB")
     a("--eos-after-tokens", type=int, default=0, help="finish with 'stop' after N tokens (0 = never)")
     a("--embedding-dim", type=int, default=16, help="length of the embedding vectors (default 16)")
     a("--fail-after-seconds", type=float, default=None, help="exit abruptly after this many seconds")
@@ -169,6 +181,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_lora=args.enable_lora,
         max_loras=max(1, args.max_loras),
         lora_load_ms=max(0.0, args.lora_load_ms),
+        sleep=SleepConfig(
+            enabled=args.enable_sleep_mode,
+            dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "") in ("1", "true", "True"),
+            sleep_seconds=max(0.0, args.sleep_seconds),
+            wake_seconds=max(0.0, args.wake_seconds),
+            reload_weights_seconds=max(0.0, args.reload_weights_seconds),
+            weights_mb=max(0, args.weights_mb),
+            kv_cache_mb=max(0, args.kv_cache_mb),
+            context_mb=max(0, args.context_mb),
+        ),
     )
 
 

@@ -106,6 +106,34 @@ class Engine:
                 return False
         return True
 
+    async def sleep(self, level: int) -> None:
+        """Put the engine to sleep at `level` and check that it sleeps (raises EngineError)."""
+        self.values["sleep_level"] = str(level)
+        for step in self.backend.sleep:
+            await self._step(step)
+        await self._until(self.backend.asleep, 30.0)
+
+    async def _until(self, checks: tuple[HttpStep, ...], timeout: float) -> None:
+        """Repeat `checks` until they all pass (an engine lets go of a model in the background);
+        the last failure after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                for step in checks:
+                    await self._step(step)
+                return
+            except EngineError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
+    async def wake(self, level: int) -> None:
+        """Wake the engine from `level` and check that it is awake (raises EngineError)."""
+        self.values["sleep_level"] = str(level)
+        for step in self.backend.wake_steps(level):
+            await self._step(step)
+        await self._until(self.backend.awake, 30.0)
+
     async def answer(self) -> float:
         """One token through the OpenAI API; returns seconds to the answer's first byte."""
         started = time.monotonic()
@@ -171,7 +199,10 @@ class Engine:
             raise EngineError(f"{what}: {exc or type(exc).__name__}") from None
         if status >= 300:
             raise EngineError(f"{what}: HTTP {status} {_excerpt(body)}")
-        if step.contains and fill(step.contains, self.values) not in body.decode("utf-8", "replace"):
+        text = body.decode("utf-8", "replace")
+        if step.contains and fill(step.contains, self.values) not in text:
+            raise EngineError(f"{what}: not yet")
+        if step.lacks and fill(step.lacks, self.values) in text:
             raise EngineError(f"{what}: not yet")
 
 

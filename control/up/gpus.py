@@ -32,6 +32,29 @@ class Slot:
 class GpuPool:
     slots: list[Slot] = field(default_factory=list)
     _taken: dict[Slot, str] = field(default_factory=dict)
+    #: Owners whose engine sleeps: the devices they will want back, and the MiB each keeps there.
+    _dozing: dict[str, tuple[list[Slot], int]] = field(default_factory=dict)
+
+    def doze(self, owner: str, keeps_mb: int = 0) -> None:
+        """`owner`'s engine sleeps: its devices are free for others, less the `keeps_mb` it keeps."""
+        slots = [s for s, o in self._taken.items() if o == owner]
+        for slot in slots:
+            del self._taken[slot]
+        if slots:
+            self._dozing[owner] = (slots, keeps_mb)
+
+    def rouse(self, owner: str) -> bool:
+        """`owner`'s engine wakes: take its devices back; False when another owner holds one."""
+        slots, keeps = self._dozing.pop(owner, ([], 0))
+        if any(s in self._taken for s in slots):
+            self._dozing[owner] = (slots, keeps)
+            return False
+        for slot in slots:
+            self._taken[slot] = owner
+        return True
+
+    def _kept_mb(self, slot: Slot) -> int:
+        return sum(keeps for slots, keeps in self._dozing.values() if slot in slots)
 
     @classmethod
     def from_devices(cls, devices: list[GpuDevice]) -> GpuPool:
@@ -55,7 +78,7 @@ class GpuPool:
             return []
         acceptable = (vendor,) if vendor else vendors
         for candidate in acceptable:
-            free = [s for s in self.free if s.vendor == candidate and s.total_mb >= min_vram_mb]
+            free = [s for s in self.free if s.vendor == candidate and s.total_mb - self._kept_mb(s) >= min_vram_mb]
             if len(free) >= count:
                 chosen = free[:count]
                 for slot in chosen:
@@ -69,6 +92,7 @@ class GpuPool:
     def release(self, owner: str) -> None:
         for slot in [s for s, o in self._taken.items() if o == owner]:
             del self._taken[slot]
+        self._dozing.pop(owner, None)
 
 
 def visible_devices_env(slots: list[Slot]) -> dict[str, str]:

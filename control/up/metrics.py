@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from wakegate.control.admin import COLD_START_BUCKETS
+from wakegate.control.savings.metrics import wake_histogram
 
 
 @dataclass
@@ -25,6 +26,27 @@ class UpMetrics:
             "engine's first answer, a one-token request sent beside the first held requests).",
             ["model", "stage"],
             buckets=COLD_START_BUCKETS,
+            registry=r,
+        )
+        self.wake_seconds = wake_histogram(r)
+        self.first_requests = Counter(
+            "wakegate_first_requests",
+            "Demand onsets (the first request after a time without any) by whether they found the model warm.",
+            ["model", "found"],
+            registry=r,
+        )
+        self.predictive_wakes = Counter(
+            "wakegate_predictive_wakes",
+            "Predictive wakes by outcome: hit (demand found the model warm), late (demand came while it was "
+            "still waking), miss (none came).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.predictive_seconds = Counter(
+            "wakegate_predictive_accelerator_seconds",
+            "Accelerator-seconds predictive wakes kept models warm before demand came (hit) or in vain "
+            "(miss: wasted).",
+            ["model", "outcome"],
             registry=r,
         )
         self.cold_starts = Counter("wakegate_cold_starts", "Scale-from-zero activations.", ["model"], registry=r)

@@ -76,6 +76,23 @@ class ReplicaState(StrEnum):
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    #: The asleep tier: the process lives, the engine has let go of the model (unrouted).
+    SLEEPING = "sleeping"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+#: States of a replica whose process lives but whose model is not on the accelerator (or is
+#: getting there): the tier's task drives them; the watch loop only notices the process exit.
+DORMANT = frozenset({ReplicaState.SLEEPING, ReplicaState.ASLEEP, ReplicaState.WAKING})
+
+
+class Tier(StrEnum):
+    """How far a model has idled: warm (serving), asleep (process alive, accelerator freed), zero."""
+
+    WARM = "warm"
+    ASLEEP = "asleep"
+    ZERO = "zero"
 
 
 @dataclass
@@ -140,6 +157,8 @@ class Replica:
     adapter_weights: list[Weights] = field(default_factory=list)
     #: The start attempts of its current activation (None once it is ready).
     activation: Activation | None = None
+    #: When it last went to sleep (monotonic), while it sleeps.
+    asleep_since: float | None = None
 
 
 class ModelRuntime:
@@ -212,6 +231,21 @@ class ModelRuntime:
             )
         #: The last cold start's timeline: stage -> seconds since the activation signal.
         self.last_timeline: dict[str, float] = {}
+        #: The asleep tier: the engine has one and the Model asks for it (scaling.sleepAfter).
+        self.can_sleep = self.backend.can_sleep and model.spec.scaling.sleepAfter is not None
+        #: What the tier's task drives the replicas to (True: asleep), and the task.
+        self._asleep_wanted = False
+        self._tier_task: asyncio.Task[None] | None = None
+        #: A sleep the engine refused (or memory did not allow) is not tried again until the next demand.
+        self.sleep_refused = ""
+        #: When the wake in progress was asked for (the demand the scaler saw), for its duration.
+        self._wake_asked: float | None = None
+        #: Hooks: a replica woke from asleep (seconds since the wake was asked); the tier changed.
+        self.on_woken: Callable[[ModelRuntime, float], None] | None = None
+        self.on_tier: Callable[[ModelRuntime], None] | None = None
+        #: The last wake from asleep: seconds from the demand to routed.
+        self.last_wake_from_asleep: float | None = None
+        self._last_tier: tuple[Tier, int] = (Tier.ZERO, 0)
 
     @property
     def ready_endpoints(self) -> tuple[tuple[str, int], ...]:
@@ -259,6 +293,160 @@ class ModelRuntime:
         return ""
 
     @property
+    def tier(self) -> Tier:
+        """zero: no process; asleep: every process sleeps; else warm (going to sleep included)."""
+        if not self.replicas:
+            return Tier.ZERO
+        if all(r.state is ReplicaState.ASLEEP for r in self.replicas):
+            return Tier.ASLEEP
+        return Tier.WARM
+
+    @property
+    def awake_count(self) -> int:
+        """Processes that hold (or are about to hold) the accelerator: live ones less the sleeping."""
+        return self.live_count - sum(1 for r in self.replicas if r.state is ReplicaState.ASLEEP)
+
+    @property
+    def asleep_count(self) -> int:
+        return sum(1 for r in self.replicas if r.state in DORMANT)
+
+    def want_asleep(self, asleep: bool, asked: float | None = None) -> None:
+        """Drive every replica to sleep (True) or awake (False); `asked` is when the demand that
+        wakes it was seen (the wake's duration counts from there)."""
+        if not asleep:
+            self.sleep_refused = ""
+            if self._wake_asked is None and self.asleep_count:
+                self._wake_asked = asked if asked is not None else time.monotonic()
+        elif self.sleep_refused:
+            return
+        self._asleep_wanted = asleep
+        idle = self._tier_task is None or self._tier_task.done()
+        moving = ReplicaState.READY if asleep else ReplicaState.ASLEEP
+        if idle and any(r.state is moving for r in self.replicas):
+            # Only when a replica has somewhere to go: a model that is already there costs no task.
+            self._tier_task = asyncio.create_task(self._drive_tier(), name=f"tier-{self.model.name}")
+
+    async def _drive_tier(self) -> None:
+        while True:
+            if self._asleep_wanted:
+                targets = [r for r in self.replicas if r.state is ReplicaState.READY]
+                if not targets or self.sleep_refused:
+                    return
+                why = self._sleep_not_allowed()
+                if why:
+                    self.sleep_refused = why
+                    log.info("sleep skipped model=%s: %s", self.model.key, why)
+                    return
+                await asyncio.gather(*(self._sleep_replica(r) for r in targets))
+            else:
+                targets = [r for r in self.replicas if r.state is ReplicaState.ASLEEP]
+                if not targets:
+                    self._wake_asked = None
+                    return
+                await asyncio.gather(*(self._wake_replica(r) for r in targets))
+
+    @property
+    def tier_units(self) -> int:
+        """Accelerators the tier counts (one per replica without any): the awake replicas' while
+        warm, the sleeping ones' while asleep, one replica's at zero."""
+        per = max(1, self.gpus_per_replica)
+        tier = self.tier
+        if tier is Tier.ZERO:
+            return per
+        if tier is Tier.ASLEEP:
+            return per * len(self.replicas)
+        return per * sum(1 for r in self.replicas if r.state is not ReplicaState.ASLEEP)
+
+    def _note_tier(self) -> None:
+        """Tell `on_tier` when the model's tier (or the accelerators it counts) changed."""
+        now = (self.tier, self.tier_units)
+        if now != self._last_tier:
+            self._last_tier = now
+            if self.on_tier is not None:
+                self.on_tier(self)
+
+    def _sleep_not_allowed(self) -> str:
+        """Why sleeping would not fit in memory now ("" when it does): level 1 keeps the weights in
+        host memory (vLLM), so that much must be available."""
+        level = self.model.spec.scaling.sleepLevel
+        if not (self.backend.sleep_holds_weights and level == 1) or self.weights is None:
+            return ""
+        size = _size_of(self.weights)
+        available = _host_memory_available()
+        if available is not None and size * len(self.replicas) > available:
+            return (f"level 1 keeps {size >> 20} MiB of weights per replica in host memory and "
+                    f"{available >> 20} MiB are available")
+        return ""
+
+    def _engine(self, replica: Replica, session: aiohttp.ClientSession) -> Engine:
+        return Engine(self.backend, session, self.settings.host, replica.port, self._values(replica), None)
+
+    async def _sleep_replica(self, replica: Replica) -> None:
+        """Unroute, drain, and ask the engine to sleep; a refusal keeps it warm (and is not retried
+        until the next demand)."""
+        replica.state = ReplicaState.SLEEPING
+        self._changed()
+        await asyncio.sleep(self.settings.unroute_delay)
+        await self._drain(replica)
+        level = self.model.spec.scaling.sleepLevel
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            try:
+                await self._engine(replica, session).sleep(level)
+            except EngineError as exc:
+                self.sleep_refused = str(exc)
+                log.warning("sleep failed model=%s replica=%d: %s", self.model.key, replica.index, exc)
+                if replica.state is ReplicaState.SLEEPING:
+                    replica.state = ReplicaState.READY
+                    self._changed()
+                return
+        if replica.state is not ReplicaState.SLEEPING:
+            return  # stopped meanwhile
+        replica.state = ReplicaState.ASLEEP
+        replica.asleep_since = time.monotonic()
+        replica.load = None
+        self.gpus.doze(replica.gpu_owner, self.backend.asleep_vram_mb)
+        log.info("replica asleep model=%s replica=%d level=%d seconds=%.3f", self.model.key, replica.index,
+                 level, replica.asleep_since - started)
+        self._changed()
+
+    async def _wake_replica(self, replica: Replica) -> None:
+        """Wake the engine and route it once it says the model is loaded; an engine that does not
+        wake is stopped (the scaler starts a new one from zero)."""
+        if not self.gpus.rouse(replica.gpu_owner):
+            log.warning("wake model=%s replica=%d: its accelerator is taken; starting it anew",
+                        self.model.key, replica.index)
+            await replica.child.stop(self.backend.term_grace)
+            return
+        replica.state = ReplicaState.WAKING
+        level = self.model.spec.scaling.sleepLevel
+        async with aiohttp.ClientSession() as session:
+            engine = self._engine(replica, session)
+            try:
+                await engine.wake(level)
+                deadline = time.monotonic() + 30.0
+                while not await engine.loaded():
+                    if time.monotonic() > deadline:
+                        raise EngineError("the model was not loaded 30s after the wake")
+                    await asyncio.sleep(self.settings.probe_interval_loading)
+            except EngineError as exc:
+                log.warning("wake failed model=%s replica=%d: %s; stopping it", self.model.key, replica.index, exc)
+                await replica.child.stop(self.backend.term_grace)
+                return
+        if replica.state is not ReplicaState.WAKING:
+            return
+        replica.state = ReplicaState.READY
+        replica.ready_at = time.monotonic()
+        replica.asleep_since = None
+        asked = self._wake_asked if self._wake_asked is not None else replica.ready_at
+        self.last_wake_from_asleep = replica.ready_at - asked
+        log.info("replica awake model=%s replica=%d level=%d seconds=%.3f", self.model.key, replica.index,
+                 level, self.last_wake_from_asleep)
+        self._changed()
+        if self.on_woken is not None:
+            self.on_woken(self, self.last_wake_from_asleep)
+
+    @property
     def replica_count(self) -> int:
         """Replicas the model is meant to have (starting, ready or restarting)."""
         return len(self.replicas)
@@ -280,13 +468,17 @@ class ModelRuntime:
                     count,
                 )
                 break
+        self._note_tier()
         while len(self.replicas) > count:
             replica = self.replicas.pop()
+            self._note_tier()
             await self._stop_replica(replica)
 
     async def stop(self) -> None:
         """Stop every replica; `up` calls this after Envoy and extproc are gone, so nothing is left
         in flight through the gateway and no drain is waited for."""
+        if self._tier_task is not None:
+            self._tier_task.cancel()
         await asyncio.gather(*(self._stop_replica(r, drain=False) for r in self.replicas))
         self.replicas.clear()
         if self.hotswap is not None:
@@ -307,6 +499,7 @@ class ModelRuntime:
             "served_name": self.model.served_name,
             "state": str(state.resolve()),
             "max_adapters": str(self.model.spec.adapters.maxAdapters),
+            "sleep_level": str(self.model.spec.scaling.sleepLevel),
         }
 
     def _argv(self, values: dict[str, str], adapters: Sequence[Weights] = ()) -> list[str]:
@@ -317,6 +510,8 @@ class ModelRuntime:
                 argv += [self.backend.lora_arg, str(weights.path)]
         elif self.model.adapters and self.backend.lora_runtime_args:
             argv += [fill(a, values) for a in self.backend.lora_runtime_args]
+        if self.can_sleep:
+            argv += [a for a in self.backend.sleep_args if a not in argv]
         kv = self.model.spec.routing.kvEvents
         if kv is not None:
             argv += kv_events_argv(self.backend, argv, int(values["port"]), kv.portOffset, kv.replayPortOffset)
@@ -328,6 +523,8 @@ class ModelRuntime:
         env.update(visible_devices_env(gpus))
         if self.model.adapters:
             env.update(self.backend.lora_runtime_env)
+        if self.can_sleep:
+            env.update(self.backend.sleep_env)
         env.update(self.model.spec.env)
         return env
 
@@ -493,6 +690,7 @@ class ModelRuntime:
 
     def _changed(self) -> None:
         self.generation += 1
+        self._note_tier()
         self._on_change()
         if self.hotswap is not None:
             self.hotswap.poke()
@@ -686,6 +884,10 @@ class ModelRuntime:
                     f"the model was not loaded and answering within {load_timeout:.0f}s "
                     f"(health {self.backend.health_path}; log: {replica.child.log_path})"
                 )
+            if replica.state in DORMANT:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), self.settings.probe_interval_ready)
+                continue
             if replica.state is not ReplicaState.READY:
                 if await engine.healthy():
                     failure = await self._first_of(self._bring_up(replica, engine), exited)
@@ -794,3 +996,25 @@ class ModelRuntime:
             self._on_change()  # new load numbers for picking; not a new backend generation
             if self.hotswap is not None:
                 self.hotswap.poke()  # holders may be saturated now
+
+
+def _size_of(path: Path) -> int:
+    """Bytes of a weight file, or of every file under a weight folder."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def _host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wakegate.control.demand.book import DemandBook, ModelLoad
-from wakegate.control.scaling.core import Core
-from wakegate.control.up.runtime import ModelRuntime, Replica
+from wakegate.control.scaling.core import Core, Verdict
+from wakegate.control.up.predictive import Predictive
+from wakegate.control.up.runtime import DORMANT, ModelRuntime, Replica, ReplicaState
 
 log = logging.getLogger("wakegate.up")
 
@@ -42,6 +43,7 @@ class LocalScaler:
         *,
         on_cold_start: Callable[[str, str, float], None] = lambda model, stage, seconds: None,
         on_swap: Callable[[str, str | None, str], None] = lambda group, old, new: None,
+        on_tier: Callable[[ModelRuntime], None] = lambda runtime: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtimes = runtimes
@@ -49,6 +51,7 @@ class LocalScaler:
         self._clock = clock
         self._on_cold_start = on_cold_start
         self._on_swap = on_swap
+        self._on_tier = on_tier
         self._applying = {key: _Applying() for key in runtimes}
         self._holders: dict[str, str | None] = {}
         for runtime in runtimes.values():
@@ -56,9 +59,12 @@ class LocalScaler:
             runtime.on_ready = self._ready
             runtime.on_exit = self._exited
             runtime.on_answered = self._answered
+            runtime.on_tier = self._tier_changed
         self.core.set_models([rt.model for rt in runtimes.values()], clock(), {key: 0 for key in runtimes})
         self._wake = asyncio.Event()
         self._timer_at: float | None = None
+        #: Predictive wake (control/up/predictive.py), set by `up` when a model enables it.
+        self.predictive: Predictive | None = None
 
     @property
     def loads(self) -> dict[str, ModelLoad]:
@@ -85,7 +91,8 @@ class LocalScaler:
 
     def evaluate(self) -> None:
         now = self._clock()
-        live = {key: rt.live_count for key, rt in self.runtimes.items()}
+        # A sleeping replica holds no accelerator: a GPU-group peer may start beside it.
+        live = {key: rt.awake_count for key, rt in self.runtimes.items()}
         failures = {key: rt.failed_activations for key, rt in self.runtimes.items()}
         verdicts, self._timer_at = self.core.evaluate(now, live, failures)
         self._log_group_turns()
@@ -95,7 +102,41 @@ class LocalScaler:
                 runtime.admitted = verdict.admitted
                 runtime.publish()
             runtime.waiting_for = verdict.waiting_for
+            if runtime.can_sleep and self._tier(runtime, verdict, now):
+                continue
             self._apply(key, min(verdict.replicas, runtime.capacity), now)
+        if self.predictive is not None:
+            at = self.predictive.evaluate(verdicts, now)
+            if at is not None:
+                self._timer_at = at if self._timer_at is None else min(self._timer_at, at)
+            if self.predictive.started:
+                self.poke()  # its lease counts from the next evaluation
+
+    def _tier(self, runtime: ModelRuntime, verdict: Verdict, now: float) -> bool:
+        """The asleep tier of a model whose engine can sleep: True when it was sent to sleep (its
+        replicas stay), False when the verdict's count applies (woken first if it slept)."""
+        if verdict.own_replicas == 0 or not runtime.replicas:
+            return False  # zero: idle for idleTimeout (stops sleeping replicas too), or nothing runs
+        sleepable = all(r.state is ReplicaState.READY or r.state in DORMANT for r in runtime.replicas)
+        if verdict.replicas == 0:
+            # Its GPU group went to a peer: sleep instead of stopping, where memory allows.
+            if sleepable and not runtime.sleep_refused:
+                runtime.want_asleep(True)
+                return True
+            return False
+        sleep_after = runtime.model.spec.scaling.sleepAfter
+        idle_since = verdict.idle_since
+        if sleep_after is not None and idle_since is not None and not verdict.busy:
+            sleep_at = idle_since + sleep_after
+            if now >= sleep_at:
+                if sleepable:
+                    runtime.want_asleep(True)
+                    return True
+            else:
+                self._timer_at = sleep_at if self._timer_at is None else min(self._timer_at, sleep_at)
+        if runtime.asleep_count:
+            runtime.want_asleep(False, asked=now)
+        return False
 
     def _log_group_turns(self) -> None:
         for name in self.core.swaps:
@@ -128,6 +169,10 @@ class LocalScaler:
             self.poke()  # a group peer may be waiting for this one to stop
 
     # -- replica events ---------------------------------------------------------------------------
+
+    def _tier_changed(self, runtime: ModelRuntime) -> None:
+        self._on_tier(runtime)
+        self.poke()
 
     def _exited(self, runtime: ModelRuntime) -> None:
         """A replica went away on its own (failed load of a scale-from-zero model)."""

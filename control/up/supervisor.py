@@ -39,6 +39,8 @@ from wakegate.control.demand.service import DemandService
 from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
+from wakegate.control.savings.metrics import TierCollector
+from wakegate.control.scaling.savings import Ledger
 from wakegate.control.schema import ManifestError, Model, parse_models
 from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.control.up.engine import runnable
@@ -46,7 +48,8 @@ from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.native import NativeDemand
-from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings
+from wakegate.control.up.predictive import HISTORY_FILE, Predictive
+from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
@@ -232,7 +235,28 @@ class Up:
         }
         self.metrics = UpMetrics()
         self.book = DemandBook()
-        self.scaler = LocalScaler(self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap)
+        self.scaler = LocalScaler(
+            self.runtimes, self.book, on_cold_start=self._cold_start, on_swap=self._swap, on_tier=self._tier
+        )
+        #: What idling saved (accelerator-seconds per tier, wakes): /status, /savings, /metrics.
+        self.ledger = Ledger()
+        self.started_at = time.time()
+        for runtime in self.runtimes.values():
+            self._tier(runtime)
+            runtime.on_woken = self._woken
+        self.metrics.registry.register(TierCollector(self.ledger))
+        # Demand history (every model's, kept across restarts) and predictive wakes.
+        self.predictive = Predictive(
+            self.runtimes,
+            self.scaler.core,
+            self.state_dir / HISTORY_FILE,
+            warm_seconds=self._warm_seconds,
+        )
+        self.predictive.on_outcome = self._predicted
+        self.predictive.on_first_request = lambda key, warm: self.metrics.first_requests.labels(
+            key, "warm" if warm else "cold"
+        ).inc()
+        self.scaler.predictive = self.predictive
         # The internal channels (ADS, demand) are authenticated on loopback too: another local
         # user must not be able to subscribe to the routes or report fake demand.
         self.token = TokenSource(internal_token.generate((self.state_dir / "secrets" / "internal-token").resolve()))
@@ -306,7 +330,30 @@ class Up:
 
     # -- observability --------------------------------------------------------------------------
 
+    def _tier(self, runtime: ModelRuntime) -> None:
+        self.ledger.observe(runtime.model.key, runtime.tier.value, runtime.tier_units, time.time())
+
+    def _warm_seconds(self, model: str, since: float, until: float) -> float:
+        window = self.ledger.window_of(model, since, until)
+        return 0.0 if window is None else float(window["accelerator_seconds"]["warm"])
+
+    def _predicted(self, model: str, outcome: str, spent: float) -> None:
+        self.metrics.predictive_wakes.labels(model, outcome).inc()
+        self.metrics.predictive_seconds.labels(model, outcome).inc(spent)
+
+    def _woken(self, runtime: ModelRuntime, seconds: float) -> None:
+        if not self.predictive.speculating(runtime.model.key):
+            self._wake(runtime.model.key, Tier.ASLEEP.value, seconds)
+
+    def _wake(self, model: str, tier: str, seconds: float) -> None:
+        self.ledger.wake(model, tier, seconds, time.time())
+        self.metrics.wake_seconds.labels(model, tier).observe(seconds)
+        log.info("wake model=%s tier=%s seconds=%.3f", model, tier, seconds)
+
     def _cold_start(self, model: str, stage: str, seconds: float) -> None:
+        if stage == "total" and not self.predictive.speculating(model):
+            # A predictive wake no request waited for costs no waiting (its seconds are its own).
+            self._wake(model, Tier.ZERO.value, seconds)
         self.metrics.cold_start.labels(model, stage).observe(seconds)
         if stage == "process_start":
             self.metrics.cold_starts.labels(model).inc()
@@ -405,6 +452,8 @@ class Up:
             watchers.append(asyncio.create_task(self.scaler.run()))
             watchers += [asyncio.create_task(rt.hotswap.run()) for rt in self.runtimes.values() if rt.hotswap]
             watchers.append(asyncio.create_task(self._native_demand()))
+            if self.predictive.speculation:
+                watchers.append(asyncio.create_task(self._requests_routed()))
             self.scaler.poke()
             if self.settings.status_display:
                 watchers.append(asyncio.create_task(self._status_display()))
@@ -496,6 +545,18 @@ class Up:
                     ],
                     "ready": len(rt.ready_endpoints),
                     "state": _model_state(rt),
+                    "tier": rt.tier.value,
+                    "sleep": {
+                        "after_seconds": rt.model.spec.scaling.sleepAfter,
+                        "level": rt.model.spec.scaling.sleepLevel,
+                        "engine_can_sleep": rt.backend.can_sleep,
+                        "skipped": rt.sleep_refused or None,
+                    },
+                    "predictive": self.predictive.status(rt.model.key),
+                    "last_wake_seconds": {
+                        Tier.ASLEEP.value: rt.last_wake_from_asleep,
+                        Tier.ZERO.value: rt.last_cold_start,
+                    },
                     **self._routing_path(rt),
                     "admitted": rt.admitted,
                     "waiting_for": rt.waiting_for,
@@ -516,6 +577,7 @@ class Up:
                 }
                 for rt in self.runtimes.values()
             ],
+            "savings": self.savings(self.started_at, time.time()),
             "cache": {"dir": str(self.delivery.config.cache_dir), "max_bytes": self.delivery.config.max_size},
             "gpu_groups": {
                 name: {"active": self.scaler.group_active(name), "swaps": swaps}
@@ -523,9 +585,24 @@ class Up:
             },
         }
 
+    def savings(self, since: float, until: float) -> dict[str, Any]:
+        """Accelerator-seconds per tier and wakes per model in [since, until] (wall clock)."""
+        return {"since": since, "until": until, "models": self.ledger.window(since, until)}
+
     async def _start_admin(self) -> web.AppRunner:
         async def status(_: web.Request) -> web.Response:
             return web.json_response(self.status())
+
+        async def savings(request: web.Request) -> web.Response:
+            now = time.time()
+            try:
+                until = float(request.query.get("until", now))
+                since = float(request.query.get("since", self.started_at))
+            except ValueError:
+                return web.json_response({"error": "since and until are epoch seconds"}, status=400)
+            if since > until:
+                return web.json_response({"error": "since is after until"}, status=400)
+            return web.json_response(self.savings(since, until))
 
         async def healthz(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
@@ -538,7 +615,8 @@ class Up:
             return await self._gateway_metrics()
 
         host, port = admin.host_port(self.settings.admin_listen)
-        routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz}
+        routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz,
+                  "/savings": savings}
         return await admin.serve(routes, host, port)
 
     async def _gateway_metrics(self) -> web.Response:
@@ -715,6 +793,26 @@ class Up:
                 if native.reported != before:
                     self._demand_changed()
 
+    async def _requests_routed(self) -> None:
+        """While a model uses predictive wake: Envoy's per-model request totals, every POLL_SECONDS,
+        so that first requests too short for the demand reports are seen (and counted warm)."""
+        stat_names = {stat_name(key): key for key in self.runtimes}
+        totals: dict[str, int] | None = None  # None until a first look sets the baseline
+        async with self._admin_session() as session:
+            while True:
+                await asyncio.sleep(POLL_SECONDS)
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                    async with session.get(STATS_QUERY) as response:
+                        counters = parse_counters((await response.json()).get("stats", []), stat_names)
+                    now = time.monotonic()
+                    seen = {key: total for key, (_, total) in counters.items()}
+                    if totals is not None:
+                        # Envoy lists a model's counters from its first request on (usedonly).
+                        for key in (k for k, total in seen.items() if total > totals.get(k, 0)):
+                            if self.predictive.requests_seen(key, now):
+                                self.scaler.poke()  # its outcome and the history's save are evaluated
+                    totals = seen
+
     async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
             async with session.get(f"/stats?filter=^{name}$&format=json") as response:
@@ -796,6 +894,7 @@ class Up:
             if component is not None:
                 await component.stop(5.0)
         await asyncio.gather(*(rt.stop() for rt in self.runtimes.values()))
+        self.predictive.flush()
         log.info("wakegate up: stopped")
 
 
@@ -815,6 +914,10 @@ def _model_state(runtime: ModelRuntime) -> str:
     states = {r.state for r in runtime.replicas}
     if ReplicaState.READY in states:
         return "ready"
+    if ReplicaState.WAKING in states:
+        return "waking"
+    if states and states <= {ReplicaState.ASLEEP, ReplicaState.SLEEPING}:
+        return "asleep"
     if ReplicaState.STARTING in states:
         return "loading"
     if ReplicaState.RESTARTING in states:

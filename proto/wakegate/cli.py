@@ -88,6 +88,12 @@ def _flashload() -> ModuleType:
     return main
 
 
+def _savings() -> ModuleType:
+    from wakegate.control.savings import main
+
+    return main
+
+
 def _federation() -> ModuleType:
     from wakegate.control.federation import main
 
@@ -108,6 +114,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "cache": (_cache, "the model cache: pull, ls, rm, push (OCI registries, Hugging Face Hub)"),
     "catalog": (_catalog, "what OCI registries publish (ls), and a Model manifest for one tag (deploy)"),
     "flash-load": (_flashload, "stage a cached model into fast storage (tmpfs, page cache), verified"),
+    "savings": (_savings, "what idling saved per model: accelerator-seconds by tier and wakes, over a window"),
     "federation": (_federation, "one global gateway over member gateways (Cluster, FederatedModel, GlobalProxy)"),
 }
 

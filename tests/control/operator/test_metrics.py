@@ -85,3 +85,20 @@ def test_replicas_cold_starts_and_failures() -> None:
     # A pod first seen after an operator restart brings its old restarts as the baseline.
     metrics.observe_pod("ns/a", pod("q", restarts=5))
     assert samples(metrics)['wakegate_activation_failures_total{model="ns/a"}'] == 3
+
+
+def test_savings_on_a_cluster_are_warm_or_zero_per_replica() -> None:
+    metrics = OperatorMetrics()
+    deployments: dict[str, Any] = {"ns/a": {"status": {"replicas": 2}}, "ns/b": None}
+    metrics.watch(lambda: deployments)
+    metrics.leader = True
+    samples(metrics)  # the first scrape opens each model's ledger
+    deployments["ns/a"] = {"status": {"replicas": 0}}
+    got = samples(metrics)
+    assert got['wakegate_model_tier{model="ns/a",tier="zero"}'] == 1
+    assert got['wakegate_model_tier{model="ns/b",tier="zero"}'] == 1
+    assert got['wakegate_accelerator_seconds_total{model="ns/a",tier="warm"}'] > 0  # two replicas until now
+    metrics.observe_cold_start("ns/a", [pod("first")])
+    got = samples(metrics)
+    assert got['wakegate_wake_seconds_count{model="ns/a",tier="zero"}'] == 1
+    assert got['wakegate_wake_seconds_sum{model="ns/a",tier="zero"}'] == 10

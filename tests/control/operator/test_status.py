@@ -66,6 +66,8 @@ def reason(status: dict[str, Any], type_: str = "Ready") -> str:
 def test_idle_when_scaled_to_zero() -> None:
     status = status_of(deployment(0))
     assert (status["phase"], reason(status)) == ("Idle", "ScaledToZero")
+    assert status["tier"] == "zero"
+    assert status_of(deployment(0), pod())["tier"] == "warm"  # a pod still terminating holds its accelerator
     assert status["admitted"] is True and status["observedGeneration"] == 2
 
 
@@ -74,7 +76,7 @@ def test_pending_loading_ready() -> None:
     assert status_of(deployment(1), pod(node=None))["phase"] == "Pending"
     assert status_of(deployment(1), pod())["phase"] == "Loading"
     ready = status_of(deployment(1, ready=1), pod(ready_at="2026-11-30T12:00:00Z"))
-    assert (ready["phase"], ready["readyReplicas"], ready["replicas"]) == ("Ready", 1, 1)
+    assert (ready["phase"], ready["readyReplicas"], ready["replicas"], ready["tier"]) == ("Ready", 1, 1, "warm")
     assert ready["lastColdStartSeconds"] == 10.0
 
 
