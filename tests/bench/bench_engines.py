@@ -207,6 +207,11 @@ spec:
         if gate_after
         else float("nan")
     )
+    # The same from up's own clock: send -> first token minus the engine's part of the timeline
+    # (activation -> health passing, as up's own 20 ms poll saw it), less health -> first token
+    # by hand. The send -> activation step (in-process in up) is not in it.
+    own = [g - t["health_pass"] for g, t in zip(gate, timelines, strict=True) if "health_pass" in t]
+    own_added = statistics.median(own) - statistics.median(hand_after) if own else float("nan")
     return {
         "by_hand": summary(hand),
         "wakegate": summary(gate),
@@ -216,10 +221,12 @@ spec:
             "health_to_first_token_wakegate": summary(gate_after) if gate_after else {},
             "health_to_first_token_by_hand": summary(hand_after),
             "added_p50_ms": paired * 1000,
+            "health_to_first_token_wakegate_own_clock": summary(own) if own else {},
+            "added_own_clock_p50_ms": own_added * 1000,
         },
         "timeline_p50_ms": {k: statistics.median([t[k] for t in timelines if k in t]) * 1000 for k in stages},
         "raw": {"by_hand": hand, "wakegate": gate, "hand_after": hand_after, "gate_spawn": gate_spawn,
-                "gate_after": gate_after},
+                "gate_after": gate_after, "timelines": timelines},
     }
 
 
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name}: by hand p50 {res['by_hand']['p50_ms']:.0f} ms, through wakegate p50 "
                 f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms "
-                f"(paired: {res['paired']['added_p50_ms']:.0f} ms); "
+                f"(paired: {res['paired']['added_p50_ms']:.0f} ms, "
+                f"by up's own clock: {res['paired']['added_own_clock_p50_ms']:.0f} ms); "
                 f"timeline p50 (ms since activation) {stages}",
                 flush=True,
             )
