@@ -414,7 +414,8 @@ def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
                 )
                 for e in route.endpoints
             )
-    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen))
+    # Engines are read for scored picking and for flow control's saturation signals.
+    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen) or route.flow.enabled)
 
 
 class Picker:

@@ -33,9 +33,12 @@ from wakegate.contract import (
     ACTIVATOR_CLUSTER,
     ACTIVATOR_MODEL_HEADER,
     ADAPTER_UNAVAILABLE,
+    BANDS,
     CLUSTER_HEADER,
     DESTINATION_HEADER,
+    FAIRNESS_HEADER,
     LB_METADATA_NAMESPACE,
+    PRIORITY_HEADER,
     RATE_COUNTED_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
@@ -44,6 +47,7 @@ from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, ada
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
+from wakegate.extproc.flow import BAND_RANK, DEFAULT_TENANT, FlowControl, Shed, Ticket
 from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
 from wakegate.extproc.metrics import Metrics
 from wakegate.extproc.naming import (
@@ -86,6 +90,11 @@ class Settings:
     cold_retry_after: int = 5
     #: `GET /metrics` on the public listener: `off` (404), `open`, or `keys` (any valid API key).
     public_metrics: str = "off"
+    #: Flow control: a request whose key names no tenant is fair-shared as the tenant its
+    #: `x-gateway-inference-fairness-id` header names (False: as the default tenant).
+    fairness_header: bool = False
+    #: Retry-After of flow control's 429 `over_share`, seconds.
+    flow_retry_after: int = 1
 
 
 PUBLIC_METRICS = ("off", "open", "keys")
@@ -101,6 +110,8 @@ class Gateway:
         self.table = RouteTable()
         self.limiter = RateLimiter(settings.global_rate or None, settings.global_burst or None)
         self.picker = Picker()
+        #: Admission of models with flow control (per-(tenant, band) queues while saturated).
+        self.flow = FlowControl(self.picker.engines, self.picker.inflight.count, on_change=self._queued_change)
         self.in_flight: dict[str, int] = {}
         #: Requests its Envoy routes alone now, per model (extproc/native.py; empty without it):
         #: part of what the status and queue views say is in flight, never of extproc's own book.
@@ -124,6 +135,9 @@ class Gateway:
 
     def _demand_changed(self) -> None:
         self.on_demand_change()
+
+    def _queued_change(self, model: str, tenant: str, band: str, delta: int) -> None:
+        self.metrics.flow_queued.labels(model, tenant, band).inc(delta)
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
         """Take a whole route set: every route there is."""
@@ -154,6 +168,7 @@ class Gateway:
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
         self.adapters.on_routes(self.table.routes)
+        self.flow.on_routes(changed, removed)
 
     def demand_delivered(self) -> None:
         """A demand report reached the scaler: time the activation signal of new leases."""
@@ -237,6 +252,7 @@ class Gateway:
         self.metrics.in_flight.labels(key).dec()
         if endpoint is not None:
             self.picker.inflight.release(endpoint)
+        self.flow.kick(key)  # room for a request held by flow control
 
 
 def in_scope(scope: Scope, route: routing_pb2.ModelRoute) -> bool:
@@ -255,6 +271,7 @@ class _Exchange:
 
     __slots__ = (
         "adapter",
+        "band",
         "endpoint",
         "headers",
         "headers_only",
@@ -264,6 +281,7 @@ class _Exchange:
         "new_path",
         "scope",
         "started",
+        "tenant",
         "wants_body",
     )
 
@@ -284,6 +302,9 @@ class _Exchange:
         #: The models the request's API key may use.
         self.scope: Scope = ALL_MODELS
         self.started = time.monotonic()
+        #: Flow control: who the request is fair-shared as, and its band's rank (0 highest).
+        self.tenant = ""
+        self.band = 0
 
 
 @dataclass(slots=True)
@@ -298,6 +319,15 @@ class _Cold:
     #: endpoint, for random placement; anywhere when empty).
     for_adapter: bool = False
     wanted: str = ""
+    #: The model is saturated: the request waits in flow control's queues.
+    ticket: Ticket | None = None
+
+    def timeout_s(self) -> float:
+        """How long the request may wait (the cold activation timeout, or the flow queue's)."""
+        route = self.resolved.route
+        if self.ticket is not None:
+            return route.flow.queue_timeout_ms / 1000
+        return route.cold.activation_timeout_ms / 1000
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -450,6 +480,10 @@ class Processor:
             ex.wants_body = ex.model_name
             ex.model_name = None
             return _BUFFER_BODY
+        if route.flow.enabled:
+            refused = self._identify(ex, route)
+            if refused is not None:
+                return refused
         rate = route.rate_limit
         # Envoy's bucket took the token of a request it counted (it said so, for this model).
         counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
@@ -469,6 +503,13 @@ class Processor:
                 return self._reject(route.key, 400, exc.code, str(exc))
         lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
+            if route.flow.enabled:
+                try:
+                    ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
+                except Shed as exc:
+                    return self._shed(route, exc, ex)
+                if ticket is not None:
+                    return _Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
             if lora is None:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
@@ -493,7 +534,55 @@ class Processor:
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
         return _Cold(resolved, parsed, raw_body, in_body)
 
+    def _identify(self, ex: _Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
+        """Who a request of a flow-controlled model is fair-shared as, and its band; a refusal when
+        its headers ask for something unknown."""
+        tenant = ex.scope.tenant
+        if not tenant and self.gw.settings.fairness_header:
+            tenant = ex.headers.get(FAIRNESS_HEADER, "")
+            if len(tenant) > 128 or not tenant.isprintable():
+                return self._reject(route.key, 400, "invalid_fairness_id", f"{FAIRNESS_HEADER} is over 128 characters "
+                                    "or not printable")
+        ex.tenant = tenant or DEFAULT_TENANT
+        band = BAND_RANK.get(ex.scope.band or route.flow.band, 1)
+        asked = ex.headers.get(PRIORITY_HEADER)
+        if asked is not None:
+            rank = BAND_RANK.get(asked.strip().lower())
+            if rank is None:
+                return self._reject(route.key, 400, "invalid_priority",
+                                    f"{PRIORITY_HEADER} must be one of {', '.join(BANDS)}")
+            band = max(band, rank)  # a request may only lower its band
+        ex.band = band
+        return None
+
+    def _shed(self, route: routing_pb2.ModelRoute, exc: Shed, ex: _Exchange) -> ep.ProcessingResponse:
+        """Flow control's refusal: 429 over the tenant's share, 503 when the model cannot take it."""
+        self.gw.metrics.flow_shed.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band], exc.code).inc()
+        retry = self.gw.settings.flow_retry_after if exc.status == 429 else self.gw.settings.cold_retry_after
+        return self._reject(route.key, exc.status, exc.code, str(exc), retry_after=str(retry))
+
+    async def _admitted(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+        """A request held by flow control: once dispatched, routed as usual."""
+        route = cold.resolved.route
+        assert cold.ticket is not None
+        try:
+            waited = await self.gw.flow.wait(route, cold.ticket, deadline)
+        except Shed as exc:
+            return self._shed(route, exc, ex)
+        self.gw.metrics.flow_wait.labels(route.key, BANDS[ex.band]).observe(waited)
+        self.gw.metrics.flow_dispatched.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band]).inc()
+        resolved = self.gw.table.resolve(ex.model_name or "")
+        if resolved is None or not in_scope(ex.scope, resolved.route):
+            return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body)
+        if not resolved.route.endpoints or adapter_route(resolved.route, resolved.adapter) is not None:
+            # Cold again, or an adapter to place: the usual path, from the top.
+            return await self.hold(ex, held, time.monotonic() + held.timeout_s())
+        return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
+
     async def hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+        if cold.ticket is not None:
+            return await self._admitted(ex, cold, deadline)
         route = cold.resolved.route
         lora = adapter_route(route, cold.resolved.adapter)
         place: Placement | None = None
@@ -543,6 +632,20 @@ class Processor:
                 return await self.hold(ex, held, deadline)
         if place is not None:
             self.gw.metrics.adapter_requests.labels(resolved.route.key, "waited").inc()
+        elif resolved.route.flow.enabled:
+            # Woken with the rest of the cold queue: admitted like any other request, so the
+            # flood that waited for the model is dispatched by band and tenant, not all at once.
+            if not ex.tenant:
+                refused = self._identify(ex, resolved.route)
+                if refused is not None:
+                    return refused
+            try:
+                ticket = self.gw.flow.admit(resolved.route, ex.tenant, ex.band, ex.scope.weight)
+            except Shed as exc:
+                return self._shed(resolved.route, exc, ex)
+            if ticket is not None:
+                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
+                return await self._admitted(ex, held, time.monotonic() + held.timeout_s())
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
@@ -742,11 +845,14 @@ class ProcessCall:
         except Exception as exc:
             decided = self._proc.failed(exc)
         if isinstance(decided, _Cold):
-            timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
-            # Tell Envoy this message may take up to the activation timeout.
+            timeout_s = decided.timeout_s()
+            flow = decided.resolved.route.flow
+            # A cold request of a flow-controlled model may wait for its turn once the model is ready.
+            longest = timeout_s + (flow.queue_timeout_ms / 1000 if decided.ticket is None and flow.enabled else 0)
+            # Tell Envoy this message may take up to the activation (or queue) timeout.
             self._call.send(
                 ep.ProcessingResponse(
-                    override_message_timeout=duration_pb2.Duration(seconds=int(timeout_s) + 1)
+                    override_message_timeout=duration_pb2.Duration(seconds=int(longest) + 1)
                 ).SerializeToString()
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))
