@@ -28,7 +28,6 @@ engine reading, a route change.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -343,7 +342,3 @@ class FlowControl:
     def depth(self, key: str) -> int:
         model = self._models.get(key)
         return model.size if model is not None else 0
-
-
-def retry_after(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds)))

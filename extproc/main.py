@@ -243,6 +243,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     methods = {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)}
     if settings.release_on == "access-log":
         gateway.completions = Completions(gateway.finished)
+        gateway.completions.on_usage = gateway.used_tokens
         methods[STREAM_ACCESS_LOGS_METHOD] = gateway.completions.call
     server = GrpcServer(
         methods,

@@ -45,6 +45,7 @@ from wakegate.contract import (
 )
 from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
+from wakegate.extproc.budget import USAGE_NAMESPACE, TokenBudgets, Usage
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
 from wakegate.extproc.flow import BAND_RANK, DEFAULT_TENANT, FlowControl, Shed, Ticket
@@ -71,10 +72,23 @@ _BUFFER_BODY = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
 )
+#: The same for a tenant with a token budget: its response body streams past extproc, which reads
+#: the engine's usage at its end (extproc/budget.py).
+_BUFFER_BODY_COUNTED = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    ),
+)
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 #: A request routed from its headers does not need its body buffered. The gateway's routes
 #: already say so for X-Model-ID and /model/<name>/ requests; this covers any other Envoy setup.
 _NO_BODY = processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE)
+_NO_BODY_COUNTED = processing_mode_pb2.ProcessingMode(
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+)
 
 
 @dataclass
@@ -112,6 +126,8 @@ class Gateway:
         self.picker = Picker()
         #: Admission of models with flow control (per-(tenant, band) queues while saturated).
         self.flow = FlowControl(self.picker.engines, self.picker.inflight.count, on_change=self._queued_change)
+        #: Tokens per tenant over the last minute, for tenants with a budget.
+        self.budgets = TokenBudgets()
         self.in_flight: dict[str, int] = {}
         #: Requests its Envoy routes alone now, per model (extproc/native.py; empty without it):
         #: part of what the status and queue views say is in flight, never of extproc's own book.
@@ -138,6 +154,11 @@ class Gateway:
 
     def _queued_change(self, model: str, tenant: str, band: str, delta: int) -> None:
         self.metrics.flow_queued.labels(model, tenant, band).inc(delta)
+
+    def used_tokens(self, tenant: str, tokens: int) -> None:
+        """A budgeted request's usage (from an access-log entry, or a stream cut short here)."""
+        self.budgets.add(tenant, tokens)
+        self.metrics.tenant_tokens.labels(self.flow.label(tenant)).inc(tokens)
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
         """Take a whole route set: every route there is."""
@@ -282,6 +303,7 @@ class _Exchange:
         "scope",
         "started",
         "tenant",
+        "usage",
         "wants_body",
     )
 
@@ -305,6 +327,8 @@ class _Exchange:
         #: Flow control: who the request is fair-shared as, and its band's rank (0 highest).
         self.tenant = ""
         self.band = 0
+        #: A tenant with a token budget: what its response says it used, read as it streams past.
+        self.usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -353,12 +377,30 @@ class Processor:
         if kind == "response_headers":
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         if kind == "response_body":
-            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+            return self._on_response_body(exchange, message.response_body)
         if kind == "request_trailers":
             return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     # -- phases ---------------------------------------------------------------------------------
+
+    def _on_response_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
+        """A budgeted request's response streams past: its last chunk says what it used, which goes
+        to Envoy's access log (and from there to every extproc's book) as dynamic metadata."""
+        usage = ex.usage
+        if usage is None:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        usage.feed(message.body)
+        if not message.end_of_stream:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        ex.usage = None
+        metadata = struct_pb2.Struct()
+        used = metadata.get_or_create_struct(USAGE_NAMESPACE)
+        used["tenant"] = usage.tenant
+        used["tokens"] = usage.tokens()
+        if self.gw.completions is None:  # no access log to learn it from
+            self.gw.used_tokens(usage.tenant, usage.tokens())
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(), dynamic_metadata=metadata)
 
     def _on_headers(self, ex: _Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse | _Cold:
         headers = _headers(message)
@@ -376,6 +418,15 @@ class Processor:
         if scope is None:
             return self._reject(None, 401, "invalid_api_key", "missing or invalid API key")
         ex.scope = scope
+        if scope.tokens_per_minute:
+            tenant = scope.tenant or DEFAULT_TENANT
+            wait = self.gw.budgets.retry_after(tenant, scope.tokens_per_minute)
+            if wait > 0:
+                self.gw.metrics.flow_shed.labels("", self.gw.flow.label(tenant), scope.band or "", "token_budget").inc()
+                return self._reject(
+                    None, 429, "token_budget", f"tenant used its {scope.tokens_per_minute} tokens per minute; "
+                    "retry later", retry_after=retry_after_header(wait)
+                )
         if get:
             if path == "/metrics":
                 return self._metrics()
@@ -419,7 +470,7 @@ class Processor:
                 return self._reject(
                     None, 413, "body_too_large", f"request body exceeds {self.gw.settings.max_body_bytes} bytes"
                 )
-        return _BUFFER_BODY
+        return _BUFFER_BODY_COUNTED if scope.tokens_per_minute else _BUFFER_BODY
 
     def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse | _Cold:
         if ex.model_name is not None:
@@ -739,11 +790,15 @@ class Processor:
         request_id = ex.headers.get(REQUEST_ID_HEADER, "")
         if completions is not None and completions.track(request_id, route.key, endpoint, ex.adapter):
             ex.model_key = None  # released by its access-log entry, not by this stream
+        if ex.scope.tokens_per_minute:
+            ex.usage = Usage(ex.scope.tenant or DEFAULT_TENANT)  # the stream stays open for the response
         self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
         return ep.ProcessingResponse(
-            request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata, mode_override=_NO_BODY
+            request_headers=ep.HeadersResponse(response=common),
+            dynamic_metadata=metadata,
+            mode_override=_NO_BODY_COUNTED if ex.usage is not None else _NO_BODY,
         )
 
     def _to_activator(
@@ -758,6 +813,9 @@ class Processor:
 
     def release(self, ex: _Exchange) -> None:
         """The request is over: release its in-flight count (once)."""
+        usage, ex.usage = ex.usage, None
+        if usage is not None:  # cut before its end: what it streamed so far
+            self.gw.used_tokens(usage.tenant, usage.tokens())
         if ex.model_key is None:
             return
         self.gw.finished(ex.model_key, ex.endpoint, ex.adapter)
@@ -830,7 +888,14 @@ class ProcessCall:
         """Send a decision; once the request needs nothing more from us, end the stream, so
         that Envoy carries the rest of the request without this process."""
         self._call.send(decided.SerializeToString())
-        if decided is not _BUFFER_BODY and self._exchange.model_key is None and self._proc.gw.completions is not None:
+        ex = self._exchange
+        if (
+            decided is not _BUFFER_BODY
+            and decided is not _BUFFER_BODY_COUNTED
+            and ex.model_key is None
+            and ex.usage is None
+            and self._proc.gw.completions is not None
+        ):
             self._call.finish()
 
     def _handle(self, data: bytes) -> None:

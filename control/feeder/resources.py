@@ -887,6 +887,9 @@ def listener(
                 # flow control, with no answer (docs/decisions.md).
                 "processing_mode": _processing_mode("BUFFERED"),
                 "allow_mode_override": True,
+                # What a budgeted tenant's response used (extproc/budget.py), for the access log
+                # that carries it to every extproc.
+                "metadata_options": {"receiving_namespaces": {"untyped": [contract.USAGE_METADATA_NAMESPACE]}},
                 "message_timeout": f"{settings.extproc_message_timeout_ms / 1000:.3f}s",
                 "max_message_timeout": f"{settings.max_hold_seconds}s",
                 "route_cache_action": "CLEAR",

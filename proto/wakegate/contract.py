@@ -53,6 +53,9 @@ FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 PRIORITY_HEADER = "x-wakegate-priority"
 #: Flow-control bands, highest first (ModelRoute.flow.band, the key file's `band=`).
 BANDS = ("critical", "standard", "sheddable")
+#: Dynamic-metadata namespace extproc writes a budgeted request's token use to (tenant, tokens);
+#: Envoy's access log carries it to every extproc.
+USAGE_METADATA_NAMESPACE = "wakegate.usage"
 
 #: ModelRoute.failure_code of an activation that failed because its weights could not be had
 #: (fetched, checked, or fitted in the cache); the held requests' error code, instead of the

@@ -134,3 +134,27 @@ async def test_a_held_request_times_out_and_leaves_the_queue() -> None:
     with pytest.raises(Shed) as info:
         await engine.flow.wait(r, ticket, asyncio.get_running_loop().time() + 0.05)
     assert info.value.code == "queue_timeout" and engine.flow.depth("m") == 0
+
+
+def test_token_budget_window_and_usage_of_json_and_sse_responses() -> None:
+    from wakegate.extproc.budget import TokenBudgets, Usage
+
+    now = [1000.0]
+    budgets = TokenBudgets(clock=lambda: now[0])
+    budgets.add("t", 40)
+    now[0] += 30
+    budgets.add("t", 30)
+    assert budgets.retry_after("t", 100) == 0 and budgets.retry_after("u", 1) == 0
+    assert budgets.retry_after("t", 70) == pytest.approx(30)  # the first 40 leave the window then
+    now[0] += 31
+    assert budgets.used("t") == 30
+    body = Usage("t")
+    body.feed(b'{"choices":[],"usage":{"prompt_tokens":7,"total_tokens":19,"completion_tokens":12}}')
+    assert body.tokens() == 19
+    sse = Usage("t")
+    for _ in range(5):
+        sse.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
+    assert sse.tokens() == 5  # no usage in the stream: one per event
+    sse.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n')
+    sse.feed(b"data: [DONE]\n\n")
+    assert sse.tokens() == 8

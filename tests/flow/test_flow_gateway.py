@@ -22,10 +22,13 @@ from tests.support.http import Response, get_json, request
 from tests.support.up import UpProcess, model_doc
 
 KEYS = {"a": "sk-flow-a-0123456789", "b": "sk-flow-b-0123456789", "crit": "sk-flow-c-0123456789",
-        "bulk": "sk-flow-d-0123456789", "open": "sk-flow-e-0123456789"}
+        "bulk": "sk-flow-d-0123456789", "open": "sk-flow-e-0123456789", "budget": "sk-flow-f-0123456789"}
+#: Tenant t may use 60 tokens a minute: about five of these requests.
+BUDGET = 60
 KEYS_TEXT = (
     f"{KEYS['a']} fc tenant=a\n{KEYS['b']} fc tenant=b\n{KEYS['crit']} fc tenant=c band=critical\n"
     f"{KEYS['bulk']} fc tenant=d band=sheddable\n{KEYS['open']} fc\n"
+    f"{KEYS['budget']} fc tenant=t tokens-per-minute={BUDGET}\n"
 )
 #: One request runs about 0.6 s on the sim (12 tokens at 20/s).
 SLOW = {"model": "fc", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
@@ -141,7 +144,8 @@ def test_the_fairness_header_names_the_tenant_of_keys_without_one(gateway: UpPro
 def extproc_metric(gateway: UpProcess, index: int, name: str) -> float:
     admin = gateway.child_arg(f"extproc-{index}", "--admin-listen")
     text = request("GET", f"http://{admin}/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    prefix = name if "{" in name else name + "{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_the_standby_extproc_takes_over_flow_control_when_the_active_one_dies(gateway: UpProcess) -> None:
@@ -173,3 +177,23 @@ def _serving(gateway: UpProcess, index: int) -> bool:
 def test_flow_control_keeps_the_model_decided(gateway: UpProcess, tmp_path: Path) -> None:
     model = next(m for m in gateway.status()["models"] if m["key"] == "fc")
     assert model.get("routingPath", "decided") == "decided"
+
+
+def test_a_tenant_over_its_token_budget_gets_429_while_another_is_served(gateway: UpProcess) -> None:
+    auth = {"authorization": f"Bearer {KEYS['budget']}"}
+    url = f"{gateway.url}/v1/chat/completions"
+    streamed = {**SLOW, "stream": True, "stream_options": {"include_usage": True}}
+    answers = [request("POST", url, body=SLOW, headers=auth)]  # one plain JSON response
+    while answers[-1].status == 200 and len(answers) < 12:
+        answers.append(request("POST", url, body=streamed, headers=auth))
+        time.sleep(0.1)  # the access log's entry reaches the extprocs
+    refused = answers[-1]
+    assert refused.status == 429, [a.status for a in answers]
+    assert error(refused)["code"] == "token_budget" and int(refused.headers["retry-after"]) >= 1
+    served = len(answers) - 1
+    # each request used at least its 12 completion tokens: refused once 60 were used, not before
+    assert 2 <= served <= BUDGET // 12 + 2, served
+    assert statuses(send(gateway, "b", 1)) == [200]  # another tenant is served meanwhile
+    # both extprocs counted the same tokens (from the access log), streamed usage included
+    counted = [extproc_metric(gateway, i, 'wakegate_gateway_tenant_tokens_total{tenant="t"') for i in (0, 1)]
+    assert counted[0] == counted[1] >= BUDGET, counted
