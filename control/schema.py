@@ -231,7 +231,8 @@ class Saturation(_Spec):
         None,
         ge=0,
         le=100000,
-        description="A replica is saturated while its engine reports this many requests waiting (0: not used); "
+        description="A replica is saturated while its engine has this many requests waiting (0: not used): the "
+        "gateway leaves fewer waiting there; "
         "default: the engine's (5 for vLLM and the sim, 1 for llama.cpp, unused for engines without metrics).",
     )
     maxKvCacheUsage: float | None = Field(

@@ -6,23 +6,26 @@ headroom sum over the model's endpoints. Otherwise it waits in one queue per (te
 
 - bands are strict: a request of a higher band is always dispatched before any lower one;
 - within a band, tenants share by weighted deficit round robin (each visit gives a tenant its
-  weight in credit, each dispatched request costs one);
+  weight in credit, each dispatched request costs one); a tenant that had nothing held goes to
+  the front of the round (as fq_codel's new flows do), so a tenant within its share waits for
+  one free slot rather than for a turn of every other tenant;
 - the model's queue holds `max_queue` requests: when it is full, a request of a higher band takes
   the place of the newest request of the lowest band (which gets 503 `shed`: the model cannot take
   it); within the same band, the tenant holding the most per weight loses its newest (429
-  `over_share` with Retry-After: that tenant is over its share); a request below every held one
-  gets 503 `model_saturated`;
+  `over_share` with Retry-After: that tenant is over its share), unless it is the only tenant
+  waiting (503 `model_saturated`); a request below every held one gets 503 `model_saturated`;
 - a request held longer than `queue_timeout_ms` gets 503 `queue_timeout`.
 
 Saturation, per endpoint, from the engine's own signals (extproc/engines.py, read every 0.5 s)
 corrected by this gateway's in-flight count since the reading: an engine that reported requests
 waiting told us how many it runs at once (its `cap`); its load now is what it reported plus what
-this gateway routed to it since, less what finished. An endpoint has room while that load stays
-under `cap + max_waiting`, while its KV-cache usage is under `max_kv_usage` (at or over it: only as
-many as finished since the reading), and while this gateway has fewer than `max_in_flight` requests
-on it. An engine that never queued has no known cap: it is not saturated until it reports waiting.
-Dispatch is driven by the events that free room: a request finishing (its access-log entry), a new
-engine reading, a route change.
+this gateway routed to it since, less what finished. An endpoint has room while that load leaves
+fewer than `max_waiting` requests waiting in the engine (load < cap + max_waiting), while its
+KV-cache usage is under `max_kv_usage` (at or over it: only as many as finished since the
+reading), and while this gateway has fewer than `max_in_flight` requests on it. An engine that
+never queued has no known cap: it is not saturated until it reports waiting. Dispatch is driven
+by the events that free room: a request finishing (its access-log entry), a new engine reading,
+a route change.
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ class _Band:
     def push(self, ticket: Ticket) -> None:
         queue = self.queues.get(ticket.tenant)
         if queue is None:
+            # A tenant with nothing held is served next (its quantum, then to the back of the line):
+            # one that sends within its share waits for one free slot, not for a round of the others.
             queue = self.queues[ticket.tenant] = deque()
-            self.active.append(ticket.tenant)
+            self.active.appendleft(ticket.tenant)
             self.deficit[ticket.tenant] = 0.0
         queue.append(ticket)
         self.size += 1
@@ -199,7 +204,7 @@ class FlowControl:
             cap = self.caps.get(endpoint)
             if cap is not None:
                 load = int(state.running or 0) + int(state.waiting) + since
-                room = min(room, cap + flow.max_waiting - load)
+                room = min(room, cap + flow.max_waiting - 1 - load)  # fewer than max_waiting left waiting
         return room
 
     def engines_read(self) -> None:
@@ -255,6 +260,9 @@ class FlowControl:
             victim_tenant = band.heaviest(ticket)
             shed = Shed(429, "over_share", f"tenant is over its share of model {key!r}; retry later")
             if victim_tenant == ticket.tenant:
+                queue = band.queues.get(ticket.tenant)
+                if queue is not None and len(queue) == model.size:  # nobody else waits: no share to be over
+                    raise Shed(503, "model_saturated", f"model {key!r} is saturated; retry later")
                 raise shed
         victim = band.queues[victim_tenant][-1]
         band.remove(victim)

@@ -72,7 +72,10 @@ async def test_engine_signals_learn_the_cap_and_the_gateway_count_fills_in_betwe
     assert engine.flow.caps[EP] == 8
     ticket = engine.flow.admit(r, "a", 1, 1.0)
     assert ticket is not None and not ticket.future.done()
-    engine.inflight -= 1  # one finished since the reading: room for the held one
+    engine.inflight -= 1  # one finished since the reading: the engine's queue is empty again
+    engine.flow.kick("m")
+    assert not ticket.future.done()  # max_waiting 1: none may be left waiting in the engine
+    engine.inflight -= 1  # another one: a free slot
     engine.flow.kick("m")
     assert ticket.future.done() and ticket.granted
 

@@ -75,7 +75,7 @@ class Sent:
         return self.response
 
 
-def send(gateway: UpProcess, who: str, n: int, headers: dict[str, str] | None = None, gap: float = 0.05) -> list[Sent]:
+def send(gateway: UpProcess, who: str, n: int, headers: dict[str, str] | None = None, gap: float = 0.02) -> list[Sent]:
     sent = []
     for _ in range(n):
         sent.append(Sent(gateway, who, headers))
@@ -94,15 +94,15 @@ def statuses(sent: list[Sent]) -> list[int]:
 
 
 def test_a_tenant_over_its_share_gets_429_while_another_tenant_is_served(gateway: UpProcess) -> None:
-    flood = send(gateway, "a", 8)  # 2 run, 4 held, then a is alone over its share
-    quiet = send(gateway, "b", 2)  # full queue: b takes the places of a's newest
+    flood = send(gateway, "a", 8)  # 2 run, 4 held; then the queue is full and a alone waits: 503
+    quiet = send(gateway, "b", 2)  # b takes the places of a's newest, which are over their share: 429
     assert statuses(quiet) == [200, 200]
     codes = statuses(flood)
     refused = [s.result() for s in flood if s.result().status != 200]
-    assert codes.count(200) >= 2 and refused, codes
+    assert codes.count(200) >= 2 and codes.count(429) >= 1, codes
     for response in refused:
-        assert response.status == 429 and error(response)["code"] == "over_share"
-        assert response.headers["retry-after"] == "1"
+        expected = {429: ("over_share", "1"), 503: ("model_saturated", "5")}[response.status]
+        assert (error(response)["code"], response.headers["retry-after"]) == expected
 
 
 def test_critical_goes_first_and_sheddable_is_shed_first(gateway: UpProcess) -> None:
