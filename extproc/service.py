@@ -126,6 +126,8 @@ class Gateway:
         self.picker = Picker()
         #: Admission of models with flow control (per-(tenant, band) queues while saturated).
         self.flow = FlowControl(self.picker.engines, self.picker.inflight.count, on_change=self._queued_change)
+        #: Models with flow control (checked per request, kept per route change).
+        self.flow_keys: set[str] = set()
         #: Tokens per tenant over the last minute, for tenants with a budget.
         self.budgets = TokenBudgets()
         self.in_flight: dict[str, int] = {}
@@ -190,6 +192,12 @@ class Gateway:
         self.cold.on_routes(self.table.routes)
         self.adapters.on_routes(self.table.routes)
         self.flow.on_routes(changed, removed)
+        for route in changed:
+            if route.flow.enabled:
+                self.flow_keys.add(route.key)
+            else:
+                self.flow_keys.discard(route.key)
+        self.flow_keys.difference_update(removed)
 
     def demand_delivered(self) -> None:
         """A demand report reached the scaler: time the activation signal of new leases."""
@@ -531,7 +539,8 @@ class Processor:
             ex.wants_body = ex.model_name
             ex.model_name = None
             return _BUFFER_BODY
-        if route.flow.enabled:
+        flow = route.key in self.gw.flow_keys  # a set lookup: a proto submessage costs ~0.4 µs
+        if flow:
             refused = self._identify(ex, route)
             if refused is not None:
                 return refused
@@ -554,7 +563,7 @@ class Processor:
                 return self._reject(route.key, 400, exc.code, str(exc))
         lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
-            if route.flow.enabled:
+            if flow:
                 try:
                     ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
                 except Shed as exc:
