@@ -426,15 +426,6 @@ class Processor:
         if scope is None:
             return self._reject(None, 401, "invalid_api_key", "missing or invalid API key")
         ex.scope = scope
-        if scope.tokens_per_minute:
-            tenant = scope.tenant or DEFAULT_TENANT
-            wait = self.gw.budgets.retry_after(tenant, scope.tokens_per_minute)
-            if wait > 0:
-                self.gw.metrics.flow_shed.labels("", self.gw.flow.label(tenant), scope.band or "", "token_budget").inc()
-                return self._reject(
-                    None, 429, "token_budget", f"tenant used its {scope.tokens_per_minute} tokens per minute; "
-                    "retry later", retry_after=retry_after_header(wait)
-                )
         if get:
             if path == "/metrics":
                 return self._metrics()
@@ -534,6 +525,17 @@ class Processor:
             # The same answer as for a model that does not exist: a key learns nothing about models
             # outside its scope, and nothing else happens (no rate-limit token, no demand).
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        scope = ex.scope
+        if scope.tokens_per_minute:
+            tenant = scope.tenant or DEFAULT_TENANT
+            wait = self.gw.budgets.retry_after(tenant, scope.tokens_per_minute)
+            if wait > 0:
+                label = self.gw.flow.label(tenant)
+                self.gw.metrics.flow_shed.labels(route.key, label, scope.band, "token_budget").inc()
+                return self._reject(
+                    route.key, 429, "token_budget", f"tenant used its {scope.tokens_per_minute} tokens per minute; "
+                    "retry later", retry_after=retry_after_header(wait)
+                )
         if parsed is None and resolved.needs_body and not in_body and not ex.headers_only:
             # An adapter named in the headers: the engine is told which one in the body.
             ex.wants_body = ex.model_name
