@@ -347,6 +347,10 @@ class FlowControl:
             model.granted += 1
             ticket.future.set_result(None)
 
+    def depths(self) -> dict[str, int]:
+        """Held requests per model, for the models holding any."""
+        return {key: model.size for key, model in self._models.items() if model.size}
+
     def depth(self, key: str) -> int:
         model = self._models.get(key)
         return model.size if model is not None else 0

@@ -269,7 +269,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,
-        gateway.cold.snapshot,
+        gateway.held,
         native.reported if native is not None else lambda: gateway.in_flight,
         token=settings.internal_token,
         on_delivered=gateway.demand_delivered,

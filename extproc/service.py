@@ -156,6 +156,16 @@ class Gateway:
 
     def _queued_change(self, model: str, tenant: str, band: str, delta: int) -> None:
         self.metrics.flow_queued.labels(model, tenant, band).inc(delta)
+        self.on_load_change()  # held requests are demand: the scaler may add a replica
+
+    def held(self) -> dict[str, tuple[int, int, int]]:
+        """key -> (held, live leases, failures seen): the cold queues' snapshot plus what flow
+        control holds for saturated models (demand reports, the queue and status views)."""
+        out = self.cold.snapshot()
+        for key, depth in self.flow.depths().items():
+            queued, leases, failures = out.get(key, (0, 0, 0))
+            out[key] = (queued + depth, leases, failures)
+        return out
 
     def used_tokens(self, tenant: str, tokens: int) -> None:
         """A budgeted request's usage (from an access-log entry, or a stream cut short here)."""
@@ -222,7 +232,7 @@ class Gateway:
 
     def queue_view(self) -> dict[str, Any]:
         """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
-        cold = self.cold.snapshot()
+        cold = self.held()
         busy = {k for k, v in self.in_flight.items() if v} | set(self.native_in_flight)
         keys = sorted(set(cold) | busy | set(self.table.routes))
         return {
@@ -242,7 +252,7 @@ class Gateway:
         """`GET /wakegate/status` as a key with this scope sees it: per model its names, whether
         it has ready endpoints, and what this gateway holds and routes for it (a federation's
         global gateway reads it to pick a member)."""
-        cold = self.cold.snapshot()
+        cold = self.held()
         models = [
             {
                 "model": route.names[0] if route.names else key,

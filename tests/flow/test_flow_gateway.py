@@ -49,6 +49,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     up = UpProcess(tmp, FLEET, "--api-keys-file", str(keys), "--fairness-header")
     try:
         up.wait_ready({"fc": 1})
+        wait_active(up)
         yield up
     finally:
         up.stop()
@@ -96,6 +97,12 @@ def statuses(sent: list[Sent]) -> list[int]:
 def test_a_tenant_over_its_share_gets_429_while_another_tenant_is_served(gateway: UpProcess) -> None:
     flood = send(gateway, "a", 8)  # 2 run, 4 held; then the queue is full and a alone waits: 503
     quiet = send(gateway, "b", 2)  # b takes the places of a's newest, which are over their share: 429
+    # held requests are demand: the active extproc reports them queued (to the scaler, and here)
+    admin = gateway.child_arg("extproc-0", "--admin-listen")
+    deadline = time.monotonic() + 2
+    while not any(m["model"] == "fc" and m["queued"] for m in get_json(f"http://{admin}/wakegate/queue")["models"]):
+        assert time.monotonic() < deadline, "held requests not reported as queued"
+        time.sleep(0.05)
     assert statuses(quiet) == [200, 200]
     codes = statuses(flood)
     refused = [s.result() for s in flood if s.result().status != 200]
@@ -141,6 +148,22 @@ def test_the_fairness_header_names_the_tenant_of_keys_without_one(gateway: UpPro
     assert 429 in statuses(flood)
 
 
+def wait_active(gateway: UpProcess, timeout: float = 30) -> None:
+    """Until the active extproc decides every request: right after a start (or a restart) Envoy
+    may still send some streams to the standby, whose queues and in-flight counts are its own."""
+    probe = {"authorization": f"Bearer {KEYS['a']}"}
+    deadline = time.monotonic() + timeout
+    while True:
+        before = [extproc_metric(gateway, i, "wakegate_gateway_requests_total") for i in (0, 1)]
+        for _ in range(3):
+            request("GET", f"{gateway.url}/v1/models", headers=probe)
+        after = [extproc_metric(gateway, i, "wakegate_gateway_requests_total") for i in (0, 1)]
+        if after[0] - before[0] == 3 and after[1] == before[1]:
+            return
+        assert time.monotonic() < deadline, "the active extproc does not take every request"
+        time.sleep(0.5)
+
+
 def extproc_metric(gateway: UpProcess, index: int, name: str) -> float:
     admin = gateway.child_arg(f"extproc-{index}", "--admin-listen")
     text = request("GET", f"http://{admin}/metrics").text
@@ -162,6 +185,7 @@ def test_the_standby_extproc_takes_over_flow_control_when_the_active_one_dies(ga
     while gateway.status()["components"]["extproc-0"]["pid"] == pid or not _serving(gateway, 0):
         assert time.monotonic() < deadline, "extproc-0 was not restarted"
         time.sleep(0.2)
+    wait_active(gateway)
     # back: the restarted active extproc admits again
     assert statuses(send(gateway, "b", 3)) == [200, 200, 200]
 
