@@ -267,6 +267,54 @@ class Endpoint(_Spec):
     coldMode: ColdMode = Field(ColdMode.HOLD, description="What a request to a model with no ready replica gets.")
 
 
+class Band(StrEnum):
+    """Priority bands of flow control, highest first: a higher band is always dispatched first, and
+    the lowest is shed first."""
+
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    SHEDDABLE = "sheddable"
+
+
+class Saturation(_Spec):
+    maxWaiting: int | None = Field(
+        None,
+        ge=0,
+        le=100000,
+        description="A replica is saturated while its engine has this many requests waiting (0: not used): the "
+        "gateway leaves fewer waiting there; "
+        "default: the engine's (5 for vLLM and the sim, 1 for llama.cpp, unused for engines without metrics).",
+    )
+    maxKvCacheUsage: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="... or KV-cache usage at or above this fraction (0: not used); default: the engine's (0.9).",
+    )
+    maxInFlight: int = Field(
+        0,
+        ge=0,
+        le=100000,
+        description="... or this gateway has this many requests in flight on it (0: not used; the default "
+        "for engines that report no load is 4).",
+    )
+
+
+class FlowControl(_Spec):
+    enabled: bool = Field(
+        False,
+        description="Hold requests in the gateway while every replica is saturated, in one queue per (tenant, "
+        "band): strict by band, weighted fair among tenants; the lowest band is shed first. Keeps the model on "
+        "the decided path.",
+    )
+    band: Band = Field(Band.STANDARD, description="The band of requests whose API key names none.")
+    maxQueue: int = Field(1000, ge=1, le=100000, description="Requests held per model per gateway while saturated.")
+    queueTimeout: int = Field(
+        30, ge=1, le=3600, description="Seconds a request waits for a saturated model before a 503."
+    )
+    saturation: Saturation = Field(default_factory=Saturation)
+
+
 class Gpu(_Spec):
     shared: str | None = Field(
         None,
@@ -450,6 +498,7 @@ class ModelSpec(_Spec):
     limits: Limits = Field(default_factory=Limits)
     scaling: Scaling = Field(default_factory=Scaling)
     endpoint: Endpoint = Field(default_factory=Endpoint)
+    flowControl: FlowControl = Field(default_factory=FlowControl)
     gpu: Gpu = Field(default_factory=Gpu)
     # Kubernetes placement; ignored by `wakegate up`.
     runtimeRef: RuntimeRef | None = None

@@ -105,6 +105,27 @@ FLEET = Dashboard(
             width=8,
         ),
         Panel(
+            "Flow control: held requests dispatched",
+            "Requests held while their model was saturated and then sent on, per second, by band.",
+            (Target(f"sum by (band) (rate(wakegate_gateway_flow_dispatched_total[{RI}]))", "{{band}}"),),
+            unit="reqps",
+            stacked=True,
+            width=12,
+        ),
+        Panel(
+            "Flow control: wait (p90)",
+            "90th percentile of the time a held request waited for a saturated model, by band.",
+            (
+                Target(
+                    "histogram_quantile(0.9, sum by (band, le) "
+                    "(increase(wakegate_gateway_flow_wait_seconds_bucket[$__range])))",
+                    "{{band}}",
+                ),
+            ),
+            unit="s",
+            width=12,
+        ),
+        Panel(
             "GPU-group swap rate",
             "Hand-overs between models of a shared GPU group, per minute.",
             (Target(f"sum by (group) (rate(wakegate_gpu_swaps_total[{RI}])) * 60", "{{group}}"),),

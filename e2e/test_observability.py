@@ -92,7 +92,8 @@ GROUP_SPEC = {"shared": "gpu0", "minRunSeconds": 0, "swapCooldownSeconds": 0, "d
 MODELS: dict[str, dict[str, Any]] = {
     "warm": {"args": ["--ttft-ms", "20", "--tokens-per-second", "400"],
              "scaling": {"min": 1, "max": 1, "engine": "builtin"},
-             "limits": {"requestsPerSecond": 2, "burst": 4}},
+             "limits": {"requestsPerSecond": 2, "burst": 4},
+             "flowControl": {"enabled": True, "saturation": {"maxInFlight": 1}}},
     "cold": {"args": ["--startup-seconds", "1.5"],
              "scaling": {"min": 0, "max": 1, "idleTimeout": 300, "activationTimeout": 90, "engine": "builtin"},
              "endpoint": {"maxQueue": 1}},

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.message import DecodeError
 
+from wakegate.extproc.budget import USAGE_NAMESPACE
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, Call
 
 log = logging.getLogger("wakegate.extproc")
@@ -41,6 +42,8 @@ class Completions:
         #: request id -> (model key, endpoint, on-demand adapter)
         self._pending: dict[str, tuple[str, str | None, str | None]] = {}
         self._streams: set[_LogStream] = set()
+        #: (tenant, tokens) of each logged request of a tenant with a token budget (extproc/budget.py).
+        self.on_usage: Callable[[str, int], None] = lambda tenant, tokens: None
         self.entries = 0
         """Access-log entries received (all of them, ours or not)."""
 
@@ -66,6 +69,11 @@ class Completions:
             found = pending.pop(entry.request.request_id, None)
             if found is not None:
                 self._on_end(*found)
+            usage = entry.common_properties.metadata.filter_metadata.get(USAGE_NAMESPACE)
+            if usage is not None:  # a budgeted tenant's request, whichever extproc decided it
+                fields = usage.fields
+                if "tenant" in fields and "tokens" in fields:
+                    self.on_usage(fields["tenant"].string_value, int(fields["tokens"].number_value))
 
     def call(self, call: Call) -> _LogStream:
         stream = _LogStream(self, call)

@@ -71,8 +71,11 @@ class EngineWatch:
         inflight: Callable[[str], int] = lambda endpoint: 0,
         interval: float = 0.5,
         timeout: float = 1.0,
+        on_round: Callable[[], None] = lambda: None,
     ) -> None:
         self.endpoints = endpoints
+        #: Called after each round of readings (flow control dispatches what now fits).
+        self.on_round = on_round
         self.book = book
         self.inflight = inflight
         self.interval = interval
@@ -86,6 +89,7 @@ class EngineWatch:
                 wanted = self.endpoints()
                 if wanted:
                     await asyncio.gather(*(self._read(session, ep) for ep in wanted))
+                    self.on_round()
                 await asyncio.sleep(self.interval)
 
     async def _read(self, session: aiohttp.ClientSession, endpoint: str) -> None:

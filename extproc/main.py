@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"Defaults: {H2Limits.names()}",
     )
     parser.add_argument(
+        "--fairness-header",
+        action="store_true",
+        help="flow control: a request whose API key names no tenant is fair-shared as the tenant its "
+        "x-gateway-inference-fairness-id header names (otherwise: the default tenant)",
+    )
+    parser.add_argument(
         "--engine-metrics-interval",
         type=float,
         default=0.5,
@@ -184,6 +190,7 @@ class Settings(ProcessSettings):
             global_rate=args.global_rps,
             global_burst=args.global_burst,
             public_metrics=args.public_metrics,
+            fairness_header=args.fairness_header,
         )
         limits = H2Limits().with_overrides(getattr(args, "h2_limit", []))
         token = internal_token.source_from(args, server=False)
@@ -236,6 +243,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     methods = {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)}
     if settings.release_on == "access-log":
         gateway.completions = Completions(gateway.finished)
+        gateway.completions.on_usage = gateway.used_tokens
         methods[STREAM_ACCESS_LOGS_METHOD] = gateway.completions.call
     server = GrpcServer(
         methods,
@@ -261,7 +269,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     reporter = DemandReporter(
         settings.demand,
         settings.node_id,
-        gateway.cold.snapshot,
+        gateway.held,
         native.reported if native is not None else lambda: gateway.in_flight,
         token=settings.internal_token,
         on_delivered=gateway.demand_delivered,
@@ -286,7 +294,11 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     if settings.engine_metrics_interval > 0:
         picker = gateway.picker
         watch = EngineWatch(
-            picker.scored_endpoints, picker.engines, picker.inflight.count, settings.engine_metrics_interval
+            picker.scored_endpoints,
+            picker.engines,
+            picker.inflight.count,
+            settings.engine_metrics_interval,
+            on_round=gateway.flow.engines_read,
         )
         tasks.append(asyncio.create_task(watch.run()))
     kv = KVSubscriber(gateway.picker.kv_targets, gateway.picker.kv)
@@ -351,4 +363,5 @@ async def _expire_leases(gateway: Gateway) -> None:
     """End activation leases on time, so demand reports stop carrying them."""
     while True:
         next_end = gateway.cold.expire()
+        gateway.flow.kick_all()  # whatever no event dispatched (an engine that is not read)
         await asyncio.sleep(min(next_end, 1.0) if next_end is not None else 1.0)

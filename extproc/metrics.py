@@ -62,6 +62,38 @@ class Metrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.flow_queued = Gauge(
+            "wakegate_gateway_flow_queued",
+            "Requests flow control holds while their model is saturated, by model, tenant and band.",
+            ["model", "tenant", "band"],
+            registry=r,
+        )
+        self.flow_wait = Histogram(
+            "wakegate_gateway_flow_wait_seconds",
+            "Time a request held by flow control waited before it was dispatched, by model and band.",
+            ["model", "band"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.flow_dispatched = Counter(
+            "wakegate_gateway_flow_dispatched",
+            "Requests flow control held and then dispatched, by model, tenant and band.",
+            ["model", "tenant", "band"],
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "wakegate_gateway_flow_shed",
+            "Requests flow control refused, by model, tenant, band and reason (over_share, shed, "
+            "model_saturated, queue_timeout, token_budget).",
+            ["model", "tenant", "band", "reason"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "wakegate_gateway_tenant_tokens",
+            "Tokens (prompt + completion, from the engines' usage) counted against tenants with a budget.",
+            ["tenant"],
+            registry=r,
+        )
         self.routes = Gauge("wakegate_gateway_models", "Models known to this gateway.", registry=r)
         self.route_updates = Counter(
             "wakegate_gateway_route_updates", "Route table updates received from the feeder.", registry=r

@@ -420,7 +420,10 @@ def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
                 for e in route.endpoints
             )
     tokenizer = route.tokenizer if targets else ""
-    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen), tokenizer)
+    # Engines are read for scored picking and for flow control's saturation signals.
+    return _RouteInfo(
+        endpoints, chosen or None, adapters, targets, bool(chosen) or route.flow.enabled, tokenizer
+    )
 
 
 class Picker:

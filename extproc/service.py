@@ -33,17 +33,22 @@ from wakegate.contract import (
     ACTIVATOR_CLUSTER,
     ACTIVATOR_MODEL_HEADER,
     ADAPTER_UNAVAILABLE,
+    BANDS,
     CLUSTER_HEADER,
     DESTINATION_HEADER,
+    FAIRNESS_HEADER,
     LB_METADATA_NAMESPACE,
+    PRIORITY_HEADER,
     RATE_COUNTED_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
 )
 from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
+from wakegate.extproc.budget import USAGE_NAMESPACE, TokenBudgets, Usage
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
 from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
+from wakegate.extproc.flow import BAND_RANK, DEFAULT_TENANT, FlowControl, Shed, Ticket
 from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
 from wakegate.extproc.metrics import Metrics
 from wakegate.extproc.naming import (
@@ -67,10 +72,23 @@ _BUFFER_BODY = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
 )
+#: The same for a tenant with a token budget: its response body streams past extproc, which reads
+#: the engine's usage at its end (extproc/budget.py).
+_BUFFER_BODY_COUNTED = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    ),
+)
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 #: A request routed from its headers does not need its body buffered. The gateway's routes
 #: already say so for X-Model-ID and /model/<name>/ requests; this covers any other Envoy setup.
 _NO_BODY = processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE)
+_NO_BODY_COUNTED = processing_mode_pb2.ProcessingMode(
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+)
 
 
 @dataclass
@@ -86,6 +104,11 @@ class Settings:
     cold_retry_after: int = 5
     #: `GET /metrics` on the public listener: `off` (404), `open`, or `keys` (any valid API key).
     public_metrics: str = "off"
+    #: Flow control: a request whose key names no tenant is fair-shared as the tenant its
+    #: `x-gateway-inference-fairness-id` header names (False: as the default tenant).
+    fairness_header: bool = False
+    #: Retry-After of flow control's 429 `over_share`, seconds.
+    flow_retry_after: int = 1
 
 
 PUBLIC_METRICS = ("off", "open", "keys")
@@ -101,6 +124,12 @@ class Gateway:
         self.table = RouteTable()
         self.limiter = RateLimiter(settings.global_rate or None, settings.global_burst or None)
         self.picker = Picker()
+        #: Admission of models with flow control (per-(tenant, band) queues while saturated).
+        self.flow = FlowControl(self.picker.engines, self.picker.inflight.count, on_change=self._queued_change)
+        #: Models with flow control (checked per request, kept per route change).
+        self.flow_keys: set[str] = set()
+        #: Tokens per tenant over the last minute, for tenants with a budget.
+        self.budgets = TokenBudgets()
         self.in_flight: dict[str, int] = {}
         #: Requests its Envoy routes alone now, per model (extproc/native.py; empty without it):
         #: part of what the status and queue views say is in flight, never of extproc's own book.
@@ -124,6 +153,24 @@ class Gateway:
 
     def _demand_changed(self) -> None:
         self.on_demand_change()
+
+    def _queued_change(self, model: str, tenant: str, band: str, delta: int) -> None:
+        self.metrics.flow_queued.labels(model, tenant, band).inc(delta)
+        self.on_load_change()  # held requests are demand: the scaler may add a replica
+
+    def held(self) -> dict[str, tuple[int, int, int]]:
+        """key -> (held, live leases, failures seen): the cold queues' snapshot plus what flow
+        control holds for saturated models (demand reports, the queue and status views)."""
+        out = self.cold.snapshot()
+        for key, depth in self.flow.depths().items():
+            queued, leases, failures = out.get(key, (0, 0, 0))
+            out[key] = (queued + depth, leases, failures)
+        return out
+
+    def used_tokens(self, tenant: str, tokens: int) -> None:
+        """A budgeted request's usage (from an access-log entry, or a stream cut short here)."""
+        self.budgets.add(tenant, tokens)
+        self.metrics.tenant_tokens.labels(self.flow.label(tenant)).inc(tokens)
 
     def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
         """Take a whole route set: every route there is."""
@@ -154,6 +201,13 @@ class Gateway:
         self.metrics.route_updates.inc()
         self.cold.on_routes(self.table.routes)
         self.adapters.on_routes(self.table.routes)
+        self.flow.on_routes(changed, removed)
+        for route in changed:
+            if route.flow.enabled:
+                self.flow_keys.add(route.key)
+            else:
+                self.flow_keys.discard(route.key)
+        self.flow_keys.difference_update(removed)
 
     def demand_delivered(self) -> None:
         """A demand report reached the scaler: time the activation signal of new leases."""
@@ -178,7 +232,7 @@ class Gateway:
 
     def queue_view(self) -> dict[str, Any]:
         """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
-        cold = self.cold.snapshot()
+        cold = self.held()
         busy = {k for k, v in self.in_flight.items() if v} | set(self.native_in_flight)
         keys = sorted(set(cold) | busy | set(self.table.routes))
         return {
@@ -198,7 +252,7 @@ class Gateway:
         """`GET /wakegate/status` as a key with this scope sees it: per model its names, whether
         it has ready endpoints, and what this gateway holds and routes for it (a federation's
         global gateway reads it to pick a member)."""
-        cold = self.cold.snapshot()
+        cold = self.held()
         models = [
             {
                 "model": route.names[0] if route.names else key,
@@ -237,6 +291,7 @@ class Gateway:
         self.metrics.in_flight.labels(key).dec()
         if endpoint is not None:
             self.picker.inflight.release(endpoint)
+        self.flow.kick(key)  # room for a request held by flow control
 
 
 def in_scope(scope: Scope, route: routing_pb2.ModelRoute) -> bool:
@@ -255,6 +310,7 @@ class _Exchange:
 
     __slots__ = (
         "adapter",
+        "band",
         "endpoint",
         "headers",
         "headers_only",
@@ -264,6 +320,8 @@ class _Exchange:
         "new_path",
         "scope",
         "started",
+        "tenant",
+        "usage",
         "wants_body",
     )
 
@@ -284,6 +342,11 @@ class _Exchange:
         #: The models the request's API key may use.
         self.scope: Scope = ALL_MODELS
         self.started = time.monotonic()
+        #: Flow control: who the request is fair-shared as, and its band's rank (0 highest).
+        self.tenant = ""
+        self.band = 0
+        #: A tenant with a token budget: what its response says it used, read as it streams past.
+        self.usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -298,6 +361,15 @@ class _Cold:
     #: endpoint, for random placement; anywhere when empty).
     for_adapter: bool = False
     wanted: str = ""
+    #: The model is saturated: the request waits in flow control's queues.
+    ticket: Ticket | None = None
+
+    def timeout_s(self) -> float:
+        """How long the request may wait (the cold activation timeout, or the flow queue's)."""
+        route = self.resolved.route
+        if self.ticket is not None:
+            return route.flow.queue_timeout_ms / 1000
+        return route.cold.activation_timeout_ms / 1000
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -323,12 +395,30 @@ class Processor:
         if kind == "response_headers":
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         if kind == "response_body":
-            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+            return self._on_response_body(exchange, message.response_body)
         if kind == "request_trailers":
             return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     # -- phases ---------------------------------------------------------------------------------
+
+    def _on_response_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
+        """A budgeted request's response streams past: its last chunk says what it used, which goes
+        to Envoy's access log (and from there to every extproc's book) as dynamic metadata."""
+        usage = ex.usage
+        if usage is None:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        usage.feed(message.body)
+        if not message.end_of_stream:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        ex.usage = None
+        metadata = struct_pb2.Struct()
+        used = metadata.get_or_create_struct(USAGE_NAMESPACE)
+        used["tenant"] = usage.tenant
+        used["tokens"] = usage.tokens()
+        if self.gw.completions is None:  # no access log to learn it from
+            self.gw.used_tokens(usage.tenant, usage.tokens())
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(), dynamic_metadata=metadata)
 
     def _on_headers(self, ex: _Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse | _Cold:
         headers = _headers(message)
@@ -389,7 +479,7 @@ class Processor:
                 return self._reject(
                     None, 413, "body_too_large", f"request body exceeds {self.gw.settings.max_body_bytes} bytes"
                 )
-        return _BUFFER_BODY
+        return _BUFFER_BODY_COUNTED if scope.tokens_per_minute else _BUFFER_BODY
 
     def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse | _Cold:
         if ex.model_name is not None:
@@ -445,11 +535,27 @@ class Processor:
             # The same answer as for a model that does not exist: a key learns nothing about models
             # outside its scope, and nothing else happens (no rate-limit token, no demand).
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        scope = ex.scope
+        if scope.tokens_per_minute:
+            tenant = scope.tenant or DEFAULT_TENANT
+            wait = self.gw.budgets.retry_after(tenant, scope.tokens_per_minute)
+            if wait > 0:
+                label = self.gw.flow.label(tenant)
+                self.gw.metrics.flow_shed.labels(route.key, label, scope.band, "token_budget").inc()
+                return self._reject(
+                    route.key, 429, "token_budget", f"tenant used its {scope.tokens_per_minute} tokens per minute; "
+                    "retry later", retry_after=retry_after_header(wait)
+                )
         if parsed is None and resolved.needs_body and not in_body and not ex.headers_only:
             # An adapter named in the headers: the engine is told which one in the body.
             ex.wants_body = ex.model_name
             ex.model_name = None
             return _BUFFER_BODY
+        flow = route.key in self.gw.flow_keys  # a set lookup: a proto submessage costs ~0.4 µs
+        if flow:
+            refused = self._identify(ex, route)
+            if refused is not None:
+                return refused
         rate = route.rate_limit
         # Envoy's bucket took the token of a request it counted (it said so, for this model).
         counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
@@ -469,6 +575,13 @@ class Processor:
                 return self._reject(route.key, 400, exc.code, str(exc))
         lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
+            if flow:
+                try:
+                    ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
+                except Shed as exc:
+                    return self._shed(route, exc, ex)
+                if ticket is not None:
+                    return _Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
             if lora is None:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
@@ -493,7 +606,55 @@ class Processor:
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
         return _Cold(resolved, parsed, raw_body, in_body)
 
+    def _identify(self, ex: _Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
+        """Who a request of a flow-controlled model is fair-shared as, and its band; a refusal when
+        its headers ask for something unknown."""
+        tenant = ex.scope.tenant
+        if not tenant and self.gw.settings.fairness_header:
+            tenant = ex.headers.get(FAIRNESS_HEADER, "")
+            if len(tenant) > 128 or not tenant.isprintable():
+                return self._reject(route.key, 400, "invalid_fairness_id", f"{FAIRNESS_HEADER} is over 128 characters "
+                                    "or not printable")
+        ex.tenant = tenant or DEFAULT_TENANT
+        band = BAND_RANK.get(ex.scope.band or route.flow.band, 1)
+        asked = ex.headers.get(PRIORITY_HEADER)
+        if asked is not None:
+            rank = BAND_RANK.get(asked.strip().lower())
+            if rank is None:
+                return self._reject(route.key, 400, "invalid_priority",
+                                    f"{PRIORITY_HEADER} must be one of {', '.join(BANDS)}")
+            band = max(band, rank)  # a request may only lower its band
+        ex.band = band
+        return None
+
+    def _shed(self, route: routing_pb2.ModelRoute, exc: Shed, ex: _Exchange) -> ep.ProcessingResponse:
+        """Flow control's refusal: 429 over the tenant's share, 503 when the model cannot take it."""
+        self.gw.metrics.flow_shed.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band], exc.code).inc()
+        retry = self.gw.settings.flow_retry_after if exc.status == 429 else self.gw.settings.cold_retry_after
+        return self._reject(route.key, exc.status, exc.code, str(exc), retry_after=str(retry))
+
+    async def _admitted(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+        """A request held by flow control: once dispatched, routed as usual."""
+        route = cold.resolved.route
+        assert cold.ticket is not None
+        try:
+            waited = await self.gw.flow.wait(route, cold.ticket, deadline)
+        except Shed as exc:
+            return self._shed(route, exc, ex)
+        self.gw.metrics.flow_wait.labels(route.key, BANDS[ex.band]).observe(waited)
+        self.gw.metrics.flow_dispatched.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band]).inc()
+        resolved = self.gw.table.resolve(ex.model_name or "")
+        if resolved is None or not in_scope(ex.scope, resolved.route):
+            return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
+        held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body)
+        if not resolved.route.endpoints or adapter_route(resolved.route, resolved.adapter) is not None:
+            # Cold again, or an adapter to place: the usual path, from the top.
+            return await self.hold(ex, held, time.monotonic() + held.timeout_s())
+        return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
+
     async def hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+        if cold.ticket is not None:
+            return await self._admitted(ex, cold, deadline)
         route = cold.resolved.route
         lora = adapter_route(route, cold.resolved.adapter)
         place: Placement | None = None
@@ -543,6 +704,20 @@ class Processor:
                 return await self.hold(ex, held, deadline)
         if place is not None:
             self.gw.metrics.adapter_requests.labels(resolved.route.key, "waited").inc()
+        elif resolved.route.flow.enabled:
+            # Woken with the rest of the cold queue: admitted like any other request, so the
+            # flood that waited for the model is dispatched by band and tenant, not all at once.
+            if not ex.tenant:
+                refused = self._identify(ex, resolved.route)
+                if refused is not None:
+                    return refused
+            try:
+                ticket = self.gw.flow.admit(resolved.route, ex.tenant, ex.band, ex.scope.weight)
+            except Shed as exc:
+                return self._shed(resolved.route, exc, ex)
+            if ticket is not None:
+                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
+                return await self._admitted(ex, held, time.monotonic() + held.timeout_s())
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
@@ -636,11 +811,15 @@ class Processor:
         request_id = ex.headers.get(REQUEST_ID_HEADER, "")
         if completions is not None and completions.track(request_id, route.key, endpoint, ex.adapter):
             ex.model_key = None  # released by its access-log entry, not by this stream
+        if ex.scope.tokens_per_minute:
+            ex.usage = Usage(ex.scope.tenant or DEFAULT_TENANT)  # the stream stays open for the response
         self.gw.metrics.pick_seconds.observe(time.monotonic() - ex.started)
         if in_body:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
         return ep.ProcessingResponse(
-            request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata, mode_override=_NO_BODY
+            request_headers=ep.HeadersResponse(response=common),
+            dynamic_metadata=metadata,
+            mode_override=_NO_BODY_COUNTED if ex.usage is not None else _NO_BODY,
         )
 
     def _to_activator(
@@ -655,6 +834,9 @@ class Processor:
 
     def release(self, ex: _Exchange) -> None:
         """The request is over: release its in-flight count (once)."""
+        usage, ex.usage = ex.usage, None
+        if usage is not None:  # cut before its end: what it streamed so far
+            self.gw.used_tokens(usage.tenant, usage.tokens())
         if ex.model_key is None:
             return
         self.gw.finished(ex.model_key, ex.endpoint, ex.adapter)
@@ -727,7 +909,14 @@ class ProcessCall:
         """Send a decision; once the request needs nothing more from us, end the stream, so
         that Envoy carries the rest of the request without this process."""
         self._call.send(decided.SerializeToString())
-        if decided is not _BUFFER_BODY and self._exchange.model_key is None and self._proc.gw.completions is not None:
+        ex = self._exchange
+        if (
+            decided is not _BUFFER_BODY
+            and decided is not _BUFFER_BODY_COUNTED
+            and ex.model_key is None
+            and ex.usage is None
+            and self._proc.gw.completions is not None
+        ):
             self._call.finish()
 
     def _handle(self, data: bytes) -> None:
@@ -742,11 +931,14 @@ class ProcessCall:
         except Exception as exc:
             decided = self._proc.failed(exc)
         if isinstance(decided, _Cold):
-            timeout_s = decided.resolved.route.cold.activation_timeout_ms / 1000
-            # Tell Envoy this message may take up to the activation timeout.
+            timeout_s = decided.timeout_s()
+            flow = decided.resolved.route.flow
+            # A cold request of a flow-controlled model may wait for its turn once the model is ready.
+            longest = timeout_s + (flow.queue_timeout_ms / 1000 if decided.ticket is None and flow.enabled else 0)
+            # Tell Envoy this message may take up to the activation (or queue) timeout.
             self._call.send(
                 ep.ProcessingResponse(
-                    override_message_timeout=duration_pb2.Duration(seconds=int(timeout_s) + 1)
+                    override_message_timeout=duration_pb2.Duration(seconds=int(longest) + 1)
                 ).SerializeToString()
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))

@@ -99,6 +99,55 @@ class UpstreamTls:
 
 
 @dataclass(frozen=True)
+class RoutedFlow:
+    """A Model's flow control with every threshold resolved (the Model's, else its engine's default)."""
+
+    band: str = "standard"
+    max_queue: int = 1000
+    queue_timeout_s: float = 30.0
+    max_waiting: int = 0
+    max_kv_usage: float = 0.0
+    max_in_flight: int = 0
+
+
+#: Saturation thresholds of engines that report their load (waiting requests, KV-cache usage):
+#: llama.cpp defers a request only when every slot is busy, so one deferred request is saturation.
+_ENGINE_WAITING = {"llamacpp": 1}
+DEFAULT_MAX_WAITING = 5
+DEFAULT_MAX_KV_USAGE = 0.9
+#: Requests in flight per replica that saturate an engine that reports no load (Ollama's default
+#: parallelism).
+DEFAULT_MAX_IN_FLIGHT = 4
+
+
+def routed_flow(model: Model) -> RoutedFlow | None:
+    """The model's flow control, None when it is off; thresholds the Model leaves out are its engine's."""
+    flow = model.spec.flowControl
+    if not flow.enabled:
+        return None
+    sat = flow.saturation
+    metrics = BACKENDS[model.spec.backend].load_metrics
+    waiting = sat.maxWaiting
+    kv = sat.maxKvCacheUsage
+    in_flight = sat.maxInFlight
+    if metrics is None:
+        waiting, kv = waiting or 0, kv or 0.0
+        if not (waiting or kv or in_flight):
+            in_flight = DEFAULT_MAX_IN_FLIGHT
+    else:
+        waiting = _ENGINE_WAITING.get(model.spec.backend, DEFAULT_MAX_WAITING) if waiting is None else waiting
+        kv = (DEFAULT_MAX_KV_USAGE if metrics.kv_usage else 0.0) if kv is None else kv
+    return RoutedFlow(
+        band=flow.band.value,
+        max_queue=flow.maxQueue,
+        queue_timeout_s=float(flow.queueTimeout),
+        max_waiting=waiting,
+        max_kv_usage=kv,
+        max_in_flight=in_flight,
+    )
+
+
+@dataclass(frozen=True)
 class RoutedModel:
     """What the gateway needs to know about one model; plain data."""
 
@@ -148,6 +197,8 @@ class RoutedModel:
     #: A local folder with the model's tokenizer, for precise scoring on engines whose KV events
     #: hash token ids (`ModelRoute.tokenizer`); empty: none.
     tokenizer: str = ""
+    #: Flow control (admission while saturated), None when off; it keeps the model decided.
+    flow: RoutedFlow | None = None
 
     @cached_property
     def cluster(self) -> str:
@@ -203,6 +254,7 @@ def routed_model(
         loads=tuple(sorted(loads)),
         path=spec.routing.path.value,
         tokenizer=tokenizer,
+        flow=routed_flow(model),
     )
 
 
@@ -270,6 +322,8 @@ def static_native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
         return "LoRA adapters"
     if settings.global_rate_limit:
         return "a gateway-wide rate limit (--global-rps)"
+    if model.flow is not None:
+        return "flow control (requests are admitted by extproc)"
     return ""
 
 
@@ -838,6 +892,9 @@ def listener(
                 # flow control, with no answer (docs/decisions.md).
                 "processing_mode": _processing_mode("BUFFERED"),
                 "allow_mode_override": True,
+                # What a budgeted tenant's response used (extproc/budget.py), for the access log
+                # that carries it to every extproc.
+                "metadata_options": {"receiving_namespaces": {"untyped": [contract.USAGE_METADATA_NAMESPACE]}},
                 "message_timeout": f"{settings.extproc_message_timeout_ms / 1000:.3f}s",
                 "max_message_timeout": f"{settings.max_hold_seconds}s",
                 "route_cache_action": "CLEAR",
@@ -1523,6 +1580,21 @@ def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_p
         failure_code=model.failure_code,
         admitted=model.admitted,
         path=model.path,
+        flow=_flow(model.flow),
+    )
+
+
+def _flow(flow: RoutedFlow | None) -> routing_pb2.FlowControl | None:
+    if flow is None:
+        return None
+    return routing_pb2.FlowControl(
+        enabled=True,
+        band=flow.band,
+        max_queue=flow.max_queue,
+        queue_timeout_ms=int(flow.queue_timeout_s * 1000),
+        max_waiting=flow.max_waiting,
+        max_kv_usage=flow.max_kv_usage,
+        max_in_flight=flow.max_in_flight,
     )
 
 

@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gateway's metrics are always on --admin-listen at /metrics/gateway",
     )
     parser.add_argument(
+        "--fairness-header",
+        action="store_true",
+        help="flow control: a request whose API key names no tenant is fair-shared as the tenant its "
+        "x-gateway-inference-fairness-id header names (otherwise: the default tenant)",
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body the gateway reads, bytes"
     )
     parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models; 0: unlimited")

@@ -82,6 +82,8 @@ class Settings(ProcessSettings):
     """API keys, one per line with an optional scope of models; None: no auth."""
     public_metrics: str
     """`/metrics` on the gateway's listener: off, open or keys (any valid API key)."""
+    fairness_header: bool
+    """Flow control: clients may name their tenant in x-gateway-inference-fairness-id (keys without one)."""
     max_body_bytes: int
     """Largest request body the gateway reads, bytes."""
     global_rps: float
@@ -706,6 +708,8 @@ class Up:
         if self.settings.api_keys_file is not None:
             argv += ["--api-keys-file", str(self.settings.api_keys_file.resolve())]
         argv += ["--public-metrics", self.settings.public_metrics]
+        if self.settings.fairness_header:
+            argv.append("--fairness-header")
         return Supervised(Child(f"extproc-{index}", argv, self.state_dir / "logs" / f"extproc-{index}.log"))
 
     def _envoy(self, ports: Ports) -> Supervised:

@@ -47,6 +47,17 @@ ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 #: member's backend can claim it.
 UNSERVED_HEADER = "x-wakegate-unserved"
 
+#: Flow control (extproc/flow.py): the tenant a request is fair-shared as, when the gateway allows
+#: clients to name one (`--fairness-header`; a key's own tenant always wins), and the band a request
+#: asks for, which may only lower the band its key or Model gives it.
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+PRIORITY_HEADER = "x-wakegate-priority"
+#: Flow-control bands, highest first (ModelRoute.flow.band, the key file's `band=`).
+BANDS = ("critical", "standard", "sheddable")
+#: Dynamic-metadata namespace extproc writes a budgeted request's token use to (tenant, tokens);
+#: Envoy's access log carries it to every extproc.
+USAGE_METADATA_NAMESPACE = "wakegate.usage"
+
 #: ModelRoute.failure_code of an activation that failed because its weights could not be had
 #: (fetched, checked, or fitted in the cache); the held requests' error code, instead of the
 #: generic `activation_failed`.

@@ -18,6 +18,17 @@ and so may a key scoped to ``*``. A scope names a model by its key (``name`` for
 served names and adapters are not scope entries: a request naming them is checked against the
 model they resolve to. A key listed on several lines may use the union of their scopes.
 
+Flow control (extproc/flow.py) reads optional ``name=value`` attributes after the scope::
+
+    sk-team-a-0123456789   chat-small   tenant=team-a band=critical weight=3 tokens-per-minute=200000
+
+``tenant=`` is the fairness key of the key's requests (keys without one share the default tenant,
+unless the gateway lets clients name theirs in a header), ``band=`` its priority band
+(critical, standard or sheddable; default: the Model's), ``weight=`` the tenant's share among the
+tenants of a band (default 1) and ``tokens-per-minute=`` its token budget (default: none). Weight
+and budget belong to the tenant: its first key in the file decides, and a later key that sets other
+values is reported by line number and skipped.
+
 Tokens never contain whitespace, so a key ends at the first whitespace: every line of a plain
 key-per-line file still means what it meant (a key for every model). A line whose scope is not a
 list of model names (an empty entry, whitespace inside a name) is reported by line number, never
@@ -39,7 +50,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -52,20 +63,34 @@ _T = TypeVar("_T")
 _Fingerprint = tuple[int, int, int]
 
 
+#: The key file's attribute names, and the bands `band=` takes (wakegate.contract.BANDS).
+ATTRIBUTES = ("tenant", "band", "weight", "tokens-per-minute")
+_BANDS = ("critical", "standard", "sheddable")
+
+
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """The models one key may use; ``models=None``: every model."""
+    """The models one key may use (``models=None``: every model), and its flow-control attributes."""
 
     models: frozenset[str] | None = None
+    #: The tenant its requests are fair-shared as; empty: the gateway's default.
+    tenant: str = ""
+    #: Its priority band; empty: the Model's.
+    band: str = ""
+    #: The tenant's weight within a band.
+    weight: float = 1.0
+    #: The tenant's budget, prompt + completion tokens per minute; 0: none.
+    tokens_per_minute: int = 0
 
     def allows(self, key: str, name: str) -> bool:
         """Whether the model with this route key and own name is in the scope."""
         return self.models is None or key in self.models or name in self.models
 
     def union(self, other: Scope) -> Scope:
-        if self.models is None or other.models is None:
-            return ALL_MODELS
-        return Scope(self.models | other.models)
+        """Both scopes' models, with this one's attributes (a key's first line sets them)."""
+        models = None if self.models is None or other.models is None else self.models | other.models
+        union = replace(self, models=models)
+        return ALL_MODELS if union == ALL_MODELS else union
 
 
 #: The scope of a gateway-wide key (and of every request when auth is off).
@@ -86,11 +111,34 @@ def _fingerprint(st: os.stat_result) -> _Fingerprint:
 
 
 def _scope(text: str) -> Scope | None:
-    """The scope after a key (``"a, b"``, ``"*"``); None when it is not a list of model names."""
-    names = [entry.strip() for entry in text.split(",")]
-    if any(not entry or any(ch.isspace() for ch in entry) for entry in names):
+    """The scope and attributes after a key (``"a, b tenant=t"``, ``"*"``); None when it is not a
+    list of model names followed by known ``name=value`` attributes."""
+    words = text.split()
+    first_attr = next((i for i, word in enumerate(words) if "=" in word), len(words))
+    attrs: dict[str, str] = {}
+    for word in words[first_attr:]:
+        name, _, value = word.partition("=")
+        if name not in ATTRIBUTES or not value or name in attrs:
+            return None
+        attrs[name] = value
+    models: frozenset[str] | None = None
+    if first_attr:
+        names = [entry.strip() for entry in " ".join(words[:first_attr]).split(",")]
+        if any(not entry or any(ch.isspace() for ch in entry) for entry in names):
+            return None
+        models = None if "*" in names else frozenset(names)
+    band = attrs.get("band", "")
+    if band and band not in _BANDS:
         return None
-    return ALL_MODELS if "*" in names else Scope(frozenset(names))
+    try:
+        weight = float(attrs.get("weight", "1"))
+        budget = int(attrs.get("tokens-per-minute", "0"))
+    except ValueError:
+        return None
+    if not 0 < weight <= 1000 or budget < 0:  # also rejects NaN
+        return None
+    scope = Scope(models, attrs.get("tenant", ""), band, weight, budget)
+    return ALL_MODELS if scope == ALL_MODELS else scope
 
 
 def parse_entries(text: str, store: Callable[[str], _T]) -> tuple[tuple[tuple[_T, Scope], ...], list[int]]:
@@ -100,6 +148,7 @@ def parse_entries(text: str, store: Callable[[str], _T]) -> tuple[tuple[tuple[_T
     """
     scopes: dict[_T, Scope] = {}
     bad: list[int] = []
+    tenants: dict[str, Scope] = {}  # tenant -> the first key's attributes, which set its weight and budget
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -109,6 +158,13 @@ def parse_entries(text: str, store: Callable[[str], _T]) -> tuple[tuple[tuple[_T
         if scope is None:
             bad.append(lineno)
             continue
+        if scope.tenant:
+            first = tenants.setdefault(scope.tenant, scope)
+            if (first.weight, first.tokens_per_minute) != (scope.weight, scope.tokens_per_minute):
+                if "weight=" in rest or "tokens-per-minute=" in rest:
+                    bad.append(lineno)
+                    continue
+                scope = replace(scope, weight=first.weight, tokens_per_minute=first.tokens_per_minute)
         stored = store(key)
         known = scopes.get(stored)
         scopes[stored] = scope if known is None else known.union(scope)
@@ -213,7 +269,9 @@ class KeyFile(Generic[_T]):
         for lineno in bad:
             self._log.warning(
                 "key file %s line %d: after the key, expected whitespace and model names separated by commas "
-                "(or *); the line is ignored",
+                "(or *), then attributes tenant=, band= (critical, standard, sheddable), weight= (0 to 1000) "
+                "and tokens-per-minute= (a tenant's weight and budget the same on each of its keys); the line "
+                "is ignored",
                 self.path,
                 lineno,
             )

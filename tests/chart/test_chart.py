@@ -70,6 +70,7 @@ EVERY_OPTION: dict[str, Any] = {
         "service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}},
         "apiKeys": {"existingSecret": "api-keys", "key": "k"},
         "publicMetrics": "keys",
+        "fairnessHeader": True,
         "maxBodyBytes": 1048576,
         "globalRps": 100,
         "globalBurst": 200,
@@ -351,6 +352,7 @@ def test_every_option_renders(helm: Path, tmp_path: Path) -> None:
     extproc = next(c for c in gateway["containers"] if c["name"] == "extproc")
     assert "--api-keys-file=/var/run/wakegate/api-keys/keys" in extproc["args"]
     assert "--public-metrics=keys" in extproc["args"]
+    assert "--fairness-header" in extproc["args"]
     token_ref = {"secretKeyRef": {"name": "internal-token", "key": "tok"}}
     assert all(_token_env(c) == token_ref for c in _token_parties(deployments)), "the user's Secret, by env"
     assert (

@@ -40,6 +40,7 @@ FLEET = "".join(
             "warm",
             extra="""  args: [--ttft-ms, "20", --tokens-per-second, "400"]
   limits: {requestsPerSecond: 2, burst: 4}
+  flowControl: {enabled: true, saturation: {maxInFlight: 1}}
 """,
         ),
         model_doc(

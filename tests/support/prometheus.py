@@ -144,7 +144,8 @@ def workload(
     cold_timeout: float = 30,
 ) -> None:
     """What the dashboards need to have seen, against a gateway's `/v1` base `url` serving the models
-    `warm` (limits 2 rps, burst 4), `cold` (from zero, maxQueue 1) and `g1`, `g2` (one GPU group):
+    `warm` (limits 2 rps, burst 4; flow control with one request in flight: a burst waits), `cold`
+    (from zero, maxQueue 1) and `g1`, `g2` (one GPU group):
     streaming requests (time to first token), a rate-limit rejection, a cold start with a queue
     overflow (429 queue_full) and a GPU-group swap (g1 takes the group, then g2's demand takes it)."""
     url = f"{url}/chat/completions"
@@ -156,7 +157,7 @@ def workload(
         answer = post("warm", stream=True)
         assert answer.status == 200, answer.text
         time.sleep(0.5)  # within limits.requestsPerSecond
-    # A rate-limit rejection: a burst beyond `limits.burst`.
+    # A rate-limit rejection: a burst beyond `limits.burst`; those admitted wait for flow control.
     with ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(lambda _: post("warm").status, range(8)))
     assert 429 in statuses, statuses

@@ -224,3 +224,32 @@ def test_member_tokens_go_to_their_endpoint_only_and_never_to_extproc() -> None:
     assert "member-token" not in str(built.by_type[r.MODEL_ROUTE]["a"])
     plain = json_format.MessageToDict(r.build(MODELS, r.GatewaySettings()).by_type[r.CLUSTER]["model.a"])
     assert "httpFilters" not in next(iter(plain["typedExtensionProtocolOptions"].values()))
+
+
+def _flow_model(backend: str, flow: str) -> r.Model:
+    from wakegate.control.schema import parse_manifest
+
+    text = f"""apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {{name: fc}}
+spec: {{backend: {backend}, command: [x], source: "file:///m.gguf", flowControl: {flow}}}
+"""
+    return parse_manifest(text).models[0]
+
+
+def test_flow_control_thresholds_default_per_engine_and_keep_the_model_decided() -> None:
+    vllm = r.routed_model(_flow_model("vllm", "{enabled: true}"), [("10.0.0.1", 8000)])
+    assert vllm.flow == r.RoutedFlow(max_waiting=5, max_kv_usage=0.9)
+    llama = r.routed_flow(_flow_model("llamacpp", "{enabled: true, band: critical}"))
+    assert llama is not None and (llama.max_waiting, llama.band) == (1, "critical")
+    ollama = r.routed_flow(_flow_model("ollama", "{enabled: true}"))
+    assert ollama is not None and (ollama.max_waiting, ollama.max_in_flight) == (0, 4)  # no load metrics
+    own = r.routed_flow(_flow_model("sim", "{enabled: true, saturation: {maxWaiting: 0, maxInFlight: 3}}"))
+    assert own is not None and (own.max_waiting, own.max_kv_usage, own.max_in_flight) == (0, 0.9, 3)
+    assert r.routed_flow(_flow_model("sim", "{enabled: false}")) is None
+    native = replace(vllm, path="native", strategy="round-robin", profile="")
+    settings = r.GatewaySettings(native_allowed=True)
+    assert r.native_blocker(native, settings) == "flow control (requests are admitted by extproc)"
+    assert r.native_blocker(replace(native, flow=None), settings) == ""
+    route = r.model_route(vllm)
+    assert route.flow.enabled and route.flow.max_waiting == 5 and route.flow.queue_timeout_ms == 30000

@@ -1,0 +1,163 @@
+"""Flow control's admission rules (extproc/flow.py), with engine readings and in-flight counts set
+by the test: saturation, fair shares by weight, strict bands, shedding, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from wakegate.extproc.flow import FlowControl, Shed, Ticket
+from wakegate.extproc.scheduling import EngineState
+from wakegate.v1 import routing_pb2
+
+EP = "10.0.0.1:8000"
+
+
+def route(
+    max_queue: int = 100, max_in_flight: int = 0, max_waiting: int = 1, timeout_ms: int = 30000
+) -> routing_pb2.ModelRoute:
+    return routing_pb2.ModelRoute(
+        key="m",
+        endpoints=[routing_pb2.Endpoint(address="10.0.0.1", port=8000)],
+        flow=routing_pb2.FlowControl(
+            enabled=True,
+            band="standard",
+            max_queue=max_queue,
+            queue_timeout_ms=timeout_ms,
+            max_waiting=max_waiting,
+            max_in_flight=max_in_flight,
+        ),
+    )
+
+
+class Engine:
+    """One endpoint: what the engine reports and what this gateway has in flight on it."""
+
+    def __init__(self) -> None:
+        self.book: dict[str, EngineState] = {}
+        self.inflight = 0
+        self.flow = FlowControl(self.book, lambda ep: self.inflight)
+
+    def read(self, running: int, waiting: int) -> None:
+        self.book[EP] = EngineState(
+            waiting=float(waiting), running=float(running), kv_usage=0.1, own=float(self.inflight)
+        )
+        self.flow.engines_read()
+
+
+async def dispatched(
+    flow: FlowControl, r: routing_pb2.ModelRoute, tickets: list[Ticket], engine: Engine, n: int
+) -> list[Ticket]:
+    """Let `n` requests finish one by one; the tickets dispatched, in order."""
+    order: list[Ticket] = []
+    for _ in range(n):
+        engine.inflight -= 1
+        flow.kick(r.key)
+        for t in tickets:
+            if t.granted and t not in order:
+                order.append(t)
+                await flow.wait(r, t, asyncio.get_running_loop().time() + 1)  # as the held request does
+                engine.inflight += 1
+    return order
+
+
+async def test_engine_signals_learn_the_cap_and_the_gateway_count_fills_in_between_readings() -> None:
+    engine = Engine()
+    r = route(max_waiting=1)
+    assert engine.flow.admit(r, "a", 1, 1.0) is None  # nothing known yet: not saturated
+    engine.inflight = 9
+    engine.read(running=8, waiting=1)  # runs 8 at once; one waits: saturated (max_waiting 1)
+    assert engine.flow.caps[EP] == 8
+    ticket = engine.flow.admit(r, "a", 1, 1.0)
+    assert ticket is not None and not ticket.future.done()
+    engine.inflight -= 1  # one finished since the reading: the engine's queue is empty again
+    engine.flow.kick("m")
+    assert not ticket.future.done()  # max_waiting 1: none may be left waiting in the engine
+    engine.inflight -= 1  # another one: a free slot
+    engine.flow.kick("m")
+    assert ticket.future.done() and ticket.granted
+
+
+async def test_in_flight_limit_holds_without_engine_signals() -> None:
+    engine = Engine()
+    r = route(max_in_flight=2, max_waiting=0)
+    engine.inflight = 2
+    assert engine.flow.admit(r, "a", 1, 1.0) is not None
+    engine.inflight = 1
+    assert engine.flow.admit(r, "b", 1, 1.0) is not None  # others wait: no overtaking
+    assert engine.flow.depth("m") == 1  # the first was dispatched by the second's arrival
+
+
+async def test_weighted_shares_within_a_band_and_strict_bands() -> None:
+    engine = Engine()
+    r = route(max_in_flight=1, max_waiting=0)
+    engine.inflight = 1
+    tickets = [engine.flow.admit(r, "heavy", 1, 3.0) for _ in range(30)]
+    tickets += [engine.flow.admit(r, "light", 1, 1.0) for _ in range(30)]
+    critical = [engine.flow.admit(r, "light", 0, 1.0) for _ in range(3)]
+    assert all(t is not None for t in tickets + critical)
+    held = [t for t in tickets + critical if t is not None]
+    order = await dispatched(engine.flow, r, held, engine, 23)
+    assert order[:3] == critical  # the critical band first, whoever its tenant
+    shares = Counter(t.tenant for t in order[3:])
+    assert shares == {"heavy": 15, "light": 5}  # weight 3 : 1
+
+
+async def test_full_queue_sheds_lowest_band_first_and_the_heaviest_tenant_within_a_band() -> None:
+    engine = Engine()
+    r = route(max_queue=4, max_in_flight=1, max_waiting=0)
+    engine.inflight = 1
+    low = [engine.flow.admit(r, "a", 2, 1.0) for _ in range(2)]
+    std = [engine.flow.admit(r, "a", 1, 1.0) for _ in range(2)]
+    # full: a standard request takes the place of the newest sheddable one
+    engine.flow.admit(r, "b", 1, 1.0)
+    assert low[1] is not None and isinstance(low[1].future.exception(), Shed)
+    assert low[1].future.exception().status == 503  # type: ignore[union-attr]
+    engine.flow.admit(r, "b", 1, 1.0)  # and the next one the last sheddable one
+    assert low[0] is not None and low[0].future.done()
+    # full of standard requests: tenant a (2 held) and b (2 held); a third from b is over its share
+    with pytest.raises(Shed) as info:
+        engine.flow.admit(r, "b", 1, 1.0)
+    assert info.value.status == 429 and info.value.code == "over_share"
+    # a sheddable request below everything held: the model cannot take it
+    with pytest.raises(Shed) as info:
+        engine.flow.admit(r, "c", 2, 1.0)
+    assert info.value.status == 503
+    assert all(t is not None and not t.future.done() for t in std)
+
+
+async def test_a_held_request_times_out_and_leaves_the_queue() -> None:
+    engine = Engine()
+    r = route(max_in_flight=1, max_waiting=0, timeout_ms=50)
+    engine.inflight = 1
+    ticket = engine.flow.admit(r, "a", 1, 1.0)
+    assert ticket is not None
+    with pytest.raises(Shed) as info:
+        await engine.flow.wait(r, ticket, asyncio.get_running_loop().time() + 0.05)
+    assert info.value.code == "queue_timeout" and engine.flow.depth("m") == 0
+
+
+def test_token_budget_window_and_usage_of_json_and_sse_responses() -> None:
+    from wakegate.extproc.budget import TokenBudgets, Usage
+
+    now = [1000.0]
+    budgets = TokenBudgets(clock=lambda: now[0])
+    budgets.add("t", 40)
+    now[0] += 30
+    budgets.add("t", 30)
+    assert budgets.retry_after("t", 100) == 0 and budgets.retry_after("u", 1) == 0
+    assert budgets.retry_after("t", 70) == pytest.approx(30)  # the first 40 leave the window then
+    now[0] += 31
+    assert budgets.used("t") == 30
+    body = Usage("t")
+    body.feed(b'{"choices":[],"usage":{"prompt_tokens":7,"total_tokens":19,"completion_tokens":12}}')
+    assert body.tokens() == 19
+    sse = Usage("t")
+    for _ in range(5):
+        sse.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
+    assert sse.tokens() == 5  # no usage in the stream: one per event
+    sse.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n')
+    sse.feed(b"data: [DONE]\n\n")
+    assert sse.tokens() == 8
