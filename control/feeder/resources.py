@@ -340,6 +340,12 @@ class GatewaySettings:
     #: extproc keeps a gateway-wide token bucket (`--global-rps`): every request must meet it, so
     #: no model takes the native path (Envoy's buckets are per model only).
     global_rate_limit: bool = False
+    #: A request whose ext_proc stream fails before extproc decided it (the extproc holding it
+    #: died or stalled) goes through this Envoy again, on the internal listener REPLAY_LISTENER,
+    #: where the other (or the restarted) extproc decides it: the request reached no model server
+    #: yet, so nothing runs twice (`replay_listener`). Needs the bootstrap's internal listener
+    #: extension and REPLAY_CLUSTER: `wakegate up` sets it.
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -644,7 +650,7 @@ _JSON_TO_METADATA_FILTER = {
                         "type": "STRING",
                     },
                 }
-            ]
+            ],
         },
     },
 }
@@ -783,14 +789,22 @@ def _local_replies(rate_limited: bool, key_checks: bool = False) -> dict[str, An
 
 
 def listener(
-    settings: GatewaySettings, native: bool = False, rate_limited: Sequence[RoutedModel] = ()
+    settings: GatewaySettings,
+    native: bool = False,
+    rate_limited: Sequence[RoutedModel] = (),
+    *,
+    replayed: bool = False,
 ) -> listener_pb2.Listener:
-    """The one listener; `native` (may_go_native) adds what native routes need, `rate_limited`
+    """The gateway's listener; `native` (may_go_native) adds what native routes need, `rate_limited`
     (envoy_rate_limited) the buckets of those models, before extproc: a request over its model's
     limit is refused before it could wait for a cold start, as extproc refuses it. Buckets need
     what native routes need (the body's `model` read before extproc, keys checked first), so
-    `rate_limited` alone sets up the listener as `native` does."""
+    `rate_limited` alone sets up the listener as `native` does. `replayed`: the replay listener
+    instead (`replay_listener`)."""
     native = native or bool(rate_limited)
+    # With replay, a failed ext_proc stream lets the request go on to its undecided route, which
+    # sends it through the replay listener (route_configuration); there, a failure is the 503.
+    replays = settings.replay and not replayed
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
         *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
@@ -825,7 +839,7 @@ def listener(
                         },
                     },
                 },
-                "failure_mode_allow": False,
+                "failure_mode_allow": replays,
                 # Bodies are buffered unless the route says the model is named in the request's
                 # headers (route_configuration): a body that arrives while extproc decides on the
                 # headers is then held under the size limit (413 past it). Buffering only once
@@ -842,7 +856,7 @@ def listener(
         ROUTER_FILTER,
     ]
     hcm = {
-        "stat_prefix": "wakegate",
+        "stat_prefix": "wakegate_replayed" if replayed else "wakegate",
         "codec_type": "AUTO",
         "rds": {"route_config_name": ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
         "http_filters": http_filters,
@@ -881,21 +895,38 @@ def listener(
                             if native
                             else []
                         ),
-                        # A client's copy would spare its request extproc's token.
-                        *([{"remove": contract.RATE_COUNTED_HEADER}] if rate_limited else []),
+                        # A client's copy would spare its request extproc's token; on the replay
+                        # listener it is the gateway's own, from the first pass.
+                        *([{"remove": contract.RATE_COUNTED_HEADER}] if rate_limited and not replayed else []),
+                        # Only the gateway's replay route sends a request through again.
+                        *([{"remove": contract.REPLAY_HEADER}] if replays else []),
                     ],
                 },
             }
         ],
         "access_log": [_completion_log(cluster, native) for cluster in settings.access_log_clusters],
     }
+    config = http_listener(LISTENER_NAME, settings.listen_host, settings.listen_port, hcm)
+    if replayed:
+        del config["address"]
+        config.update(name=contract.REPLAY_LISTENER, internal_listener={})
     return _parse(
         listener_pb2.Listener(),
-        {
-            **http_listener(LISTENER_NAME, settings.listen_host, settings.listen_port, hcm),
-            "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
-        },
+        {**config, "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024},
     )
+
+
+def replay_listener(
+    settings: GatewaySettings, native: bool = False, rate_limited: Sequence[RoutedModel] = ()
+) -> listener_pb2.Listener:
+    """The internal listener (reached only from this Envoy, through REPLAY_CLUSTER) a request goes
+    through again when its ext_proc stream failed before extproc decided it: the same filters and
+    routes as the gateway's listener, so the request is checked, decided and held anew by
+    whichever extproc Envoy reaches now. What differs: the gateway's own marks stay on the request
+    (REPLAY_HEADER, which picks the replay route, and RATE_COUNTED_HEADER: its token was taken on
+    the first pass), and a failed ext_proc stream here is the retriable 503 marked unserved,
+    which the first pass's replay route retries (route_configuration)."""
+    return listener(settings, native, rate_limited, replayed=True)
 
 
 _MODEL_HEADER_SET = {"name": contract.MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
@@ -1175,48 +1206,87 @@ def route_configuration(
         catch_all["typed_per_filter_config"] = {**off, **on}
     elif on:
         catch_all["typed_per_filter_config"] = on
+    routes: list[dict[str, Any]] = [
+        {
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
+            },
+            "route": {
+                "cluster_header": contract.CLUSTER_HEADER,
+                "timeout": "0s",
+                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
+            },
+            **({"typed_per_filter_config": {**off, **on}} if off else {}),
+        },
+        # Before extproc has named a cluster: these pick how its filter treats the
+        # body. A model named by the X-Model-ID header or a /model/<name>/ path
+        # needs no body, so it streams through; everything else is buffered.
+        *by_header,
+        *counted_header,
+        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
+        *by_path,
+        *counted_path,
+        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
+        *by_body,
+        *counted_body,
+        *([_bearer_catch_all(keys)] if settings.key_checks and (by_body or counted_body) else []),
+        catch_all,
+    ]
+    # Only this gateway's own replies may say a request reached no model server.
+    unserved: dict[str, Any] = {"response_headers_to_remove": [contract.UNSERVED_HEADER]}
+    if settings.replay:
+        # Dropped from what model servers answer, route by route: a reply the replay listener
+        # made keeps its mark through the first pass's replay route.
+        routes = [
+            {**routes[0], **unserved},
+            {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_REPLAYED]}, "typed_per_filter_config": {**off, **on}},
+            *(_replays(r) if "direct_response" in r else {**r, **unserved} for r in routes[1:]),
+        ]
+        unserved = {}
     return _parse(
         route_pb2.RouteConfiguration(),
         {
             **extra,
-            # Only this gateway's own replies may say a request reached no model server.
-            "response_headers_to_remove": [contract.UNSERVED_HEADER],
+            **unserved,
             "name": ROUTE_NAME,
-            "virtual_hosts": [
-                {
-                    "name": "models",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {
-                                "prefix": "/",
-                                "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
-                            },
-                            "route": {
-                                "cluster_header": contract.CLUSTER_HEADER,
-                                "timeout": "0s",
-                                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
-                            },
-                            **({"typed_per_filter_config": {**off, **on}} if off else {}),
-                        },
-                        # Before extproc has named a cluster: these pick how its filter treats the
-                        # body. A model named by the X-Model-ID header or a /model/<name>/ path
-                        # needs no body, so it streams through; everything else is buffered.
-                        *by_header,
-                        *counted_header,
-                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
-                        *by_path,
-                        *counted_path,
-                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
-                        *by_body,
-                        *counted_body,
-                        *([_bearer_catch_all(keys)] if settings.key_checks and (by_body or counted_body) else []),
-                        catch_all,
-                    ],
-                }
-            ],
+            "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": routes}],
         },
     )
+
+
+_REPLAYED = {"name": contract.REPLAY_HEADER, "present_match": True}
+#: Sends of one request through the replay listener at most. Each one that meets no extproc fails
+#: within milliseconds; with the back-off below they span about 8 s: long enough for `up` to
+#: restart an extproc that died while the other one was gone too.
+REPLAY_ATTEMPTS = 30
+
+
+def _replays(route: dict[str, Any]) -> dict[str, Any]:
+    """An undecided route (one extproc decides on and names the cluster for) that, when it is
+    reached after all, sends the request through the replay listener: that happens only when the
+    request's ext_proc stream failed before extproc decided it (the listener lets such a request
+    go on, `listener`), so no model server has seen it. Retried while the replay listener answers
+    that no extproc could decide it (the unserved mark): each send is decided anew, by whichever
+    extproc answers then. On the replay listener itself, the replayed route above takes the
+    request first (a request is sent through again once at most)."""
+    replayed = {k: v for k, v in route.items() if k != "direct_response"}
+    return {
+        **replayed,
+        "route": {
+            "cluster": contract.REPLAY_CLUSTER,
+            "timeout": "0s",
+            "retry_policy": {
+                "retry_on": "retriable-headers,connect-failure,reset-before-request",
+                "retriable_headers": [{"name": contract.UNSERVED_HEADER, "string_match": {"exact": "1"}}],
+                "num_retries": REPLAY_ATTEMPTS,
+                "retry_back_off": {"base_interval": "0.05s", "max_interval": "0.4s"},
+            },
+        },
+        "request_headers_to_add": [
+            {"header": {"key": contract.REPLAY_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        ],
+    }
 
 
 def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
@@ -1544,6 +1614,7 @@ class BuildMemo:
         #: model key -> (model, settings, counted by Envoy, cluster, load assignment, route)
         self.models: dict[str, tuple[RoutedModel, GatewaySettings, bool, Message, Message, Message]] = {}
         self.listener: tuple[tuple[Any, ...], Message] | None = None
+        self.replay: tuple[tuple[Any, ...], Message] | None = None
         self.routes: tuple[tuple[Any, ...], Message] | None = None
         #: Per-model messages built (not reused) by the last build: what a change cost.
         self.rebuilt = 0
@@ -1616,6 +1687,11 @@ def build(
     memo.listener, the_listener = _memoised(
         memo.listener, (settings, body_metadata, limited), lambda: listener(settings, body_metadata, limited)
     )
+    listeners: dict[str, Message] = {LISTENER_NAME: the_listener}
+    if settings.replay:
+        memo.replay, listeners[contract.REPLAY_LISTENER] = _memoised(
+            memo.replay, (settings, body_metadata, limited), lambda: replay_listener(settings, body_metadata, limited)
+        )
     counted = {m.key for m in limited}
     clusters: dict[str, Message] = {}
     endpoints: dict[str, Message] = {}
@@ -1626,7 +1702,7 @@ def build(
         memo.keep_only({m.key for m in models})
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: the_listener},
+            LISTENER: listeners,
             ROUTE: {ROUTE_NAME: routes},
             # The same mapping as last time where nothing in it changed: a stream can tell at once.
             CLUSTER: memo.same("clusters", clusters),

@@ -200,6 +200,7 @@ class Up:
             native_allowed=True,
             key_checks=settings.api_keys_file is not None,
             global_rate_limit=settings.global_rps > 0,
+            replay=True,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed, self._routed_one)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
