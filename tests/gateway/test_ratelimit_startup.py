@@ -1,9 +1,12 @@
-"""A model's limit holds from the first request `up` serves: one bucket, Envoy's, whichever
-extproc a request reaches (docs/reliability.md). Each start is a fresh `wakegate up`; right
-after it announces itself, 20 requests back to back meet a `burst: 2` model.
+"""A limit holds from the first request `up` serves (docs/reliability.md). Each start is a fresh
+`wakegate up`; right after it announces itself, 20 requests back to back meet a `burst: 2` model,
+or a gateway-wide `--global-rps 2 --global-burst 2`.
 
-Before the buckets were Envoy's, each extproc kept its own, and in the first second after
-"serving on" Envoy sent some requests to the standby: 4 of 20 passed in about 3 starts in 10.
+A model's bucket is Envoy's, whichever extproc a request reaches. The gateway-wide one is the
+active extproc's: it holds because every request goes to that extproc from the start. Before
+Envoy handed health-check verdicts to its workers at once (`update_merge_window: 0s`), the
+first second after "serving on" sent requests to the standby in about 5 starts in 8, and each
+extproc's bucket admitted its own burst.
 """
 
 from __future__ import annotations
@@ -41,5 +44,23 @@ def test_exactly_the_burst_passes_right_after_serving_on(tmp_path: Path, start: 
     finally:
         assert up.stop() == 0, up.log()
     # Under 1 / RATE seconds in all, so the bucket refilled less than one token meanwhile.
+    assert elapsed < 1 / RATE, f"20 requests took {elapsed:.2f}s: the refill could admit more"
+    assert codes == [200] * BURST + [429] * (20 - BURST), codes
+
+
+UNLIMITED = model_doc("plain", extra="  scaling: {min: 1, max: 1}\n")
+
+
+@pytest.mark.parametrize("start", range(STARTS))
+def test_exactly_the_global_burst_passes_right_after_serving_on(tmp_path: Path, start: int) -> None:
+    up = UpProcess(tmp_path, UNLIMITED, "--global-rps", str(RATE), "--global-burst", str(BURST))
+    body = {**BODY, "model": "plain"}
+    try:
+        up.wait_ready({"plain": 1}, timeout=90)
+        began = time.monotonic()
+        codes = [request("POST", f"{up.base_url}/chat/completions", body=body).status for _ in range(20)]
+        elapsed = time.monotonic() - began
+    finally:
+        assert up.stop() == 0, up.log()
     assert elapsed < 1 / RATE, f"20 requests took {elapsed:.2f}s: the refill could admit more"
     assert codes == [200] * BURST + [429] * (20 - BURST), codes
