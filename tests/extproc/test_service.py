@@ -406,6 +406,22 @@ async def test_a_reset_while_held_frees_the_queue_slot() -> None:
     assert gw.cold.depth("waiting") == 0 and gw.in_flight == {}
 
 
+async def test_a_stopping_extproc_answers_its_held_requests_with_the_retriable_unserved_503() -> None:
+    gw = gateway()
+    proc = Processor(gw)
+    held, done = FakeCall(), FakeCall()
+    ProcessCall(proc, held).on_message(headers("/v1/x", **{"x-model-id": "waiting"}).SerializeToString())  # type: ignore[arg-type]
+    ProcessCall(proc, done).on_message(headers("/v1/x", **{"x-model-id": "chat"}).SerializeToString())  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert proc.let_go() == 1
+    status, extra, answer = immediate(held.sent[-1])
+    # Answered, not cut: a cut stream would be sent through the gateway again, to no extproc.
+    assert status == 503 and answer["error"]["code"] == "gateway_unavailable"
+    assert extra["retry-after"] == "1" and extra[contract.UNSERVED_HEADER] == "1" and held.status == (0, "")
+    await asyncio.sleep(0.01)
+    assert gw.cold.depth("waiting") == 0 and proc.holding == set() and len(done.sent) == 1
+
+
 def multipart(value: bytes) -> tuple[ep.ProcessingRequest, ep.ProcessingRequest]:
     form = b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + value + b"\r\n--B--\r\n"
     return headers("/v1/audio/transcriptions", **{"content-type": "multipart/form-data; boundary=B"}), body(form)
