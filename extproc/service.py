@@ -476,7 +476,11 @@ class Processor:
         # Envoy's bucket took the token of a request it counted (it said so, for this model).
         counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
         wait = self.gw.limiter.admit(
-            route.key, rate.requests_per_second or None, rate.burst or None, counted_elsewhere=counted
+            route.key,
+            rate.requests_per_second or None,
+            rate.burst or None,
+            counted_elsewhere=counted,
+            global_counted_elsewhere=counted and rate.global_counted_by_envoy,
         )
         if wait > 0:
             return self._reject(

@@ -340,6 +340,11 @@ class GatewaySettings:
     #: extproc keeps a gateway-wide token bucket (`--global-rps`): every request must meet it, so
     #: no model takes the native path (Envoy's buckets are per model only).
     global_rate_limit: bool = False
+    #: The gateway-wide bucket (`--global-rps`, `--global-burst`; 0: none) kept in Envoy's local
+    #: rate limit for every request a counted route names the model of (envoy_rate_limited): one
+    #: bucket whichever extproc a request reaches. extproc keeps its own for the rest.
+    global_rps: float = 0.0
+    global_burst: float = 0.0
     #: A request whose ext_proc stream fails before extproc decided it (the extproc holding it
     #: died or stalled) goes through this Envoy again, on the internal listener REPLAY_LISTENER,
     #: where the other (or the restarted) extproc decides it: the request reached no model server
@@ -686,7 +691,13 @@ def envoy_rate_limited(models: Iterable[RoutedModel], settings: GatewaySettings)
     model wakes or sleeps."""
     if not settings.native_allowed:
         return ()
-    limited = (m for m in models if m.requests_per_second > 0 and not (m.adapters or m.lora_adapters))
+    # With the gateway-wide bucket in Envoy every model's requests draw from it (a model without
+    # a limit of its own: the global bucket only).
+    limited = (
+        m
+        for m in models
+        if (m.requests_per_second > 0 or settings.global_rps > 0) and not (m.adapters or m.lora_adapters)
+    )
     return tuple(sorted(limited, key=lambda m: m.key))
 
 
@@ -713,18 +724,57 @@ def refused_retry_after(rate: float) -> str:
     return str(max(1, math.ceil(1 / rate - 1e-9)))
 
 
-def _rate_limit_metadata(model: RoutedModel) -> dict[str, Any]:
+def _rate_limit_metadata(model: RoutedModel, global_rps: float = 0.0) -> dict[str, Any]:
+    """The buckets a route draws from: the model's where it has a limit (`model`), the gateway-wide
+    one where Envoy keeps it (`global`); a refusal's Retry-After is the slower bucket's."""
+    rates = [rate for rate in (model.requests_per_second, global_rps) if rate > 0]
+    found: dict[str, str] = {"retry_after": refused_retry_after(min(rates))}
+    if model.requests_per_second > 0:
+        found["model"] = model.key
+    if global_rps > 0:
+        found["global"] = _GLOBAL
+    return {"filter_metadata": {RATE_LIMIT_METADATA: found}}
+
+
+#: The descriptor value of the gateway-wide bucket (`--global-rps`) in Envoy's local rate limit.
+_GLOBAL = "all"
+_GLOBAL_DESCRIPTOR = "wakegate_global"
+
+
+def _descriptor_of(key: str, descriptor: str) -> dict[str, Any]:
+    """A rate_limits entry: the descriptor `descriptor` valued with the route's metadata `key` (none
+    for a route without it)."""
     return {
-        "filter_metadata": {
-            RATE_LIMIT_METADATA: {"model": model.key, "retry_after": refused_retry_after(model.requests_per_second)}
-        }
+        "actions": [
+            {
+                "metadata": {
+                    "descriptor_key": descriptor,
+                    "metadata_key": {"key": RATE_LIMIT_METADATA, "path": [{"key": key}]},
+                    "source": "ROUTE_ENTRY",
+                }
+            }
+        ]
     }
 
 
-def _local_rate_limit(limited: Sequence[RoutedModel]) -> dict[str, Any]:
-    """Envoy's local rate limit with one bucket per model of `limited`, shared by every route whose
-    metadata names the model (native and decided alike); requests of other routes take no token.
-    Its 429 is shaped by the local reply mapper (`RATE_LIMITED_REPLY`)."""
+def _local_rate_limit(limited: Sequence[RoutedModel], settings: GatewaySettings) -> dict[str, Any]:
+    """Envoy's local rate limit with one bucket per model of `limited` that has a limit, shared by
+    every route whose metadata names the model (native and decided alike), and the gateway-wide
+    bucket where `settings` put it here, shared by every route whose metadata says `global`;
+    requests of other routes take no token. Envoy tries the slower bucket first: a request it
+    refuses takes nothing from the other. Its 429 is shaped by the local reply mapper
+    (`RATE_LIMITED_REPLY`)."""
+    has_global = settings.global_rps > 0
+    glob = (
+        [
+            {
+                "entries": [{"key": _GLOBAL_DESCRIPTOR, "value": _GLOBAL}],
+                "token_bucket": token_bucket(settings.global_rps, settings.global_burst),
+            }
+        ]
+        if has_global
+        else []
+    )
     return {
         "name": LOCAL_RATE_LIMIT,
         "typed_config": {
@@ -734,24 +784,19 @@ def _local_rate_limit(limited: Sequence[RoutedModel]) -> dict[str, Any]:
             "filter_enforced": _ALWAYS,
             "always_consume_default_token_bucket": False,
             "rate_limits": [
-                {
-                    "actions": [
-                        {
-                            "metadata": {
-                                "descriptor_key": _RATE_LIMIT_DESCRIPTOR,
-                                "metadata_key": {"key": RATE_LIMIT_METADATA, "path": [{"key": "model"}]},
-                                "source": "ROUTE_ENTRY",
-                            }
-                        }
-                    ]
-                }
+                _descriptor_of("model", _RATE_LIMIT_DESCRIPTOR),
+                *([_descriptor_of("global", _GLOBAL_DESCRIPTOR)] if has_global else []),
             ],
             "descriptors": [
-                {
-                    "entries": [{"key": _RATE_LIMIT_DESCRIPTOR, "value": m.key}],
-                    "token_bucket": token_bucket(m.requests_per_second, m.burst),
-                }
-                for m in limited
+                *(
+                    {
+                        "entries": [{"key": _RATE_LIMIT_DESCRIPTOR, "value": m.key}],
+                        "token_bucket": token_bucket(m.requests_per_second, m.burst),
+                    }
+                    for m in limited
+                    if m.requests_per_second > 0
+                ),
+                *glob,
             ],
             "response_headers_to_add": [
                 {
@@ -808,7 +853,7 @@ def listener(
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
         *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
-        *([_local_rate_limit(rate_limited), _HEADER_MUTATION_FILTER] if rate_limited else []),
+        *([_local_rate_limit(rate_limited, settings), _HEADER_MUTATION_FILTER] if rate_limited else []),
         {
             "name": "envoy.filters.http.ext_proc",
             # With native routes, off unless the route turns it on (every route but the native
@@ -1114,9 +1159,11 @@ def _counted(
     match: dict[str, Any],
     per_filter: dict[str, Any],
     keys: Sequence[GatewayKey] | None = None,
+    global_rps: float = 0.0,
 ) -> dict[str, Any]:
     """A decided route (extproc decides, as on the catch-all) that draws the request's token from the
-    model's bucket in Envoy and tells extproc so (RATE_COUNTED_HEADER). With `keys` it takes only
+    model's bucket in Envoy (and the gateway-wide one, with `global_rps`) and tells extproc so
+    (RATE_COUNTED_HEADER). With `keys` it takes only
     the Bearer form and Envoy checks the key and its scope first (a request refused for its key
     spends no token); the key stays on the request, for extproc's own check."""
     if keys is not None:
@@ -1137,7 +1184,7 @@ def _counted(
     return {
         **_NO_ROUTE,
         "name": name,
-        "metadata": _rate_limit_metadata(model),
+        "metadata": _rate_limit_metadata(model, global_rps),
         "match": match,
         "typed_per_filter_config": {
             **_EXTPROC_ON,
@@ -1150,7 +1197,10 @@ def _counted(
 
 
 def _counted_routes(
-    limited: Sequence[RoutedModel], native: AbstractSet[str], keys: Sequence[GatewayKey] | None = None
+    limited: Sequence[RoutedModel],
+    native: AbstractSet[str],
+    keys: Sequence[GatewayKey] | None = None,
+    global_rps: float = 0.0,
 ) -> tuple[list[Any], list[Any], list[Any]]:
     """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) decided routes of the models
     whose bucket Envoy keeps, for every name, each kind right after its native twins: the POSTs
@@ -1162,11 +1212,12 @@ def _counted_routes(
         warm = m.key in native
         for name in _routable_names(m, keys):  # extproc counts the others
             if not warm:  # a warm model's native routes take these
-                by_header.append(_counted(m, name, _by_header(name), _STREAM_BODY["typed_per_filter_config"], keys))
+                streamed = _STREAM_BODY["typed_per_filter_config"]
+                by_header.append(_counted(m, name, _by_header(name), streamed, keys, global_rps))
                 if _PLAIN_NAME.fullmatch(name):
-                    by_path.append(_counted(m, name, _by_path(name), _STREAM_BODY["typed_per_filter_config"], keys))
+                    by_path.append(_counted(m, name, _by_path(name), streamed, keys, global_rps))
             if not (warm and name == m.served_name):
-                by_body.append(_counted(m, name, _by_body(name), {}, keys))
+                by_body.append(_counted(m, name, _by_body(name), {}, keys, global_rps))
     return by_header, by_path, by_body
 
 
@@ -1195,7 +1246,9 @@ def route_configuration(
         ]
     checked = keys if settings.key_checks else None
     by_header, by_path, by_body = _native_routes(native, checked, {m.key for m in rate_limited})
-    counted_header, counted_path, counted_body = _counted_routes(rate_limited, {m.key for m in native}, checked)
+    counted_header, counted_path, counted_body = _counted_routes(
+        rate_limited, {m.key for m in native}, checked, settings.global_rps
+    )
     stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     # With native routes possible, extproc is off in the listener unless a route turns it on.
     on = _EXTPROC_ON if off else {}
@@ -1539,8 +1592,11 @@ def _endpoint_authorization() -> dict[str, Any]:
     }
 
 
-def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_pb2.ModelRoute:
-    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited).
+def model_route(
+    model: RoutedModel, counted_by_envoy: bool = False, global_counted: bool = False
+) -> routing_pb2.ModelRoute:
+    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited),
+    and with `global_counted` the gateway-wide one for the same requests.
 
     An adapter's holders are only those among the route's endpoints: a gateway whose Envoy has
     not confirmed an endpoint yet (`for_gateway`) sees neither the endpoint nor it as a holder."""
@@ -1573,7 +1629,10 @@ def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_p
         kv_events_replay_offset=model.kv_events_replay_offset,
         fallback_endpoints=model.fallback_endpoints,
         rate_limit=routing_pb2.RateLimit(
-            requests_per_second=model.requests_per_second, burst=model.burst, counted_by_envoy=counted_by_envoy
+            requests_per_second=model.requests_per_second,
+            burst=model.burst,
+            counted_by_envoy=counted_by_envoy,
+            global_counted_by_envoy=counted_by_envoy and global_counted,
         ),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(
@@ -1630,7 +1689,7 @@ class BuildMemo:
         ):
             return found[3], found[4], found[5]
         self.rebuilt += 1
-        made = (model_cluster(m, settings), load_assignment(m), model_route(m, counted))
+        made = (model_cluster(m, settings), load_assignment(m), model_route(m, counted, settings.global_rps > 0))
         self.models[m.key] = (m, settings, counted, *made)
         return made
 
@@ -1774,8 +1833,10 @@ def for_gateway(
                 if routes is None:
                     routes = dict(base_routes)
                 allowed = tuple(e for e in m.endpoints if e in have)
-                counted = base_routes[m.key].rate_limit.counted_by_envoy  # type: ignore[attr-defined]
-                routes[m.key] = model_route(replace(m, endpoints=allowed), counted)
+                rate = base_routes[m.key].rate_limit  # type: ignore[attr-defined]
+                routes[m.key] = model_route(
+                    replace(m, endpoints=allowed), rate.counted_by_envoy, rate.global_counted_by_envoy
+                )
     if settings is not None and base.native:
         native = frozenset(
             m.key
