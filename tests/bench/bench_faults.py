@@ -69,8 +69,13 @@ def table(records: dict[str, list[Record]]) -> str:
         failed = _median_worst([r.probes_failed for r in runs], max(r.probes_failed for r in runs))
         probes = int(statistics.median(r.probes_after_fault for r in runs))
         recover = _median_worst([r.recovery_seconds for r in runs], max(r.recovery_seconds for r in runs))
-        beyond = _median_worst(
-            [r.held_beyond_start_seconds for r in runs], max(r.held_beyond_start_seconds for r in runs)
+        served = [r for r in runs if r.held_ok]  # how long held requests waited, where any got 200
+        beyond = (
+            _median_worst(
+                [r.held_beyond_start_seconds for r in served], max(r.held_beyond_start_seconds for r in served)
+            )
+            if served
+            else "-"
         )
         slowest = _median_worst([r.slowest_probe_seconds for r in runs], max(r.slowest_probe_seconds for r in runs))
         held = f"{ok} got 200, {retriable} got 503 retriable (of {first.held})"
