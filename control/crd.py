@@ -117,6 +117,8 @@ STATUS_SCHEMA: dict[str, Any] = {
         # Which path warm requests take (docs/decisions.md, "The native path"), and why not native.
         "routingPath": {"type": "string", "enum": ["native", "decided"]},
         "routingPathReason": {"type": "string"},
+        # spec.source with the digest its oci:// tag named when the operator resolved it: what pods load.
+        "pinnedSource": {"type": "string"},
         "observedGeneration": {"type": "integer"},
         "conditions": CONDITIONS_SCHEMA,
     },

@@ -322,8 +322,9 @@ class CacheSettings(_Spec):
     strategy: CacheStrategy = Field(CacheStrategy.NONE, description="How the weights reach the engine.")
     flash: bool = Field(
         False,
-        description="Stage the cached weights into fast storage (tmpfs) before the engine starts, "
-        "checking every block on the way (`wakegate flash-load`).",
+        description="`wakegate up` only: stage the cached weights into fast storage (tmpfs, `--flash-dir`) "
+        "before the engine starts, checking every block on the way (as `wakegate flash-load` does). Ignored on "
+        "a cluster: the pod reads the node-cache entry or the source in place.",
     )
 
 

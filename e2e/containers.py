@@ -52,22 +52,38 @@ def exit_reason(code: int) -> tuple[int, str]:
     return code, "Completed" if code == 0 else "Error"
 
 
-def container_preexec(netns: str | None) -> Callable[[], None]:
-    """Tie the child to the agent (PR_SET_PDEATHSIG), then move it into the node's namespace.
+def container_preexec(netns: str | None, binds: list[tuple[str, str, bool]] | None = None) -> Callable[[], None]:
+    """Tie the child to the agent (PR_SET_PDEATHSIG), then move it into the node's namespace,
+    and with `binds` ((host path, mount path, read only)) into a mount namespace of its own with
+    those bound.
 
     setns in the forked child keeps the PID (containerID e2e://PID, signals to its
     group) the real process; the agent itself stays in the root namespace.
     """
     tie = die_with_parent()
-    if netns is None:
+    if netns is None and not binds:
         return tie
-    enter = net.netns_preexec(netns)
+    enter = net.netns_preexec(netns) if netns is not None else None
 
     def preexec() -> None:
         tie()
-        enter()
+        if enter is not None:
+            enter()
+        if binds:
+            net.bind_mounts(binds)
 
     return preexec
+
+
+def _mount_points(paths: list[str]) -> list[Path]:
+    """Make the folders `paths` need to be mounted on; returns those made (parents first)."""
+    made: list[Path] = []
+    for path in paths:
+        missing = [p for p in [Path(path), *Path(path).parents] if not p.exists()]
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+    return made
 
 
 class PodHost(Protocol):
@@ -181,7 +197,8 @@ class Container:
             if self.ran:
                 self.restart_count += 1
             started_at = time.monotonic()
-            code = await self._run_once(argv, env, ctx)
+            binds = self._binds() if recipe in images.REAL_MOUNTS else []
+            code = await self._run_once(argv, env, ctx, binds)
             if self._stopping.is_set():
                 break
             self.exit_code = code
@@ -210,6 +227,15 @@ class Container:
             mounts=[*self._host_mounts(), *(volumes or [])],
         )
 
+    def _binds(self) -> list[tuple[str, str, bool]]:
+        """(host path, mount path, read only) of the container's hostPath volumes."""
+        volumes = {v["name"]: v for v in self.pod.pod["spec"].get("volumes") or []}
+        return [
+            (volumes[m["name"]]["hostPath"]["path"], m["mountPath"], bool(m.get("readOnly")))
+            for m in self.spec.get("volumeMounts") or []
+            if "hostPath" in volumes.get(m["name"], {})
+        ]
+
     def _host_mounts(self) -> list[tuple[str, str]]:
         """(mountPath, host path) of the container's hostPath volumes; other volume kinds are not run here."""
         volumes = {v["name"]: v for v in self.pod.pod["spec"].get("volumes") or []}
@@ -220,8 +246,28 @@ class Container:
                 mounts.append((mount["mountPath"], volume["hostPath"]["path"]))
         return mounts
 
-    async def _run_once(self, argv: list[str], env: dict[str, str], ctx: images.ContainerContext) -> int:
-        """Start the process, probe it, and return its exit status (negative: signal)."""
+    async def _run_once(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        ctx: images.ContainerContext,
+        binds: list[tuple[str, str, bool]] | None = None,
+    ) -> int:
+        """Start the process, probe it, and return its exit status (negative: signal).
+
+        With `binds`, the process runs in a mount namespace of its own with the hostPath volumes
+        bound at their mount paths (empty folders made for them on the host are removed after)."""
+        made = _mount_points([path for _, path, _ in binds or []])
+        try:
+            return await self._run_process(argv, env, binds)
+        finally:
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+    async def _run_process(
+        self, argv: list[str], env: dict[str, str], binds: list[tuple[str, str, bool]] | None
+    ) -> int:
         logfile = self.pod.dir / f"{self.name}.log"
         if not self._stopping.is_set():
             # A stop() that raced with start-up keeps its kill request.
@@ -233,7 +279,7 @@ class Container:
                 self.proc = await asyncio.create_subprocess_exec(
                     *argv, env=env, cwd=str(self.pod.dir), stdin=asyncio.subprocess.DEVNULL,
                     stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=container_preexec(self.pod.netns),
+                    preexec_fn=container_preexec(self.pod.netns, binds),
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 self.ran = True

@@ -166,6 +166,12 @@ IMAGES: dict[str, Recipe] = {
 }
 
 
+#: Recipes whose processes are told paths while they run (vLLM's adapter loads name a folder in
+#: the pod): they run in a mount namespace of their own with the pod's hostPath volumes bound at
+#: their mount paths, as a container runtime mounts them (e2e/containers.py).
+REAL_MOUNTS: frozenset[Recipe] = frozenset({vllm_image})
+
+
 def repository(image: str) -> str:
     """`ghcr.io/wakegate/sim:1.2@sha256:...` -> `ghcr.io/wakegate/sim`."""
     name = image.split("@", 1)[0]

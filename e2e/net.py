@@ -177,6 +177,31 @@ def _setns(path: Path) -> None:
         os.close(fd)
 
 
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+
+
+def _mount(source: str | None, target: str, flags: int) -> None:
+    src = source.encode() if source is not None else b"none"
+    if _libc.mount(src, target.encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount({source}, {target}): {os.strerror(err)}")
+
+
+def bind_mounts(mounts: list[tuple[str, str, bool]]) -> None:
+    """In the calling process: a mount namespace of its own, with each (host path, path, read
+    only) bound there, as a container runtime mounts a pod's hostPath volumes. Nothing changes
+    for the host: the namespace's mounts are private (the paths must exist)."""
+    if _libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
+    _mount(None, "/", _MS_REC | _MS_PRIVATE)
+    for host, path, read_only in mounts:
+        _mount(host, path, _MS_BIND | _MS_REC)
+        if read_only:
+            _mount(None, path, _MS_BIND | _MS_REMOUNT | _MS_RDONLY)
+
+
 def netns_preexec(name: str) -> Callable[[], None]:
     """A preexec_fn that moves the child into namespace `name` (the child keeps its PID)."""
     path = NETNS_DIR / name

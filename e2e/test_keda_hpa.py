@@ -47,6 +47,7 @@ from e2e.test_helm import (
     run_helm,
     values_file,
 )
+from tests.support.required import missing
 from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -63,7 +64,7 @@ TTFT_MS = 1500
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for binary in (kedaprocs.OPERATOR_BIN, kedaprocs.ADAPTER_BIN):
         if not binary.exists():
-            pytest.skip(f"{binary} is not built (e2e/keda/build.sh, e2e/keda/build.sh adapter)")
+            missing(f"{binary} is not built (e2e/keda/build.sh, e2e/keda/build.sh adapter)")
     own = Cluster(tmp_path_factory.mktemp("keda-cluster"), nodes=2)
     own.start()
     try:

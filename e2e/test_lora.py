@@ -14,6 +14,10 @@
   `POST /v1/load_lora_adapter`, at most `maxAdapters`, before the pod's readiness gate lets it be
   routed; the next one is refused with the reason; an adapter request through the gateway reaches
   the engine by the adapter's name, also the first one, which wakes a base at zero.
+- Real vLLM (the CPU install e2e/engines.py keeps) from a generated Hugging Face folder, with a
+  PEFT adapter folder on the node: the adapter's first request wakes the base, the operator loads
+  the adapter by its path in the pod (the harness binds hostPath volumes for vLLM, which is told
+  paths while it runs) before the readiness gate opens, and the adapter's answers are its own.
 
 The operator and the feeder run with service-account tokens holding exactly the chart's rules
 (`OPERATOR_RULES`, `XDS_RULES`), so what they do here is what the chart lets them do.
@@ -50,6 +54,7 @@ from e2e.gateway import (
 from e2e.helpers import Kube, is_ready, wait_for
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_lora, write_model
+from tests.support.required import missing
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import GATE_ADAPTERS
@@ -210,7 +215,7 @@ def _ready_pods(kube: Kube, model: str) -> list[Any]:
 
 def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(served: Served, tmp_path: Path) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     kube, gateway = served.kube, served.gateway
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -290,7 +295,7 @@ def test_two_adapters_of_a_llama_cpp_base_each_answer_with_their_own_weights(ser
 
 def test_an_adapter_request_wakes_its_base_from_zero_once(served: Served, tmp_path: Path) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     kube = served.kube
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -392,3 +397,58 @@ def test_the_first_request_for_a_vllm_adapter_of_a_base_at_zero_finds_it_loaded(
     code, body = ask(served.gateway.url, "delta", timeout=90)
     assert code == 200 and body["model"] == "delta", f"{body}\n{served.logs()}"
     assert served.scaler.tail(400).count(f"scaled {kube.ns}/burst to 1 replicas") == 1
+
+
+def test_a_real_vllm_base_at_zero_loads_its_adapter_behind_the_readiness_gate(served: Served, tmp_path: Path) -> None:
+    """Real vLLM (the CPU install e2e/engines.py keeps) as a pod from a generated Hugging Face
+    folder on the node, and a LoRAAdapter of it (a PEFT folder on the node). The first request,
+    for the adapter, wakes the base from zero; the operator loads the adapter through vLLM's own
+    API (the pod's mount path, bound as a container runtime would) before the readiness gate lets
+    the pod be routed, so that request is answered by the adapter; the base answers differently,
+    and the adapter's answer is the same every time."""
+    from e2e import engines, hfmodel
+    from wakegate.control.backends import BACKENDS, Image
+    from wakegate.control.runtimes import runtime_for
+
+    try:
+        engines.ensure("vllm")
+    except engines.ToolchainMissing as exc:
+        missing(str(exc))
+    kube = served.kube
+    spec = hfmodel.HFModelSpec(seed=0)
+    base = hfmodel.write_model(tmp_path / "node" / "tiny", spec)
+    adapter = hfmodel.write_lora(tmp_path / "node" / "sql", spec, seed=11)
+    # vLLM's runtime as the plugin renders it, for a CPU image (the shipped ones are CUDA and ROCm).
+    runtime = runtime_for(BACKENDS["vllm"], Image("cpu", "vllm/vllm-openai:latest"))
+    runtime_name = f"vllm-cpu-{kube.ns}"  # InferenceRuntimes are cluster-wide
+    runtime["metadata"] = {"name": runtime_name}
+    kube.custom.create_cluster_custom_object(GROUP, VERSION, "inferenceruntimes", runtime)
+    try:
+        _vllm_adapter_round(served, base, adapter, runtime_name)
+    finally:
+        kube.custom.delete_cluster_custom_object(GROUP, VERSION, "inferenceruntimes", runtime_name)
+
+
+def _vllm_adapter_round(served: Served, base: Path, adapter: Path, runtime: str) -> None:
+    kube = served.kube
+    create(kube, "models", "vbase", {
+        "backend": "vllm", "source": f"file://{base}", "runtimeRef": {"name": runtime},
+        "args": ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
+        "adapters": {"maxAdapters": 1},
+        "scaling": {"min": 0, "max": 1, "engine": "builtin", "idleTimeout": 600, "activationTimeout": 400},
+    })
+    create(kube, "loraadapters", "vsql", {"baseModel": "vbase", "source": f"file://{adapter}"})
+    settled(served, "vbase")
+    wait_for(lambda: ask(served.gateway.url, "nothing-here")[0] == 404, 30, "the gateway routing")
+    started = time.monotonic()
+    first = text(ask(served.gateway.url, "vsql", timeout=450))
+    print(f"lora e2e: vLLM base woken for its adapter, answered in {time.monotonic() - started:.1f} s")
+    (pod,) = _ready_pods(kube, "vbase")
+    assert [g.condition_type for g in pod.spec.readiness_gates] == [GATE_ADAPTERS]
+    engine = f"http://{pod.status.pod_ip}:{pod.spec.containers[0].ports[0].container_port}"
+    listed = json.loads(urllib.request.urlopen(f"{engine}/v1/models", timeout=10).read())
+    assert "vsql" in {m["id"] for m in listed["data"]}, listed
+    assert status(kube, "loraadapters", "vsql")["ready"] == "True"
+    answers = [text(ask(served.gateway.url, m, timeout=120)) for m in ("vbase", "vsql", "vbase", "vsql")]
+    assert answers[1] == answers[3] == first and answers[0] == answers[2] != first, answers
+    assert served.scaler.tail(400).count(f"scaled {kube.ns}/vbase to 1 replicas") == 1

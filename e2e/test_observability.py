@@ -70,9 +70,17 @@ from tests.support.prometheus import (
     file_sd,
     workload,
 )
+from tests.support.required import missing
 from wakegate.v1 import demand_pb2, demand_pb2_grpc
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not available(), reason=MISSING)]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _prometheus_installed() -> None:
+    if not available():
+        missing(MISSING)
+
 
 GROUP, VERSION = "wakegate.io", "v1alpha1"
 ALL_KEY, WARM_KEY = "sk-e2e-everything-0123", "sk-e2e-warm-only-4567"
@@ -391,12 +399,13 @@ def test_every_panel_returns_data_and_every_alert_evaluates_on_a_cluster(
         print("cold start of models/cold on the cluster (s):", stages)
 
 
-@pytest.mark.skipif(not LLAMA, reason="llama-server is not built in e2e/.bin (python -m e2e.engines llama-server)")
 def test_llama_cpp_signals_reach_the_model_dashboard(
     install: dict[str, Any], prometheus: tuple[Prometheus, Monitors]
 ) -> None:
     """The backend PodMonitor scrapes the llama.cpp pod at its runtime's metrics path, and the Model
     dashboard's engine panels (in flight, token throughput) show llama.cpp's own series for it."""
+    if not LLAMA:
+        missing("llama-server is not built in e2e/.bin (python -m e2e.engines llama-server)")
     prom, _ = prometheus
     url = f"{install['gateway']}/v1/chat/completions"
     body = {"model": "llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -30,6 +30,8 @@ from e2e.helpers import Kube, wait_for
 from e2e.procs import Proc
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
+from wakegate.control.operator import render as operator_render
+from wakegate.control.operator import status as operator_status
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP, result_key
 
 pytestmark = pytest.mark.e2e
@@ -257,8 +259,6 @@ def test_schedulable_condition_carries_the_extenders_reasons(placement: Placemen
     Running the whole operator here would need its own harness; its pure status function
     is what turns the pod's PodScheduled=False condition into the Model's Schedulable one.
     """
-    status_module = pytest.importorskip("wakegate.control.operator.status")
-    render_module = pytest.importorskip("wakegate.control.operator.render")
     wait_for(lambda: labelled(gkube), 30, "agent labels on the GPU nodes")
     gkube.core.create_namespaced_pod(gkube.ns, gpu_pod("big", "m4", vram=500000))
 
@@ -267,13 +267,13 @@ def test_schedulable_condition_carries_the_extenders_reasons(placement: Placemen
         return any(c.type == "PodScheduled" and c.status == "False" for c in pod.status.conditions or []) and pod
 
     pod = gkube.api.sanitize_for_serialization(wait_for(unschedulable, 30, "PodScheduled=False on big"))
-    observed = status_module.Observed(
+    observed = operator_status.Observed(
         generation=1,
         deployment={"spec": {"replicas": 1}, "status": {}},
         pods=[pod],
-        autoscaling=render_module.Condition("Autoscaling", "True", "Builtin"),
+        autoscaling=operator_render.Condition("Autoscaling", "True", "Builtin"),
     )
-    status = status_module.compute(observed, {}, "2026-01-01T00:00:00Z")
+    status = operator_status.compute(observed, {}, "2026-01-01T00:00:00Z")
     schedulable = next(c for c in status["conditions"] if c["type"] == "Schedulable")
     assert schedulable["status"] == "False" and schedulable["reason"] == "Unschedulable"
     assert "free VRAM 320000 MiB < 500000 MiB needed" in schedulable["message"]

@@ -41,6 +41,7 @@ from e2e.helpers import Kube, is_ready, wait_for
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_model
 from e2e.tools.registry import Registry, start_registry
+from tests.support.required import missing
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 
@@ -222,7 +223,7 @@ def llama_model(source: str, **extra: Any) -> dict[str, Any]:
 
 def test_modelcache_prewarms_the_node_and_the_model_serves_from_it(prewarm: Prewarm, pkube: Kube) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     create(pkube, "models", "tiny", llama_model(source, nodeSelector={"pool": "warm"}))
     cache = names.owned_cache_name("tiny")
@@ -243,7 +244,10 @@ def test_modelcache_prewarms_the_node_and_the_model_serves_from_it(prewarm: Prew
     wait_for(lambda: (get(pkube, "modelcaches", cache).get("status") or {}).get("ready") == "1/1", 30, "1/1 ready")
     header, *rows = kubectl_get(pkube, "modelcaches")
     assert header == ["NAME", "SOURCE", "READY", "REASON", "AGE"]
-    assert rows[0][:4] == [cache, source, "1/1", "Ready"]
+    # The operator pinned the tag to the digest it named (status.pinnedSource), and its ModelCache
+    # names that digest: a tag moved later changes nothing here.
+    assert get(pkube, "models", "tiny")["status"]["pinnedSource"] == f"{source}@{digest}"
+    assert rows[0][:4] == [cache, f"{source}@{digest}", "1/1", "Ready"]
     wait_for(lambda: names.cache_label(digest) in node_labels(pkube, WARM), 30, "the warm node's cache label")
     assert not any(k.startswith(names.NODE_CACHE_PREFIX) for k in node_labels(pkube, COLD))
 
@@ -308,7 +312,7 @@ def test_the_extender_prefers_the_node_holding_the_weights(prewarm: Prewarm, pku
 
 def test_cache_node_runs_where_a_modelcache_of_yours_has_the_weights(prewarm: Prewarm, pkube: Kube) -> None:
     if not LLAMA_SERVER.exists():
-        pytest.skip(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
+        missing(f"{LLAMA_SERVER} is not built (python -m e2e.engines llama-server)")
     source = _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
     create(pkube, "modelcaches", "warm-pool", {"sources": [source], "nodeSelector": {"pool": "warm"}})
     create(pkube, "models", "nodal", {**llama_model(source), "cache": {"strategy": "node"}})
@@ -325,7 +329,19 @@ def test_cache_node_runs_where_a_modelcache_of_yours_has_the_weights(prewarm: Pr
 
 def test_a_bad_reference_is_prewarm_failed_with_the_reason(prewarm: Prewarm, pkube: Kube) -> None:
     _push(prewarm.registry, prewarm.work, "models/tiny:v1", seed=1)
-    source = f"oci://{prewarm.registry.host}/models/tiny:nope"
+    # A tag the registry does not have: the operator cannot pin it, so nothing is rendered from it.
+    create(pkube, "models", "no-tag", llama_model(f"oci://{prewarm.registry.host}/models/tiny:nope"))
+
+    def unresolved() -> dict[str, Any] | None:
+        found = condition(pkube, "no-tag", "Ready")
+        return found if found.get("reason") == "not_found" else None
+
+    no_tag = wait_for(unresolved, 30, f"Ready=False not_found on no-tag\n{prewarm.logs()}")
+    assert no_tag is not None and "nope" in no_tag["message"]
+    assert get(pkube, "modelcaches", names.owned_cache_name("no-tag")) == {}, "nothing to pull before the pin"
+    # A digest no node can pull: each node's agent says why, and the Model waits for none of them.
+    nope = "sha256:" + "0" * 64
+    source = f"oci://{prewarm.registry.host}/models/tiny@{nope}"
     create(pkube, "models", "broken", llama_model(source))
     cache = names.owned_cache_name("broken")
     def failed_on_both() -> dict[str, dict[str, Any]] | None:
@@ -336,7 +352,7 @@ def test_a_bad_reference_is_prewarm_failed_with_the_reason(prewarm: Prewarm, pku
 
     assert failed is not None
     assert {e["reason"] for e in failed.values()} == {"not_found"}
-    assert "nope" in failed[WARM]["message"]
+    assert nope[:19] in failed[WARM]["message"]
     def model_failed() -> dict[str, Any] | None:
         found = condition(pkube, "broken", "PrewarmFailed")
         return found if found.get("status") == "True" else None
@@ -344,16 +360,21 @@ def test_a_bad_reference_is_prewarm_failed_with_the_reason(prewarm: Prewarm, pku
     prewarm_failed = wait_for(model_failed, 30, "PrewarmFailed on the Model")
 
     assert prewarm_failed is not None
-    assert prewarm_failed["reason"] == "not_found" and "nope" in prewarm_failed["message"]
-    status = get(pkube, "models", "broken")["status"]
-    assert status["phase"] == "Failed"
+    assert prewarm_failed["reason"] == "not_found" and nope[:19] in prewarm_failed["message"]
+    # Failed once the operator saw every node's entry fail (the condition may come a reconcile earlier).
+    def phase_failed() -> dict[str, Any] | None:
+        found: dict[str, Any] = get(pkube, "models", "broken").get("status") or {}
+        return found if found.get("phase") == "Failed" else None
+
+    status = wait_for(phase_failed, 30, "phase Failed")
+    assert status is not None
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "PrewarmFailed"
     with pytest.raises(ApiException) as missing:
         pkube.apps.read_namespaced_deployment(names.backend_name("broken"), pkube.ns)
     assert missing.value.status == 404, "no Deployment, so no pod claims a GPU for weights that never come"
     _, *rows = kubectl_get(pkube, "modelcaches")
-    assert rows[0][2:4] == ["0/2", "not_found"]
+    assert [row[2:4] for row in rows if row[0] == cache] == [["0/2", "not_found"]]
     # A source the API server lets through (its pattern is coarse) but no node cache holds.
     create(pkube, "modelcaches", "in-place", {"sources": ["file:///models/tiny.gguf"]})
 

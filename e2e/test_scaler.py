@@ -34,6 +34,7 @@ from e2e import kedaprocs
 from e2e.cluster import Cluster
 from e2e.helpers import Kube, wait_for
 from e2e.procs import Proc, stop_all
+from tests.support.required import missing
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
@@ -353,7 +354,7 @@ def test_builtin_engine_scales_from_zero_and_back(kube: Kube, gateway: Gateway) 
 def keda(kube: Kube, tmp_path: Path) -> Iterator[Proc]:
     """KEDA's operator, watching the test namespace only, with the admin kubeconfig."""
     if not kedaprocs.OPERATOR_BIN.exists():
-        pytest.skip("e2e/.bin/keda-operator is not built (run e2e/keda/build.sh)")
+        missing("e2e/.bin/keda-operator is not built (run e2e/keda/build.sh)")
     kedaprocs.prepare(kube.api)
     # Its metrics gRPC service (for KEDA's metrics adapter, not run here) needs a cert in --cert-dir.
     pki = kedaprocs.certificates(tmp_path / "keda-certs")
@@ -490,7 +491,7 @@ def llama_gateway(kube: Kube, model_crd: None, tmp_path: Path) -> Iterator[Gatew
     try:
         engines.ensure("llama-server")
     except engines.ToolchainMissing as exc:
-        pytest.skip(str(exc))
+        missing(str(exc))
     weights = tmp_path / "weights"
     weights.mkdir()
     create_llama_model(kube, write_model(weights / "tiny.gguf", ModelSpec()))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from e2e import images, net
-from e2e.containers import exit_reason
+from e2e.containers import _mount_points, container_preexec, exit_reason
 from e2e.nodeagent import IPPool
 
 pytestmark = pytest.mark.e2e
@@ -90,3 +91,25 @@ def test_engine_images_run_the_built_engines_on_the_pods_ip_and_host_paths(tmp_p
     ctx.command = ["/bin/sh", "-c"]
     with pytest.raises(ValueError, match="only llama-server runs here"):
         recipe(ctx)
+
+
+def test_a_real_mounts_container_sees_its_hostpath_volumes_at_their_paths(tmp_path: Path) -> None:
+    """vLLM is told adapter paths in the pod while it runs: its process gets the hostPath volumes
+    bound at their mount paths in a mount namespace of its own, read-only where asked, and the
+    host keeps no trace once it exits."""
+    assert images.lookup("vllm/vllm-openai:latest") in images.REAL_MOUNTS
+    host = tmp_path / "node-folder"
+    host.mkdir()
+    (host / "adapter.txt").write_text("weights\n")
+    mount = tmp_path / "pod" / "models" / "adapters" / "abc"
+    made = _mount_points([str(mount)])
+    try:
+        script = f"cat {mount}/adapter.txt; touch {mount}/new 2>/dev/null && echo writable || echo read-only"
+        out = subprocess.run(["sh", "-c", script], preexec_fn=container_preexec(None, [(str(host), str(mount), True)]),
+                             capture_output=True, text=True, timeout=30, check=True)
+        assert out.stdout.split() == ["weights", "read-only"]
+        assert list(mount.iterdir()) == []  # the bind was the child's alone
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
+    assert not (tmp_path / "pod").exists()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from wakegate import contract
+from wakegate import contract, promtext
 from wakegate.extproc.scheduling import EngineState
 
 log = logging.getLogger("wakegate.extproc.engines")
@@ -37,34 +37,22 @@ _WAITING = (contract.VLLM_WAITING, contract.LLAMACPP_WAITING)
 _RUNNING = (contract.VLLM_RUNNING, contract.LLAMACPP_RUNNING)
 _KV = (contract.VLLM_KV_USAGE, contract.VLLM_KV_USAGE_OLD, contract.LLAMACPP_KV_USAGE)
 _NAMES = {**dict.fromkeys(_WAITING, "waiting"), **dict.fromkeys(_RUNNING, "running"), **dict.fromkeys(_KV, "kv")}
+_READ = frozenset({*_NAMES, contract.VLLM_LORA_INFO})
 
 
 def parse(text: str) -> EngineState | None:
     """The engine state in a Prometheus text exposition, or None when it names none of it."""
     found: dict[str, float] = {}
-    lora_lines: list[str] = []
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if space < 0:
-            continue
-        name = line[: brace if 0 <= brace < space else space]
-        kind = _NAMES.get(name)
+    lora_samples: list[promtext.Sample] = []
+    for sample in promtext.samples(text, _READ):
+        kind = _NAMES.get(sample.name)
         if kind is None:
-            if name == contract.VLLM_LORA_INFO and brace > 0:
-                lora_lines.append(line)
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1] if brace < 0 else line[line.rindex("}") + 1 :].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if kind == "kv":
-            found.setdefault(kind, value)  # the first name listed wins over its deprecated alias
+            lora_samples.append(sample)
+        elif kind == "kv":
+            found.setdefault(kind, sample.value)  # the first name listed wins over its deprecated alias
         else:
-            found[kind] = found.get(kind, 0.0) + value
-    lora = contract.current_lora_info(lora_lines)
+            found[kind] = found.get(kind, 0.0) + sample.value
+    lora = contract.current_lora_info(lora_samples)
     if not found and lora is None:
         return None
     state = EngineState(waiting=found.get("waiting"), running=found.get("running"), kv_usage=found.get("kv"))

@@ -53,11 +53,12 @@ def target_for(address: str, port: int, offset: int, replay_offset: int = 0) -> 
 class KVIndex:
     """Per-endpoint block sets kept from KV-event batches, with their sequence numbers."""
 
-    __slots__ = ("_blocks", "_seq", "gaps", "restarts")
+    __slots__ = ("_block_size", "_blocks", "_seq", "gaps", "restarts")
 
     def __init__(self, capacity: int = ENDPOINT_BLOCKS) -> None:
         self._blocks = PrefixIndex(capacity)
         self._seq: dict[str, int] = {}  # endpoint -> last batch applied
+        self._block_size: dict[str, int] = {}  # endpoint -> tokens per block its events last said
         self.gaps = 0  # resets after batches were lost for good
         self.restarts = 0  # publishers seen counting again
 
@@ -88,6 +89,7 @@ class KVIndex:
         for event in events:
             if isinstance(event, Stored):
                 blocks.record(endpoint, event.hashes)
+                self._block_size[endpoint] = event.block_size
             elif isinstance(event, Removed):
                 blocks.discard(endpoint, event.hashes)
             elif isinstance(event, AllCleared):
@@ -106,6 +108,7 @@ class KVIndex:
         """Drop everything about ``endpoint`` (it left the route table)."""
         self._blocks.forget(endpoint)
         self._seq.pop(endpoint, None)
+        self._block_size.pop(endpoint, None)
 
     def retain(self, endpoints: Iterable[str]) -> None:
         """Forget every endpoint not in ``endpoints``."""
@@ -114,6 +117,16 @@ class KVIndex:
             self.forget(ep)
         self._blocks.retain(keep)
 
-    def matches(self, chain: Sequence[bytes]) -> dict[str, int]:
+    def block_size(self, endpoints: Iterable[str]) -> int | None:
+        """Tokens per block of the first of ``endpoints`` whose engine reported storing any (the
+        replicas of one model share their engine's block size), or None before any did."""
+        sizes = self._block_size
+        for ep in endpoints:
+            size = sizes.get(ep)
+            if size:
+                return size
+        return None
+
+    def matches(self, chain: Sequence[Hashable]) -> dict[str, int]:
         """Endpoint -> leading blocks of ``chain`` it holds (endpoints holding none left out)."""
         return self._blocks.matches(chain)

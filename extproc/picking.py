@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,10 +47,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from wakegate import contract
+from wakegate.extproc.engineprompt import EnginePrompt, PromptError
 from wakegate.extproc.kvindex import KVIndex, Target, target_for
 from wakegate.extproc.prefix import PrefixIndex, chain, prompt_text
 from wakegate.extproc.scheduling import Decision, EngineState, Request, Rotation, Signals, schedule, weights_for
-from wakegate.kvevents import body_blocks
+from wakegate.kvevents import MAX_BLOCKS, body_blocks, vllm_block_hashes
 from wakegate.v1 import routing_pb2
 
 __all__ = [
@@ -68,6 +70,7 @@ SESSION_MESSAGES = 5
 """How many leading ``messages`` identify a session when no explicit id is given."""
 
 _MAX_RINGS = 10_000
+log = logging.getLogger("wakegate.extproc")
 
 REPORT_LAG = 2.0
 """Seconds an engine's or member's reading of its in-flight count may take to reach the picker
@@ -393,6 +396,8 @@ class _RouteInfo:
     targets: tuple[tuple[str, Target], ...]
     #: picked by scoring (its endpoints' engine state is worth reading)
     scored: bool
+    #: the model's tokenizer folder: its engines' KV events hash token ids (`ModelRoute.tokenizer`)
+    tokenizer: str = ""
 
 
 def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
@@ -414,7 +419,8 @@ def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
                 )
                 for e in route.endpoints
             )
-    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen))
+    tokenizer = route.tokenizer if targets else ""
+    return _RouteInfo(endpoints, chosen or None, adapters, targets, bool(chosen), tokenizer)
 
 
 class Picker:
@@ -425,6 +431,7 @@ class Picker:
         "_endpoint_routes",
         "_kv_targets",
         "_per_route",
+        "_prompts",
         "_rings",
         "_rotation",
         "_scored_endpoints",
@@ -462,6 +469,8 @@ class Picker:
         self._per_route: dict[str, _RouteInfo] = {}
         self._endpoint_routes: dict[str, int] = {}
         self._signals = Signals(self.inflight.count, self.engines)
+        #: tokenizer folder -> its prompt renderer (None: it could not be loaded; logged once)
+        self._prompts: dict[str, EnginePrompt | None] = {}
 
     def configure(self, routes: Iterable[routing_pb2.ModelRoute]) -> None:
         """Take the whole route table: each model's profile or weights, its adapters, the live endpoints.
@@ -595,10 +604,6 @@ class Picker:
             request.chain = chain(prompt_text(body))
             if request.chain:
                 request.prefix_matches = self.index.matches(request.chain)
-        if weights.get("precise"):
-            request.blocks = body_blocks(body)
-            if request.blocks:
-                request.block_matches = self.kv.matches(request.blocks)
         if weights.get("session"):
             key = session_key(headers, body)
             if key is not None:
@@ -608,11 +613,50 @@ class Picker:
             name = body.get("model")
             if isinstance(name, str) and name in adapters:
                 request.adapter = name
+        if weights.get("precise"):
+            info = self._per_route.get(model_key)
+            if info is not None and info.tokenizer:
+                request.blocks = self._engine_blocks(info.tokenizer, endpoints, body, request.adapter)
+            else:
+                request.blocks = body_blocks(body)
+            if request.blocks:
+                request.block_matches = self.kv.matches(request.blocks)
         decision = schedule(endpoints, weights, request, self._signals, self._rotation)
         self.last = decision
         if decision.endpoint is not None and request.chain:
             self.index.record(decision.endpoint, request.chain)
         return decision.endpoint
+
+    def _engine_blocks(
+        self, folder: str, endpoints: Sequence[str], body: Mapping[str, Any] | None, adapter: str | None
+    ) -> list[int]:
+        """The prompt's blocks as a vLLM engine names them: its token ids (the model's chat
+        template and tokenizer) hashed in blocks of the size its events report. [] where the
+        gateway cannot know them exactly: no events yet, an adapter request (its blocks are keyed
+        by the adapter's path on the engine's disk), a cache salt, a prompt the template refuses."""
+        if adapter is not None or body is None or body.get("cache_salt") is not None:
+            return []
+        size = self.kv.block_size(endpoints)
+        if size is None:
+            return []
+        prompt = self._prompt(folder)
+        ids = prompt.token_ids(body) if prompt is not None else None
+        if not ids or len(ids) < size:
+            return []
+        return vllm_block_hashes(ids[: size * MAX_BLOCKS], size)
+
+    def _prompt(self, folder: str) -> EnginePrompt | None:
+        if folder in self._prompts:
+            return self._prompts[folder]
+        prompt: EnginePrompt | None = None
+        try:
+            prompt = EnginePrompt(folder)
+        except PromptError as exc:
+            log.warning("precise scoring without a tokenizer folder=%s reason=%s", folder, exc)
+        if len(self._prompts) >= _MAX_RINGS:
+            del self._prompts[next(iter(self._prompts))]
+        self._prompts[folder] = prompt
+        return prompt
 
     def _ring(self, model_key: str, endpoints: Sequence[str]) -> HashRing:
         wanted = tuple(sorted(endpoints))

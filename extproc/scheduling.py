@@ -92,7 +92,7 @@ class Request:
     """The prompt's block-hash chain (:func:`~wakegate.extproc.prefix.chain`)."""
     prefix_matches: Mapping[str, int] = field(default_factory=dict)
     """Endpoint -> leading blocks of ``chain`` it holds (:meth:`PrefixIndex.matches`)."""
-    blocks: Sequence[bytes] = ()
+    blocks: Sequence[bytes | int] = ()
     """The prompt's KV block-hash chain as the engine names it (:func:`~wakegate.kvevents.body_blocks`)."""
     block_matches: Mapping[str, int] = field(default_factory=dict)
     """Endpoint -> leading blocks of ``blocks`` its engine holds (:meth:`KVIndex.matches`)."""

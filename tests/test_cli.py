@@ -44,3 +44,56 @@ def test_log_level_is_one_spelling_in_any_case(level: str) -> None:
     assert parser.parse_args(["--log-level", level]).log_level in ("DEBUG", "WARNING", "INFO")
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-level", "loud"])
+
+
+def test_the_operators_help_names_every_kind_it_watches() -> None:
+    import kopf
+    import yaml
+
+    from wakegate.control import crd
+    from wakegate.control.k8s import names
+    from wakegate.control.operator.controller import register
+
+    registry = kopf.OperatorRegistry()
+    register(registry, None)  # type: ignore[arg-type]
+    plurals = {h.selector.any_name for h in registry._watching.get_all_handlers() if h.selector.group == names.GROUP}
+    kinds = {
+        doc["spec"]["names"]["plural"]: doc["spec"]["names"]["kind"]
+        for doc in map(yaml.safe_load, crd.render().values())
+    }
+    watched = {kinds[plural] for plural in plurals}
+    assert len(watched) == 5
+    readme = (REPO_ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `wakegate operator` |"))
+    for text in (COMMANDS["operator"][1], row):
+        assert set(re.findall(r"\b[A-Z][A-Za-z]+\b", text)) >= watched, text
+
+
+REGISTRY_COMMANDS = ("cache", "catalog", "flash-load", "up", "agent", "operator")
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_renamed_flags_have_one_spelling_in_help(name: str) -> None:
+    help_text = command_parser(name)[0].format_help()
+    assert not re.search(r"--ca-file\b|(?<![-\w])--max-size\b", help_text)
+    assert ("--registry-ca-file" in help_text) == (name in REGISTRY_COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new", "dest", "tail"),
+    [
+        ("cache", ["--ca-file", "/ca.pem", "--max-size", "5G"],
+         ["--registry-ca-file", "/ca.pem", "--cache-max-size", "5G"], ("ca_file", "max_size"), ["ls"]),
+        ("flash-load", ["--ca-file", "/ca.pem", "--max-size", "5G"],
+         ["--registry-ca-file", "/ca.pem", "--cache-max-size", "5G"], ("ca_file", "max_size"), ["/m.gguf"]),
+        ("up", ["--ca-file", "/ca.pem"], ["--registry-ca-file", "/ca.pem"], ("ca_file",), []),
+    ],
+)
+def test_an_old_spelling_still_sets_the_same_option(
+    name: str, old: list[str], new: list[str], dest: tuple[str, ...], tail: list[str]
+) -> None:
+    parser, _ = command_parser(name)
+    given, renamed, default = (parser.parse_args([*argv, *tail]) for argv in (old, new, []))
+    assert [getattr(given, d) for d in dest] == [getattr(renamed, d) for d in dest]
+    assert [getattr(default, d) for d in dest] == [None] * len(dest)
+    assert str(given.ca_file) == "/ca.pem"

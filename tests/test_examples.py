@@ -10,6 +10,7 @@ import pytest
 
 from tests.support import REPO_ROOT
 from tests.support.http import get_json, request
+from tests.support.required import missing
 from tests.support.up import UpProcess
 from wakegate.control.schema import Model, parse_models
 
@@ -36,7 +37,7 @@ def _engine_env(models: list[Model], folder: Path) -> dict[str, str]:
         try:
             binary = engines.ensure(REAL_ENGINES[model.spec.backend])
         except engines.ToolchainMissing as exc:
-            pytest.skip(str(exc))
+            missing(str(exc))
         dirs.append(str(binary.parent))
         source = model.spec.source or ""
         if source.startswith("file://") and not source.startswith("file:///"):

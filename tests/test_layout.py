@@ -33,3 +33,11 @@ def test_every_package_and_module_has_a_row() -> None:
 def test_every_process_main_is_named() -> None:
     mains = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "control").glob("*/main.py"))
     assert mains and all(main in PATHS for main in [*mains, "extproc/main.py", "proto/wakegate/cli.py"])
+
+
+def test_the_table_is_one_table_with_one_row_per_path() -> None:
+    lines = TABLE.splitlines()
+    body = lines[lines.index(ROWS[0]) : lines.index(ROWS[-1]) + 1]
+    assert all(line.startswith("| ") for line in body), "a blank or stray line splits the table"
+    firsts = [row.split("|")[1].strip() for row in ROWS]
+    assert sorted(f for f in firsts if firsts.count(f) > 1) == []

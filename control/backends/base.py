@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from wakegate import promtext
+
 Vendor = Literal["cpu", "nvidia", "amd"]
 
 
@@ -95,21 +97,9 @@ class LoadMetrics:
 
 
 def _samples(text: str, combine: Callable[[float, float], float] = operator.add) -> dict[str, float]:
-    """Metric name -> value combined over its label sets (summed); unparsable lines are skipped."""
+    """Metric name -> value combined over its label sets (summed); NaN samples are left out."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line[0] == "#":
-            continue
-        if "{" in line:
-            name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
-        else:
-            name, _, rest = line.partition(" ")
-        words = rest.split()
-        try:
-            value = float(words[0]) if words else math.nan
-        except ValueError:
-            continue
+    for name, _, value in promtext.samples(text):
         if not math.isnan(value):
             out[name] = combine(out[name], value) if name in out else value
     return out
@@ -184,6 +174,10 @@ class Backend:
     #: `kvEvents` and whose args do not set the flag themselves (`kv_events_argv`).
     kv_events_arg: str = ""
     prefix_caching_args: tuple[str, ...] = ()
+    #: Its KV events name blocks by vLLM's SHA-256 chain over the prompt's token ids, so the
+    #: gateway tokenizes prompts with the model's tokenizer and chat template to match them
+    #: (`ModelRoute.tokenizer`); False: by the simulator's words (`wakegate.kvevents`).
+    kv_hashes_token_ids: bool = False
 
     @property
     def serves_adapters(self) -> bool:

@@ -67,6 +67,7 @@ VLLM = Backend(
     loads_folder=True,
     kv_events_arg=KV_EVENTS_ARG,
     prefix_caching_args=PREFIX_CACHING,
+    kv_hashes_token_ids=True,
 )
 
 VLLM_OMNI = Backend(
@@ -88,6 +89,7 @@ VLLM_OMNI = Backend(
     loads_folder=True,
     kv_events_arg=KV_EVENTS_ARG,
     prefix_caching_args=PREFIX_CACHING,
+    kv_hashes_token_ids=True,
 )
 
 SIM = Backend(

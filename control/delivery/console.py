@@ -32,12 +32,21 @@ def size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def old_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, action: argparse.Action) -> None:
+    """`flag` as a hidden second spelling of `action`'s option, kept for a release after a rename
+    (not in --help; it sets the same value and never a default of its own)."""
+    parser.add_argument(flag, dest=action.dest, type=action.type or str, metavar=action.metavar,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                         help="the model cache (default: $WAKEGATE_CACHE_DIR, else $XDG_CACHE_HOME/wakegate/models)")
-    parser.add_argument("--max-size", type=size_argument, default=None, metavar="SIZE",
-                        help="cache budget (e.g. 50G); least recently used entries not in use are evicted to stay "
-                             "under it (default: the file system's free space)")
+    budget = parser.add_argument("--cache-max-size", dest="max_size", type=size_argument, default=None,
+                                 metavar="SIZE",
+                                 help="cache budget (e.g. 50G); least recently used entries not in use are evicted "
+                                      "to stay under it (default: the file system's free space)")
+    old_spelling(parser, "--max-size", budget)
     add_registry_arguments(parser)
     parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="progress display; auto: a live line on a terminal, plain lines otherwise")
@@ -48,8 +57,9 @@ def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registry-config", type=Path, default=None, metavar="FILE",
                         help="Docker config with registry credentials (`auths`); default $DOCKER_CONFIG/config.json, "
                              "then ~/.docker/config.json")
-    parser.add_argument("--ca-file", type=Path, default=None, metavar="PEM",
-                        help="extra CA certificates trusted for registries")
+    ca = parser.add_argument("--registry-ca-file", dest="ca_file", type=Path, default=None, metavar="PEM",
+                             help="extra CA certificates trusted for registries")
+    old_spelling(parser, "--ca-file", ca)
     parser.add_argument("--plain-http", action="store_true",
                         help="speak plain HTTP to registries (loopback registries without TLS need no flag)")
 

@@ -276,7 +276,7 @@ class RegistryClient:
             except aiohttp.ClientConnectorCertificateError as exc:
                 raise RegistryError(
                     f"registry {self.host}: its TLS certificate is not trusted ({_short(exc.certificate_error)}); "
-                    "give its CA with --ca-file", "unreachable") from None
+                    "give its CA with --registry-ca-file", "unreachable") from None
             except (aiohttp.ClientSSLError, aiohttp.ClientConnectorError) as exc:
                 if not _tls_failure(exc):
                     raise RegistryError(f"registry {self.host} is unreachable: {_short(exc)}", "unreachable") from None
@@ -285,7 +285,7 @@ class RegistryClient:
                     self._scheme = "http"
                     url = self._url(urlsplit(url).path + (f"?{urlsplit(url).query}" if urlsplit(url).query else ""))
                     continue
-                raise RegistryError(f"registry {self.host}: TLS handshake failed (is --ca-file needed?)",
+                raise RegistryError(f"registry {self.host}: TLS handshake failed (is --registry-ca-file needed?)",
                                     "unreachable") from None
             except (TimeoutError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 raise RegistryError(f"registry {self.host} is unreachable: {_short(exc)}", "unreachable") from None

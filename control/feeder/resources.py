@@ -145,6 +145,9 @@ class RoutedModel:
     endpoint_authorization: tuple[tuple[str, int, str], ...] = ()
     #: The routing path the Model asks for (`routing.path`): "decided" or "native" (where it can).
     path: str = "decided"
+    #: A local folder with the model's tokenizer, for precise scoring on engines whose KV events
+    #: hash token ids (`ModelRoute.tokenizer`); empty: none.
+    tokenizer: str = ""
 
     @cached_property
     def cluster(self) -> str:
@@ -167,6 +170,7 @@ def routed_model(
     admitted: bool = True,
     loads: Iterable[tuple[str, int, int]] = (),
     adapters: Iterable[RoutedAdapter] | None = None,
+    tokenizer: str = "",
 ) -> RoutedModel:
     """What the gateway needs of a Model manifest plus its current ready endpoints; `adapters`
     (with their holders) means they are loaded on demand."""
@@ -198,6 +202,7 @@ def routed_model(
         admitted=admitted,
         loads=tuple(sorted(loads)),
         path=spec.routing.path.value,
+        tokenizer=tokenizer,
     )
 
 
@@ -1627,6 +1632,7 @@ def model_route(
         weights=dict(model.weights),
         kv_events_offset=model.kv_events_offset,
         kv_events_replay_offset=model.kv_events_replay_offset,
+        tokenizer=model.tokenizer,
         fallback_endpoints=model.fallback_endpoints,
         rate_limit=routing_pb2.RateLimit(
             requests_per_second=model.requests_per_second,

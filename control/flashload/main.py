@@ -1,7 +1,8 @@
 """`wakegate flash-load SOURCE [DEST]`: stage a cached model into fast storage before an engine starts.
 
 SOURCE is a source (`oci://…`, `hf://…`, `file://…`; pulled into the cache first if it is not
-there) or a cache key (`sha256:…`). With DEST (a directory, e.g. on /dev/shm) the model's files
+there), a cache key (`sha256:…`), or a plain path to a model file or folder (read as `file://`).
+With DEST (a directory, e.g. on /dev/shm) the model's files
 are copied there; without it they are read into the page cache. Either way every block of a
 cached model is checked against its digest on the way (`wakegate.control.delivery.flashload`);
 the backends call the same function before they start an engine. The entry is leased while it
@@ -31,9 +32,11 @@ from wakegate.control.delivery.resolver import Resolved, cached, resolve
 from wakegate.control.delivery.sources import parse_digest, parse_source
 from wakegate.process import add_log_level, settings_from, start
 
+DIGEST_PREFIXES = ("sha256:", "sha512:")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="a source (oci://, hf://, file://) or a cache key (sha256:…)")
+    parser.add_argument("source", help="a source (oci://, hf://, file://), a cache key (sha256:…) or a local path")
     parser.add_argument("dest", nargs="?", type=Path, default=None,
                         help="directory to copy the model into (e.g. /dev/shm/NAME); omitted: fill the page cache")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="parallel read streams")
@@ -65,11 +68,24 @@ class Settings(DeliverySettings):
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
         check_chunk_size(args.chunk_size)
-        if "://" in args.source:
-            parse_source(args.source)
-        else:
-            parse_digest(args.source)
+        args.source = source_argument(args.source)
         return settings_from(cls, args)
+
+
+def source_argument(text: str) -> str:
+    """SOURCE as given, made a source or a cache key: a plain path becomes `file://` its absolute
+    path (it must exist); text that starts like a digest must be one."""
+    if "://" in text:
+        parse_source(text)
+        return text
+    if text.startswith(DIGEST_PREFIXES):
+        return parse_digest(text)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"{text!r} is neither a source (oci://, hf://, file://), a cache key (sha256:…), nor an existing path"
+        )
+    return f"file://{path.resolve()}"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -32,13 +32,15 @@ from pydantic import ValidationError
 
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery import catalog as cat
-from wakegate.control.delivery.credentials import DockerAuths, parse_docker_config
+from wakegate.control.delivery.credentials import Credentials, DockerAuths, parse_docker_config
+from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.listing import list_registry
-from wakegate.control.delivery.registry import RegistrySettings
+from wakegate.control.delivery.registry import RegistryClient, RegistrySettings
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import GATE_ADAPTERS, Selection, adapter_mount, select
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
+from wakegate.control.operator import pinning
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.lora_loading import RuntimeLoader, Wanted
 from wakegate.control.operator.lora_status import (
@@ -69,6 +71,8 @@ ADAPTER_RETRY = 10.0
 DOCKER_CONFIG_KEY = ".dockerconfigjson"
 #: The longest the catalog timer sleeps between looks (a new catalog wakes it at once).
 CATALOG_TICK = 30.0
+#: Seconds before a Model whose oci:// tag could not be resolved is tried again.
+PIN_RETRY = 30.0
 
 
 def _rfc3339() -> str:
@@ -111,6 +115,12 @@ class Reconciler:
         #: how registries are reached (CA file from the operator's flags); credentials per catalog
         self.registry_settings = RegistrySettings()
         self.applied: dict[str, str] = {}
+        #: Model key -> (uid, spec.source, the pinned source its pods use): the newest pin, kept here
+        #: as well as in status (a watch event may bring an older status than the one we wrote)
+        self._pins: dict[str, tuple[str | None, str, str]] = {}
+        #: Model key -> (uid, spec.source, monotonic time before which the registry is not asked
+        #: again, the error): a tag that did not resolve
+        self._pin_failures: dict[str, tuple[str | None, str, float, rnd.RenderError]] = {}
         self._was_running: dict[str, bool] = {}
         self._started_at: dict[str, float] = {}
         self._stopped_at: dict[str, float] = {}
@@ -271,7 +281,8 @@ class Reconciler:
         body = self.models.get(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Owner references cascade the deletion; only our memory needs forgetting.
-            for memory in (self.applied, self.pods, self._was_running, self._started_at, self._stopped_at):
+            for memory in (self.applied, self.pods, self._pins, self._pin_failures, self._was_running,
+                           self._started_at, self._stopped_at):
                 memory.pop(key, None)
             self.lora_loader.forget(key)
             self._poke_adapters_of(key)
@@ -282,13 +293,16 @@ class Reconciler:
         weights = None
         model: Model | None = None
         adapters: tuple[LoRAAdapter, ...] = ()
+        pinned: str | None = None
         try:
             model = model_from_object(body)
+            pinned = await self._pin(key, body, model)
+            served_body = pinning.pinned_body(body, pinned) if pinned else body
             caches = self.caches.get(body["metadata"]["namespace"], {}).values()
-            weights = weights_for(body, model, caches)
+            weights = weights_for(served_body, model_from_object(served_body), caches)
             runtime = rnd.select_runtime(model, self.runtimes.values())
             adapters = self.selection(body["metadata"]["namespace"]).of(model.name)
-            autoscaling = (await self._apply(key, body, runtime, weights, adapters)).autoscaling
+            autoscaling = (await self._apply(key, served_body, runtime, weights, adapters)).autoscaling
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
@@ -307,6 +321,7 @@ class Reconciler:
         )
         previous = body.get("status") or {}
         status = compute(observed, previous, _rfc3339())
+        status[pinning.STATUS_FIELD] = pinned or self._kept_pin(key, body)
         if model is not None:
             served = model.with_adapters(adapters) if adapters else model
             status.update(
@@ -319,6 +334,68 @@ class Reconciler:
         if model is not None and BACKENDS[model.spec.backend].lora_runtime_args:
             await self._load_adapters(key, model, adapters)
         self._poke_adapters_of(key)
+
+    # -- oci:// tags pinned to digests ------------------------------------------------------------
+
+    async def _pin(self, key: str, body: Mapping[str, Any], model: Model) -> str | None:
+        """The Model's source pinned to a digest (`pinning`) when it names an oci:// tag: the pin
+        already made for this `spec.source`, else the digest the registry gives for the tag now
+        (with the Model's and runtime's imagePullSecrets). A registry that cannot answer is a
+        render error with its reason, and the registry is asked again only `PIN_RETRY` seconds
+        later (however many events come meanwhile); nothing is rendered from the tag until then."""
+        source = model.spec.source
+        tag = pinning.tag_source(source)
+        if source is None or tag is None:
+            return None
+        uid = body["metadata"].get("uid")
+        kept = self._pins.get(key)
+        if kept is not None and kept[:2] == (uid, source):
+            return kept[2]
+        failed = self._pin_failures.get(key)
+        if failed is not None and failed[:2] == (uid, source) and time.monotonic() < failed[2]:
+            raise failed[3]
+        pinned = pinning.recorded(source, body.get("status"))
+        if pinned is None:
+            refs = list(model.spec.imagePullSecrets)
+            with contextlib.suppress(rnd.RenderError):  # the runtime's too, when there is one
+                refs += rnd.select_runtime(model, self.runtimes.values()).spec.imagePullSecrets
+            auths = await self._registry_auths_of(body["metadata"]["namespace"], [ref.name for ref in refs])
+            try:
+                async with RegistryClient(tag.registry, self.registry_settings, auths) as client:
+                    digest, _, _ = await client.manifest(tag.repository, tag.reference)
+            except DeliveryError as exc:
+                error = rnd.RenderError(exc.reason, f"cannot resolve {source} to a digest: {exc}")
+                self._pin_failures[key] = (uid, source, time.monotonic() + PIN_RETRY, error)
+                asyncio.get_running_loop().call_later(PIN_RETRY, self.poke, key)
+                raise error from None
+            pinned = str(tag.at(digest))
+            log.info("Model %s: %s pinned to %s", key, source, digest)
+        self._pin_failures.pop(key, None)
+        self._pins[key] = (uid, source, pinned)
+        return pinned
+
+    def _kept_pin(self, key: str, body: Mapping[str, Any]) -> str | None:
+        """The pin status keeps while the Model cannot be rendered: the one of its current source."""
+        source = (body.get("spec") or {}).get("source")
+        kept = self._pins.get(key)
+        if kept is not None and kept[:2] == (body["metadata"].get("uid"), source):
+            return kept[2]
+        return pinning.recorded(source, body.get("status")) if isinstance(source, str) else None
+
+    async def _registry_auths_of(self, namespace: str, secrets: list[str]) -> DockerAuths:
+        """Registry credentials from the named dockerconfigjson Secrets, the first naming a host
+        winning (as the kubelet tries them); one that cannot be read is skipped with a warning that
+        names it (the pull is then anonymous for its registries, as the kubelet's would be)."""
+        by_host: dict[str, Credentials] = {}
+        for name in dict.fromkeys(secrets):
+            try:
+                auths = await self._registry_auths(namespace, name)
+            except ValueError as exc:
+                log.warning("imagePullSecret skipped: %s", exc)
+                continue
+            for host, credentials in auths.by_host.items():
+                by_host.setdefault(host, credentials)
+        return DockerAuths(by_host)
 
     # -- LoRA adapters ----------------------------------------------------------------------------
 
@@ -493,7 +570,7 @@ class Reconciler:
         else:
             spec = catalog.spec
             try:
-                auths = await self._catalog_auths(namespace, spec.credentials.name if spec.credentials else None)
+                auths = await self._registry_auths(namespace, spec.credentials.name if spec.credentials else None)
             except ValueError as exc:
                 result = cat.Refreshed((), (), ("bad_credentials", str(exc)))
             else:
@@ -505,8 +582,9 @@ class Reconciler:
             log.warning("catalog %s: %s (%s)", key, result.failure[1], result.failure[0])
         await self._patch_status("ModelCatalog", body, status, status, lambda: self.catalogs.get(key))
 
-    async def _catalog_auths(self, namespace: str, secret: str | None) -> DockerAuths:
-        """The credentials of a catalog's Secret, kept in memory only (never on disk or in a log)."""
+    async def _registry_auths(self, namespace: str, secret: str | None) -> DockerAuths:
+        """The credentials of a registry-credential Secret (a catalog's, a Model's imagePullSecret),
+        kept in memory only (never on disk or in a log)."""
         if secret is None:
             return DockerAuths()
         try:

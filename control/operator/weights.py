@@ -19,6 +19,7 @@ from typing import Any
 
 from wakegate.control.delivery.progress import human_bytes
 from wakegate.control.k8s import names
+from wakegate.control.operator.pinning import same_weights, tag_of
 from wakegate.control.operator.render import Condition, owner_reference
 from wakegate.control.schema import CACHED_SCHEMES, CacheStrategy, Model
 
@@ -82,12 +83,14 @@ def weights_for(body: Mapping[str, Any], model: Model, caches: Iterable[Mapping[
         return Weights(State.FAILED, message=message, reason="bad_source",
                        conditions=(Condition("WeightsPulling", "False", "bad_source", message), failed))
     uid = (body.get("metadata") or {}).get("uid")
+    # A source the operator pinned (`pinning`) is also held by a ModelCache naming its tag.
+    unpinned = tag_of(source)
     relevant = []
     named = covered = False
     for cache in caches:
         spec = cache.get("spec") or {}
         names_model = (spec.get("modelRef") or {}).get("name") == model.name
-        has_source = source in (spec.get("sources") or [])
+        has_source = any(s in (source, unpinned) for s in spec.get("sources") or [])
         if names_model or has_source:
             relevant.append(cache)
         if not _owned_by(cache, uid):
@@ -96,7 +99,9 @@ def weights_for(body: Mapping[str, Any], model: Model, caches: Iterable[Mapping[
     # prewarm: unless a ModelCache names the Model; node: unless any ModelCache has its weights.
     wants_own = not named if strategy is CacheStrategy.PREWARM else not covered
     own = owned_cache(body, model) if wants_own else None
-    entries = [e for cache in relevant for e in _entries(cache) if e.get("source") == source]
+    entries = [
+        e for cache in relevant for e in _entries(cache) if same_weights(str(e.get("source")), e.get("digest"), source)
+    ]
     return replace(_state(entries), owned_cache=own)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from wakegate import contract
+from wakegate import contract, promtext
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.demand.book import AdapterLoad
@@ -478,7 +478,7 @@ class HotSwap:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
-        current = contract.current_lora_info(text.splitlines())
+        current = contract.current_lora_info(promtext.samples(text, (contract.VLLM_LORA_INFO,)))
         return current is not None and name in current[0]
 
     def _routed_at(self, name: str, endpoint: str) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.cache import default_cache_dir
-from wakegate.control.delivery.console import size_argument
+from wakegate.control.delivery.console import old_spelling, size_argument
 from wakegate.control.delivery.resolver import Verify
 from wakegate.control.up.supervisor import Settings, Up
 from wakegate.control.up.weights import default_flash_dir
@@ -129,9 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Docker config with registry credentials (`auths`); default $DOCKER_CONFIG/config.json, "
         "then ~/.docker/config.json",
     )
-    weights.add_argument(
-        "--ca-file", type=Path, default=None, metavar="PEM", help="extra CA certificates for registries"
+    ca = weights.add_argument(
+        "--registry-ca-file", dest="ca_file", type=Path, default=None, metavar="PEM",
+        help="extra CA certificates for registries",
     )
+    old_spelling(weights, "--ca-file", ca)
     weights.add_argument(
         "--plain-http", action="store_true", help="plain HTTP to every registry (loopback ones need no flag)"
     )

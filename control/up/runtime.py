@@ -245,7 +245,18 @@ class ModelRuntime:
             failure_code=self.last_failure_code,
             admitted=self.admitted,
             adapters=None if self.hotswap is None else self.hotswap.routed(routed_adapters(self.model)),
+            tokenizer=self._tokenizer(),
         )
+
+    def _tokenizer(self) -> str:
+        """The folder of the model's tokenizer, for the gateways' precise scoring, when its engine's
+        KV events hash token ids: the weights folder a running replica loaded ("" otherwise)."""
+        if not self.backend.kv_hashes_token_ids or self.model.spec.routing.kvEvents is None:
+            return ""
+        for replica in self.replicas:
+            if replica.weights is not None and (replica.weights.folder / "tokenizer.json").exists():
+                return str(replica.weights.folder)
+        return ""
 
     @property
     def replica_count(self) -> int:

@@ -145,7 +145,7 @@ class Settings(ProcessSettings):
             except RegistryError as exc:
                 raise ValueError(f"--registry-config: {exc}") from None
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"--ca-file {args.ca_file}: not a PEM file of certificates ({exc})") from None
+                raise ValueError(f"--registry-ca-file {args.ca_file}: not a PEM file of certificates ({exc})") from None
         return settings_from(
             cls,
             args,

@@ -131,7 +131,7 @@ class _StreamError(Exception):
         self.code = code
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+def frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
     return _FRAME_HEADER.pack(len(payload))[1:] + bytes((kind, flags)) + _FRAME_HEADER.pack(stream_id) + payload
 
 
@@ -158,7 +158,9 @@ class Stream:
         self.stream_id = stream_id
         self.send_window = conn.peer_initial_window
         self._recv_used = 0
-        self._pending: deque[bytes] = deque()
+        # Queued data as views: a frame's chunk is a slice of the view, so sending a message in
+        # N frames copies each byte once (slicing bytes would copy the rest of it every frame).
+        self._pending: deque[memoryview] = deque()
         self._queued_end: bytes | None = None
         #: Bytes of received DATA the application still holds (see `buffered()`).
         self._held = 0
@@ -209,7 +211,7 @@ class Stream:
             conn.data_frames_sent += 1
             conn.write(frame(DATA, 0, self.stream_id, data))
             return
-        self._pending.append(data)
+        self._pending.append(memoryview(data))
         self._flush()
 
     def end(self, block: bytes | None) -> None:

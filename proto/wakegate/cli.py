@@ -100,15 +100,15 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "sim": (_sim, "an OpenAI-compatible backend simulator that behaves like vLLM"),
     "extproc": (_extproc, "the Envoy ext_proc server (request path)"),
     "xds": (_xds, "the xDS feeder (ADS server for Envoy and extproc)"),
-    "operator": (_operator, "the Kubernetes operator for Model and InferenceRuntime"),
+    "operator": (_operator, "the Kubernetes operator: Model, InferenceRuntime, ModelCache, ModelCatalog, LoRAAdapter"),
     "scaler": (_scaler, "KEDA external-push scaler and demand aggregation"),
-    "agent": (_agent, "GPU node agent: labels nodes with accelerator facts"),
+    "agent": (_agent, "GPU node agent: labels nodes with accelerator facts, pulls ModelCaches into its cache"),
     "scheduler-extender": (_extender, "kube-scheduler HTTP extender for GPU placement"),
     "bench": (_bench, "measure tokens/s and TTFT of an OpenAI-compatible endpoint"),
     "cache": (_cache, "the model cache: pull, ls, rm, push (OCI registries, Hugging Face Hub)"),
     "catalog": (_catalog, "what OCI registries publish (ls), and a Model manifest for one tag (deploy)"),
     "flash-load": (_flashload, "stage a cached model into fast storage (tmpfs, page cache), verified"),
-    "federation": (_federation, "one global gateway over several member gateways (Cluster, FederatedModel)"),
+    "federation": (_federation, "one global gateway over member gateways (Cluster, FederatedModel, GlobalProxy)"),
 }
 
 

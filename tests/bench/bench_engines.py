@@ -23,6 +23,14 @@ request's send (wakegate) to the first content chunk. wakegate's added cold star
 through wakegate - p50 TTFT by hand. /status's timeline of each wakegate run (activation ->
 process start -> health -> [Ollama: load steps, first answer] -> model loaded -> ready, then the
 engine's first answer to wakegate's own check for llama.cpp) says where it goes.
+
+Paired, for engines whose own start varies by more than the target (vLLM's moves by seconds
+from run to run): each wakegate run also watches its engine from outside, as the by-hand run
+does, with the same 5 ms polls: when `/status` first lists the replica's process (the spawn)
+and when the engine's health first passes. wakegate's added cold start is then what lies
+outside the engine's own start: send -> spawn, plus health -> first token through wakegate
+minus health -> first token by hand (p50 of each), so the engine's start, the same process in
+both paths, drops out of the difference.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -86,9 +95,9 @@ def ttft(base_url: str, model: str, timeout: float = 120.0) -> tuple[float, int]
     return first, chunks
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, timeout: float = 0.5) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
@@ -150,12 +159,17 @@ spec:
     up = UpProcess(folder, manifest, env={"PATH": f"{binary.parent}{os.pathsep}{os.environ['PATH']}"})
     hand: list[float] = []
     gate: list[float] = []
+    hand_after: list[float] = []  # by hand: health -> first token
+    gate_spawn: list[float] = []  # through wakegate: send -> the process exists
+    gate_after: list[float] = []  # through wakegate: health -> first token
     timelines: list[dict[str, float]] = []
     try:
         up.wait_ready({"tiny": 0}, timeout=120)
         pids: list[int] = []
         for _ in range(runs):
-            hand.append(spawn_to_first_token(name, binary, model, hand_state))
+            total, after = spawn_to_first_token(name, binary, model, hand_state)
+            hand.append(total)
+            hand_after.append(after)
             # A cold start from idle: the previous engine process has exited (a request that
             # arrives while it is still being stopped waits for that stop first).
             deadline = time.monotonic() + 120
@@ -166,8 +180,14 @@ spec:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the engine did not go back to zero")
                 time.sleep(0.05)
+            watch = EngineWatch(up, BACKENDS[name].health_path)
+            watch.start()
             first, _ = ttft(up.base_url, "tiny", START_TIMEOUT[name])
+            watch.join(START_TIMEOUT[name])
             gate.append(first)
+            if watch.spawned is not None and watch.healthy is not None:
+                gate_spawn.append(watch.spawned)
+                gate_after.append(first - watch.healthy)
             # The engine's first answer to wakegate's own check comes after the held request
             # (engines that get one: not vLLM, whose /health passes once the model is loaded).
             until = time.monotonic() + (10 if BACKENDS[name].answer_probe else 0)
@@ -182,16 +202,63 @@ spec:
         up.stop()
     stages = sorted({k for t in timelines for k in t})
     added = statistics.median(gate) - statistics.median(hand)
+    paired = (
+        statistics.median(gate_spawn) + statistics.median(gate_after) - statistics.median(hand_after)
+        if gate_after
+        else float("nan")
+    )
     return {
         "by_hand": summary(hand),
         "wakegate": summary(gate),
         "added_p50_ms": added * 1000,
+        "paired": {
+            "send_to_spawn": summary(gate_spawn) if gate_spawn else {},
+            "health_to_first_token_wakegate": summary(gate_after) if gate_after else {},
+            "health_to_first_token_by_hand": summary(hand_after),
+            "added_p50_ms": paired * 1000,
+        },
         "timeline_p50_ms": {k: statistics.median([t[k] for t in timelines if k in t]) * 1000 for k in stages},
-        "raw": {"by_hand": hand, "wakegate": gate},
+        "raw": {"by_hand": hand, "wakegate": gate, "hand_after": hand_after, "gate_spawn": gate_spawn,
+                "gate_after": gate_after},
     }
 
 
-def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> float:
+class EngineWatch(threading.Thread):
+    """During one wakegate run, from outside: seconds from its start until `/status` lists the
+    replica's process (``spawned``) and until the engine's health first passes (``healthy``),
+    each polled every 5 ms as the by-hand run polls."""
+
+    def __init__(self, up: UpProcess, health_path: str, timeout: float = 600.0) -> None:
+        super().__init__(daemon=True)
+        self.up, self.health_path, self.timeout = up, health_path, timeout
+        self.started = time.monotonic()
+        self.spawned: float | None = None
+        self.healthy: float | None = None
+
+    def run(self) -> None:
+        # Each time is when the poll that first saw it was sent (a reply slowed by a busy machine
+        # does not move it), as the by-hand run times its health.
+        deadline = self.started + self.timeout
+        port = None
+        while port is None and time.monotonic() < deadline:
+            asked = time.monotonic()
+            (status,) = [m for m in self.up.status()["models"] if m["key"] == "tiny"]
+            live = [r for r in status["replicas"] if r.get("pid") and r.get("port")]
+            if live:
+                self.spawned = asked - self.started
+                port = int(live[0]["port"])
+            else:
+                time.sleep(0.005)
+        while port is not None and time.monotonic() < deadline:
+            asked = time.monotonic()
+            if http_ok(f"http://127.0.0.1:{port}{self.health_path}", timeout=5.0):
+                self.healthy = asked - self.started
+                return
+            time.sleep(0.005)
+
+
+def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> tuple[float, float]:
+    """By hand: seconds from the spawn to the first token, and from health passing to it."""
     backend = BACKENDS[name]
     port = free_port()
     values = {"host": "127.0.0.1", "port": str(port), "model": str(model), "served_name": "tiny", "state": str(state)}
@@ -201,7 +268,10 @@ def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> f
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        while not http_ok(f"http://127.0.0.1:{port}{backend.health_path}"):
+        while True:
+            asked = time.monotonic()
+            if http_ok(f"http://127.0.0.1:{port}{backend.health_path}", timeout=5.0):
+                break
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}")
             if time.monotonic() > deadline:
@@ -209,7 +279,7 @@ def spawn_to_first_token(name: str, binary: Path, model: Path, state: Path) -> f
             time.sleep(0.005)
         sent = time.monotonic()
         first, _ = ttft(f"http://127.0.0.1:{port}/v1", "tiny")
-        return sent - started + first
+        return sent - started + first, sent - asked + first
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -243,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             stages = json.dumps({k: round(v) for k, v in res["timeline_p50_ms"].items()})
             print(
                 f"{name}: by hand p50 {res['by_hand']['p50_ms']:.0f} ms, through wakegate p50 "
-                f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms; "
+                f"{res['wakegate']['p50_ms']:.0f} ms, added {res['added_p50_ms']:.0f} ms "
+                f"(paired: {res['paired']['added_p50_ms']:.0f} ms); "
                 f"timeline p50 (ms since activation) {stages}",
                 flush=True,
             )

@@ -23,13 +23,12 @@ import random
 import shutil
 import statistics
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from e2e.tinymodel import ModelSpec, write_model
-from tests.bench.common import REPO_ROOT, git_state, loadavg
+from tests.bench.common import REPO_ROOT, first_token_seconds, git_state, loadavg
 from tests.support.up import UpProcess, model_doc
 
 BIN = REPO_ROOT / "e2e" / ".bin"
@@ -56,14 +55,7 @@ def ask(url: str, model: str, system: str, user: str) -> float:
         "temperature": 0.0,
         "stream": True,
     }
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    first = None
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        for line in resp:
-            if first is None and line.startswith(b"data: {"):
-                first = time.monotonic() - t0
-    return first if first is not None else float("nan")
+    return first_token_seconds(url, body, timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:

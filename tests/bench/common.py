@@ -25,3 +25,19 @@ def git_state() -> dict[str, str]:
     untracked = git("ls-files", "--others", "--exclude-standard", "--", "control", "extproc", "envoy")
     digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if diff or untracked else "clean"
     return {"head": git("rev-parse", "--short", "HEAD"), "worktree_changes": digest}
+
+
+def first_token_seconds(url: str, body: dict[str, object], timeout: float = 300) -> float:
+    """Seconds from sending a streamed chat request to ``url`` until its first data chunk (NaN if none)."""
+    import json
+    import time
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first = None
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        for line in resp:
+            if first is None and line.startswith(b"data: {"):
+                first = time.monotonic() - t0
+    return first if first is not None else float("nan")

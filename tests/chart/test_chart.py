@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from e2e.helm import HELM, BuildError, ensure_helm, is_current
+from tests.support.required import missing
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
@@ -113,7 +115,7 @@ DISABLED = {key: {"enabled": False} for key in ("operator", "xds", "scaler", "ag
 @pytest.fixture(scope="session")
 def helm() -> Path:
     if not is_current() and shutil.which("go") is None:
-        pytest.skip("helm is not built and `go` is missing (python -m e2e.helm builds it)")
+        missing("helm is not built and `go` is missing (python -m e2e.helm builds it)")
     try:
         return ensure_helm()
     except BuildError as exc:
@@ -153,6 +155,8 @@ def test_default_render(helm: Path, tmp_path: Path) -> None:
     }
     operator = deployments["wg-wakegate-operator"]["spec"]
     assert operator["replicas"] == 2
+    scaler = deployments["wg-wakegate-scaler"]["spec"]
+    assert (scaler["replicas"], scaler["strategy"]) == (1, {"type": "Recreate"}), "one scaler, never two in a rollout"
     assert "podAntiAffinity" in operator["template"]["spec"]["affinity"]
     pdbs = by_kind(docs, "PodDisruptionBudget")
     assert pdbs["wg-wakegate-operator"]["spec"]["minAvailable"] == 1
@@ -601,3 +605,49 @@ def test_native_path_only_where_the_gateway_checks_no_keys_and_no_global_limit(
     bootstrap = yaml.safe_load(by_kind(docs, "ConfigMap")["wg-wakegate-gateway-envoy"]["data"]["envoy.yaml"])
     admin = bootstrap["admin"]["address"]["socket_address"]
     assert (admin["address"], admin["port_value"]) == ("127.0.0.1", 9901)
+
+
+def _readme_table(heading: str) -> list[list[str]]:
+    """The rows of the first table after the paragraph starting with `heading` in the chart's README."""
+    text = (CHART / "README.md").read_text()
+    rest = text[text.index(heading):]
+    lines = rest[rest.index("\n|"):].strip().splitlines()
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines))
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in table[2:]]
+
+
+def test_readme_lists_every_crd_the_chart_installs() -> None:
+    files = [yaml.safe_load(path.read_text())["spec"] for path in sorted((CHART / "crds").glob("*.yaml"))]
+    shipped = {(s["names"]["kind"], s["names"]["shortNames"][0], s["scope"].lower()) for s in files}
+    listed = {(kind.strip("`"), short.strip("`"), scope) for kind, short, scope, *_ in _readme_table("**CRDs**")}
+    assert listed == shipped
+
+
+def test_readme_rbac_table_is_what_the_chart_renders(helm: Path, tmp_path: Path) -> None:
+    """Every row of the README's RBAC table is a rule the chart renders, and every rendered rule is a
+    row; a row's `when` value set to false removes exactly the rows that name it."""
+    rows = {
+        (component, scope, group.strip('"'), resources, verbs): frozenset(w.strip(" `") for w in when.split(",") if w)
+        for component, scope, group, resources, verbs, when in _readme_table("**RBAC.**")
+    }
+
+    def rendered(values: dict[str, Any] | None) -> set[tuple[str, str, str, str, str]]:
+        docs = template(helm, tmp_path, values)
+        found = set()
+        for kind, scope in (("ClusterRole", "cluster"), ("Role", "release namespace")):
+            for name, role in by_kind(docs, kind).items():
+                component = name.removeprefix("wg-wakegate-")
+                for rule in role["rules"]:
+                    for group in rule["apiGroups"]:
+                        found.add((component, scope, group, ", ".join(rule["resources"]), ", ".join(rule["verbs"])))
+        return found
+
+    assert rendered(None) == set(rows)
+    for switch in sorted(set().union(*rows.values())):
+        values: dict[str, Any] = {}
+        *parents, leaf = switch.split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = False
+        assert rendered(values) == {row for row, when in rows.items() if switch not in when}, switch

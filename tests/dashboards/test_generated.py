@@ -6,11 +6,11 @@ import json
 import shutil
 import subprocess
 
-import pytest
 import yaml
 
 from dashboards.build import ALERTS_FILE, DASHBOARD_DIR, stale
 from dashboards.definitions import DASHBOARDS
+from tests.support.required import missing
 
 
 def test_generated_files_are_up_to_date() -> None:
@@ -42,10 +42,9 @@ def test_rule_file_names_every_alert_of_the_issue() -> None:
     assert all(rule["labels"]["severity"] in ("warning", "critical") for rule in rules)
 
 
-@pytest.mark.skipif(
-    shutil.which("promtool") is None, reason="promtool missing: apt-get install prometheus (CI installs it)"
-)
 def test_promtool_check_rules() -> None:
+    if shutil.which("promtool") is None:
+        missing("promtool missing: apt-get install prometheus (scripts/test installs it)")
     out = subprocess.run(["promtool", "check", "rules", str(ALERTS_FILE)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout

@@ -23,10 +23,16 @@ from tests.support.prometheus import (
     file_sd,
     workload,
 )
+from tests.support.required import missing
 from tests.support.up import UpProcess, model_doc
 from wakegate.control.admin import free_port
 
-pytestmark = pytest.mark.skipif(not available(), reason=MISSING)
+
+@pytest.fixture(autouse=True, scope="module")
+def _prometheus_installed() -> None:
+    if not available():
+        missing(MISSING)
+
 
 FLEET = "".join(
     [

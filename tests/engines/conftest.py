@@ -30,6 +30,7 @@ from openai.types import CompletionUsage
 
 from e2e import engines, hfmodel
 from e2e.tinymodel import ModelSpec, write_lora, write_model
+from tests.support.required import missing
 from tests.support.sim import http_status
 from wakegate.control.admin import free_port
 
@@ -40,7 +41,7 @@ def engine_binary(name: str) -> Path:
     try:
         return engines.ensure(name)
     except engines.ToolchainMissing as exc:
-        pytest.skip(str(exc))
+        missing(str(exc))
 
 
 @pytest.fixture(scope="session")
@@ -289,3 +290,20 @@ def ollama(ollama_bin: Path, tiny: TinyFiles, tmp_path_factory: pytest.TempPathF
         yield server
     finally:
         server.stop()
+
+
+def vllm_model(routing: str, scaling: str, extra: str = "") -> str:
+    """A `backend: vllm` Model document named tiny over `file://weights/tiny` with VLLM_ARGS;
+    `extra` is more spec lines (two-space indented)."""
+    return f"""---
+apiVersion: wakegate.io/v1alpha1
+kind: Model
+metadata: {{name: tiny}}
+spec:
+  backend: vllm
+  servedName: org/tiny-hf
+  source: file://weights/tiny
+  args: {json.dumps(list(VLLM_ARGS))}
+{extra}  routing: {routing}
+  scaling: {scaling}
+"""

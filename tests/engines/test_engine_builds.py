@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from e2e import engines
+from tests.support.required import missing
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def test_a_built_engine_is_reused_until_its_recipe_changes(bin_dir: Path, monkey
     engine = fake_build(engines.ENGINES["llama-server"], calls)
     monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
     if engine.wanted_stamp()["go"] is None:
-        pytest.skip("cmake or a C/C++ compiler is missing here")
+        missing("cmake or a C/C++ compiler is missing here")
     path = engines.ensure("llama-server", log=lambda _msg: None)
     assert path == bin_dir / "llama-server" and path.exists()
     assert json.loads((bin_dir / "llama-server-stamp.json").read_text()) == engine.wanted_stamp()
@@ -68,7 +69,7 @@ def test_another_checkout_copies_the_cached_build_instead_of_building(
     engine = fake_build(engines.ENGINES["llama-server"], calls)
     monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
     if engine.wanted_stamp()["go"] is None:
-        pytest.skip("cmake or a C/C++ compiler is missing here")
+        missing("cmake or a C/C++ compiler is missing here")
     engines.ensure("llama-server", log=lambda _msg: None)
     assert len(calls) == 1
     (entry,) = cache_dir.iterdir()
@@ -102,7 +103,7 @@ def test_an_unwritable_cache_only_costs_a_build(bin_dir: Path, tmp_path: Path, m
     engine = fake_build(engines.ENGINES["llama-server"], calls)
     monkeypatch.setitem(engines.ENGINES, "llama-server", engine)
     if engine.wanted_stamp()["go"] is None:
-        pytest.skip("cmake or a C/C++ compiler is missing here")
+        missing("cmake or a C/C++ compiler is missing here")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("WAKEGATE_ENGINE_CACHE", str(blocker / "cache"))

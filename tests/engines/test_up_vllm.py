@@ -22,33 +22,26 @@ import openai
 import pytest
 import zmq
 
-from tests.engines.conftest import PROMPT, VLLM_ARGS, HFTiny
+from tests.engines.conftest import PROMPT, HFTiny, vllm_model
 from tests.engines.test_up_engines import engines_path, model_status, wait_for
 from tests.support.up import UpProcess, pids_alive
+from wakegate.extproc.engineprompt import EnginePrompt
 from wakegate.kvevents import vllm_block_hashes
 
-FLEET = f"""---
+FLEET = vllm_model(
+    "{profile: precise, kvEvents: {portOffset: 1}}",
+    "{min: 0, max: 1, idleTimeout: 900, activationTimeout: 300}",
+    extra="  adapters: {maxAdapters: 2}\n",
+) + """---
 apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {{name: tiny}}
-spec:
-  backend: vllm
-  servedName: org/tiny-hf
-  source: file://weights/tiny
-  args: {json.dumps(list(VLLM_ARGS))}
-  adapters: {{maxAdapters: 2}}
-  routing: {{profile: precise, kvEvents: {{portOffset: 1}}}}
-  scaling: {{min: 0, max: 1, idleTimeout: 900, activationTimeout: 300}}
+kind: LoRAAdapter
+metadata: {name: sql}
+spec: {baseModel: tiny, source: file://weights/sql, servedName: tiny-sql}
 ---
 apiVersion: wakegate.io/v1alpha1
 kind: LoRAAdapter
-metadata: {{name: sql}}
-spec: {{baseModel: tiny, source: file://weights/sql, servedName: tiny-sql}}
----
-apiVersion: wakegate.io/v1alpha1
-kind: LoRAAdapter
-metadata: {{name: poet}}
-spec: {{baseModel: tiny, source: file://weights/poet}}
+metadata: {name: poet}
+spec: {baseModel: tiny, source: file://weights/poet}
 """
 
 MAX_TOKENS = 12
@@ -235,11 +228,13 @@ def test_vllm_publishes_the_kv_events_the_routing_asks_for(fleet: UpProcess) -> 
     sub.setsockopt(zmq.RCVTIMEO, 10_000)
     sub.connect(f"tcp://127.0.0.1:{port + 1}")
     stored: list[dict[str, object]] = []
+    sent: list[dict[str, object]] = []
     try:
         for attempt in range(5):
             # A prompt of whole 128-token blocks, through the gateway, new each time (a
             # subscription still joining misses the first batches).
             content = f"{attempt}" + " the weather" * 150
+            sent.append({"messages": [{"role": "user", "content": content}]})
             client(up).chat.completions.create(
                 model="tiny",
                 messages=[{"role": "user", "content": content}],
@@ -261,6 +256,12 @@ def test_vllm_publishes_the_kv_events_the_routing_asks_for(fleet: UpProcess) -> 
     first = stored[0]
     assert first["parent_block_hash"] is None and first["lora_id"] is None
     assert vllm_block_hashes(first["token_ids"], 128) == first["block_hashes"]  # type: ignore[arg-type]
+    # The other half: the gateway's token ids for the request (the model's chat template and
+    # tokenizer) are the engine's, so the chain it computes names the blocks vLLM stored.
+    prompt = EnginePrompt(up.tmp / "weights" / "tiny")
+    ids = [prompt.token_ids(body) or [] for body in sent]  # the event is from one of those requests
+    assert any(i[: len(first["token_ids"])] == first["token_ids"] for i in ids), (ids, first)  # type: ignore[arg-type]
+    assert any(vllm_block_hashes(i, 128)[:1] == first["block_hashes"][:1] for i in ids)  # type: ignore[index]
     # The gateways subscribed to the same endpoint and decoded those batches (vLLM 0.32 sends
     # events as maps, which they once dropped as malformed).
     logs = sorted((up.state_dir / "logs").glob("extproc-*.log"))

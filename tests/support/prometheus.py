@@ -27,7 +27,7 @@ from wakegate.control.admin import free_port
 
 #: Scrape and rule evaluation interval of the tests' Prometheus.
 SCRAPE = "1s"
-MISSING = "prometheus missing: apt-get install prometheus (CI installs it)"
+MISSING = "prometheus missing: apt-get install prometheus (scripts/test installs it)"
 
 
 def available() -> bool:

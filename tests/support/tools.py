@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from e2e.tools import TOOLS, BuildError, ensure
+from tests.support.required import missing
 
 
 def built(name: str) -> Path:
     """The tool's binary, built if its pins changed; skips only where it cannot be built (no Go)."""
     if not TOOLS[name].is_current() and shutil.which("go") is None:
-        pytest.skip(f"{name} is not built and `go` is missing (python -m e2e.tools {name} builds it)")
+        missing(f"{name} is not built and `go` is missing (python -m e2e.tools {name} builds it)")
     try:
         return ensure(name)
     except BuildError as exc:

@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 
 from e2e.tools import TOOLS, BuildError, GoTool
+from tests.support.required import missing
 
-pytestmark = pytest.mark.skipif(shutil.which("go") is None, reason="needs the Go toolchain")
+
+@pytest.fixture(autouse=True, scope="module")
+def _go_installed() -> None:
+    if shutil.which("go") is None:
+        missing("needs the Go toolchain")
+
 
 MAIN = """package main
 

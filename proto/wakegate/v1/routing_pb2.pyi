@@ -84,7 +84,7 @@ class LoRAAdapterRoute(_message.Message):
     def __init__(self, name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., scale: _Optional[float] = ..., endpoints: _Optional[_Iterable[str]] = ..., failed_loads: _Optional[int] = ..., last_failure: _Optional[str] = ...) -> None: ...
 
 class ModelRoute(_message.Message):
-    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset", "adapters", "adapters_on_demand", "adapter_placement", "fallback_endpoints", "path")
+    __slots__ = ("key", "names", "served_name", "lora_adapters", "cluster", "strategy", "rate_limit", "endpoints", "cold", "generation", "failed_activations", "last_failure", "admitted", "profile", "weights", "failure_code", "kv_events_offset", "kv_events_replay_offset", "adapters", "adapters_on_demand", "adapter_placement", "fallback_endpoints", "path", "tokenizer")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class ModelRoute(_message.Message):
     ADAPTER_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     key: str
     names: _containers.RepeatedScalarFieldContainer[str]
     served_name: str
@@ -138,4 +139,5 @@ class ModelRoute(_message.Message):
     adapter_placement: str
     fallback_endpoints: int
     path: str
-    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapterRoute, _Mapping]]] = ..., adapters_on_demand: _Optional[bool] = ..., adapter_placement: _Optional[str] = ..., fallback_endpoints: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, key: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., served_name: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., cluster: _Optional[str] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., rate_limit: _Optional[_Union[RateLimit, _Mapping]] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., cold: _Optional[_Union[ColdPolicy, _Mapping]] = ..., generation: _Optional[int] = ..., failed_activations: _Optional[int] = ..., last_failure: _Optional[str] = ..., admitted: _Optional[bool] = ..., profile: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ..., failure_code: _Optional[str] = ..., kv_events_offset: _Optional[int] = ..., kv_events_replay_offset: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapterRoute, _Mapping]]] = ..., adapters_on_demand: _Optional[bool] = ..., adapter_placement: _Optional[str] = ..., fallback_endpoints: _Optional[int] = ..., path: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...

@@ -94,3 +94,17 @@ def test_mistakes_and_failures_are_one_line_without_a_traceback(tmp_path: Path) 
     assert missing.returncode == 1 and "is not in the cache" in missing.stderr
     chunk = wakegate("flash-load", "sha256:" + "1" * 64, "--chunk-size", "1000", cache=cache_dir)
     assert chunk.returncode == 2 and "multiple of 4096" in chunk.stderr
+    nowhere = wakegate("flash-load", str(tmp_path / "no-such-model"), cache=cache_dir)
+    assert nowhere.returncode == 2 and "nor an existing path" in nowhere.stderr and "Traceback" not in nowhere.stderr
+    typo = wakegate("flash-load", "sha256:12", cache=cache_dir)
+    assert typo.returncode == 2 and "is not a digest" in typo.stderr
+
+
+def test_flash_load_takes_a_plain_path(tmp_path: Path) -> None:
+    """A model on local disk is staged by its path, as its `file://` source would be."""
+    model = weights(tmp_path / "src", 1024 * 1024)
+    staged = wakegate("flash-load", str(model), str(tmp_path / "shm"), cache=tmp_path / "cache")
+    assert staged.returncode == 0, staged.stderr
+    copy = Path(staged.stdout.strip())
+    assert copy.is_relative_to(tmp_path / "shm") and copy.read_bytes() == model.read_bytes()
+    assert "wakegate flash-load:" in staged.stderr

@@ -185,7 +185,8 @@ def test_tls_with_a_custom_ca_and_a_clear_error_without_it(tmp_path: Path) -> No
         resolved.release()
         with pytest.raises(DeliveryError) as err:
             pull(ref, Cache(tmp_path / "untrusted"), settings(reg))
-        assert err.value.reason == "unreachable" and "not trusted" in str(err.value) and "--ca-file" in str(err.value)
+        assert err.value.reason == "unreachable" and "not trusted" in str(err.value)
+        assert "--registry-ca-file" in str(err.value)
 
 
 def test_a_pinned_digest_is_served_from_the_cache_with_the_registry_gone(tmp_path: Path) -> None:

@@ -15,31 +15,15 @@ import pytest
 
 from e2e.tools.registry import start_registry
 from tests.control.delivery.conftest import weights
+from tests.control.operator.recording import RecordingKube
 from tests.support.tools import registry_bin
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
-from wakegate.control.k8s.client import KubeError
 from wakegate.control.operator import render as rnd
 from wakegate.control.operator.controller import CATALOG_KEY, Reconciler
 
 __all__ = ["registry_bin"]
 pytestmark = pytest.mark.usefixtures("registry_bin")
-
-
-class RecordingKube:
-    def __init__(self, secrets: dict[str, dict[str, Any]]) -> None:
-        self.secrets = secrets
-        self.patched: list[tuple[str, dict[str, Any]]] = []
-
-    def get(self, resource: str) -> Any:
-        name = resource.rsplit("/", 1)[-1]
-        if "/secrets/" not in resource or name not in self.secrets:
-            raise KubeError(404, "NotFound", "")
-        return self.secrets[name]
-
-    def patch_status(self, obj_path: str, status: dict[str, Any]) -> Any:
-        self.patched.append((obj_path, status))
-        return {"status": status}
 
 
 def body(registry: str, secret: str | None, token: str | None = None) -> dict[str, Any]:
