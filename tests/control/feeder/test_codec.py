@@ -63,6 +63,7 @@ def every_field_set() -> RoutedModel:
         endpoint_tls=(("127.0.0.2", 9001, TLS),),
         endpoint_authorization=(("127.0.0.2", 9001, "Bearer t"),),
         path="native",
+        tokenizer="/models/tiny",
     )
 
 
