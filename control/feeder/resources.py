@@ -268,7 +268,7 @@ def static_native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
         return "scored or sticky picking (native takes strategy round-robin or least-loaded)"
     if model.adapters or model.lora_adapters:
         return "LoRA adapters"
-    if settings.global_rate_limit:
+    if settings.global_rate_limit or settings.global_rps > 0:
         return "a gateway-wide rate limit (--global-rps)"
     return ""
 
@@ -1125,7 +1125,7 @@ def _native_routes(
     """
     by_header, by_path, by_body = [], [], []
     for m in sorted(models, key=lambda m: m.key):
-        counted = m.key in limited
+        counted = m.key in limited and m.requests_per_second > 0  # a native route has no global bucket
         names = _routable_names(m, keys)
         for name in names:
             by_header.append(_native(m, name, _by_header(name), keys=keys, limited=counted))
