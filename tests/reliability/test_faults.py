@@ -76,6 +76,8 @@ def test_sigterm_lets_a_10s_stream_finish_and_answers_held_requests(tmp_path: Pa
     assert record.streams_kept == record.streams, record
     assert record.held_answered == record.held, record
     assert record.exit_code == 0, record
-    # New connections are refused once the drain began (the listener is closed).
-    assert record.probes_failed == record.probes_after_fault, record
+    # New connections are refused once the drain began (the listener is closed): after the first
+    # refused probe none is served. (A probe sent in the moment between the signal and the
+    # listener's close is served, as a request in flight is.)
+    assert record.probes_failed >= record.probes_after_fault - 2 and record.served_after_a_failure == 0, record
     assert record.log_errors == [], record

@@ -61,6 +61,8 @@ class Record:
     exit_code: int | None = None
     #: The longest a held request waited beyond the cold model's start (`up`'s measure of it).
     held_beyond_start_seconds: float = 0.0
+    #: Probes after the fault that got a 200 although one started before them had failed.
+    served_after_a_failure: int = 0
     #: ERROR lines and tracebacks in the logs of `up`, the feeder and the extprocs.
     log_errors: list[str] = field(default_factory=list)
     #: What each held request got: its status (0: no answer, with the error) and Retry-After.
@@ -263,8 +265,10 @@ def run_scenario(
     finally:
         code = up.stop(timeout=60)
     after = [p for p in traffic.probes if p[1] >= fault_at]
-    slowest_held = max((done - traffic.held_sent for done in traffic.held_done), default=0.0)
     failed = [p for p in after if not p[2]]
+    first_failure = min((p[0] for p in failed), default=None)
+    served_later = [p for p in after if p[2] and first_failure is not None and p[0] > first_failure]
+    slowest_held = max((done - traffic.held_sent for done in traffic.held_done), default=0.0)
     record = Record(
         fault=fault,
         streams=streams,
@@ -282,6 +286,7 @@ def run_scenario(
         exit_code=code,
         held_outcomes=sorted(f"{status} {retry}".strip() for status, retry in traffic.held_results),
         held_beyond_start_seconds=round(slowest_held - cold_start, 3) if fault != "sigterm" else 0.0,
+        served_after_a_failure=len(served_later),
         log_errors=log_errors(up),
     )
     return record
