@@ -105,6 +105,8 @@ def config(
         extproc_cluster=contract.EXTPROC_CLUSTER,
         extproc_port=ports.extproc,
         activator_cluster=contract.ACTIVATOR_CLUSTER,
+        replay_cluster=contract.REPLAY_CLUSTER,
+        replay_listener=contract.REPLAY_LISTENER,
         activator_port=ports.activator,
     )
     data: dict[str, Any] = yaml.safe_load(filled)

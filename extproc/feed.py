@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -96,11 +96,12 @@ class RouteFeed:
                 backoff = 0.1
             except asyncio.CancelledError:
                 raise
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: the call ended between an update and its ACK.
                 log.warning(
                     "route feed disconnected from %s: %s; retrying in %.1fs",
                     self._target,
-                    exc.code().name,
+                    exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "stream ended",
                     backoff,
                 )
             self.connected = False
@@ -108,48 +109,50 @@ class RouteFeed:
             backoff = min(backoff * 2, self._max_backoff)
 
     async def _stream(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub) -> None:
-        outgoing: asyncio.Queue[discovery_pb2.DeltaDiscoveryRequest] = asyncio.Queue()
-        await outgoing.put(
-            discovery_pb2.DeltaDiscoveryRequest(
-                node=self._node, type_url=MODEL_ROUTE, initial_resource_versions=self.versions
-            )
-        )
-
-        async def requests() -> AsyncIterator[discovery_pb2.DeltaDiscoveryRequest]:
-            while True:
-                yield await outgoing.get()
-
+        # Requests are written on the call itself, not drawn from an async generator: grpc would
+        # drain such a generator in a task of its own, which a feeder that vanished leaves pending
+        # on the generator (asyncio then logs the task destroyed and the generator's aclose failing).
         metadata = self._token.metadata() if self._token is not None else ()
-        call = stub.DeltaAggregatedResources(requests(), metadata=metadata)
-        async for response in call:
-            self.connected = True
-            try:
-                changed, removed = decode_delta(response)
-            except ValueError as exc:
-                log.error("route update version=%s rejected: %s", response.system_version_info, exc)
-                await outgoing.put(
-                    discovery_pb2.DeltaDiscoveryRequest(
-                        node=self._node,
-                        type_url=MODEL_ROUTE,
-                        response_nonce=response.nonce,
-                        error_detail=status_pb2.Status(code=3, message=str(exc)),
-                    )
+        call = stub.DeltaAggregatedResources(metadata=metadata)
+        try:
+            await call.write(
+                discovery_pb2.DeltaDiscoveryRequest(
+                    node=self._node, type_url=MODEL_ROUTE, initial_resource_versions=self.versions
                 )
-                continue
-            self._on_routes([route for _, route in changed], removed)
-            for key in removed:
-                self.versions.pop(key, None)
-            self.versions.update((route.key, version) for version, route in changed)
-            log.log(
-                logging.INFO if len(changed) + len(removed) > 10 or not self.synced.is_set() else logging.DEBUG,
-                "routes updated version=%s changed=%d removed=%d models=%d",
-                response.system_version_info,
-                len(changed),
-                len(removed),
-                len(self.versions),
             )
-            self.synced.set()
-            ack = discovery_pb2.DeltaDiscoveryRequest(
-                node=self._node, type_url=MODEL_ROUTE, response_nonce=response.nonce
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return
+                assert isinstance(response, discovery_pb2.DeltaDiscoveryResponse)
+                self.connected = True
+                await call.write(self._apply(response))
+        finally:
+            call.cancel()
+
+    def _apply(self, response: discovery_pb2.DeltaDiscoveryResponse) -> discovery_pb2.DeltaDiscoveryRequest:
+        """Take one update into the route table; the ACK (or the NACK with the reason) to send."""
+        try:
+            changed, removed = decode_delta(response)
+        except ValueError as exc:
+            log.error("route update version=%s rejected: %s", response.system_version_info, exc)
+            return discovery_pb2.DeltaDiscoveryRequest(
+                node=self._node,
+                type_url=MODEL_ROUTE,
+                response_nonce=response.nonce,
+                error_detail=status_pb2.Status(code=3, message=str(exc)),
             )
-            await outgoing.put(ack)
+        self._on_routes([route for _, route in changed], removed)
+        for key in removed:
+            self.versions.pop(key, None)
+        self.versions.update((route.key, version) for version, route in changed)
+        log.log(
+            logging.INFO if len(changed) + len(removed) > 10 or not self.synced.is_set() else logging.DEBUG,
+            "routes updated version=%s changed=%d removed=%d models=%d",
+            response.system_version_info,
+            len(changed),
+            len(removed),
+            len(self.versions),
+        )
+        self.synced.set()
+        return discovery_pb2.DeltaDiscoveryRequest(node=self._node, type_url=MODEL_ROUTE, response_nonce=response.nonce)

@@ -318,6 +318,9 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", settings.drain_seconds)
     serving = False
+    held = processor.let_go()
+    if held:
+        log.info("answered %d held request(s) with the retriable 503: stopping", held)
     if gateway.completions is not None:
         gateway.completions.close()
     await server.stop(settings.drain_seconds)

@@ -111,7 +111,13 @@ class RateLimiter:
         return len(self._models)
 
     def admit(
-        self, model_key: str, model_rate: float | None, model_burst: float | None, *, counted_elsewhere: bool = False
+        self,
+        model_key: str,
+        model_rate: float | None,
+        model_burst: float | None,
+        *,
+        counted_elsewhere: bool = False,
+        global_counted_elsewhere: bool = False,
     ) -> float:
         """0.0 = admitted (a token taken from each applicable bucket); else Retry-After seconds (> 0).
 
@@ -119,11 +125,12 @@ class RateLimiter:
         ``counted_elsewhere``: the model's token was taken already (by Envoy's bucket for the
         model): only the global bucket applies, and the model's own bucket here is kept as it is.
         Raises ValueError for a negative/non-finite rate or a burst below 1 (config validation
-        should have caught those).
+        should have caught those). ``global_counted_elsewhere``: the gateway-wide token was taken
+        already too (Envoy keeps that bucket as well): the global bucket here is left as it is.
         """
         now = self._clock()
         model = None if counted_elsewhere else self._model_bucket(model_key, model_rate, model_burst, now)
-        glob = self._global
+        glob = None if global_counted_elsewhere else self._global
         wait = 0.0
         if model is not None:
             wait = model._wait(now)

@@ -42,6 +42,7 @@ from wakegate.contract import (
     RATE_COUNTED_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
+    UNSERVED_HEADER,
 )
 from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
@@ -62,7 +63,7 @@ from wakegate.extproc.naming import (
 )
 from wakegate.extproc.picking import Picker
 from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
-from wakegate.extproc.responses import error, header, immediate
+from wakegate.extproc.responses import error, error_body, header, immediate
 from wakegate.process import ThrottledLog
 from wakegate.v1 import routing_pb2
 
@@ -376,11 +377,32 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 
 
+#: What a request still held when extproc stops gets: the gateway's retriable 503, marked as having
+#: reached no model server (the same words as Envoy's own reply when no extproc answers).
+_STOPPING = immediate(
+    503,
+    error_body(503, "gateway_unavailable", "the gateway is starting or restarting a component; retry shortly"),
+    extra_headers=[("retry-after", "1"), (UNSERVED_HEADER, "1")],
+    details="wakegate_gateway_unavailable",
+)
+
+
 class Processor:
     """Decides each ext_proc message; `call()` serves one ext_proc stream (one HTTP request)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        #: The streams whose request is held for its model now.
+        self.holding: set[ProcessCall] = set()
+
+    def let_go(self) -> int:
+        """Stopping: answer every held request now (the retriable 503), rather than cut its stream
+        with the connection, which would have Envoy replay it to an extproc that is stopping too
+        (or to none, while the gateway goes away). Returns how many there were."""
+        calls = list(self.holding)
+        for call in calls:
+            call.let_go()
+        return len(calls)
 
     def call(self, call: Call) -> ProcessCall:
         return ProcessCall(self, call)
@@ -560,7 +582,11 @@ class Processor:
         # Envoy's bucket took the token of a request it counted (it said so, for this model).
         counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
         wait = self.gw.limiter.admit(
-            route.key, rate.requests_per_second or None, rate.burst or None, counted_elsewhere=counted
+            route.key,
+            rate.requests_per_second or None,
+            rate.burst or None,
+            counted_elsewhere=counted,
+            global_counted_elsewhere=counted and rate.global_counted_by_envoy,
         )
         if wait > 0:
             return self._reject(
@@ -905,6 +931,17 @@ class ProcessCall:
             held.cancel()
         self._close()
 
+    def let_go(self) -> None:
+        """Answer the held request with the retriable 503 now (extproc is stopping)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        held.cancel()
+        self._close()
+        self._proc._done(None, _STOPPING, "503", "gateway_unavailable")
+        self._call.send(_STOPPING.SerializeToString())
+        self._call.finish()
+
     def _answer(self, decided: ep.ProcessingResponse) -> None:
         """Send a decision; once the request needs nothing more from us, end the stream, so
         that Envoy carries the rest of the request without this process."""
@@ -942,6 +979,7 @@ class ProcessCall:
                 ).SerializeToString()
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))
+            self._proc.holding.add(self)
             return
         self._answer(decided)
 
@@ -957,10 +995,12 @@ class ProcessCall:
             self._call.finish(INTERNAL, "internal error")
             return
         self._held = None
+        self._proc.holding.discard(self)
         self._answer(decided)
         while self._backlog and self._held is None and not self._call.finished:
             self._handle(self._backlog.pop(0))
 
     def _close(self) -> None:
+        self._proc.holding.discard(self)
         self._backlog.clear()
         self._proc.release(self._exchange)

@@ -150,6 +150,7 @@ class GlobalGateway:
             upstream_retries=proxy.retries.attempts,
             upstream_retry_on=_RETRY_ON[proxy.retries.when],
             access_log_clusters=(contract.access_log_cluster(0), contract.access_log_cluster(1)),
+            replay=True,
         )
         self._routes: list[RoutedModel] = fed.global_routes(
             self.models, self.members.values(), self.health, self.retries

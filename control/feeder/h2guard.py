@@ -155,6 +155,14 @@ class FrameGuard:
                 await task
 
     async def _accepted(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # The connection's task ends normally even when close() cancels it: asyncio's stream
+        # server (Python 3.11) calls task.exception() on it when it is done, which raises for a
+        # cancelled task, and the loop logs that as an "Exception in callback" ERROR with a
+        # traceback (every connection open when the feeder stopped).
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._connection(client_r, client_w)
+
+    async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)

@@ -320,7 +320,7 @@ def static_native_blocker(model: RoutedModel, settings: GatewaySettings) -> str:
         return "scored or sticky picking (native takes strategy round-robin or least-loaded)"
     if model.adapters or model.lora_adapters:
         return "LoRA adapters"
-    if settings.global_rate_limit:
+    if settings.global_rate_limit or settings.global_rps > 0:
         return "a gateway-wide rate limit (--global-rps)"
     if model.flow is not None:
         return "flow control (requests are admitted by extproc)"
@@ -399,6 +399,17 @@ class GatewaySettings:
     #: extproc keeps a gateway-wide token bucket (`--global-rps`): every request must meet it, so
     #: no model takes the native path (Envoy's buckets are per model only).
     global_rate_limit: bool = False
+    #: The gateway-wide bucket (`--global-rps`, `--global-burst`; 0: none) kept in Envoy's local
+    #: rate limit for every request a counted route names the model of (envoy_rate_limited): one
+    #: bucket whichever extproc a request reaches. extproc keeps its own for the rest.
+    global_rps: float = 0.0
+    global_burst: float = 0.0
+    #: A request whose ext_proc stream fails before extproc decided it (the extproc holding it
+    #: died or stalled) goes through this Envoy again, on the internal listener REPLAY_LISTENER,
+    #: where the other (or the restarted) extproc decides it: the request reached no model server
+    #: yet, so nothing runs twice (`replay_listener`). Needs the bootstrap's internal listener
+    #: extension and REPLAY_CLUSTER: `wakegate up` sets it.
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -703,7 +714,7 @@ _JSON_TO_METADATA_FILTER = {
                         "type": "STRING",
                     },
                 }
-            ]
+            ],
         },
     },
 }
@@ -739,7 +750,13 @@ def envoy_rate_limited(models: Iterable[RoutedModel], settings: GatewaySettings)
     model wakes or sleeps."""
     if not settings.native_allowed:
         return ()
-    limited = (m for m in models if m.requests_per_second > 0 and not (m.adapters or m.lora_adapters))
+    # With the gateway-wide bucket in Envoy every model's requests draw from it (a model without
+    # a limit of its own: the global bucket only).
+    limited = (
+        m
+        for m in models
+        if (m.requests_per_second > 0 or settings.global_rps > 0) and not (m.adapters or m.lora_adapters)
+    )
     return tuple(sorted(limited, key=lambda m: m.key))
 
 
@@ -766,18 +783,57 @@ def refused_retry_after(rate: float) -> str:
     return str(max(1, math.ceil(1 / rate - 1e-9)))
 
 
-def _rate_limit_metadata(model: RoutedModel) -> dict[str, Any]:
+def _rate_limit_metadata(model: RoutedModel, global_rps: float = 0.0) -> dict[str, Any]:
+    """The buckets a route draws from: the model's where it has a limit (`model`), the gateway-wide
+    one where Envoy keeps it (`global`); a refusal's Retry-After is the slower bucket's."""
+    rates = [rate for rate in (model.requests_per_second, global_rps) if rate > 0]
+    found: dict[str, str] = {"retry_after": refused_retry_after(min(rates))}
+    if model.requests_per_second > 0:
+        found["model"] = model.key
+    if global_rps > 0:
+        found["global"] = _GLOBAL
+    return {"filter_metadata": {RATE_LIMIT_METADATA: found}}
+
+
+#: The descriptor value of the gateway-wide bucket (`--global-rps`) in Envoy's local rate limit.
+_GLOBAL = "all"
+_GLOBAL_DESCRIPTOR = "wakegate_global"
+
+
+def _descriptor_of(key: str, descriptor: str) -> dict[str, Any]:
+    """A rate_limits entry: the descriptor `descriptor` valued with the route's metadata `key` (none
+    for a route without it)."""
     return {
-        "filter_metadata": {
-            RATE_LIMIT_METADATA: {"model": model.key, "retry_after": refused_retry_after(model.requests_per_second)}
-        }
+        "actions": [
+            {
+                "metadata": {
+                    "descriptor_key": descriptor,
+                    "metadata_key": {"key": RATE_LIMIT_METADATA, "path": [{"key": key}]},
+                    "source": "ROUTE_ENTRY",
+                }
+            }
+        ]
     }
 
 
-def _local_rate_limit(limited: Sequence[RoutedModel]) -> dict[str, Any]:
-    """Envoy's local rate limit with one bucket per model of `limited`, shared by every route whose
-    metadata names the model (native and decided alike); requests of other routes take no token.
-    Its 429 is shaped by the local reply mapper (`RATE_LIMITED_REPLY`)."""
+def _local_rate_limit(limited: Sequence[RoutedModel], settings: GatewaySettings) -> dict[str, Any]:
+    """Envoy's local rate limit with one bucket per model of `limited` that has a limit, shared by
+    every route whose metadata names the model (native and decided alike), and the gateway-wide
+    bucket where `settings` put it here, shared by every route whose metadata says `global`;
+    requests of other routes take no token. Envoy tries the slower bucket first: a request it
+    refuses takes nothing from the other. Its 429 is shaped by the local reply mapper
+    (`RATE_LIMITED_REPLY`)."""
+    has_global = settings.global_rps > 0
+    glob = (
+        [
+            {
+                "entries": [{"key": _GLOBAL_DESCRIPTOR, "value": _GLOBAL}],
+                "token_bucket": token_bucket(settings.global_rps, settings.global_burst),
+            }
+        ]
+        if has_global
+        else []
+    )
     return {
         "name": LOCAL_RATE_LIMIT,
         "typed_config": {
@@ -787,24 +843,19 @@ def _local_rate_limit(limited: Sequence[RoutedModel]) -> dict[str, Any]:
             "filter_enforced": _ALWAYS,
             "always_consume_default_token_bucket": False,
             "rate_limits": [
-                {
-                    "actions": [
-                        {
-                            "metadata": {
-                                "descriptor_key": _RATE_LIMIT_DESCRIPTOR,
-                                "metadata_key": {"key": RATE_LIMIT_METADATA, "path": [{"key": "model"}]},
-                                "source": "ROUTE_ENTRY",
-                            }
-                        }
-                    ]
-                }
+                _descriptor_of("model", _RATE_LIMIT_DESCRIPTOR),
+                *([_descriptor_of("global", _GLOBAL_DESCRIPTOR)] if has_global else []),
             ],
             "descriptors": [
-                {
-                    "entries": [{"key": _RATE_LIMIT_DESCRIPTOR, "value": m.key}],
-                    "token_bucket": token_bucket(m.requests_per_second, m.burst),
-                }
-                for m in limited
+                *(
+                    {
+                        "entries": [{"key": _RATE_LIMIT_DESCRIPTOR, "value": m.key}],
+                        "token_bucket": token_bucket(m.requests_per_second, m.burst),
+                    }
+                    for m in limited
+                    if m.requests_per_second > 0
+                ),
+                *glob,
             ],
             "response_headers_to_add": [
                 {
@@ -842,18 +893,26 @@ def _local_replies(rate_limited: bool, key_checks: bool = False) -> dict[str, An
 
 
 def listener(
-    settings: GatewaySettings, native: bool = False, rate_limited: Sequence[RoutedModel] = ()
+    settings: GatewaySettings,
+    native: bool = False,
+    rate_limited: Sequence[RoutedModel] = (),
+    *,
+    replayed: bool = False,
 ) -> listener_pb2.Listener:
-    """The one listener; `native` (may_go_native) adds what native routes need, `rate_limited`
+    """The gateway's listener; `native` (may_go_native) adds what native routes need, `rate_limited`
     (envoy_rate_limited) the buckets of those models, before extproc: a request over its model's
     limit is refused before it could wait for a cold start, as extproc refuses it. Buckets need
     what native routes need (the body's `model` read before extproc, keys checked first), so
-    `rate_limited` alone sets up the listener as `native` does."""
+    `rate_limited` alone sets up the listener as `native` does. `replayed`: the replay listener
+    instead (`replay_listener`)."""
     native = native or bool(rate_limited)
+    # With replay, a failed ext_proc stream lets the request go on to its undecided route, which
+    # sends it through the replay listener (route_configuration); there, a failure is the 503.
+    replays = settings.replay and not replayed
     http_filters: list[dict[str, Any]] = [
         *([_JSON_TO_METADATA_FILTER] if native else []),
         *([_API_KEY_AUTH_FILTER] if native and settings.key_checks else []),
-        *([_local_rate_limit(rate_limited), _HEADER_MUTATION_FILTER] if rate_limited else []),
+        *([_local_rate_limit(rate_limited, settings), _HEADER_MUTATION_FILTER] if rate_limited else []),
         {
             "name": "envoy.filters.http.ext_proc",
             # With native routes, off unless the route turns it on (every route but the native
@@ -884,7 +943,7 @@ def listener(
                         },
                     },
                 },
-                "failure_mode_allow": False,
+                "failure_mode_allow": replays,
                 # Bodies are buffered unless the route says the model is named in the request's
                 # headers (route_configuration): a body that arrives while extproc decides on the
                 # headers is then held under the size limit (413 past it). Buffering only once
@@ -904,7 +963,7 @@ def listener(
         ROUTER_FILTER,
     ]
     hcm = {
-        "stat_prefix": "wakegate",
+        "stat_prefix": "wakegate_replayed" if replayed else "wakegate",
         "codec_type": "AUTO",
         "rds": {"route_config_name": ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
         "http_filters": http_filters,
@@ -943,21 +1002,38 @@ def listener(
                             if native
                             else []
                         ),
-                        # A client's copy would spare its request extproc's token.
-                        *([{"remove": contract.RATE_COUNTED_HEADER}] if rate_limited else []),
+                        # A client's copy would spare its request extproc's token; on the replay
+                        # listener it is the gateway's own, from the first pass.
+                        *([{"remove": contract.RATE_COUNTED_HEADER}] if rate_limited and not replayed else []),
+                        # Only the gateway's replay route sends a request through again.
+                        *([{"remove": contract.REPLAY_HEADER}] if replays else []),
                     ],
                 },
             }
         ],
         "access_log": [_completion_log(cluster, native) for cluster in settings.access_log_clusters],
     }
+    config = http_listener(LISTENER_NAME, settings.listen_host, settings.listen_port, hcm)
+    if replayed:
+        del config["address"]
+        config.update(name=contract.REPLAY_LISTENER, internal_listener={})
     return _parse(
         listener_pb2.Listener(),
-        {
-            **http_listener(LISTENER_NAME, settings.listen_host, settings.listen_port, hcm),
-            "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024,
-        },
+        {**config, "per_connection_buffer_limit_bytes": settings.max_request_bytes + 64 * 1024},
     )
+
+
+def replay_listener(
+    settings: GatewaySettings, native: bool = False, rate_limited: Sequence[RoutedModel] = ()
+) -> listener_pb2.Listener:
+    """The internal listener (reached only from this Envoy, through REPLAY_CLUSTER) a request goes
+    through again when its ext_proc stream failed before extproc decided it: the same filters and
+    routes as the gateway's listener, so the request is checked, decided and held anew by
+    whichever extproc Envoy reaches now. What differs: the gateway's own marks stay on the request
+    (REPLAY_HEADER, which picks the replay route, and RATE_COUNTED_HEADER: its token was taken on
+    the first pass), and a failed ext_proc stream here is the retriable 503 marked unserved,
+    which the first pass's replay route retries (route_configuration)."""
+    return listener(settings, native, rate_limited, replayed=True)
 
 
 _MODEL_HEADER_SET = {"name": contract.MODEL_HEADER, "string_match": {"safe_regex": {"regex": ".+"}}}
@@ -1106,7 +1182,7 @@ def _native_routes(
     """
     by_header, by_path, by_body = [], [], []
     for m in sorted(models, key=lambda m: m.key):
-        counted = m.key in limited
+        counted = m.key in limited and m.requests_per_second > 0  # a native route has no global bucket
         names = _routable_names(m, keys)
         for name in names:
             by_header.append(_native(m, name, _by_header(name), keys=keys, limited=counted))
@@ -1145,9 +1221,11 @@ def _counted(
     match: dict[str, Any],
     per_filter: dict[str, Any],
     keys: Sequence[GatewayKey] | None = None,
+    global_rps: float = 0.0,
 ) -> dict[str, Any]:
     """A decided route (extproc decides, as on the catch-all) that draws the request's token from the
-    model's bucket in Envoy and tells extproc so (RATE_COUNTED_HEADER). With `keys` it takes only
+    model's bucket in Envoy (and the gateway-wide one, with `global_rps`) and tells extproc so
+    (RATE_COUNTED_HEADER). With `keys` it takes only
     the Bearer form and Envoy checks the key and its scope first (a request refused for its key
     spends no token); the key stays on the request, for extproc's own check."""
     if keys is not None:
@@ -1168,7 +1246,7 @@ def _counted(
     return {
         **_NO_ROUTE,
         "name": name,
-        "metadata": _rate_limit_metadata(model),
+        "metadata": _rate_limit_metadata(model, global_rps),
         "match": match,
         "typed_per_filter_config": {
             **_EXTPROC_ON,
@@ -1181,7 +1259,10 @@ def _counted(
 
 
 def _counted_routes(
-    limited: Sequence[RoutedModel], native: AbstractSet[str], keys: Sequence[GatewayKey] | None = None
+    limited: Sequence[RoutedModel],
+    native: AbstractSet[str],
+    keys: Sequence[GatewayKey] | None = None,
+    global_rps: float = 0.0,
 ) -> tuple[list[Any], list[Any], list[Any]]:
     """(by X-Model-ID, by /model/<name>/ path, by the body's `model`) decided routes of the models
     whose bucket Envoy keeps, for every name, each kind right after its native twins: the POSTs
@@ -1193,11 +1274,12 @@ def _counted_routes(
         warm = m.key in native
         for name in _routable_names(m, keys):  # extproc counts the others
             if not warm:  # a warm model's native routes take these
-                by_header.append(_counted(m, name, _by_header(name), _STREAM_BODY["typed_per_filter_config"], keys))
+                streamed = _STREAM_BODY["typed_per_filter_config"]
+                by_header.append(_counted(m, name, _by_header(name), streamed, keys, global_rps))
                 if _PLAIN_NAME.fullmatch(name):
-                    by_path.append(_counted(m, name, _by_path(name), _STREAM_BODY["typed_per_filter_config"], keys))
+                    by_path.append(_counted(m, name, _by_path(name), streamed, keys, global_rps))
             if not (warm and name == m.served_name):
-                by_body.append(_counted(m, name, _by_body(name), {}, keys))
+                by_body.append(_counted(m, name, _by_body(name), {}, keys, global_rps))
     return by_header, by_path, by_body
 
 
@@ -1226,7 +1308,9 @@ def route_configuration(
         ]
     checked = keys if settings.key_checks else None
     by_header, by_path, by_body = _native_routes(native, checked, {m.key for m in rate_limited})
-    counted_header, counted_path, counted_body = _counted_routes(rate_limited, {m.key for m in native}, checked)
+    counted_header, counted_path, counted_body = _counted_routes(
+        rate_limited, {m.key for m in native}, checked, settings.global_rps
+    )
     stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     # With native routes possible, extproc is off in the listener unless a route turns it on.
     on = _EXTPROC_ON if off else {}
@@ -1237,48 +1321,87 @@ def route_configuration(
         catch_all["typed_per_filter_config"] = {**off, **on}
     elif on:
         catch_all["typed_per_filter_config"] = on
+    routes: list[dict[str, Any]] = [
+        {
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
+            },
+            "route": {
+                "cluster_header": contract.CLUSTER_HEADER,
+                "timeout": "0s",
+                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
+            },
+            **({"typed_per_filter_config": {**off, **on}} if off else {}),
+        },
+        # Before extproc has named a cluster: these pick how its filter treats the
+        # body. A model named by the X-Model-ID header or a /model/<name>/ path
+        # needs no body, so it streams through; everything else is buffered.
+        *by_header,
+        *counted_header,
+        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
+        *by_path,
+        *counted_path,
+        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
+        *by_body,
+        *counted_body,
+        *([_bearer_catch_all(keys)] if settings.key_checks and (by_body or counted_body) else []),
+        catch_all,
+    ]
+    # Only this gateway's own replies may say a request reached no model server.
+    unserved: dict[str, Any] = {"response_headers_to_remove": [contract.UNSERVED_HEADER]}
+    if settings.replay:
+        # Dropped from what model servers answer, route by route: a reply the replay listener
+        # made keeps its mark through the first pass's replay route.
+        routes = [
+            {**routes[0], **unserved},
+            {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_REPLAYED]}, "typed_per_filter_config": {**off, **on}},
+            *(_replays(r) if "direct_response" in r else {**r, **unserved} for r in routes[1:]),
+        ]
+        unserved = {}
     return _parse(
         route_pb2.RouteConfiguration(),
         {
             **extra,
-            # Only this gateway's own replies may say a request reached no model server.
-            "response_headers_to_remove": [contract.UNSERVED_HEADER],
+            **unserved,
             "name": ROUTE_NAME,
-            "virtual_hosts": [
-                {
-                    "name": "models",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {
-                                "prefix": "/",
-                                "headers": [{"name": contract.CLUSTER_HEADER, "present_match": True}],
-                            },
-                            "route": {
-                                "cluster_header": contract.CLUSTER_HEADER,
-                                "timeout": "0s",
-                                **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
-                            },
-                            **({"typed_per_filter_config": {**off, **on}} if off else {}),
-                        },
-                        # Before extproc has named a cluster: these pick how its filter treats the
-                        # body. A model named by the X-Model-ID header or a /model/<name>/ path
-                        # needs no body, so it streams through; everything else is buffered.
-                        *by_header,
-                        *counted_header,
-                        {**_NO_ROUTE, "match": {"prefix": "/", "headers": [_MODEL_HEADER_SET]}, **stream_body},
-                        *by_path,
-                        *counted_path,
-                        {**_NO_ROUTE, "match": {"prefix": contract.MODEL_PATH_PREFIX}, **stream_body},
-                        *by_body,
-                        *counted_body,
-                        *([_bearer_catch_all(keys)] if settings.key_checks and (by_body or counted_body) else []),
-                        catch_all,
-                    ],
-                }
-            ],
+            "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": routes}],
         },
     )
+
+
+_REPLAYED = {"name": contract.REPLAY_HEADER, "present_match": True}
+#: Sends of one request through the replay listener at most. Each one that meets no extproc fails
+#: within milliseconds; with the back-off below they span about 8 s: long enough for `up` to
+#: restart an extproc that died while the other one was gone too.
+REPLAY_ATTEMPTS = 30
+
+
+def _replays(route: dict[str, Any]) -> dict[str, Any]:
+    """An undecided route (one extproc decides on and names the cluster for) that, when it is
+    reached after all, sends the request through the replay listener: that happens only when the
+    request's ext_proc stream failed before extproc decided it (the listener lets such a request
+    go on, `listener`), so no model server has seen it. Retried while the replay listener answers
+    that no extproc could decide it (the unserved mark): each send is decided anew, by whichever
+    extproc answers then. On the replay listener itself, the replayed route above takes the
+    request first (a request is sent through again once at most)."""
+    replayed = {k: v for k, v in route.items() if k != "direct_response"}
+    return {
+        **replayed,
+        "route": {
+            "cluster": contract.REPLAY_CLUSTER,
+            "timeout": "0s",
+            "retry_policy": {
+                "retry_on": "retriable-headers,connect-failure,reset-before-request",
+                "retriable_headers": [{"name": contract.UNSERVED_HEADER, "string_match": {"exact": "1"}}],
+                "num_retries": REPLAY_ATTEMPTS,
+                "retry_back_off": {"base_interval": "0.05s", "max_interval": "0.4s"},
+            },
+        },
+        "request_headers_to_add": [
+            {"header": {"key": contract.REPLAY_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        ],
+    }
 
 
 def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
@@ -1531,8 +1654,11 @@ def _endpoint_authorization() -> dict[str, Any]:
     }
 
 
-def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_pb2.ModelRoute:
-    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited).
+def model_route(
+    model: RoutedModel, counted_by_envoy: bool = False, global_counted: bool = False
+) -> routing_pb2.ModelRoute:
+    """extproc's route of `model`; `counted_by_envoy`: Envoy keeps its bucket (envoy_rate_limited),
+    and with `global_counted` the gateway-wide one for the same requests.
 
     An adapter's holders are only those among the route's endpoints: a gateway whose Envoy has
     not confirmed an endpoint yet (`for_gateway`) sees neither the endpoint nor it as a holder."""
@@ -1566,7 +1692,10 @@ def model_route(model: RoutedModel, counted_by_envoy: bool = False) -> routing_p
         tokenizer=model.tokenizer,
         fallback_endpoints=model.fallback_endpoints,
         rate_limit=routing_pb2.RateLimit(
-            requests_per_second=model.requests_per_second, burst=model.burst, counted_by_envoy=counted_by_envoy
+            requests_per_second=model.requests_per_second,
+            burst=model.burst,
+            counted_by_envoy=counted_by_envoy,
+            global_counted_by_envoy=counted_by_envoy and global_counted,
         ),
         endpoints=_route_endpoints(model),
         cold=routing_pb2.ColdPolicy(
@@ -1622,6 +1751,7 @@ class BuildMemo:
         #: model key -> (model, settings, counted by Envoy, cluster, load assignment, route)
         self.models: dict[str, tuple[RoutedModel, GatewaySettings, bool, Message, Message, Message]] = {}
         self.listener: tuple[tuple[Any, ...], Message] | None = None
+        self.replay: tuple[tuple[Any, ...], Message] | None = None
         self.routes: tuple[tuple[Any, ...], Message] | None = None
         #: Per-model messages built (not reused) by the last build: what a change cost.
         self.rebuilt = 0
@@ -1637,7 +1767,7 @@ class BuildMemo:
         ):
             return found[3], found[4], found[5]
         self.rebuilt += 1
-        made = (model_cluster(m, settings), load_assignment(m), model_route(m, counted))
+        made = (model_cluster(m, settings), load_assignment(m), model_route(m, counted, settings.global_rps > 0))
         self.models[m.key] = (m, settings, counted, *made)
         return made
 
@@ -1694,6 +1824,11 @@ def build(
     memo.listener, the_listener = _memoised(
         memo.listener, (settings, body_metadata, limited), lambda: listener(settings, body_metadata, limited)
     )
+    listeners: dict[str, Message] = {LISTENER_NAME: the_listener}
+    if settings.replay:
+        memo.replay, listeners[contract.REPLAY_LISTENER] = _memoised(
+            memo.replay, (settings, body_metadata, limited), lambda: replay_listener(settings, body_metadata, limited)
+        )
     counted = {m.key for m in limited}
     clusters: dict[str, Message] = {}
     endpoints: dict[str, Message] = {}
@@ -1704,7 +1839,7 @@ def build(
         memo.keep_only({m.key for m in models})
     base = Resources(
         by_type={
-            LISTENER: {LISTENER_NAME: the_listener},
+            LISTENER: listeners,
             ROUTE: {ROUTE_NAME: routes},
             # The same mapping as last time where nothing in it changed: a stream can tell at once.
             CLUSTER: memo.same("clusters", clusters),
@@ -1776,8 +1911,10 @@ def for_gateway(
                 if routes is None:
                     routes = dict(base_routes)
                 allowed = tuple(e for e in m.endpoints if e in have)
-                counted = base_routes[m.key].rate_limit.counted_by_envoy  # type: ignore[attr-defined]
-                routes[m.key] = model_route(replace(m, endpoints=allowed), counted)
+                rate = base_routes[m.key].rate_limit  # type: ignore[attr-defined]
+                routes[m.key] = model_route(
+                    replace(m, endpoints=allowed), rate.counted_by_envoy, rate.global_counted_by_envoy
+                )
     if settings is not None and base.native:
         native = frozenset(
             m.key

@@ -205,6 +205,10 @@ class Up:
             native_allowed=True,
             key_checks=settings.api_keys_file is not None,
             global_rate_limit=settings.global_rps > 0,
+            # The gateway-wide bucket in Envoy: one for both extprocs, whichever gets a request.
+            global_rps=settings.global_rps,
+            global_burst=settings.global_burst,
+            replay=True,
         )
         self.source = RoutedSource(self.state_dir / "run" / "feeder.sock", self._routed, self._routed_one)
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"

@@ -46,6 +46,9 @@ ACTIVATOR_MODEL_HEADER = "x-wakegate-model"
 #: another member. Every gateway drops it from its upstreams' replies, so no model server and no
 #: member's backend can claim it.
 UNSERVED_HEADER = "x-wakegate-unserved"
+#: Set by Envoy on a request it sends through itself again (the replay listener) because its
+#: ext_proc stream failed before extproc decided it (a client's copy is dropped first).
+REPLAY_HEADER = "x-wakegate-replayed"
 
 #: Flow control (extproc/flow.py): the tenant a request is fair-shared as, when the gateway allows
 #: clients to name one (`--fairness-header`; a key's own tenant always wins), and the band a request
@@ -76,6 +79,9 @@ QUEUE_LIMIT = 5
 XDS_CLUSTER = "wakegate_xds"
 EXTPROC_CLUSTER = "wakegate_extproc"
 ACTIVATOR_CLUSTER = "wakegate_activator"
+#: The bootstrap's cluster of the internal listener REPLAY_LISTENER (Envoy itself, again).
+REPLAY_CLUSTER = "wakegate_replay"
+REPLAY_LISTENER = "wakegate_replay"
 #: One static cluster per extproc process, `wakegate_access_log_<i>`: where Envoy's access
 #: logger streams request completions (extproc releases in-flight counts from them).
 ACCESS_LOG_CLUSTER = "wakegate_access_log"

@@ -70,10 +70,14 @@ def test_up_rendering_names_the_shared_clusters_and_its_ports() -> None:
         contract.XDS_CLUSTER,
         contract.EXTPROC_CLUSTER,
         contract.ACTIVATOR_CLUSTER,
+        contract.REPLAY_CLUSTER,
         contract.access_log_cluster(0),
         contract.access_log_cluster(1),
     }
     assert clusters[contract.XDS_CLUSTER]["type"] == "STATIC"  # an IP literal needs no DNS
+    # Requests sent through again go to this Envoy's own internal listener, never off the machine.
+    replay = clusters[contract.REPLAY_CLUSTER]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert replay["address"] == {"envoy_internal_address": {"server_listener_name": contract.REPLAY_LISTENER}}
     assert _addresses(clusters[contract.XDS_CLUSTER]) == [(0, 18000)]
     # Active and standby: the standby takes traffic only while the active one fails its health checks.
     assert _addresses(clusters[contract.EXTPROC_CLUSTER]) == [(0, 19002), (1, 19012)]

@@ -311,6 +311,27 @@ def test_a_request_envoy_counted_takes_no_second_token_and_only_envoy_can_say_so
     assert [status("limited", "limited") for _ in range(2)] == ["request_headers", "immediate_response"]
 
 
+def test_the_gateway_wide_token_envoy_took_is_not_taken_again_and_only_where_envoy_keeps_that_bucket() -> None:
+    """`global_counted_by_envoy`: Envoy's gateway-wide bucket took the token of the requests it
+    marked. Where Envoy counts only the model's bucket, a marked request still takes a global token."""
+    both = route("both", "10.0.0.4:8000")
+    both.rate_limit.counted_by_envoy = both.rate_limit.global_counted_by_envoy = True
+    model_only = route("model-only", "10.0.0.5:8000")
+    model_only.rate_limit.counted_by_envoy = True
+    gw = gateway(global_rate=1, global_burst=1)
+    gw.set_routes([*ROUTES, both, model_only])
+    proc = Processor(gw)
+
+    def status(key: str, mark: bool) -> str | None:
+        extra = {"x-model-id": key, **({contract.RATE_COUNTED_HEADER: key} if mark else {})}
+        return decide(proc, headers("/v1/completions", **extra))[1].WhichOneof("response")
+
+    assert [status("both", True) for _ in range(5)] == ["request_headers"] * 5
+    # The global bucket here (burst 1) counts the rest: one passes, then nothing does.
+    assert [status("model-only", True), status("model-only", True)] == ["request_headers", "immediate_response"]
+    assert status("both", False) == "immediate_response"
+
+
 async def test_cold_reject_registers_demand_then_answers_503() -> None:
     gw = gateway()
     status, sent, payload = immediate(decide(Processor(gw), headers("/v1/x", **{"x-model-id": "sleepy"}))[1])
@@ -404,6 +425,22 @@ async def test_a_reset_while_held_frees_the_queue_slot() -> None:
     stream.on_cancel()
     await asyncio.sleep(0.01)
     assert gw.cold.depth("waiting") == 0 and gw.in_flight == {}
+
+
+async def test_a_stopping_extproc_answers_its_held_requests_with_the_retriable_unserved_503() -> None:
+    gw = gateway()
+    proc = Processor(gw)
+    held, done = FakeCall(), FakeCall()
+    ProcessCall(proc, held).on_message(headers("/v1/x", **{"x-model-id": "waiting"}).SerializeToString())  # type: ignore[arg-type]
+    ProcessCall(proc, done).on_message(headers("/v1/x", **{"x-model-id": "chat"}).SerializeToString())  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert proc.let_go() == 1
+    status, extra, answer = immediate(held.sent[-1])
+    # Answered, not cut: a cut stream would be sent through the gateway again, to no extproc.
+    assert status == 503 and answer["error"]["code"] == "gateway_unavailable"
+    assert extra["retry-after"] == "1" and extra[contract.UNSERVED_HEADER] == "1" and held.status == (0, "")
+    await asyncio.sleep(0.01)
+    assert gw.cold.depth("waiting") == 0 and proc.holding == set() and len(done.sent) == 1
 
 
 def multipart(value: bytes) -> tuple[ep.ProcessingRequest, ep.ProcessingRequest]:

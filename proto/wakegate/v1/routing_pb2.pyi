@@ -42,14 +42,16 @@ class Endpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., engine_load: _Optional[int] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class RateLimit(_message.Message):
-    __slots__ = ("requests_per_second", "burst", "counted_by_envoy")
+    __slots__ = ("requests_per_second", "burst", "counted_by_envoy", "global_counted_by_envoy")
     REQUESTS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BURST_FIELD_NUMBER: _ClassVar[int]
     COUNTED_BY_ENVOY_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_COUNTED_BY_ENVOY_FIELD_NUMBER: _ClassVar[int]
     requests_per_second: float
     burst: float
     counted_by_envoy: bool
-    def __init__(self, requests_per_second: _Optional[float] = ..., burst: _Optional[float] = ..., counted_by_envoy: _Optional[bool] = ...) -> None: ...
+    global_counted_by_envoy: bool
+    def __init__(self, requests_per_second: _Optional[float] = ..., burst: _Optional[float] = ..., counted_by_envoy: _Optional[bool] = ..., global_counted_by_envoy: _Optional[bool] = ...) -> None: ...
 
 class ColdPolicy(_message.Message):
     __slots__ = ("mode", "max_queue", "activation_timeout_ms")

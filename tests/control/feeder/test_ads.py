@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -14,7 +16,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from wakegate.control.feeder import resources as r
-from wakegate.control.feeder.ads import start_server
+from wakegate.control.feeder.ads import AdsServer, start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
 from wakegate.extproc.feed import RouteFeed
@@ -423,3 +425,44 @@ async def test_the_route_feed_is_in_sync_with_an_empty_route_set(server) -> None
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def _bare_ads(cache: SnapshotCache, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """The ADS service on a plain grpc.aio server (the feeder's frame guard has tasks of its own,
+    whose end would be logged as the server's, not the feed's)."""
+    srv = grpc.aio.server()
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(AdsServer(cache, lambda: None, None), srv)
+    port = srv.add_insecure_port(f"127.0.0.1:{port}")
+    await srv.start()
+    return srv, port
+
+
+async def test_the_route_feed_outlives_a_feeder_that_vanished_without_an_asyncio_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A feeder gone mid-stream (here: its server stopped at once, several times over) costs the
+    feed a reconnect, and asyncio has nothing to complain about (no task left pending on the
+    stream, no generator closed while it runs)."""
+    cache = SnapshotCache()
+    await cache.set(snapshot(9000))
+    srv, port = await _bare_ads(cache)
+    feed = RouteFeed(f"127.0.0.1:{port}", "extproc-test", lambda c, _: None, max_backoff=0.1)
+    task = asyncio.create_task(feed.run())
+    try:
+        for round_ in range(5):
+            await asyncio.wait_for(feed.synced.wait(), 5)
+            await srv.stop(None)
+            feed.synced.clear()
+            gc.collect()
+            await asyncio.sleep(0.05)
+            srv, _ = await _bare_ads(cache, port)
+            await cache.set(snapshot(9000 + round_ + 1))
+        await asyncio.wait_for(feed.synced.wait(), 5)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await srv.stop(None)
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []

@@ -115,6 +115,9 @@ def test_every_gateway_setting_round_trips() -> None:
         native_allowed=True,
         key_checks=True,
         global_rate_limit=True,
+        global_rps=0.5,
+        global_burst=3.0,
+        replay=True,
     )
     assert differs_from_defaults(settings) == []
     assert gateway_from_json(gateway_json(settings)) == settings

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -138,3 +139,19 @@ async def test_the_scalers_demand_port_cuts_floods_too(tmp_path: Path, name: str
         assert outcome["ended"] and outcome["seconds"] < 1.0, outcomes
     assert reply.accepted, reply
     assert scaler.log().count("over budget") == ATTACKERS, scaler.log()
+
+
+async def test_stopping_the_guard_with_connections_open_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """The feeder stopping while Envoy and the extprocs are subscribed: the guard ends their
+    connections without asyncio logging an error for each (it did: "Exception in callback",
+    a cancelled connection task, on every feeder stop in the fault tests' logs)."""
+    cache = SnapshotCache()
+    await cache.set(snapshot(9000))
+    server, _, port = await start_server(cache, "127.0.0.1:0")
+    _, subscription = await subscribe(port)
+    await asyncio.sleep(0.3)
+    await server.stop(None)
+    subscription.cancel()
+    await asyncio.gather(subscription, return_exceptions=True)
+    await asyncio.sleep(0.1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -67,6 +67,15 @@ def marks(route: dict[str, Any]) -> bool:
     return any(m["append"]["header"] == MARK for m in mutation.get("mutations", {}).get("request_mutations", []))
 
 
+def marked(route: dict[str, Any]) -> str | None:
+    """The model a route tells extproc Envoy counted, if any."""
+    mutation = route.get("typed_per_filter_config", {}).get(r.HEADER_MUTATION, {})
+    for m in mutation.get("mutations", {}).get("request_mutations", []):
+        if m["append"]["header"]["key"] == contract.RATE_COUNTED_HEADER:
+            return str(m["append"]["header"]["value"])
+    return None
+
+
 @pytest.mark.parametrize(
     ("rate", "burst"), [(0.5, 2), (1.0, 0), (2.5, 4), (100.0, 10), (1 / 3, 1), (1000.7, 0), (0.001, 3.9)]
 )
@@ -232,6 +241,27 @@ def test_a_global_limit_keeps_every_model_decided() -> None:
     assert r.native_keys([LIMITED], settings) == frozenset()
 
 
+def test_with_the_global_bucket_in_envoy_every_model_draws_from_it_and_extproc_is_told() -> None:
+    settings = replace(ON, global_rate_limit=True, global_rps=0.5, global_burst=3)
+    built = r.build([replace(LIMITED, path="decided"), DECIDED], settings)
+    limit = next(f for f in hcm(built)["http_filters"] if f["name"] == r.LOCAL_RATE_LIMIT)["typed_config"]
+    buckets = {d["entries"][0]["value"]: d["token_bucket"] for d in limit["descriptors"]}
+    # One bucket per limited model, one gateway-wide; the unlimited model has none of its own.
+    assert set(buckets) == {"ns/n", "all"} and buckets["all"]["max_tokens"] == 3
+    for key in ("ns/n", "d"):
+        table = [x for x in routes(built) if marked(x) == key]
+        assert table and all(x["metadata"]["filter_metadata"][r.RATE_LIMIT_METADATA]["global"] for x in table)
+        rate = built.by_type[r.MODEL_ROUTE][key].rate_limit  # type: ignore[attr-defined]
+        assert rate.counted_by_envoy and rate.global_counted_by_envoy
+    unlimited = next(x for x in routes(built) if marked(x) == "d")
+    assert drawn(unlimited) is None  # the global bucket only
+    # The slower bucket's wait: 1 / 0.5 s.
+    assert unlimited["metadata"]["filter_metadata"][r.RATE_LIMIT_METADATA]["retry_after"] == "2"
+    # Without it in Envoy (the chart's extproc keeps it), extproc is told nothing of a global token.
+    plain = r.build([replace(LIMITED, path="decided")], replace(ON, global_rate_limit=True))
+    assert not plain.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.global_counted_by_envoy  # type: ignore[attr-defined]
+
+
 def test_waking_and_gating_keep_the_buckets_and_what_extproc_is_told() -> None:
     cold = r.build([replace(LIMITED, endpoints=()), DECIDED], ON)
     warm = r.build([LIMITED, DECIDED], ON)
@@ -249,3 +279,5 @@ def test_envoy_accepts_the_buckets_and_the_routes(tmp_path: Path) -> None:
     assert_envoy_accepts(r.build([LIMITED, other, DECIDED], ON), tmp_path)
     decided = replace(LIMITED, path="decided")
     assert_envoy_accepts(r.build([decided, DECIDED], replace(ON, global_rate_limit=True)), tmp_path)
+    global_bucket = replace(ON, global_rate_limit=True, global_rps=0.5, global_burst=3)
+    assert_envoy_accepts(r.build([decided, DECIDED], global_bucket), tmp_path)
