@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from wakegate.control.feeder import codec
-from wakegate.control.feeder.resources import GatewaySettings, RoutedAdapter, RoutedModel, UpstreamTls
+from wakegate.control.feeder.resources import (
+    GatewaySettings,
+    RoutedAdapter,
+    RoutedFlow,
+    RoutedModel,
+    UpstreamTls,
+)
 from wakegate.control.up.feeder import RoutedSource, decode, delta_message, gateway_from_json, gateway_json
 
 TLS = UpstreamTls(
@@ -64,6 +70,8 @@ def every_field_set() -> RoutedModel:
         endpoint_authorization=(("127.0.0.2", 9001, "Bearer t"),),
         path="native",
         tokenizer="/models/tiny",
+        flow=RoutedFlow(band="critical", max_queue=9, queue_timeout_s=2.5, max_waiting=3, max_kv_usage=0.5,
+                        max_in_flight=7),
     )
 
 
