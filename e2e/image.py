@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(__file__).resolve().parent / ".build" / "image"
 
 #: Debian packages: the container tools, and (for the real node, e2e/node.py) containerd and CNI.
-APT_PACKAGES = ("podman", "buildah", "skopeo", "mmdebstrap", "uidmap", "runc",
+APT_PACKAGES = ("podman", "buildah", "skopeo", "mmdebstrap", "runc",
                 "containerd", "containernetworking-plugins", "iptables")
 #: a command each package provides, to tell whether it is installed
 APT_COMMANDS = {"podman": "podman", "buildah": "buildah", "skopeo": "skopeo", "mmdebstrap": "mmdebstrap",
-                "uidmap": "newuidmap", "runc": "runc", "containerd": "containerd",
+                "runc": "runc", "containerd": "containerd",
                 "containernetworking-plugins": "/usr/lib/cni/bridge", "iptables": "iptables"}
 
 SUITE = "bookworm"
@@ -51,6 +51,7 @@ BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 IMAGE_INPUTS = ("Dockerfile", "pyproject.toml", "README.md", "control", "extproc", "proto", "envoy")
 REPOSITORY = "localhost/wakegate/wakegate"
 ENVOY_REPOSITORY = "localhost/wakegate/envoy"
+SIM_REPOSITORY = "localhost/wakegate/sim"
 BASE_REPOSITORY = "localhost/wakegate/base"
 #: bump when the way the image is built changes (build flags), to force a rebuild
 RECIPE = "1"
@@ -186,6 +187,8 @@ class Built:
     image: str
     #: the same image with Envoy as its entrypoint (the gateway pod's envoy container)
     envoy: str
+    #: the same image with `wakegate sim` as its entrypoint (Models of backend `sim`)
+    sim: str
     base: str
 
 
@@ -199,8 +202,8 @@ def ensure_image(base: str | None = None, force: bool = False) -> Built:
     install_packages()
     base = base or ensure_base()
     key = image_key(base)
-    built = Built(f"{REPOSITORY}:{key}", f"{ENVOY_REPOSITORY}:{key}", base)
-    if not force and _exists(built.image) and _exists(built.envoy):
+    built = Built(f"{REPOSITORY}:{key}", f"{ENVOY_REPOSITORY}:{key}", f"{SIM_REPOSITORY}:{key}", base)
+    if not force and all(_exists(ref) for ref in (built.image, built.envoy, built.sim)):
         _log(f"up to date: {built.image}")
         return built
     started = time.monotonic()
@@ -214,8 +217,9 @@ def ensure_image(base: str | None = None, force: bool = False) -> Built:
     env = podman_env()
     _run(_as_root([*common, "--tag", built.image, str(ROOT)]), ROOT, "podman build", _log, env=env,
          progress=_build_progress)
-    _run(_as_root([*common, "--target", "envoy", "--tag", built.envoy, str(ROOT)]), ROOT,
-         "podman build (envoy target)", _log, env=env, progress=_build_progress)
+    for target, ref in (("envoy", built.envoy), ("sim", built.sim)):
+        _run(_as_root([*common, "--target", target, "--tag", ref, str(ROOT)]), ROOT,
+             f"podman build ({target} target)", _log, env=env, progress=_build_progress)
     _log(f"built in {time.monotonic() - started:.0f}s: {built.image} ({size_mb(built.image):.0f} MB)")
     return built
 
@@ -224,10 +228,12 @@ def size_mb(ref: str) -> float:
     return int(podman("image", "inspect", "--format", "{{.Size}}", ref).stdout.strip()) / 1e6
 
 
-def push(ref: str, registry: str, repository: str) -> str:
-    """Push `ref` to the plain-HTTP registry HOST:PORT as REPOSITORY:TAG; returns the pushed reference."""
-    target = f"{registry}/{repository}:{ref.rsplit(':', 1)[1]}"
-    podman("push", "--tls-verify=false", ref, f"docker://{target}")
+def push(ref: str, registry: str, repository: str, tag: str | None = None) -> str:
+    """Push `ref` to the plain-HTTP registry HOST:PORT as REPOSITORY:TAG (TAG: `ref`'s unless
+    given); returns the pushed reference."""
+    target = f"{registry}/{repository}:{tag or ref.rsplit(':', 1)[1]}"
+    # zstd: gzip spends most of a push compressing the ~400 MB of layers (containerd reads both).
+    podman("push", "--tls-verify=false", "--compression-format=zstd", ref, f"docker://{target}")
     return target
 
 
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.push:
             image = push(built.image, args.push, "wakegate/wakegate")
             envoy = push(built.envoy, args.push, "wakegate/envoy")
+            push(built.sim, args.push, "wakegate/sim")
     except (BuildError, subprocess.CalledProcessError) as exc:
         _log(f"failed: {exc}")
         return 1

@@ -1,0 +1,240 @@
+"""Pods of the project's image on a real node: the kubelet, containerd and runc (e2e/node.py).
+
+The image (e2e/image.py) is pushed to the tests' Distribution registry and pulled from it by
+containerd; the kubelet runs its probes, mounts and security context for real.
+
+Off unless WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, "A real node": what it adds to a cold run).
+Own cluster (module scope): one emulated node beside the real one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from openai import OpenAI
+
+from e2e import image
+from e2e.cluster import Cluster
+from e2e.helm import ensure_helm
+from e2e.helpers import is_ready, wait_for
+from e2e.node import RealNode
+from e2e.test_helm import (
+    BASE_VALUES,
+    CHART,
+    COMPONENTS,
+    GROUP,
+    MODELS_NS,
+    NS,
+    RELEASE,
+    VERSION,
+    chat,
+    merged,
+    pods,
+    ready_pod,
+    run_helm,
+    values_file,
+)
+from e2e.tools.registry import start_registry
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.environ.get("WAKEGATE_E2E_REAL_NODE") != "1",
+                       reason="the real node runs with WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, 'A real node')"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="containerd, runc and network namespaces need root"),
+]
+
+
+#: the chart's default images: ghcr.io/wakegate/wakegate:<appVersion>, envoyproxy/envoy:<tag>
+CHART_VERSION = str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+ENVOY_TAG = str(yaml.safe_load((CHART / "values.yaml").read_text())["gateway"]["envoy"]["image"]["tag"])
+
+
+@dataclass
+class Setup:
+    cluster: Cluster
+    node: RealNode
+    #: the component image as pods name it: REGISTRY/wakegate/wakegate:TAG
+    image: str
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    built = image.ensure_image()
+    with start_registry(tmp_path_factory.mktemp("registry")) as reg:
+        pushed = image.push(built.image, reg.host, "wakegate/wakegate")
+        cluster = Cluster(tmp_path_factory.mktemp("real-node-cluster"), nodes=1)
+        cluster.start()
+        node = RealNode(cluster, registry=reg.host)
+        try:
+            node.start()
+            yield Setup(cluster, node, pushed)
+        finally:
+            node.stop()
+            cluster.stop()
+
+
+@pytest.fixture
+def core(real: Setup) -> Iterator[client.CoreV1Api]:
+    with real.cluster.api_client() as api:
+        yield client.CoreV1Api(api)
+
+
+def _events(core: client.CoreV1Api, ns: str, pod: str) -> dict[str, str]:
+    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={pod}").items
+    return {e.reason: e.message for e in events}
+
+
+def _sim_pod(real: Setup, name: str) -> dict[str, Any]:
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": real.node.name,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "sim", "image": real.image, "imagePullPolicy": "Always",
+                "args": ["wakegate", "sim", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny"],
+                "ports": [{"name": "http", "containerPort": 8000}],
+                "startupProbe": {**probe, "periodSeconds": 1, "failureThreshold": 60},
+                "livenessProbe": {**probe, "periodSeconds": 5},
+                "readinessProbe": {**probe, "periodSeconds": 1},
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            }],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+        },
+    }
+
+
+def test_a_pod_of_the_image_pulled_from_the_registry_serves_the_sim_on_the_real_node(
+    real: Setup, core: client.CoreV1Api, record_property: Any
+) -> None:
+    created = time.monotonic()
+    core.create_namespaced_pod("default", _sim_pod(real, "sim"))
+    pod: Any = wait_for(lambda: _if_ready(core.read_namespaced_pod("sim", "default")), 180,
+                        "the sim pod Ready on the real node (startup and readiness probes by the kubelet)", every=0.5)
+    started_s = time.monotonic() - created
+
+    # The kubelet pulled it from the registry (its event says so, with the time the pull took).
+    pulled = _events(core, "default", "sim").get("Pulled", "")
+    assert real.image in pulled, pulled
+    match = re.search(r"in ([\d.]+m?s)", pulled)
+    record_property("pod_ready_s", round(started_s, 1))
+    record_property("image_pull", match.group(1) if match else pulled)
+    print(f"\nreal node: sim pod Ready {started_s:.1f}s after create; {pulled}")
+
+    ai = OpenAI(base_url=f"http://{pod.status.pod_ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
+    reply = ai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert reply.choices[0].message.content
+
+    # The container's process as the host sees it: the image's user, not root.
+    status = core.read_namespaced_pod("sim", "default").status.container_statuses[0]
+    assert status.container_id.startswith("containerd://")
+    pid = _task_pid(real.node, status.container_id.removeprefix("containerd://"))
+    uid_line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+    assert uid_line.split()[1:] == ["10001"] * 4
+    core.delete_namespaced_pod("sim", "default", grace_period_seconds=1)
+
+
+def _if_ready(pod: Any) -> Any:
+    return pod if is_ready(pod) else None
+
+
+def _task_pid(node: RealNode, container_id: str) -> int:
+    for line in node.ctr("tasks", "ls").stdout.splitlines()[1:]:
+        task, pid, *_ = line.split()
+        if task == container_id:
+            return int(pid)
+    raise AssertionError(f"no task {container_id} in containerd")
+
+
+def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_gateway(
+    real: Setup, core: client.CoreV1Api, tmp_path: Path
+) -> None:
+    """The chart with its default images: the tests' registry stands in for ghcr.io and docker.io."""
+    helm = ensure_helm()
+    reg = real.image.split("/", 1)[0]
+    built = image.ensure_image()
+    image.push(built.image, reg, "wakegate/wakegate", CHART_VERSION)
+    image.push(built.envoy, reg, "envoyproxy/envoy", ENVOY_TAG)
+    image.push(built.sim, reg, "wakegate/sim", "latest")
+    # Everything the chart schedules lands on the real node: the emulated node is cordoned, and the
+    # real one carries a GPU label, as the node agent's DaemonSet asks for.
+    for node in core.list_node().items:
+        if node.metadata.name != real.node.name:
+            core.patch_node(node.metadata.name, {"spec": {"unschedulable": True}})
+    core.patch_node(real.node.name, {"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}})
+    core.create_namespace({"metadata": {"name": MODELS_NS}})
+    started = time.monotonic()
+    with real.cluster.api_client() as api:
+        apps, custom = client.AppsV1Api(api), client.CustomObjectsApi(api)
+        cache = {"agent": {"cache": {"hostPath": str(tmp_path / "node-cache")}}}
+        values = merged(BASE_VALUES, {"gateway": {"drainSeconds": 5, "nodeSelector": {"wakegate.io/e2e": "later"}},
+                                      **cache})
+        run_helm(helm, real.cluster, "install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
+                 "-f", values_file(tmp_path, "install.yaml", values))
+        for component in COMPONENTS:
+            pod = wait_for(functools.partial(ready_pod, core, component), 300, f"a ready {component} pod", every=1)
+            assert pod.spec.node_name == real.node.name
+            assert pod.status.container_statuses[0].container_id.startswith("containerd://")
+        agent: Any = wait_for(lambda: next((p for p in pods(core, "agent") if p.spec.node_name == real.node.name
+                                       and is_ready(p)), None), 120, "the agent Ready on the real node", every=1)
+        installed_s = time.monotonic() - started
+        addressed = merged(BASE_VALUES, {"gateway": {"drainSeconds": 5, "xdsHost": ready_pod(core, "xds").status.pod_ip,
+                                                     "scalerHost": ready_pod(core, "scaler").status.pod_ip}, **cache})
+        run_helm(helm, real.cluster, "upgrade", RELEASE, str(CHART), "--namespace", NS,
+                 "-f", values_file(tmp_path, "upgrade.yaml", addressed))
+        gateway = wait_for(lambda: ready_pod(core, "gateway"), 240, "a ready gateway pod (envoy + extproc)", every=1)
+        assert gateway.spec.node_name == real.node.name
+
+        custom.create_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": "chat"},
+            "spec": {"backend": "sim", "scaling": {"min": 0, "max": 1, "idleTimeout": 5, "activationTimeout": 240,
+                                                   "engine": "builtin"}},
+        })
+
+        def replicas() -> int:
+            return int(apps.read_namespaced_deployment_scale("wg-chat", MODELS_NS).spec.replicas or 0)
+
+        wait_for(lambda: _exists(apps, "wg-chat") and replicas() == 0, 120, "the Model's Deployment at 0", every=1)
+        cold = time.monotonic()
+        status, body = chat(f"http://{gateway.status.pod_ip}:8090", "chat")
+        cold_s = time.monotonic() - cold
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"]
+        sim = next(p for p in core.list_namespaced_pod(MODELS_NS).items if is_ready(p))
+        assert sim.spec.node_name == real.node.name
+        wait_for(lambda: replicas() == 0, 120, "the Model back at 0 replicas after idleTimeout", every=1)
+        print(f"\nreal node: chart components Ready {installed_s:.0f}s after install; "
+              f"cold request through the gateway (sim pod pulled and started) {cold_s:.1f}s")
+
+        # The node agent's cache is a hostPath: the cache-owner init container handed it to uid 10001,
+        # and what is in it outlives the agent's pod.
+        host_cache = tmp_path / "node-cache"
+        assert host_cache.stat().st_uid == 10001
+        (host_cache / "kept").write_text("from before the restart")
+        core.delete_namespaced_pod(agent.metadata.name, NS)
+        wait_for(lambda: next((p for p in pods(core, "agent") if p.spec.node_name == real.node.name and is_ready(p)
+                               and p.metadata.uid != agent.metadata.uid), None), 120, "a new agent pod Ready", every=1)
+        assert (host_cache / "kept").read_text() == "from before the restart"
+
+
+def _exists(apps: client.AppsV1Api, name: str) -> bool:
+    try:
+        apps.read_namespaced_deployment(name, MODELS_NS)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
