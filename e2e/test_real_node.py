@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -180,8 +181,8 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
     with real.cluster.api_client() as api:
         apps, custom = client.AppsV1Api(api), client.CustomObjectsApi(api)
         cache = {"agent": {"cache": {"hostPath": str(tmp_path / "node-cache")}}}
-        values = merged(BASE_VALUES, {"gateway": {"drainSeconds": 5, "nodeSelector": {"wakegate.io/e2e": "later"}},
-                                      **cache})
+        held = {"drainSeconds": DRAIN_SECONDS, "nodeSelector": {"wakegate.io/e2e": "later"}}
+        values = merged(BASE_VALUES, {"gateway": held, **cache})
         run_helm(helm, real.cluster, "install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
                  "-f", values_file(tmp_path, "install.yaml", values))
         for component in COMPONENTS:
@@ -191,8 +192,9 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
         agent: Any = wait_for(lambda: next((p for p in pods(core, "agent") if p.spec.node_name == real.node.name
                                        and is_ready(p)), None), 120, "the agent Ready on the real node", every=1)
         installed_s = time.monotonic() - started
-        addressed = merged(BASE_VALUES, {"gateway": {"drainSeconds": 5, "xdsHost": ready_pod(core, "xds").status.pod_ip,
-                                                     "scalerHost": ready_pod(core, "scaler").status.pod_ip}, **cache})
+        addresses = {"xdsHost": ready_pod(core, "xds").status.pod_ip,
+                     "scalerHost": ready_pod(core, "scaler").status.pod_ip}
+        addressed = merged(BASE_VALUES, {"gateway": {"drainSeconds": DRAIN_SECONDS, **addresses}, **cache})
         run_helm(helm, real.cluster, "upgrade", RELEASE, str(CHART), "--namespace", NS,
                  "-f", values_file(tmp_path, "upgrade.yaml", addressed))
         gateway = wait_for(lambda: ready_pod(core, "gateway"), 240, "a ready gateway pod (envoy + extproc)", every=1)
@@ -200,8 +202,8 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
 
         custom.create_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models", {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": "chat"},
-            "spec": {"backend": "sim", "scaling": {"min": 0, "max": 1, "idleTimeout": 5, "activationTimeout": 240,
-                                                   "engine": "builtin"}},
+            "spec": {"backend": "sim", "args": ["--tokens-per-second", str(STREAM_TPS)],
+                     "scaling": {"min": 0, "max": 1, "idleTimeout": 5, "activationTimeout": 240, "engine": "builtin"}},
         })
 
         def replicas() -> int:
@@ -215,6 +217,18 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
         assert body["choices"][0]["message"]["content"]
         sim = next(p for p in core.list_namespaced_pod(MODELS_NS).items if is_ready(p))
         assert sim.spec.node_name == real.node.name
+
+        # The gateway pod deleted mid-stream: the kubelet runs the envoy container's preStop (drain
+        # listeners, wait for requests in flight) before SIGTERM, so the stream ends whole.
+        stream = _stream_in_background(gateway.status.pod_ip)
+        assert stream.first_chunk.wait(60), stream.error
+        core.delete_namespaced_pod(gateway.metadata.name, NS)
+        deleted = time.monotonic()
+        stream.thread.join(120)
+        assert stream.error is None, stream.error
+        assert (stream.finish_reason, stream.tokens) == ("length", STREAM_TOKENS)
+        assert stream.ended > deleted + 1, "the stream was still running when the pod's termination began"
+
         wait_for(lambda: replicas() == 0, 120, "the Model back at 0 replicas after idleTimeout", every=1)
         print(f"\nreal node: chart components Ready {installed_s:.0f}s after install; "
               f"cold request through the gateway (sim pod pulled and started) {cold_s:.1f}s")
@@ -228,6 +242,45 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
         wait_for(lambda: next((p for p in pods(core, "agent") if p.spec.node_name == real.node.name and is_ready(p)
                                and p.metadata.uid != agent.metadata.uid), None), 120, "a new agent pod Ready", every=1)
         assert (host_cache / "kept").read_text() == "from before the restart"
+
+
+#: a stream of STREAM_TOKENS at STREAM_TPS lasts ~4 s, inside the gateway's drainSeconds (DRAIN_SECONDS)
+STREAM_TOKENS, STREAM_TPS, DRAIN_SECONDS = 40, 10, 20
+
+
+@dataclass
+class Stream:
+    thread: threading.Thread
+    first_chunk: threading.Event
+    tokens: int = 0
+    finish_reason: str | None = None
+    ended: float = 0.0
+    error: str | None = None
+
+
+def _stream_in_background(gateway_ip: str) -> Stream:
+    ai = OpenAI(base_url=f"http://{gateway_ip}:8090/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = Stream(threading.Thread(), threading.Event())
+
+    def run() -> None:
+        try:
+            chunks = ai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "count"}],
+                                                max_tokens=STREAM_TOKENS, stream=True)
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    stream.tokens += 1
+                    stream.first_chunk.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    stream.finish_reason = chunk.choices[0].finish_reason
+        except Exception as exc:
+            stream.error = repr(exc)
+        finally:
+            stream.ended = time.monotonic()
+            stream.first_chunk.set()
+
+    stream.thread = threading.Thread(target=run, daemon=True)
+    stream.thread.start()
+    return stream
 
 
 def _exists(apps: client.AppsV1Api, name: str) -> bool:
