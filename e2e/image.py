@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -222,6 +223,36 @@ def ensure_image(base: str | None = None, force: bool = False) -> Built:
              f"podman build ({target} target)", _log, env=env, progress=_build_progress)
     _log(f"built in {time.monotonic() - started:.0f}s: {built.image} ({size_mb(built.image):.0f} MB)")
     return built
+
+
+LLAMA_REPOSITORY = "localhost/wakegate/llama.cpp"
+LLAMA_DOCKERFILE = """\
+ARG BASE
+FROM ${BASE}
+COPY llama-server /app/llama-server
+USER 10001
+ENTRYPOINT ["/app/llama-server"]
+"""
+
+
+def ensure_llama_image(base: str | None = None) -> str:
+    """An image like llama.cpp's `:server` (entrypoint /app/llama-server) with the CPU llama-server
+    e2e/engines.py builds, on the same Debian base (its libstdc++ is there); cached by digest."""
+    from e2e import engines
+
+    base = base or ensure_base()
+    server = engines.ensure("llama-server")
+    key = _digest([base.encode(), LLAMA_DOCKERFILE.encode(), server.read_bytes()])[:16]
+    ref = f"{LLAMA_REPOSITORY}:{key}"
+    if _exists(ref):
+        return ref
+    WORK.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=WORK) as tmp:
+        shutil.copy2(server, Path(tmp) / "llama-server")
+        (Path(tmp) / "Dockerfile").write_text(LLAMA_DOCKERFILE)
+        _log(f"podman build {ref} (llama-server on {base})")
+        podman("build", "--pull=never", "--build-arg", f"BASE={base}", "--tag", ref, tmp)
+    return ref
 
 
 def size_mb(ref: str) -> float:

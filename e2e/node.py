@@ -237,8 +237,13 @@ class RealNode:
                 relay = f"{self.host_ip}:{self._relay(int(self.registry.rsplit(':', 1)[1]))}"
                 mirrors = dict.fromkeys((self.registry, *STAND_IN_FOR), relay)
             self._containerd(pause, pause_archive, mirrors)
+            saved = _read_sysctls()
             self._kubelet(kubelet)
             self._wait_ready(started + timeout)
+            # The kubelet sets kernel tunables it wants (panic on oops, reboot 10 s after a panic,
+            # always overcommit) once, at start, unless protectKernelDefaults makes that fatal; this is
+            # a shared machine: they are put back as soon as it is Ready.
+            _write_sysctls(saved)
         except BaseException:
             self.stop()
             raise
@@ -428,6 +433,21 @@ def _serve_forever(loop: asyncio.AbstractEventLoop) -> None:
         task.cancel()
     loop.run_until_complete(asyncio.sleep(0))
     loop.close()
+
+
+#: what the kubelet sets at start (pkg/kubelet/cm setupKernelTunables) and the node puts back
+KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                   "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+
+
+def _read_sysctls() -> dict[str, str]:
+    return {name: Path("/proc/sys", name).read_text() for name in KUBELET_SYSCTLS}
+
+
+def _write_sysctls(values: dict[str, str]) -> None:
+    for name, value in values.items():
+        if Path("/proc/sys", name).read_text() != value:
+            Path("/proc/sys", name).write_text(value)
 
 
 CGROUP_V1 = Path("/sys/fs/cgroup")

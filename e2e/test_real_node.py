@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from e2e.test_helm import (
     run_helm,
     values_file,
 )
+from e2e.tinymodel import write_model
 from e2e.tools.registry import start_registry
 
 pytestmark = [
@@ -170,6 +171,11 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
     image.push(built.image, reg, "wakegate/wakegate", CHART_VERSION)
     image.push(built.envoy, reg, "envoyproxy/envoy", ENVOY_TAG)
     image.push(built.sim, reg, "wakegate/sim", "latest")
+    image.push(image.ensure_llama_image(built.base), reg, "ggml-org/llama.cpp", "server")
+    # The llama.cpp Model's weights: a tiny generated GGUF, mounted read-only from this machine.
+    weights = tmp_path / "weights"
+    weights.mkdir(mode=0o755)
+    write_model(weights / "tiny.gguf").chmod(0o644)
     # Everything the chart schedules lands on the real node: the emulated node is cordoned, and the
     # real one carries a GPU label, as the node agent's DaemonSet asks for.
     for node in core.list_node().items:
@@ -200,38 +206,34 @@ def test_the_chart_runs_on_the_real_node_and_a_sim_model_goes_0_1_0_through_its_
         gateway = wait_for(lambda: ready_pod(core, "gateway"), 240, "a ready gateway pod (envoy + extproc)", every=1)
         assert gateway.spec.node_name == real.node.name
 
-        custom.create_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models", {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": "chat"},
-            "spec": {"backend": "sim", "args": ["--tokens-per-second", str(STREAM_TPS)],
-                     "scaling": {"min": 0, "max": 1, "idleTimeout": 5, "activationTimeout": 240, "engine": "builtin"}},
+        scaling = {"min": 0, "max": 1, "idleTimeout": 5, "activationTimeout": 240, "engine": "builtin"}
+        models = _Models(custom, apps, core, real.node.name)
+
+        def drain_a_stream() -> None:
+            # The gateway pod deleted mid-stream: the kubelet runs the envoy container's preStop
+            # (drain listeners, wait for requests in flight) before SIGTERM: the stream ends whole.
+            stream = _stream_in_background(gateway.status.pod_ip)
+            assert stream.first_chunk.wait(60), stream.error
+            core.delete_namespaced_pod(gateway.metadata.name, NS)
+            deleted = time.monotonic()
+            stream.thread.join(120)
+            assert stream.error is None, stream.error
+            assert (stream.finish_reason, stream.tokens) == ("length", STREAM_TOKENS)
+            assert stream.ended > deleted + 1, "the stream was still running when the pod's termination began"
+
+        cold_s = models.zero_one_zero(gateway.status.pod_ip, "chat", {
+            "backend": "sim", "args": ["--tokens-per-second", str(STREAM_TPS)], "scaling": scaling,
+        }, while_up=drain_a_stream)
+
+        # A llama.cpp Model: the llama-server image (pulled as ghcr.io/ggml-org/llama.cpp:server),
+        # 0 -> 1 -> 0 through the gateway pod the Deployment made in place of the deleted one.
+        gateway = wait_for(lambda: ready_pod(core, "gateway"), 240, "the replacement gateway pod Ready", every=1)
+        llama_cold_s = models.zero_one_zero(gateway.status.pod_ip, "tiny", {
+            "backend": "llamacpp", "source": f"file://{weights / 'tiny.gguf'}",
+            "args": ["--threads", "1", "--ctx-size", "512"], "scaling": scaling,
         })
-
-        def replicas() -> int:
-            return int(apps.read_namespaced_deployment_scale("wg-chat", MODELS_NS).spec.replicas or 0)
-
-        wait_for(lambda: _exists(apps, "wg-chat") and replicas() == 0, 120, "the Model's Deployment at 0", every=1)
-        cold = time.monotonic()
-        status, body = chat(f"http://{gateway.status.pod_ip}:8090", "chat")
-        cold_s = time.monotonic() - cold
-        assert status == 200, body
-        assert body["choices"][0]["message"]["content"]
-        sim = next(p for p in core.list_namespaced_pod(MODELS_NS).items if is_ready(p))
-        assert sim.spec.node_name == real.node.name
-
-        # The gateway pod deleted mid-stream: the kubelet runs the envoy container's preStop (drain
-        # listeners, wait for requests in flight) before SIGTERM, so the stream ends whole.
-        stream = _stream_in_background(gateway.status.pod_ip)
-        assert stream.first_chunk.wait(60), stream.error
-        core.delete_namespaced_pod(gateway.metadata.name, NS)
-        deleted = time.monotonic()
-        stream.thread.join(120)
-        assert stream.error is None, stream.error
-        assert (stream.finish_reason, stream.tokens) == ("length", STREAM_TOKENS)
-        assert stream.ended > deleted + 1, "the stream was still running when the pod's termination began"
-
-        wait_for(lambda: replicas() == 0, 120, "the Model back at 0 replicas after idleTimeout", every=1)
-        print(f"\nreal node: chart components Ready {installed_s:.0f}s after install; "
-              f"cold request through the gateway (sim pod pulled and started) {cold_s:.1f}s")
+        print(f"\nreal node: chart components Ready {installed_s:.0f}s after install; cold request through "
+              f"the gateway: sim {cold_s:.1f}s, llama.cpp {llama_cold_s:.1f}s (pod pulled, started, answered)")
 
         # The node agent's cache is a hostPath: the cache-owner init container handed it to uid 10001,
         # and what is in it outlives the agent's pod.
@@ -281,6 +283,37 @@ def _stream_in_background(gateway_ip: str) -> Stream:
     stream.thread = threading.Thread(target=run, daemon=True)
     stream.thread.start()
     return stream
+
+
+@dataclass
+class _Models:
+    custom: client.CustomObjectsApi
+    apps: client.AppsV1Api
+    core: client.CoreV1Api
+    node: str
+
+    def replicas(self, name: str) -> int:
+        return int(self.apps.read_namespaced_deployment_scale(f"wg-{name}", MODELS_NS).spec.replicas or 0)
+
+    def zero_one_zero(self, gateway_ip: str, name: str, spec: dict[str, Any],
+                      while_up: Callable[[], None] = lambda: None) -> float:
+        """Model `name` created at 0 replicas, its first request answered through the gateway (the
+        seconds it took are returned) by a pod on the real node; `while_up` runs; back to 0."""
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, MODELS_NS, "models", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Model", "metadata": {"name": name}, "spec": spec})
+        wait_for(lambda: _exists(self.apps, f"wg-{name}") and self.replicas(name) == 0, 120,
+                 f"Model {name}'s Deployment at 0", every=1)
+        cold = time.monotonic()
+        status, body = chat(f"http://{gateway_ip}:8090", name)
+        cold_s = time.monotonic() - cold
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] is not None
+        (pod,) = [p for p in self.core.list_namespaced_pod(MODELS_NS).items
+                  if is_ready(p) and p.metadata.name.startswith(f"wg-{name}-")]
+        assert pod.spec.node_name == self.node
+        while_up()
+        wait_for(lambda: self.replicas(name) == 0, 120, f"Model {name} back at 0 after idleTimeout", every=1)
+        return cold_s
 
 
 def _exists(apps: client.AppsV1Api, name: str) -> bool:
