@@ -38,9 +38,9 @@ from e2e.engines import _cache_dir, _run
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(__file__).resolve().parent / ".build" / "image"
 
-#: Debian packages: the container tools, and (for the real node, e2e/node.py) containerd and CNI.
-APT_PACKAGES = ("podman", "buildah", "skopeo", "mmdebstrap", "runc",
-                "containerd", "containernetworking-plugins", "iptables")
+#: Debian packages: the container tools the image needs, and what the real node adds (e2e/node.py)
+APT_PACKAGES = ("podman", "buildah", "skopeo", "mmdebstrap", "runc")
+NODE_APT_PACKAGES = ("containerd", "containernetworking-plugins", "iptables")
 #: a command each package provides, to tell whether it is installed
 APT_COMMANDS = {"podman": "podman", "buildah": "buildah", "skopeo": "skopeo", "mmdebstrap": "mmdebstrap",
                 "runc": "runc", "containerd": "containerd",
@@ -209,14 +209,18 @@ def ensure_image(base: str | None = None, force: bool = False) -> Built:
         return built
     started = time.monotonic()
     ca = Path(os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt")
-    common = ["podman", "build", "--build-arg", f"BASE={base}", "--pull=never", "--layers",
+    # The host's network for RUN steps: podman's bridge would add NAT chains to this machine's
+    # iptables, which other test runs share.
+    common = ["podman", "build", "--network=host", "--build-arg", f"BASE={base}", "--pull=never", "--layers",
               "--file", str(ROOT / "Dockerfile")]
     if ca.is_file():
         # pip in the build trusts what this machine trusts (a package proxy's CA).
         common += ["--volume", f"{ca}:/run/wakegate-ca.pem:ro", "--build-arg", "PIP_CERT=/run/wakegate-ca.pem"]
     _log(f"podman build {built.image} on {base}")
     env = podman_env()
-    _run(_as_root([*common, "--tag", built.image, str(ROOT)]), ROOT, "podman build", _log, env=env,
+    # --force rebuilds every layer once; the other targets then share this build's layers.
+    fresh = ["--no-cache"] if force else []
+    _run(_as_root([*common, *fresh, "--tag", built.image, str(ROOT)]), ROOT, "podman build", _log, env=env,
          progress=_build_progress)
     for target, ref in (("envoy", built.envoy), ("sim", built.sim)):
         _run(_as_root([*common, "--target", target, "--tag", ref, str(ROOT)]), ROOT,
@@ -251,7 +255,7 @@ def ensure_llama_image(base: str | None = None) -> str:
         shutil.copy2(server, Path(tmp) / "llama-server")
         (Path(tmp) / "Dockerfile").write_text(LLAMA_DOCKERFILE)
         _log(f"podman build {ref} (llama-server on {base})")
-        podman("build", "--pull=never", "--build-arg", f"BASE={base}", "--tag", ref, tmp)
+        podman("build", "--network=host", "--pull=never", "--build-arg", f"BASE={base}", "--tag", ref, tmp)
     return ref
 
 

@@ -136,7 +136,7 @@ def ensure_pause(log: Log = _log) -> tuple[str, Path]:
         subprocess.run(["gcc", "-static", "-O2", f"-DVERSION={pinned_version('k8s.io/kubernetes')}",
                         "-o", f"{tmp}/pause", str(source)], check=True)
         Path(tmp, "Dockerfile").write_text('FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n')
-        image.podman("build", "--tag", ref, tmp)
+        image.podman("build", "--network=host", "--tag", ref, tmp)
         image.podman("save", "--format", "docker-archive", "--output", f"{tmp}/pause.tar", ref)
         os.replace(f"{tmp}/pause.tar", archive)
     return ref, archive
@@ -217,7 +217,7 @@ class RealNode:
                               capture_output=True, text=True, check=check)
 
     def start(self, timeout: float = 120.0) -> None:
-        image.install_packages()
+        image.install_packages((*image.APT_PACKAGES, *image.NODE_APT_PACKAGES))
         kubelet = ensure_kubelet(log=self.log)
         pause, pause_archive = ensure_pause(self.log)
         started = time.monotonic()
