@@ -1,6 +1,6 @@
-// Pinned node components for wakegate's real-node e2e: the kubelet (and kube-proxy) of the same
-// Kubernetes release as e2e/go, in a module of their own so their extra dependencies cannot move
-// the control plane's pins. Built by `python -m e2e.node build` into the node cache.
+// The kubelet for wakegate's real-node e2e (e2e/node.py): the same Kubernetes release and pins as
+// e2e/go, in a module of its own so the go.sum entries only the kubelet needs cannot move the
+// control plane's stamp. Built by `python -m e2e.node build` into e2e/.bin.
 module wakegate.local/e2e/nodebin
 
 go 1.26.0
