@@ -72,6 +72,6 @@ def test_the_image_serves_the_sim_to_an_openai_client_as_a_non_root_user(sim_con
 
 
 def test_the_envoy_target_runs_envoy_as_its_entrypoint(built: image.Built) -> None:
-    out = image.podman("run", "--rm", "--user", "101", built.envoy, "--version")
+    out = image.podman("run", "--rm", "--network=none", "--user", "101", built.envoy, "--version")
     assert "envoy" in out.stdout and "1.40.0" in out.stdout, out.stdout
 
