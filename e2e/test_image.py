@@ -56,11 +56,10 @@ def _answers(port: int) -> bool:
 def test_the_image_serves_the_sim_to_an_openai_client_as_a_non_root_user(sim_container: tuple[str, int]) -> None:
     name, port = sim_container
     wait_for(lambda: _answers(port), 60, f"the sim in container {name} to listen on {port}")
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
-
-    reply = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hello from the host"}], max_tokens=8,
-    )
+    with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello from the host"}], max_tokens=8,
+        )
 
     assert reply.model == "tiny"
     assert reply.choices[0].message.content

@@ -136,8 +136,8 @@ def test_a_pod_of_the_image_pulled_from_the_registry_serves_the_sim_on_the_real_
     record_property("image_pull", match.group(1) if match else pulled)
     print(f"\nreal node: sim pod Ready {started_s:.1f}s after create; {pulled}")
 
-    ai = OpenAI(base_url=f"http://{pod.status.pod_ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
-    reply = ai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    with OpenAI(base_url=f"http://{pod.status.pod_ip}:8000/v1", api_key="unused", max_retries=0, timeout=30) as ai:
+        reply = ai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.choices[0].message.content
 
     # The container's process as the host sees it: the image's user, not root.
@@ -261,19 +261,19 @@ class Stream:
 
 
 def _stream_in_background(gateway_ip: str) -> Stream:
-    ai = OpenAI(base_url=f"http://{gateway_ip}:8090/v1", api_key="unused", max_retries=0, timeout=120)
     stream = Stream(threading.Thread(), threading.Event())
 
     def run() -> None:
         try:
-            chunks = ai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "count"}],
-                                                max_tokens=STREAM_TOKENS, stream=True)
-            for chunk in chunks:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    stream.tokens += 1
-                    stream.first_chunk.set()
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    stream.finish_reason = chunk.choices[0].finish_reason
+            with OpenAI(base_url=f"http://{gateway_ip}:8090/v1", api_key="unused", max_retries=0, timeout=120) as ai:
+                chunks = ai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "count"}],
+                                                    max_tokens=STREAM_TOKENS, stream=True)
+                for chunk in chunks:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        stream.tokens += 1
+                        stream.first_chunk.set()
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        stream.finish_reason = chunk.choices[0].finish_reason
         except Exception as exc:
             stream.error = repr(exc)
         finally:
