@@ -26,6 +26,11 @@ if [[ ! -x e2e/.bin/keda-adapter ]]; then
   echo "e2e: building KEDA's metrics adapter from its Go module"
   e2e/keda/build.sh adapter
 fi
+# The real node (e2e/test_real_node.py) is opt-in: its kubelet (~100 packages beyond the control
+# plane's, so a short build after them) and the project's image (e2e/image.py, ~3 min cold).
+if [[ "${WAKEGATE_E2E_REAL_NODE:-0}" == 1 ]]; then
+  python -m e2e.node build
+fi
 echo "e2e: binaries ready after $(( $(date +%s) - start ))s"
 python -m pytest e2e -q "$@"
 echo "e2e: done in $(( $(date +%s) - start ))s"

@@ -476,7 +476,7 @@ async def del_pod_ip(node: NodeNet, addr: str) -> None:
               ok_errors=("Cannot assign requested address", "Cannot find device", "No such file"))
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -502,11 +502,15 @@ async def relay(netns: str, port: int) -> asyncio.Server:
     This is how pods reach the apiserver at the same https://127.0.0.1:PORT as
     everything else (a byte relay: TLS and client identities are untouched).
     """
-    sock = in_netns(netns, lambda: _listen("127.0.0.1", port))
+    return await relay_from(in_netns(netns, lambda: listen("127.0.0.1", port)), "127.0.0.1", port)
+
+
+async def relay_from(sock: socket.socket, host: str, port: int) -> asyncio.Server:
+    """Serve the listening `sock`: each connection is passed, byte for byte, to host:port."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+            up_reader, up_writer = await asyncio.open_connection(host, port)
         except OSError:
             writer.close()
             return

@@ -79,6 +79,18 @@ class PKI:
         self.ca.key.write_bytes(_key_pem(self._ca_key))
         self.ca.key.chmod(0o600)
 
+    @classmethod
+    def load(cls, dir: Path) -> PKI:
+        """The CA a cluster already made in `dir` (to issue more leaves for it, e.g. a kubelet's)."""
+        pki = cls.__new__(cls)
+        pki.dir = dir
+        pki.ca = Pair(dir / "ca.crt", dir / "ca.key")
+        pki._ca_cert = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
+        key = serialization.load_pem_private_key(pki.ca.key.read_bytes(), password=None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        pki._ca_key = key
+        return pki
+
     def issue(
         self,
         stem: str,
