@@ -9,6 +9,7 @@ import pytest
 from google.protobuf import json_format
 
 from tests.control.federation.test_members import FILE, report
+from wakegate import contract
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.members import MemberHealth
 from wakegate.control.federation_schema import parse_federation
@@ -111,7 +112,12 @@ spec: {{retries: {{attempts: 2, when: {when}}}}}
     gateway._recompute()
     built = build(gateway._routes, gateway.gateway)
     route = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"]
-    (policy,) = [r["route"]["retryPolicy"] for r in route if "retryPolicy" in r.get("route", {})]
+    # The members' route; the replay route (a request extproc never decided, sent through again) has its own.
+    (policy,) = [
+        r["route"]["retryPolicy"]
+        for r in route
+        if "retryPolicy" in r.get("route", {}) and r["route"].get("cluster") != contract.REPLAY_CLUSTER
+    ]
     # retriable-headers: a member's reply no model server saw (x-wakegate-unserved) is retried in both
     assert set(policy["retryOn"].split(",")) == conditions | {"retriable-headers"}
     assert policy["numRetries"] == 2
