@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.tinymodel import ModelSpec, write_model
-from tests.bench.common import REPO_ROOT, first_token_seconds, git_state, loadavg
+from tests.bench.common import REPO_ROOT, first_token_seconds, git_state, loadavg, system_chat
 from tests.support.up import UpProcess, model_doc
 
 BIN = REPO_ROOT / "e2e" / ".bin"
@@ -48,14 +48,7 @@ def metrics(endpoint: str) -> dict[str, float]:
 
 
 def ask(url: str, model: str, system: str, user: str) -> float:
-    body = {
-        "model": model,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        "max_tokens": 4,
-        "temperature": 0.0,
-        "stream": True,
-    }
-    return first_token_seconds(url, body, timeout=120)
+    return first_token_seconds(url, system_chat(model, system, user, 4), timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:

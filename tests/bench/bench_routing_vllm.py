@@ -42,10 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from e2e import engines, hfmodel
-from tests.bench.common import first_token_seconds, git_state, loadavg
+from tests.bench.common import first_token_seconds, git_state, loadavg, system_chat
 from tests.engines.conftest import vllm_model
 from tests.engines.test_up_engines import engines_path
 from tests.support.up import UpProcess
+from wakegate import promtext
 from wakegate.extproc.engineprompt import EnginePrompt
 
 STRATEGIES = {
@@ -53,6 +54,7 @@ STRATEGIES = {
     "approximate": "{profile: cache-first}",
     "precise": "{profile: precise, kvEvents: {portOffset: 1, replayPortOffset: 2}}",
 }
+PREFIX_CACHE = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 WORDS = hfmodel.CORPUS.replace(";", " ").replace(",", " ").replace(".", " ").replace("?", " ").split()
 
 
@@ -64,23 +66,14 @@ def metrics(endpoint: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for name, _labels, value in promtext.samples(text, PREFIX_CACHE):
+        out[name] = out.get(name, 0.0) + value
     return out
 
 
 def ask(base: str, model: str, system: str, user: str) -> float:
     """Time to the first streamed token of one chat request to ``base`` (a gateway or an engine)."""
-    body = {
-        "model": model,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        "max_tokens": 2,
-        "temperature": 0.0,
-        "stream": True,
-    }
-    return first_token_seconds(f"{base.rstrip('/')}/chat/completions", body)
+    return first_token_seconds(f"{base.rstrip('/')}/chat/completions", system_chat(model, system, user, 2))
 
 
 def system_prompts(prompt: EnginePrompt, count: int, rng: random.Random) -> list[str]:

@@ -41,3 +41,14 @@ def first_token_seconds(url: str, body: dict[str, object], timeout: float = 300)
             if first is None and line.startswith(b"data: {"):
                 first = time.monotonic() - t0
     return first if first is not None else float("nan")
+
+
+def system_chat(model: str, system: str, user: str, max_tokens: int) -> dict[str, object]:
+    """A greedy, streamed chat request of one system prompt and one user turn."""
+    return {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
