@@ -151,11 +151,15 @@ class LocalScaler:
         state = self._applying[key]
         runtime = self.runtimes[key]
         state.wanted = count
-        if count == runtime.replica_count or (state.task is not None and not state.task.done()):
-            return
-        if runtime.replica_count == 0 and count > 0:
+        busy = state.task is not None and not state.task.done()
+        if runtime.replica_count == 0 and count > 0 and not (busy and state.waking_since is not None):
+            # A wake from zero, timed from this demand. Demand that comes while the last replica
+            # is still being stopped is a wake too: the running task starts the replica once the
+            # stop is done (it follows `wanted`), and the wake counts from here.
             state.waking_since = now
             state.spawned = False
+        if count == runtime.replica_count or busy:
+            return
         state.task = asyncio.create_task(self._scale(runtime, state))
 
     async def _scale(self, runtime: ModelRuntime, state: _Applying) -> None:

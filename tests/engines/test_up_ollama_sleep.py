@@ -96,12 +96,9 @@ def test_ollama_idles_to_asleep_and_wakes_in_the_same_process(
         def wakes() -> dict[str, Any]:
             return up.status()["savings"]["models"]  # type: ignore[no-any-return]
 
-        wait_for("the wakes booked", lambda: wakes()["zeroed"]["wakes"]["zero"]["count"] >= 1, timeout=15)
+        wait_for("both wakes booked", lambda: wakes()["zeroed"]["wakes"]["zero"]["count"] >= 2, timeout=15)
         booked = wakes()
         assert booked["sleepy"]["wakes"]["asleep"]["count"] == 1
-        # Known gap (issue 34, open): in the full suite `zeroed`'s second wake from zero was
-        # sometimes not booked (1 instead of 2); a wake is booked only on the scaler's waking path.
-        zeroed = booked["zeroed"]["wakes"]
-        assert 1 <= zeroed["zero"]["count"] <= 2 and zeroed["asleep"]["count"] == 0
+        assert booked["zeroed"]["wakes"]["zero"]["count"] == 2 and booked["zeroed"]["wakes"]["asleep"]["count"] == 0
     finally:
         assert up.stop() == 0, up.log()

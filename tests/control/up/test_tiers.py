@@ -103,3 +103,25 @@ def test_a_sleeping_engine_that_dies_is_started_anew(tmp_path: Path) -> None:
         assert replica["pid"] != pid and model_status(up, "m")["tier"] == "warm"
     finally:
         assert up.stop() == 0, up.log()
+
+
+def test_a_request_during_the_idle_release_is_a_booked_wake(tmp_path: Path) -> None:
+    """Demand that comes while the last replica is still being stopped (it is unrouted, then
+    drained, then signalled: ~0.5 s) wakes the model again; that wake from zero is booked and timed
+    like any other, not started silently by the stopping task."""
+    doc = model_doc("m", extra="  scaling: {min: 0, max: 1, idleTimeout: 1, activationTimeout: 30}\n")
+    up = UpProcess(tmp_path, doc)
+    try:
+        up.wait_ready({}, timeout=60)
+        assert chat(up, "m") == 200
+        first = model_status(up, "m")["replicas"][0]["pid"]
+        wait_for("the idle release", lambda: model_status(up, "m")["replicas"] == [], timeout=30)
+        assert chat(up, "m") == 200  # held while the release finishes, then served by a new process
+        (replica,) = model_status(up, "m")["replicas"]
+        assert replica["pid"] != first
+        wakes = up.status()["savings"]["models"]["m"]["wakes"]
+        assert wakes["zero"]["count"] == 2
+        metrics = request("GET", f"http://127.0.0.1:{up.admin_port}/metrics").body.decode()
+        assert 'wakegate_cold_start_seconds_count{model="m",stage="total"} 2.0' in metrics
+    finally:
+        assert up.stop() == 0, up.log()
