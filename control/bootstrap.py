@@ -19,6 +19,7 @@ injector on the feeder's cluster reads it through a static secret and sets it as
 from __future__ import annotations
 
 import ipaddress
+import resource
 import shutil
 import string
 import sys
@@ -121,7 +122,7 @@ def config(
     for index, port in enumerate(extproc_ports):
         clusters.append(_access_log_cluster(contract.access_log_cluster(index), port))
     if ports.admin_socket is not None:
-        data["admin"] = {"address": {"pipe": {"path": ports.admin_socket, "mode": 0o600}}}
+        data["admin"]["address"] = {"pipe": {"path": ports.admin_socket, "mode": 0o600}}
     if not _is_ip(ports.xds_host):
         next(c for c in clusters if c["name"] == contract.XDS_CLUSTER)["type"] = "STRICT_DNS"
     if extproc_streams is not None:
@@ -143,8 +144,44 @@ def config(
 def render(
     node_id: str, ports: GatewayPorts, token: TokenRef | None = None, *, extproc_streams: int | None = None
 ) -> str:
-    """The bootstrap of one gateway, as Envoy reads it (`-c FILE`)."""
-    return yaml.safe_dump(config(node_id, ports, token=token, extproc_streams=extproc_streams), sort_keys=False)
+    """The bootstrap of one gateway on this machine, as Envoy reads it (`-c FILE`). Envoy is
+    started by this process and inherits its file-descriptor limit, which caps its downstream
+    connections (`downstream_cap`)."""
+    data = config(node_id, ports, token=token, extproc_streams=extproc_streams)
+    overload = data["layered_runtime"]["layers"][0]["static_layer"]["overload"]
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    overload[_DOWNSTREAM_KEY] = downstream_cap(overload[_DOWNSTREAM_KEY], limit)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+_DOWNSTREAM_KEY = "global_downstream_max_connections"
+#: Descriptors kept for what is not a client's connection: listeners, the xDS, extproc and
+#: access-log streams, files, Envoy's own.
+_FD_RESERVE = 1024
+
+
+def downstream_cap(template: int, nofile: int) -> int:
+    """Client connections Envoy accepts at once under a file-descriptor limit of `nofile`.
+
+    Past its limit Envoy cannot open a socket, and Envoy 1.40 then crashes (SIGSEGV after
+    "socket(2) failed ... Too many open files") instead of refusing one connection. Each client
+    connection may hold an upstream connection too, so at most half of what is left after the
+    reserve goes to clients: over the cap, Envoy refuses new connections and stays up."""
+    if nofile == resource.RLIM_INFINITY:
+        return template
+    return max(64, min(template, (nofile - _FD_RESERVE) // 2))
+
+
+def raise_nofile() -> int:
+    """Raise this process's soft file-descriptor limit to its hard limit (children, Envoy among
+    them, inherit it); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+    return hard
 
 
 _UPSTREAM_CODEC = {
@@ -278,7 +315,9 @@ def _metrics_listener(port: int | str) -> dict[str, Any]:
         "http_filters": [ROUTER_FILTER],
         "route_config": {"virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": [stats_only]}]},
     }
-    return http_listener("prometheus", "0.0.0.0", port, hcm)
+    listener = http_listener("prometheus", "0.0.0.0", port, hcm)
+    listener["ignore_global_conn_limit"] = True  # scrapes go on while clients fill the cap
+    return listener
 
 
 def envoy_binary() -> str:

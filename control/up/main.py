@@ -16,6 +16,7 @@ import contextlib
 import logging
 from pathlib import Path
 
+from wakegate.control import bootstrap
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.console import old_spelling, size_argument
@@ -182,6 +183,7 @@ def _check(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
+    bootstrap.raise_nofile()  # Envoy's client connections are capped by what it inherits
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,8 +20,15 @@ class UpProcess:
     """`wakegate up -f models.yaml` with its own ports and state dir."""
 
     def __init__(
-        self, tmp: Path, models_yaml: str, *extra: str, env: dict[str, str] | None = None, port: int | None = None
+        self,
+        tmp: Path,
+        models_yaml: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        nofile: int | None = None,
     ) -> None:
+        """`nofile`: run `up` (and so its children) under this file-descriptor limit, soft and hard."""
         self.tmp = tmp
         self.port = port or free_port()
         self.admin_port = free_port()
@@ -54,6 +62,7 @@ class UpProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
         )
 
     def log(self) -> str:
