@@ -155,21 +155,22 @@ def render(
 
 
 _DOWNSTREAM_KEY = "global_downstream_max_connections"
-#: Descriptors kept for what is not a client's connection: listeners, the xDS, extproc and
-#: access-log streams, files, Envoy's own.
-_FD_RESERVE = 1024
+#: Descriptors kept for what is not a client's connection: 1,024 for Envoy's own (listeners,
+#: the xDS, extproc and access-log streams, files) and 3,072 for connections to engines (three
+#: busy clusters at Envoy's default circuit breaker of 1,024 connections each).
+_FD_RESERVE = 4096
 
 
 def downstream_cap(template: int, nofile: int) -> int:
     """Client connections Envoy accepts at once under a file-descriptor limit of `nofile`.
 
     Past its limit Envoy cannot open a socket, and Envoy 1.40 then crashes (SIGSEGV after
-    "socket(2) failed ... Too many open files") instead of refusing one connection. Each client
-    connection may hold an upstream connection too, so at most half of what is left after the
-    reserve goes to clients: over the cap, Envoy refuses new connections and stays up."""
+    "socket(2) failed ... Too many open files") instead of refusing one connection. A held
+    request needs no upstream connection and a served one shares a bounded pool, so clients get
+    what the reserve leaves: over the cap, Envoy refuses new connections and stays up."""
     if nofile == resource.RLIM_INFINITY:
         return template
-    return max(64, min(template, (nofile - _FD_RESERVE) // 2))
+    return max(64, min(template, nofile - _FD_RESERVE))
 
 
 def raise_nofile() -> int:

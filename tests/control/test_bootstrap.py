@@ -176,17 +176,17 @@ def test_the_token_is_never_in_the_bootstrap(tmp_path: Path) -> None:
 
 
 def test_envoys_client_connections_fit_its_descriptor_limit() -> None:
-    # Half of what the reserve leaves, never more than the template's cap, never below 64.
-    assert bootstrap.downstream_cap(50000, 20000) == (20000 - 1024) // 2
+    # What the reserve leaves, never more than the template's cap, never below 64.
+    assert bootstrap.downstream_cap(50000, 20000) == 20000 - 4096
     assert bootstrap.downstream_cap(50000, 1 << 20) == 50000
     assert bootstrap.downstream_cap(50000, 1024) == 64
     assert bootstrap.downstream_cap(50000, resource.RLIM_INFINITY) == 50000
 
 
 def test_the_rendered_bootstrap_caps_clients_by_the_inherited_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, 4096))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8192, 8192))
     data = yaml.safe_load(bootstrap.render("n", UP_PORTS))
     overload = data["layered_runtime"]["layers"][0]["static_layer"]["overload"]
-    assert overload["global_downstream_max_connections"] == (4096 - 1024) // 2
+    assert overload["global_downstream_max_connections"] == 8192 - 4096
     # The chart's pods run under a container runtime's limit: its bootstrap keeps the template's.
     assert "global_downstream_max_connections: 50000" in bootstrap.chart_bootstrap()
