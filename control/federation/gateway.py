@@ -52,7 +52,8 @@ from wakegate.control.federation_schema import FederatedModel, Federation, Retry
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, UpstreamTls
+from wakegate.control.feeder.routed import RoutedModel, UpstreamTls
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.v1 import demand_pb2_grpc

@@ -37,7 +37,7 @@ from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.demand.book import AdapterLoad
-from wakegate.control.feeder.resources import RoutedModel, routed_adapters, routed_model
+from wakegate.control.feeder.routed import RoutedModel, routed_adapters, routed_model
 from wakegate.control.schema import Model
 from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError

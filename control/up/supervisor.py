@@ -36,7 +36,9 @@ from wakegate.control.delivery.registry import RegistrySettings, load_auths
 from wakegate.control.delivery.resolver import Access, Verify
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
+from wakegate.control.feeder.native import routing_path
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
 from wakegate.control.savings.metrics import TierCollector
