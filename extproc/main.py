@@ -26,8 +26,8 @@ from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
-from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.h2grpc.limits import H2Limits
+from wakegate.extproc.h2grpc.server import host_port
 from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.native import NativeCounts
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
