@@ -51,7 +51,8 @@ from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.native import NativeDemand
 from wakegate.control.up.predictive import HISTORY_FILE, Predictive
-from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
+from wakegate.control.up.replica import ReplicaState, RuntimeSettings, Tier
+from wakegate.control.up.runtime import ModelRuntime
 from wakegate.control.up.scaler import LocalScaler
 from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
