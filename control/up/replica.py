@@ -11,7 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from wakegate.control.backends import LoadSignals
-from wakegate.control.up.children import Child
+from wakegate.control.local.children import Child
 from wakegate.control.up.weights import Weights
 
 

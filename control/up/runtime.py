@@ -37,8 +37,8 @@ from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.demand.book import AdapterLoad
 from wakegate.control.feeder.routed import RoutedModel, routed_adapters, routed_model
+from wakegate.control.local.children import Child
 from wakegate.control.schema import Model
-from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
 from wakegate.control.up.gpus import GpuPool, Slot
 from wakegate.control.up.hotswap import HotSwap

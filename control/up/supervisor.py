@@ -41,10 +41,11 @@ from wakegate.control.feeder.routed import RoutedModel
 from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
+from wakegate.control.local import gateway as local_gateway
+from wakegate.control.local.children import Child, CrashLoop, Supervised
 from wakegate.control.savings.metrics import TierCollector
 from wakegate.control.scaling.savings import Ledger
 from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.control.up.children import Child, CrashLoop, Supervised
 from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
@@ -720,7 +721,8 @@ class Up:
         return Supervised(Child(f"extproc-{index}", argv, self.state_dir / "logs" / f"extproc-{index}.log"))
 
     def _envoy(self, ports: Ports) -> Supervised:
-        rendered = bootstrap.render(
+        return local_gateway.envoy(
+            self.state_dir,
             self.node_id,
             bootstrap.GatewayPorts(
                 envoy_admin=self._envoy_admin_port(),
@@ -731,32 +733,11 @@ class Up:
                 activator_standby=ports.activator[1],
                 admin_socket=None if self.settings.envoy_admin_listen else str(self.envoy_admin),
             ),
-            bootstrap.TokenRef(file=str(self.token.file)),
+            self.token.file,
+            self.envoy_admin,
+            concurrency=self.settings.envoy_concurrency,
             extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
         )
-        config = self.state_dir / "envoy.yaml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(rendered, encoding="utf-8")
-        argv = [
-            bootstrap.envoy_binary(),
-            "-c",
-            str(config),
-            "--concurrency",
-            str(self.settings.envoy_concurrency),
-            "--use-dynamic-base-id",
-            "--log-level",
-            "warn",
-            "--drain-time-s",
-            "1",
-            "--drain-strategy",
-            "immediate",
-        ]
-
-        async def clear_socket() -> None:  # a killed Envoy leaves its admin socket behind
-            with contextlib.suppress(FileNotFoundError):
-                self.envoy_admin.unlink()
-
-        return Supervised(Child("envoy", argv, self.state_dir / "logs" / "envoy.log"), before_start=clear_socket)
 
     async def _watch(self, component: Supervised) -> None:
         try:
@@ -772,11 +753,7 @@ class Up:
 
     def _admin_session(self) -> aiohttp.ClientSession:
         """A client of Envoy's admin API (paths relative to it)."""
-        timeout = aiohttp.ClientTimeout(total=2)
-        if self.settings.envoy_admin_listen is None:
-            connector = aiohttp.UnixConnector(path=str(self.envoy_admin))
-            return aiohttp.ClientSession(base_url="http://envoy", connector=connector, timeout=timeout)
-        return aiohttp.ClientSession(base_url=f"http://{self.settings.envoy_admin_listen}", timeout=timeout)
+        return local_gateway.admin_session(self.settings.envoy_admin_listen, self.envoy_admin)
 
     async def _native_demand(self) -> None:
         """Envoy's counters of the natively routed models into the demand book, every POLL_SECONDS
@@ -824,55 +801,21 @@ class Up:
                                 self.scaler.poke()  # its outcome and the history's save are evaluated
                     totals = seen
 
-    async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            async with session.get(f"/stats?filter=^{name}$&format=json") as response:
-                stats = (await response.json()).get("stats", [])
-                return int(stats[0]["value"]) if stats else 0
-        return None
-
-    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0, standby_grace: float = 10.0) -> bool:
-        """Ready means a request would succeed: extproc has its routes and GET /healthz through
-        Envoy and extproc answers 200, and Envoy's health checks see both extprocs (until then its
-        workers may still send some requests to the standby, whose rate-limit buckets and prefix
-        history are its own; after `standby_grace` seconds one healthy extproc is enough).
-        A listener Envoy cannot bind (the port was taken meanwhile) stops `up` with an error."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        answering_since: float | None = None
-        healthy_stat = f"cluster.{contract.EXTPROC_CLUSTER}.membership_healthy"
-        urls = [
-            f"http://127.0.0.1:{ports.extproc_admin[0]}/healthz",  # extproc has its route table
-            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",  # through Envoy
-        ]
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
-            self._admin_session() as admin_session,
-        ):
-            while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
-                ok = 0
-                for url in urls:
-                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                        async with session.get(url) as response:
-                            ok += response.status == 200
-                if ok == len(urls):
-                    now = asyncio.get_running_loop().time()
-                    answering_since = now if answering_since is None else answering_since
-                    healthy = await self._envoy_stat(admin_session, healthy_stat)
-                    if (healthy or 0) >= len(ports.extproc) or now - answering_since >= standby_grace:
-                        return True
-                rejected = await self._envoy_stat(admin_session, "listener_manager.lds.update_rejected")
-                if rejected:
-                    self._failure = (
-                        f"Envoy cannot listen on {self.gateway.listen_host}:{self.gateway.listen_port} "
-                        f"(see {self.state_dir / 'logs' / 'envoy.log'})"
-                    )
-                    self._stop.set()
-                    return False
-                await asyncio.sleep(0.05)
-        if not self._stop.is_set():
-            self._failure = f"gateway did not become ready in {timeout:.0f}s; see {self.state_dir / 'logs'}"
+    async def _wait_gateway_ready(self, ports: Ports) -> bool:
+        """Whether the gateway serves (`local_gateway.wait_ready`); one that cannot stops `up` with the reason."""
+        try:
+            async with self._admin_session() as envoy_admin:
+                return await local_gateway.wait_ready(
+                    (self.gateway.listen_host, self.gateway.listen_port),
+                    ports.extproc_admin,
+                    envoy_admin,
+                    self._stop,
+                    self.state_dir / "logs" / "envoy.log",
+                )
+        except local_gateway.GatewayNotReady as exc:
+            self._failure = str(exc)
             self._stop.set()
-        return False
+            return False
 
     async def _drain(self) -> None:
         """SIGTERM: Envoy stops accepting, in-flight requests and streams get up to the drain
@@ -889,7 +832,7 @@ class Up:
                 async with session.post("/drain_listeners") as response:
                     await response.read()
             while loop.time() < deadline:
-                active = await self._envoy_stat(session, "http.wakegate.downstream_rq_active")
+                active = await local_gateway.envoy_stat(session, "http.wakegate.downstream_rq_active")
                 if active is None or active == 0:
                     break
                 await asyncio.sleep(0.1)

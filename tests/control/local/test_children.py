@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from wakegate.control.up import children
-from wakegate.control.up.children import CrashLoop, Supervised
+from wakegate.control.local import children
+from wakegate.control.local.children import CrashLoop, Supervised
 
 
 class ExitsAtOnce:
