@@ -24,8 +24,9 @@ from wakegate.control.k8s import kopfing, names
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.controller import Reconciler, keda_installed, register
+from wakegate.control.operator.controller import Reconciler
 from wakegate.control.operator.metrics import OperatorMetrics
+from wakegate.control.operator.watches import keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 

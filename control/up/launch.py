@@ -36,6 +36,7 @@ class ReplicaLaunch:
         adapter_loaded_at: dict[str, float]
         hotswap: HotSwap | None
         can_sleep: bool
+
     def _values(self, replica: Replica) -> dict[str, str]:
         """What the plugin's templates are filled with for one replica."""
         state = self.settings.engines_dir / self.model.name / str(replica.slot)

@@ -60,6 +60,7 @@ class UpStatus:
         started_at: float
         delivery: Delivery
         ledger: Ledger
+
     async def _status_display(self) -> None:
         from rich.console import Console
         from rich.live import Live
