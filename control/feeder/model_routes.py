@@ -1,5 +1,4 @@
-"""extproc's route of a model (`ModelRoute`): what extproc needs to hold, pick and admit its requests.
-"""
+"""extproc's route of a model (`ModelRoute`): what extproc needs to hold, pick and admit its requests."""
 
 from __future__ import annotations
 

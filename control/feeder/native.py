@@ -1,5 +1,4 @@
-"""The routing path of a model: whether Envoy routes it alone (native) or extproc decides, and why.
-"""
+"""The routing path of a model: whether Envoy routes it alone (native) or extproc decides, and why."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The reconcile queue's keys: a Model's is its namespace/name, another kind's carries its prefix.
-"""
+"""The reconcile queue's keys: a Model's is its namespace/name, another kind's carries its prefix."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What `wakegate up` is configured with (`Settings`), built once from its command line and checked.
-"""
+"""What `wakegate up` is configured with (`Settings`), built once from its command line and checked."""
 
 from __future__ import annotations
 

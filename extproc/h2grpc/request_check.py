@@ -1,5 +1,4 @@
-"""What a request's header block must be (RFC 9113 §8): pseudo-headers, names, connection-specific fields.
-"""
+"""What a request's header block must be (RFC 9113 §8): pseudo-headers, names, connection-specific fields."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The HTTP/2 server: listening, serving, counting refusals, and stopping with a drain.
-"""
+"""The HTTP/2 server: listening, serving, counting refusals, and stopping with a drain."""
 
 from __future__ import annotations
 
