@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from wakegate.control.schema import InferenceRuntime, Model, ModelCache, ModelCatalog
+from wakegate.control.delivery_schema import ModelCache, ModelCatalog
+from wakegate.control.runtime_schema import InferenceRuntime
+from wakegate.control.schema import Model
 
 _T = TypeVar("_T", Model, InferenceRuntime, ModelCache, ModelCatalog)
 

@@ -48,7 +48,8 @@ from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.operator.pinner import TagPinner
 from wakegate.control.operator.status import Observed, compute, failed_pods, routing_path_status, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
-from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
+from wakegate.control.runtime_schema import InferenceRuntime
+from wakegate.control.schema import LoRAAdapter, Model
 
 log = logging.getLogger("wakegate.operator")
 

@@ -34,9 +34,10 @@ from wakegate.control.feeder.h2guard import GuardedServer, serve_guarded
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.keda.hub import Hub
 from wakegate.control.keda.service import TlsFiles, serve_external_scaler
+from wakegate.control.manifests import ManifestError, parse_models
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
-from wakegate.control.schema import ManifestError, Model, parse_models
+from wakegate.control.schema import Model
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
 from wakegate.v1 import demand_pb2_grpc

@@ -11,7 +11,8 @@ from pathlib import Path
 from wakegate.control import admin
 from wakegate.control.delivery.errors import RegistryError
 from wakegate.control.delivery.registry import load_auths
-from wakegate.control.schema import ManifestError, Model, parse_models
+from wakegate.control.manifests import ManifestError, parse_models
+from wakegate.control.schema import Model
 from wakegate.control.up.engine import runnable
 from wakegate.process import ProcessSettings, settings_from
 

@@ -137,7 +137,7 @@ def test_a_model_extproc_never_picks_for_has_no_override_host(path: str) -> None
 
 
 def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native() -> None:
-    from wakegate.control.schema import parse_models
+    from wakegate.control.manifests import parse_models
 
     (model,) = parse_models(
         "apiVersion: wakegate.io/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec:\n  backend: sim\n"

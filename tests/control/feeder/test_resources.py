@@ -249,7 +249,7 @@ def test_member_tokens_go_to_their_endpoint_only_and_never_to_extproc() -> None:
 
 
 def _flow_model(backend: str, flow: str) -> r.Model:
-    from wakegate.control.schema import parse_manifest
+    from wakegate.control.manifests import parse_manifest
 
     text = f"""apiVersion: wakegate.io/v1alpha1
 kind: Model
