@@ -29,12 +29,11 @@ from wakegate.extproc.gateway import PUBLIC_METRICS, Gateway
 from wakegate.extproc.gateway import Settings as GatewaySettings
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.limits import H2Limits
-from wakegate.extproc.h2grpc.server import host_port
 from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.native import NativeCounts
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Processor
 from wakegate.internal_token import TokenSource
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
 
@@ -131,9 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _address(text: str) -> str:
     """argparse type of a HOST:PORT address."""
-    _, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -28,7 +28,7 @@ from wakegate.control.operator.controller import Reconciler
 from wakegate.control.operator.metrics import OperatorMetrics
 from wakegate.control.operator.watches import keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.operator")
 
@@ -131,7 +131,7 @@ class Settings(ProcessSettings):
             renew_seconds=args.renew_seconds,
         )
         if args.admin_listen:
-            admin.host_port(args.admin_listen, "0.0.0.0")
+            host_port(args.admin_listen, "0.0.0.0")
         return settings_from(cls, args, lease=lease)
 
 
@@ -185,7 +185,7 @@ async def _serve_admin(address: str, metrics: OperatorMetrics) -> web.AppRunner:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "leader": metrics.leader})
 
-    host, port = admin.host_port(address, "0.0.0.0")
+    host, port = host_port(address, "0.0.0.0")
     return await admin.serve({"/metrics": scrape, "/healthz": healthz}, host, port)
 
 

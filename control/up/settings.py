@@ -8,13 +8,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from wakegate.control import admin
 from wakegate.control.delivery.errors import RegistryError
 from wakegate.control.delivery.registry import load_auths
 from wakegate.control.manifests import ManifestError, parse_models
 from wakegate.control.schema import Model
 from wakegate.control.up.engine import runnable
-from wakegate.process import ProcessSettings, settings_from
+from wakegate.process import ProcessSettings, host_port, settings_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,10 +91,10 @@ class Settings(ProcessSettings):
             if problem is not None:
                 raise ValueError(f"{args.file}: Model {model.name!r}: {problem}")
         try:
-            host, port = admin.host_port(args.listen)
-            admin.host_port(args.admin_listen)
+            host, port = host_port(args.listen)
+            host_port(args.admin_listen)
             if args.envoy_admin_listen is not None:
-                admin.host_port(args.envoy_admin_listen)
+                host_port(args.envoy_admin_listen)
         except ValueError as exc:
             raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
         display = sys.stderr.isatty() if args.status_display is None else args.status_display

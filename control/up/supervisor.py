@@ -54,7 +54,7 @@ from wakegate.control.up.status import UpStatus
 from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
 from wakegate.internal_token import Authenticator, TokenSource
-from wakegate.process import graceful_exit
+from wakegate.process import graceful_exit, host_port
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.up")
@@ -390,7 +390,7 @@ class Up(UpStatus):
         async def gateway_metrics(_: web.Request) -> web.Response:
             return await self._gateway_metrics()
 
-        host, port = admin.host_port(self.settings.admin_listen)
+        host, port = host_port(self.settings.admin_listen)
         routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz,
                   "/savings": savings}
         return await admin.serve(routes, host, port)
@@ -515,7 +515,7 @@ class Up(UpStatus):
     def _envoy_admin_port(self) -> int:
         if self.settings.envoy_admin_listen is None:
             return 0
-        return admin.host_port(self.settings.envoy_admin_listen)[1]
+        return host_port(self.settings.envoy_admin_listen)[1]
 
     def _admin_session(self) -> aiohttp.ClientSession:
         """A client of Envoy's admin API (paths relative to it)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from wakegate.extproc.h2grpc.connection import Connection
 from wakegate.extproc.h2grpc.limits import Budget, H2Limits
 from wakegate.extproc.h2grpc.stream import Stream
+from wakegate.process import host_port
 
 log = logging.getLogger("wakegate.extproc.h2")
 
@@ -22,10 +23,6 @@ log = logging.getLogger("wakegate.extproc.h2")
 _BACKLOG = 4096
 
 
-def host_port(address: str) -> tuple[str, int]:
-    """HOST:PORT (HOST may be [v6] or empty for 127.0.0.1), as extproc's listeners take it."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 #: Builds the stream object of a new stream from its connection, id and request headers.
