@@ -29,8 +29,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from tests.bench.bench_gateway import CLK_TCK, lua_script, proc_ticks, run_wrk
 from tests.bench.common import git_state, loadavg
+from tests.bench.procs import CLK_TCK, proc_ticks
+from tests.bench.wrk import lua_script, run_wrk
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
 from wakegate.control.feeder import listeners
