@@ -18,12 +18,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600)
 
 
-def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """`HOST:PORT` (IPv6 in brackets; an empty host means `default_host`); ValueError otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]") or default_host, int(port)
 
 
 #: Where `free_port` looks: above the well-known and registered services most machines run, and

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from wakegate import contract, internal_token
-from wakegate.control.feeder.resources import ROUTER_FILTER, http_listener
+from wakegate.control.feeder.listeners import ROUTER_FILTER, http_listener
 
 _CANDIDATES = (
     Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml",

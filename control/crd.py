@@ -17,17 +17,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from wakegate.control.delivery_schema import ModelCacheSpec, ModelCatalogSpec
 from wakegate.control.federation_schema import ClusterSpec, FederatedModelSpec, GlobalProxySpec
 from wakegate.control.k8s.names import MAX_MODEL_NAME
-from wakegate.control.schema import (
-    GROUP,
-    VERSION,
-    InferenceRuntimeSpec,
-    LoRAAdapterSpec,
-    ModelCacheSpec,
-    ModelCatalogSpec,
-    ModelSpec,
-)
+from wakegate.control.runtime_schema import InferenceRuntimeSpec
+from wakegate.control.schema import GROUP, VERSION, LoRAAdapterSpec, ModelSpec
 
 CRD_DIR = Path(__file__).resolve().parent.parent / "charts" / "wakegate" / "crds"
 

@@ -15,16 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from wakegate.control.schema import (
-    NAME_PATTERN,
-    SECRET_NAME_PATTERN,
-    ManifestError,
-    Metadata,
-    ModelSpec,
-    _docs,
-    _Spec,
-    _validated,
-)
+from wakegate.control.manifests import ManifestError, _docs, _validated
+from wakegate.control.schema import NAME_PATTERN, SECRET_NAME_PATTERN, Metadata, ModelSpec, Spec
 
 #: An http(s) URL of a member gateway: scheme, host (name, IPv4 or [IPv6]) and port, no path.
 GATEWAY_URL_PATTERN = r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
@@ -33,7 +25,7 @@ LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 SERVER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$"
 
 
-class ClusterSecretRef(_Spec):
+class ClusterSecretRef(Spec):
     """A key of a Secret; Clusters are cluster-scoped, so the Secret's namespace is named."""
 
     namespace: str = Field(pattern=NAME_PATTERN, max_length=63, description="The Secret's namespace.")
@@ -41,7 +33,7 @@ class ClusterSecretRef(_Spec):
     key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253, description="The key whose value is used.")
 
 
-class MemberGateway(_Spec):
+class MemberGateway(Spec):
     url: str = Field(
         pattern=GATEWAY_URL_PATTERN, max_length=300, description="The member gateway's listener, http(s)://HOST:PORT."
     )
@@ -99,7 +91,7 @@ class MemberGateway(_Spec):
         return self
 
 
-class ClusterSpec(_Spec):
+class ClusterSpec(Spec):
     gateway: MemberGateway = Field(description="How the global gateway and the prober reach this cluster's gateway.")
     region: str | None = Field(None, pattern=LABEL_VALUE_PATTERN, max_length=63, description="Where it runs.")
     weight: int = Field(
@@ -118,7 +110,7 @@ class PlacementMode(StrEnum):
     FILL_FIRST = "fill-first"
 
 
-class Placement(_Spec):
+class Placement(Spec):
     clusters: list[Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]] = Field(
         default_factory=list, max_length=64, description="Clusters by name."
     )
@@ -147,7 +139,7 @@ class Placement(_Spec):
         return self
 
 
-class FederatedModelSpec(_Spec):
+class FederatedModelSpec(Spec):
     template: ModelSpec = Field(description="The spec of the Model written into every placed cluster.")
     placement: Placement = Field(description="Which clusters serve the model, and how.")
 
@@ -157,19 +149,19 @@ class RoutingPolicy(StrEnum):
     WARM_FIRST = "warm-first"
 
 
-class Listener(_Spec):
+class Listener(Spec):
     address: str = Field("0.0.0.0", max_length=255, description="Address the global gateway listens on.")
     port: int = Field(8080, ge=1, le=65535)
 
 
-class ProxyAuth(_Spec):
+class ProxyAuth(Spec):
     apiKeys: ClusterSecretRef | None = Field(
         None, description="A Secret key with the API keys clients present (the format of `wakegate extproc`)."
     )
     apiKeysFile: str | None = Field(None, max_length=4096, description="The same as a file (one machine).")
 
 
-class HealthCheck(_Spec):
+class HealthCheck(Spec):
     intervalSeconds: float = Field(1.0, ge=0.1, le=300, description="How often each member gateway is probed.")
     timeoutSeconds: float = Field(1.0, ge=0.05, le=60, description="A probe slower than this fails.")
     unhealthyThreshold: int = Field(1, ge=1, le=100, description="Failed probes in a row that take a member out.")
@@ -190,7 +182,7 @@ class RetryWhen(StrEnum):
     BEFORE_RESPONSE = "before-response"
 
 
-class Retries(_Spec):
+class Retries(Spec):
     attempts: int = Field(
         2, ge=0, le=5, description="Other members a request is tried on when the first cannot take it (`when`)."
     )
@@ -202,7 +194,7 @@ class Retries(_Spec):
     )
 
 
-class GlobalProxySpec(_Spec):
+class GlobalProxySpec(Spec):
     listeners: list[Listener] = Field(default_factory=lambda: [Listener()], min_length=1, max_length=1)
     auth: ProxyAuth = Field(default_factory=ProxyAuth)
     routing: RoutingPolicy = Field(RoutingPolicy.WARM_FIRST, description="How a member is picked.")
@@ -210,7 +202,7 @@ class GlobalProxySpec(_Spec):
     healthCheck: HealthCheck = Field(default_factory=HealthCheck)
 
 
-class _Object(_Spec):
+class _Object(Spec):
     """What every federation object has besides its kind and spec."""
 
     apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"

@@ -7,13 +7,11 @@ machine and on a cluster. Field names are the manifest's camelCase names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 API_VERSION = "wakegate.io/v1alpha1"
 GROUP = "wakegate.io"
@@ -27,7 +25,7 @@ SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,252}$"
 ServedName = Annotated[str, Field(pattern=SERVED_NAME_PATTERN, max_length=253)]
 
 
-class _Spec(BaseModel):
+class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
 
@@ -70,7 +68,7 @@ DEFAULT_PROFILE = Profile.BALANCED
 chosen from tests/bench/bench_routing.py (docs/decisions.md, "The default picking")."""
 
 
-class Weights(_Spec):
+class Weights(Spec):
     queue: float = Field(0, ge=0, le=100, description="Fewest requests queued or in flight.")
     kvCache: float = Field(0, ge=0, le=100, description="Most free KV cache, as the engine reports it.")
     prefix: float = Field(0, ge=0, le=100, description="Longest prompt prefix recently sent to the endpoint.")
@@ -91,7 +89,7 @@ class Weights(_Spec):
         return {name: w for name, w in pairs.items() if w > 0}
 
 
-class KVEvents(_Spec):
+class KVEvents(Spec):
     portOffset: int = Field(
         ge=1,
         le=1000,
@@ -103,7 +101,7 @@ class KVEvents(_Spec):
     )
 
 
-class Routing(_Spec):
+class Routing(Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
@@ -167,14 +165,14 @@ class Routing(_Spec):
         return self
 
 
-class Limits(_Spec):
+class Limits(Spec):
     requestsPerSecond: float = Field(
         0, ge=0, description="Per-model request rate admitted by each gateway; 0 means unlimited."
     )
     burst: float = Field(0, ge=0, description="Token-bucket burst; 0 means max(1, requestsPerSecond).")
 
 
-class Predictive(_Spec):
+class Predictive(Spec):
     enabled: bool = Field(
         False,
         description="Wake the model before the demand its history predicts (daily and weekly periodicity, "
@@ -198,7 +196,7 @@ class Predictive(_Spec):
     )
 
 
-class Scaling(_Spec):
+class Scaling(Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
@@ -262,7 +260,7 @@ class Scaling(_Spec):
         return self
 
 
-class Endpoint(_Spec):
+class Endpoint(Spec):
     maxQueue: int = Field(100, ge=0, le=100000, description="Cold requests held per model per gateway.")
     coldMode: ColdMode = Field(ColdMode.HOLD, description="What a request to a model with no ready replica gets.")
 
@@ -276,7 +274,7 @@ class Band(StrEnum):
     SHEDDABLE = "sheddable"
 
 
-class Saturation(_Spec):
+class Saturation(Spec):
     maxWaiting: int | None = Field(
         None,
         ge=0,
@@ -300,7 +298,7 @@ class Saturation(_Spec):
     )
 
 
-class FlowControl(_Spec):
+class FlowControl(Spec):
     enabled: bool = Field(
         False,
         description="Hold requests in the gateway while every replica is saturated, in one queue per (tenant, "
@@ -315,7 +313,7 @@ class FlowControl(_Spec):
     saturation: Saturation = Field(default_factory=Saturation)
 
 
-class Gpu(_Spec):
+class Gpu(Spec):
     shared: str | None = Field(
         None,
         pattern=NAME_PATTERN,
@@ -343,7 +341,7 @@ class Gpu(_Spec):
     )
 
 
-class GpuResources(_Spec):
+class GpuResources(Spec):
     count: int = Field(0, ge=0, le=64, description="Accelerators per replica.")
     vendor: Literal["nvidia", "amd"] | None = Field(None, description="Accelerator vendor.")
     minVramMb: int = Field(0, ge=0, description="Minimum free VRAM per accelerator, MiB.")
@@ -352,7 +350,7 @@ class GpuResources(_Spec):
     )
 
 
-class Resources(_Spec):
+class Resources(Spec):
     gpu: GpuResources = Field(default_factory=GpuResources)
     cpu: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. 4 or 500m.")
     memory: str | None = Field(
@@ -360,7 +358,7 @@ class Resources(_Spec):
     )
 
 
-class RuntimeRef(_Spec):
+class RuntimeRef(Spec):
     name: str = Field(pattern=NAME_PATTERN, max_length=253, description="InferenceRuntime to render from.")
 
 
@@ -371,20 +369,20 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([EPTGMK]i?)?$"
 
 
-class SecretKeyRef(_Spec):
+class SecretKeyRef(Spec):
     name: str = Field(pattern=SECRET_NAME_PATTERN, max_length=253, description="A Secret in the Model's namespace.")
     key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253, description="The key in it whose value is used.")
     optional: bool = Field(False, description="Start without the variable when the Secret or key is missing.")
 
 
-class SecretEnvVar(_Spec):
+class SecretEnvVar(Spec):
     name: str = Field(pattern=ENV_NAME_PATTERN, max_length=253, description="Environment variable of the engine.")
     secretKeyRef: SecretKeyRef = Field(
         description="Where its value comes from; the pod spec names the Secret, never the value."
     )
 
 
-class SecretRef(_Spec):
+class SecretRef(Spec):
     name: str = Field(
         pattern=NAME_PATTERN,
         max_length=253,
@@ -393,7 +391,7 @@ class SecretRef(_Spec):
     )
 
 
-class Toleration(_Spec):
+class Toleration(Spec):
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
@@ -416,7 +414,7 @@ class CacheStrategy(StrEnum):
     PREWARM = "prewarm"
 
 
-class CacheSettings(_Spec):
+class CacheSettings(Spec):
     strategy: CacheStrategy = Field(CacheStrategy.NONE, description="How the weights reach the engine.")
     flash: bool = Field(
         False,
@@ -438,13 +436,13 @@ def _checked_source(value: str) -> str:
     return value
 
 
-def _backend_enum(schema: dict[str, Any]) -> None:
+def backend_enum(schema: dict[str, Any]) -> None:
     from wakegate.control.backends import BACKENDS
 
     schema["enum"] = sorted(BACKENDS)
 
 
-class AdapterSettings(_Spec):
+class AdapterSettings(Spec):
     maxAdapters: int = Field(
         4,
         ge=1,
@@ -466,10 +464,10 @@ class AdapterSettings(_Spec):
     )
 
 
-class ModelSpec(_Spec):
+class ModelSpec(Spec):
     backend: str = Field(
         description="Backend plugin that serves the model (see `wakegate up --list-backends`).",
-        json_schema_extra=_backend_enum,
+        json_schema_extra=backend_enum,
     )
     servedName: ServedName | None = Field(
         None,
@@ -561,14 +559,14 @@ class ModelSpec(_Spec):
         return self
 
 
-class Metadata(_Spec):
+class Metadata(Spec):
     model_config = ConfigDict(extra="ignore", frozen=True)
     name: str = Field(pattern=NAME_PATTERN, max_length=60)
     namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-class LoRAAdapterSpec(_Spec):
+class LoRAAdapterSpec(Spec):
     baseModel: str = Field(pattern=NAME_PATTERN, max_length=60, description="The Model this adapter applies to.")
     source: str = Field(
         pattern=SOURCE_PATTERN,
@@ -588,7 +586,7 @@ class LoRAAdapterSpec(_Spec):
         return _checked_source(value)
 
 
-class LoRAAdapter(_Spec):
+class LoRAAdapter(Spec):
     apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
     kind: Literal["LoRAAdapter"] = "LoRAAdapter"
     metadata: Metadata
@@ -608,7 +606,7 @@ class LoRAAdapter(_Spec):
         return list(dict.fromkeys([self.metadata.name, self.served_name, *self.spec.aliases]))
 
 
-class Model(_Spec):
+class Model(Spec):
     apiVersion: Literal["wakegate.io/v1alpha1"]
     kind: Literal["Model"]
     metadata: Metadata
@@ -646,296 +644,3 @@ class Model(_Spec):
         """Every name a client may send, the model's own name first, without repeats."""
         names = [self.metadata.name, self.served_name, *self.spec.aliases]
         return list(dict.fromkeys(names))
-
-
-class ManifestError(ValueError):
-    """A manifest file that cannot be used; the message names the document and field."""
-
-
-@dataclass(frozen=True)
-class _Doc:
-    index: int
-    body: Any
-
-
-def _docs(text: str) -> Iterable[_Doc]:
-    try:
-        for index, body in enumerate(yaml.safe_load_all(text), start=1):
-            if body is not None:
-                yield _Doc(index, body)
-    except yaml.YAMLError as exc:
-        raise ManifestError(f"not valid YAML: {exc}") from None
-
-
-_T = TypeVar("_T", bound=BaseModel)
-
-
-def _validated(typed: type[_T], body: Mapping[str, Any], where: str) -> _T:
-    """`body` as a `typed` object, or a ManifestError naming `where` and every bad field."""
-    try:
-        return typed.model_validate(body)
-    except ValidationError as exc:
-        problems = "; ".join(f"{_field_path(err['loc']) or '(document)'}: {err['msg']}" for err in exc.errors())
-        raise ManifestError(f"{where}: {problems}") from None
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The documents of one manifest: Models (each carrying its adapters) and LoRAAdapters."""
-
-    models: list[Model]
-    adapters: list[LoRAAdapter]
-
-
-_KINDS: dict[str, type[Model] | type[LoRAAdapter]] = {"Model": Model, "LoRAAdapter": LoRAAdapter}
-
-
-def parse_manifest(text: str, source: str = "<input>") -> Manifest:
-    """Parse YAML documents of `kind: Model` and `kind: LoRAAdapter`; raise ManifestError naming
-    document and field. Every adapter's base must be a Model of the manifest, and no two objects
-    may answer to the same name."""
-    models: list[Model] = []
-    adapters: list[tuple[str, LoRAAdapter]] = []
-    seen_names: dict[str, tuple[str, str]] = {}  # client name -> (owner's identity, how to name it)
-    for doc in _docs(text):
-        where = f"{source}: document {doc.index}"
-        if not isinstance(doc.body, dict):
-            raise ManifestError(f"{where}: expected a mapping with apiVersion, kind, metadata, spec")
-        kind = doc.body.get("kind")
-        typed = _KINDS.get(kind) if isinstance(kind, str) else None
-        if typed is None:
-            raise ManifestError(f"{where}: kind must be one of {', '.join(_KINDS)}, not {kind!r}")
-        name = doc.body.get("metadata", {}).get("name") if isinstance(doc.body.get("metadata"), dict) else None
-        if name:
-            where += f" ({kind} {name!r})"
-        parsed = _validated(typed, doc.body, where)
-        if isinstance(parsed, Model):
-            owner = (parsed.key, f"Model {parsed.key!r}")
-            names = parsed.client_names + parsed.spec.loraAdapters
-            models.append(parsed)
-        else:
-            owner = (f"#{doc.index}", f"LoRAAdapter {parsed.name!r}")
-            names = parsed.client_names
-            adapters.append((where, parsed))
-        for client_name in names:
-            seen = seen_names.get(client_name)
-            if seen is not None and seen[0] != owner[0]:
-                raise ManifestError(f"{where}: name {client_name!r} is already used by {seen[1]}")
-            seen_names[client_name] = owner
-    if not models:
-        raise ManifestError(f"{source}: no Model documents found")
-    by_name = {model.name: model for model in models}
-    for where, adapter in adapters:
-        if adapter.spec.baseModel not in by_name:
-            raise ManifestError(f"{where}: spec.baseModel: no Model {adapter.spec.baseModel!r} in {source}")
-    served = []
-    for model in models:
-        own = [adapter for _, adapter in adapters if adapter.spec.baseModel == model.name]
-        if own:
-            _check_adapters(model, len(own), source)
-        served.append(model.with_adapters(own) if own else model)
-    return Manifest(served, [adapter for _, adapter in adapters])
-
-
-def _check_adapters(model: Model, count: int, source: str) -> None:
-    from wakegate.control.backends import BACKENDS
-
-    backend = BACKENDS[model.spec.backend]
-    if not backend.serves_adapters:
-        raise ManifestError(f"{source}: Model {model.name!r}: backend {backend.name} cannot load LoRAAdapters")
-    cap = model.spec.adapters.maxAdapters
-    if backend.lora_arg and count > cap:
-        # Every replica holds all of its base's adapters (llama.cpp's server loads them only at start);
-        # engines that load adapters at run time swap them in and out instead.
-        raise ManifestError(
-            f"{source}: Model {model.name!r} has {count} LoRAAdapters, more than spec.adapters.maxAdapters ({cap}); "
-            "each replica holds every adapter of its base"
-        )
-
-
-def parse_models(text: str, source: str = "<input>") -> list[Model]:
-    """The Models of a manifest (:func:`parse_manifest`), each carrying its LoRAAdapters."""
-    return parse_manifest(text, source).models
-
-
-# -- InferenceRuntime (cluster-scoped, Kubernetes only) -------------------------------------------
-
-
-class RuntimeProbe(_Spec):
-    path: str = Field(pattern=r"^/", description="HTTP path that answers 200 once the backend serves.")
-    initialDelaySeconds: int = Field(0, ge=0, le=3600)
-    periodSeconds: int = Field(2, ge=1, le=300)
-    timeoutSeconds: int = Field(2, ge=1, le=300)
-    failureThreshold: int = Field(3, ge=1, le=10000)
-
-
-class RuntimeScheduling(_Spec):
-    nodeSelector: dict[str, str] = Field(default_factory=dict, description="Merged under the Model's own.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Added before the Model's own.")
-    priorityClassName: str | None = Field(None, max_length=253)
-    schedulerName: str | None = Field(None, max_length=253)
-
-
-class RuntimeLifecycle(_Spec):
-    preStopDrainSeconds: int = Field(
-        5, ge=0, le=3600, description="preStop sleep so the gateway stops routing before the backend exits."
-    )
-    terminationGracePeriodSeconds: int = Field(30, ge=0, le=86400)
-    progressDeadlineSeconds: int = Field(
-        600, ge=1, le=86400, description="Deployment progress deadline (slow model loads need a long one)."
-    )
-
-
-class RuntimeMetrics(_Spec):
-    prefix: str = Field(
-        "",
-        max_length=64,
-        description="Prometheus metric prefix the backend exposes (vllm:, llamacpp:); empty: the engine exports "
-        "no Prometheus series and its pods are not scraped.",
-    )
-    path: str = Field(
-        "/metrics", pattern=r"^/", description="Path of the engine's metrics on its port (the backend PodMonitor's)."
-    )
-
-
-class InferenceRuntimeSpec(_Spec):
-    backend: str = Field(
-        description="Backend plugin this runtime serves; Models of that backend may select it.",
-        json_schema_extra=_backend_enum,
-    )
-    image: str = Field(min_length=1, max_length=1024, description="Container image.")
-    command: list[Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=list, description="Container command; empty = the image's entrypoint."
-    )
-    args: list[Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=list,
-        description="Arguments template; {model}, {served_name}, {port} and {host} are substituted, "
-        "then the Model's spec.args are appended.",
-    )
-    port: int = Field(8000, ge=1, le=65535, description="Port the backend listens on.")
-    env: dict[Annotated[str, Field(pattern=ENV_NAME_PATTERN)], str] = Field(default_factory=dict)
-    readinessProbe: RuntimeProbe
-    startupProbe: RuntimeProbe | None = Field(
-        None,
-        description="Probed until the engine has loaded, before readiness and liveness; default: the "
-        "readiness probe, with failureThreshold * periodSeconds covering lifecycle.progressDeadlineSeconds.",
-    )
-    livenessProbe: RuntimeProbe | None = Field(
-        None, description="Restarts an engine that stops answering once loaded; none: never restarted for it."
-    )
-    shmSize: str = Field(
-        "2Gi",
-        pattern=QUANTITY_PATTERN,
-        description="Size limit of the memory-backed /dev/shm (engines share tensors between processes "
-        "through it); 0: none mounted.",
-    )
-    imagePullSecrets: list[SecretRef] = Field(
-        default_factory=list, description="Secrets (in each Model's namespace) for pulling the image."
-    )
-    gpuVendors: list[Literal["nvidia", "amd"]] = Field(
-        default_factory=list, description="Accelerator vendors this runtime supports; empty = CPU only."
-    )
-    acceleratorResources: dict[str, str] = Field(
-        default_factory=lambda: {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"},
-        description="Vendor -> extended resource name requested for spec.resources.gpu.count.",
-    )
-    gpuArch: list[Annotated[str, Field(pattern=r"^[a-z0-9]+$", max_length=32)]] = Field(default_factory=list)
-    scheduling: RuntimeScheduling = Field(default_factory=RuntimeScheduling)
-    lifecycle: RuntimeLifecycle = Field(default_factory=RuntimeLifecycle)
-    metrics: RuntimeMetrics = Field(default_factory=RuntimeMetrics)
-
-
-class InferenceRuntime(_Spec):
-    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
-    kind: Literal["InferenceRuntime"] = "InferenceRuntime"
-    metadata: Metadata
-    spec: InferenceRuntimeSpec
-
-
-# -- ModelCache (namespaced, Kubernetes only) ------------------------------------------------------
-
-#: The schemes a node cache holds; file:// and pvc:// are read in place and never cached.
-CACHED_SCHEMES = ("oci", "hf")
-
-
-class ModelRef(_Spec):
-    name: str = Field(pattern=NAME_PATTERN, max_length=60, description="A Model in the same namespace.")
-
-
-class ModelCacheSpec(_Spec):
-    sources: list[Annotated[str, Field(pattern=SOURCE_PATTERN, max_length=2048)]] = Field(
-        min_length=1,
-        max_length=16,
-        description="Weights to keep in the node caches: oci://REGISTRY/REPO:TAG or @sha256:…, or hf://…",
-    )
-    nodeSelector: dict[str, str] = Field(
-        default_factory=dict, description="Only nodes with all of these labels; with modelRef, both apply."
-    )
-    modelRef: ModelRef | None = Field(
-        None, description="Every node the Model may run on (its node selector and GPU vendor and arch)."
-    )
-    credentials: SecretRef | None = Field(None, description="Registry credentials; never logged or shown.")
-
-    @field_validator("sources")
-    @classmethod
-    def _cached_sources(cls, values: list[str]) -> list[str]:
-        from wakegate.control.delivery.errors import SourceError
-        from wakegate.control.delivery.sources import parse_source
-
-        for value in values:
-            try:
-                parse_source(value)
-            except SourceError as exc:
-                raise ValueError(str(exc)) from None
-            if value.partition("://")[0] not in CACHED_SCHEMES:
-                raise ValueError(f"{value}: a node cache holds oci:// and hf:// sources (the others are read in place)")
-        if len(set(values)) != len(values):
-            raise ValueError("sources lists a source twice")
-        return values
-
-
-class ModelCache(_Spec):
-    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
-    kind: Literal["ModelCache"] = "ModelCache"
-    metadata: Metadata
-    spec: ModelCacheSpec
-
-
-# -- ModelCatalog (namespaced, Kubernetes only; `wakegate catalog` on one machine) ------------------
-
-#: A registry host, optionally with a port: what `oci://HOST[:PORT]/…` names.
-REGISTRY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?$"
-#: A repository prefix: path segments of an OCI repository name.
-REPOSITORY_PREFIX_PATTERN = r"^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$"
-
-
-class ModelCatalogSpec(_Spec):
-    registry: str = Field(pattern=REGISTRY_PATTERN, max_length=255, description="The registry host[:port].")
-    repositories: list[Annotated[str, Field(pattern=REPOSITORY_PREFIX_PATTERN, max_length=255)]] = Field(
-        default_factory=list,
-        max_length=64,
-        description="Repository prefixes to list (a whole path segment: `models` holds `models/llama`); "
-        "empty: every repository. A registry that does not list its catalog is read at these names.",
-    )
-    credentials: SecretRef | None = Field(
-        None, description="A `kubernetes.io/dockerconfigjson` Secret with the registry's credentials; never shown."
-    )
-    refreshSeconds: int = Field(
-        300, ge=30, le=86400, description="How often the registry is listed again. Changing the "
-        "`wakegate.io/refresh` annotation lists it at once."
-    )
-    plainHTTP: bool = Field(False, description="Speak plain HTTP to the registry (a trusted network only).")
-
-
-class ModelCatalog(_Spec):
-    apiVersion: Literal["wakegate.io/v1alpha1"] = "wakegate.io/v1alpha1"
-    kind: Literal["ModelCatalog"] = "ModelCatalog"
-    metadata: Metadata
-    spec: ModelCatalogSpec

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from wakegate import contract
 from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
+from wakegate.extproc.gateway import Gateway
 from wakegate.extproc.responses import error_body
-from wakegate.extproc.service import Gateway
 
 log = logging.getLogger("wakegate.extproc.activator")
 

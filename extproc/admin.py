@@ -7,7 +7,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from wakegate.extproc.service import Gateway
+from wakegate.extproc.gateway import Gateway
 
 
 def make_app(gateway: Gateway, ready: Callable[[], bool]) -> web.Application:

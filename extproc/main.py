@@ -19,20 +19,21 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from wakegate import internal_token
-from wakegate.extproc import activator, admin, service
+from wakegate.extproc import activator, admin
 from wakegate.extproc.auth import ApiKeys, AuthConfigError
 from wakegate.extproc.completions import STREAM_ACCESS_LOGS_METHOD, Completions
 from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
+from wakegate.extproc.gateway import PUBLIC_METRICS, Gateway
+from wakegate.extproc.gateway import Settings as GatewaySettings
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
-from wakegate.extproc.h2grpc.connection import host_port
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.native import NativeCounts
-from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Gateway, Processor
+from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Processor
 from wakegate.internal_token import TokenSource
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.extproc")
 
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--public-metrics",
-        choices=service.PUBLIC_METRICS,
+        choices=PUBLIC_METRICS,
         default="off",
         help="GET /metrics on the public listener: off (404; scrape --admin-listen), open, or keys "
         "(any valid API key)",
@@ -129,9 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _address(text: str) -> str:
     """argparse type of a HOST:PORT address."""
-    _, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -178,14 +180,14 @@ class Settings(ProcessSettings):
     """Seconds between reads of scored endpoints' /metrics; 0: never."""
     release_on: str
     """`access-log`: requests are released by Envoy's access-log entries; `stream`: by their ext_proc stream."""
-    gateway: service.Settings
+    gateway: GatewaySettings
     """How each request is decided."""
     h2_limits: H2Limits
     """What one connection to the HTTP/2 server may cost (`--h2-limit`)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
-        gateway = service.Settings(
+        gateway = GatewaySettings(
             max_body_bytes=args.max_body_bytes,
             global_rate=args.global_rps,
             global_burst=args.global_burst,

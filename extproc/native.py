@@ -18,7 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, NativeInFlight, parse_counters, stat_name
-from wakegate.extproc.service import Gateway
+from wakegate.extproc.gateway import Gateway
 
 log = logging.getLogger("wakegate.extproc.native")
 

@@ -602,7 +602,7 @@ class Picker:
         body: Mapping[str, Any] | None,
         adapter: str | None = None,
     ) -> str | None:
-        request = Request(adapter=adapter)
+        request = Request(adapter=adapter, headers=headers, body=body)
         if weights.get("prefix"):
             request.chain = chain(prompt_text(body))
             if request.chain:

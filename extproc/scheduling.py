@@ -14,7 +14,8 @@ One decision (:func:`schedule`) over a model's ready endpoints:
    goes to the best of them and waits in its queue, which is what a full fleet does anyway.
    Readiness and draining are settled before picking: the route holds ready endpoints only, and
    an endpoint that drains leaves it.
-2. **Scorers** give each remaining candidate a score in [0, 1]; higher is better:
+2. **Scorers** (:mod:`wakegate.extproc.scorers`, one module each, registered by name) give each
+   remaining candidate a score in [0, 1]; higher is better:
    ``queue`` (fewest requests: this gateway's in-flight count now, plus what the engine last
    reported running and waiting beyond this gateway's own count at that moment, i.e. other
    gateways' requests; min-max normalised), ``kv-cache`` (1 - the engine's KV-cache usage; 0.5 while unknown),
@@ -37,12 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from wakegate import contract
+from wakegate.extproc.scorers import SCORERS
 
 __all__ = [
     "FILTERS",
-    "SCORERS",
     "Decision",
     "EngineState",
     "Request",
@@ -100,6 +102,10 @@ class Request:
     """The endpoint the session key hashes to, or None when the request has no session."""
     adapter: str | None = None
     """The LoRA adapter asked for, or None."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """The request's headers (lower-case names), for scorers that read them."""
+    body: Mapping[str, Any] | None = None
+    """The request's JSON body where Envoy sent it, for scorers that read it."""
 
 
 @dataclass(slots=True)
@@ -112,7 +118,6 @@ class Decision:
 
 
 Filter = Callable[[list[str], Request, Signals], list[str]]
-Scorer = Callable[[list[str], Request, Signals], list[float]]
 
 
 def adapter_present(candidates: list[str], request: Request, signals: Signals) -> list[str]:
@@ -162,69 +167,18 @@ def under_capacity(candidates: list[str], request: Request, signals: Signals) ->
     return out
 
 
-def _queue(candidates: list[str], request: Request, signals: Signals) -> list[float]:
-    engines = signals.engines
-    inflight = signals.inflight
-    depth = []
-    for ep in candidates:
-        state = engines.get(ep)
-        mine = float(inflight(ep))
-        if state is not None and (state.waiting is not None or state.running is not None):
-            others = (state.waiting or 0.0) + (state.running or 0.0) - state.own
-            depth.append(mine + others if others > 0 else mine)
-        else:
-            depth.append(mine)
-    lo, hi = min(depth), max(depth)
-    if hi - lo <= 0:
-        return [1.0] * len(candidates)
-    return [(hi - d) / (hi - lo) for d in depth]
 
 
-def _kv_cache(candidates: list[str], request: Request, signals: Signals) -> list[float]:
-    engines = signals.engines
-    out = []
-    for ep in candidates:
-        state = engines.get(ep)
-        usage = state.kv_usage if state is not None else None
-        out.append(0.5 if usage is None else 1.0 - min(1.0, max(0.0, usage)))
-    return out
 
 
-def _prefix(candidates: list[str], request: Request, signals: Signals) -> list[float]:
-    total = len(request.chain)
-    if not total:
-        return [0.0] * len(candidates)
-    matches = request.prefix_matches
-    return [matches.get(ep, 0) / total for ep in candidates]
 
 
-def _precise(candidates: list[str], request: Request, signals: Signals) -> list[float]:
-    total = len(request.blocks)
-    if not total:
-        return [0.0] * len(candidates)
-    matches = request.block_matches
-    return [matches.get(ep, 0) / total for ep in candidates]
 
 
-def _session(candidates: list[str], request: Request, signals: Signals) -> list[float]:
-    owner = request.session_owner
-    return [1.0 if ep == owner else 0.0 for ep in candidates]
 
 
 FILTERS: tuple[Filter, ...] = (adapter_present, adapter_room, under_capacity)
 """The filters, in the order they run."""
-
-SCORERS: dict[str, Scorer] = {
-    "queue": _queue,
-    "kv-cache": _kv_cache,
-    "prefix": _prefix,
-    "precise": _precise,
-    "session": _session,
-}
-"""Scorer name -> scorer; the names are the keys of a Model's ``routing.weights``."""
-
-if set(SCORERS) != set(contract.SCORERS):  # pragma: no cover - caught by any import in the tests
-    raise ImportError("contract.SCORERS and extproc's scorers disagree")
 
 
 def weights_for(profile: str, weights: Mapping[str, float]) -> dict[str, float]:

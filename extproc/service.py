@@ -13,20 +13,16 @@ until `up` has loaded it (extproc/adapters.py).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from google.protobuf import duration_pb2, struct_pb2
-from google.protobuf.message import DecodeError
+from google.protobuf import struct_pb2
 from prometheus_client import generate_latest
 
 from wakegate.contract import (
@@ -42,46 +38,31 @@ from wakegate.contract import (
     RATE_COUNTED_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
-    UNSERVED_HEADER,
 )
-from wakegate.extproc.adapters import AdapterBook, AdapterFailed, Placement, adapter_route, placement
-from wakegate.extproc.auth import ALL_MODELS, ApiKeys, Scope
-from wakegate.extproc.budget import USAGE_NAMESPACE, TokenBudgets, Usage
-from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, ColdQueues, QueueFull
-from wakegate.extproc.completions import REQUEST_ID_HEADER, Completions
-from wakegate.extproc.flow import BAND_RANK, DEFAULT_TENANT, FlowControl, Shed, Ticket
-from wakegate.extproc.h2grpc.call import INTERNAL, INVALID_ARGUMENT, Call
-from wakegate.extproc.metrics import Metrics
+from wakegate.extproc.adapters import AdapterFailed, Placement, adapter_route, placement
+from wakegate.extproc.auth import Scope
+from wakegate.extproc.budget import USAGE_NAMESPACE, Usage
+from wakegate.extproc.cold import ActivationFailed, ActivationTimeout, QueueFull
+from wakegate.extproc.completions import REQUEST_ID_HEADER
+from wakegate.extproc.exchange import BUFFER_BODY, BUFFER_BODY_COUNTED, Cold, Exchange, headers_of
+from wakegate.extproc.flow import BAND_RANK, DEFAULT_TENANT, Shed
+from wakegate.extproc.gateway import Gateway, in_scope
+from wakegate.extproc.h2grpc.call import Call
 from wakegate.extproc.naming import (
     BadRequest,
     Resolved,
-    RouteTable,
     model_from_headers,
     model_from_json,
     model_from_multipart,
     parse_json_body,
 )
-from wakegate.extproc.picking import Picker
-from wakegate.extproc.ratelimit import RateLimiter, retry_after_header
-from wakegate.extproc.responses import error, error_body, header, immediate
-from wakegate.process import ThrottledLog
+from wakegate.extproc.process_call import ProcessCall
+from wakegate.extproc.ratelimit import retry_after_header
+from wakegate.extproc.responses import error, header, immediate
 from wakegate.v1 import routing_pb2
 
 log = logging.getLogger("wakegate.extproc")
 
-_BUFFER_BODY = ep.ProcessingResponse(
-    request_headers=ep.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
-)
-#: The same for a tenant with a token budget: its response body streams past extproc, which reads
-#: the engine's usage at its end (extproc/budget.py).
-_BUFFER_BODY_COUNTED = ep.ProcessingResponse(
-    request_headers=ep.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-    ),
-)
 _CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
 #: A request routed from its headers does not need its body buffered. The gateway's routes
 #: already say so for X-Model-ID and /model/<name>/ requests; this covers any other Envoy setup.
@@ -92,299 +73,8 @@ _NO_BODY_COUNTED = processing_mode_pb2.ProcessingMode(
 )
 
 
-@dataclass
-class Settings:
-    """How this extproc decides; one object per process."""
-
-    #: Largest body buffered to find `model` (the listener enforces the same bound).
-    max_body_bytes: int = 8 * 1024 * 1024
-    #: Token bucket over all models, requests/s (0 = unlimited) and burst.
-    global_rate: float = 0.0
-    global_burst: float = 0.0
-    #: Retry-After sent with cold-mode `reject` and failed activations, seconds.
-    cold_retry_after: int = 5
-    #: `GET /metrics` on the public listener: `off` (404), `open`, or `keys` (any valid API key).
-    public_metrics: str = "off"
-    #: Flow control: a request whose key names no tenant is fair-shared as the tenant its
-    #: `x-gateway-inference-fairness-id` header names (False: as the default tenant).
-    fairness_header: bool = False
-    #: Retry-After of flow control's 429 `over_share`, seconds.
-    flow_retry_after: int = 1
-
-
-PUBLIC_METRICS = ("off", "open", "keys")
-
-
-class Gateway:
-    """State shared by every stream of one extproc process."""
-
-    def __init__(self, settings: Settings, keys: ApiKeys, metrics: Metrics | None = None) -> None:
-        self.settings = settings
-        self.keys = keys
-        self.metrics = metrics or Metrics()
-        self.table = RouteTable()
-        self.limiter = RateLimiter(settings.global_rate or None, settings.global_burst or None)
-        self.picker = Picker()
-        #: Admission of models with flow control (per-(tenant, band) queues while saturated).
-        self.flow = FlowControl(self.picker.engines, self.picker.inflight.count, on_change=self._queued_change)
-        #: Models with flow control (checked per request, kept per route change).
-        self.flow_keys: set[str] = set()
-        #: Tokens per tenant over the last minute, for tenants with a budget.
-        self.budgets = TokenBudgets()
-        self.in_flight: dict[str, int] = {}
-        #: Requests its Envoy routes alone now, per model (extproc/native.py; empty without it):
-        #: part of what the status and queue views say is in flight, never of extproc's own book.
-        self.native_in_flight: dict[str, int] = {}
-        self.on_demand_change: Callable[[], None] = lambda: None
-        #: Load changes that may be reported a little later (coalesced).
-        self.on_load_change: Callable[[], None] = lambda: None
-        self.cold = ColdQueues(self._demand_changed)
-        #: LoRA adapters loaded on demand: requests held for one, and use per endpoint.
-        self.adapters = AdapterBook(self._demand_changed)
-        #: One line per refused request (no traceback), a few per second per error code at most.
-        self.refusals = ThrottledLog(log)
-        #: Where routed requests are released when Envoy logs their end; None: when their
-        #: ext_proc stream ends (the stream then stays open for the request's whole life).
-        self.completions: Completions | None = None
-        #: The first route table arrived: before it, every model is "not known yet", not "unknown".
-        self.synced = False
-        self._models_body = b'{"object":"list","data":[]}'
-        #: `/v1/models` bodies of scoped keys, per scope, for the current routes.
-        self._scoped_bodies: dict[Scope, bytes] = {}
-
-    def _demand_changed(self) -> None:
-        self.on_demand_change()
-
-    def _queued_change(self, model: str, tenant: str, band: str, delta: int) -> None:
-        self.metrics.flow_queued.labels(model, tenant, band).inc(delta)
-        self.on_load_change()  # held requests are demand: the scaler may add a replica
-
-    def held(self) -> dict[str, tuple[int, int, int]]:
-        """key -> (held, live leases, failures seen): the cold queues' snapshot plus what flow
-        control holds for saturated models (demand reports, the queue and status views)."""
-        out = self.cold.snapshot()
-        for key, depth in self.flow.depths().items():
-            queued, leases, failures = out.get(key, (0, 0, 0))
-            out[key] = (queued + depth, leases, failures)
-        return out
-
-    def used_tokens(self, tenant: str, tokens: int) -> None:
-        """A budgeted request's usage (from an access-log entry, or a stream cut short here)."""
-        self.budgets.add(tenant, tokens)
-        self.metrics.tenant_tokens.labels(self.flow.label(tenant)).inc(tokens)
-
-    def set_routes(self, routes: list[routing_pb2.ModelRoute]) -> None:
-        """Take a whole route set: every route there is."""
-        keys = {route.key for route in routes}
-        self.update_routes(routes, [key for key in self.table.routes if key not in keys])
-
-    def update_routes(self, changed: list[routing_pb2.ModelRoute], removed: list[str]) -> None:
-        """Take what changed in the route set: routes new or changed, and the keys of those gone.
-
-        The work is proportional to the change: a replica becoming ready touches its own route's
-        names and queue, not every model's; `/v1/models` is rebuilt only when a name changed.
-        """
-        first = not self.synced
-        self.synced = True
-        self.table = RouteTable(changed) if first else self.table.updated(changed, removed)
-        self.picker.update(changed, removed)
-        for key in removed:
-            self.picker.forget(key)
-        if first or self.table.names_changed:
-            self._models_body = json.dumps({"object": "list", "data": self.table.listing()}).encode()
-            self._scoped_bodies = {}
-        self.metrics.routes.set(len(self.table.routes))
-        for route in changed:
-            self.metrics.queue_limit.labels(route.key).set(route.cold.max_queue)
-        for key in removed:
-            with contextlib.suppress(KeyError):
-                self.metrics.queue_limit.remove(key)
-        self.metrics.route_updates.inc()
-        self.cold.on_routes(self.table.routes)
-        self.adapters.on_routes(self.table.routes)
-        self.flow.on_routes(changed, removed)
-        for route in changed:
-            if route.flow.enabled:
-                self.flow_keys.add(route.key)
-            else:
-                self.flow_keys.discard(route.key)
-        self.flow_keys.difference_update(removed)
-
-    def demand_delivered(self) -> None:
-        """A demand report reached the scaler: time the activation signal of new leases."""
-        for key, seconds in self.cold.delivered():
-            self.metrics.cold_start.labels(key, "activation_signal").observe(seconds)
-
-    @property
-    def models_body(self) -> bytes:
-        return self._models_body
-
-    def models_body_for(self, scope: Scope) -> bytes:
-        """`/v1/models` as a key with this scope sees it: only the models it may use."""
-        if scope.models is None:
-            return self._models_body
-        body = self._scoped_bodies.get(scope)
-        if body is None:
-            if len(self._scoped_bodies) >= 256:  # scopes of keys since rotated away
-                self._scoped_bodies.clear()
-            listing = self.table.listing(lambda route: in_scope(scope, route))
-            body = self._scoped_bodies[scope] = json.dumps({"object": "list", "data": listing}).encode()
-        return body
-
-    def queue_view(self) -> dict[str, Any]:
-        """The `/wakegate/queue` JSON view: demand as this gateway sees it."""
-        cold = self.held()
-        busy = {k for k, v in self.in_flight.items() if v} | set(self.native_in_flight)
-        keys = sorted(set(cold) | busy | set(self.table.routes))
-        return {
-            "models": [
-                {
-                    "model": key,
-                    "queued": cold.get(key, (0, 0, 0))[0],
-                    "leases": cold.get(key, (0, 0, 0))[1],
-                    "in_flight": self.in_flight.get(key, 0) + self.native_in_flight.get(key, 0),
-                    "ready_endpoints": len(self.table.routes[key].endpoints) if key in self.table.routes else 0,
-                }
-                for key in keys
-            ]
-        }
-
-    def status_body_for(self, scope: Scope) -> bytes:
-        """`GET /wakegate/status` as a key with this scope sees it: per model its names, whether
-        it has ready endpoints, and what this gateway holds and routes for it (a federation's
-        global gateway reads it to pick a member)."""
-        cold = self.held()
-        models = [
-            {
-                "model": route.names[0] if route.names else key,
-                "names": list(route.names),
-                "ready_endpoints": len(route.endpoints),
-                "queued": cold.get(key, (0, 0, 0))[0],
-                "in_flight": self.in_flight.get(key, 0) + self.native_in_flight.get(key, 0),
-                "max_queue": route.cold.max_queue,
-            }
-            for key, route in sorted(self.table.routes.items())
-            if in_scope(scope, route)
-        ]
-        return json.dumps({"synced": self.synced, "models": models}).encode()
-
-    def routed(self, key: str, endpoint: str | None, adapter: str | None = None) -> None:
-        count = self.in_flight[key] = self.in_flight.get(key, 0) + 1
-        if adapter is not None and endpoint is not None:
-            # Every use of an on-demand adapter reaches `up` soon (coalesced): it must not be unloaded now.
-            self.adapters.started(key, adapter, endpoint)
-            self.on_load_change()
-        elif count == 1:
-            self.on_load_change()  # a model going from idle to busy: the scaler's idle timer
-        self.metrics.in_flight.labels(key).inc()
-        self.metrics.requests.labels(key, "routed", "").inc()
-        if endpoint is not None:
-            self.picker.inflight.acquire(endpoint)
-
-    def finished(self, key: str, endpoint: str | None, adapter: str | None = None) -> None:
-        self.in_flight[key] -= 1
-        if adapter is not None and endpoint is not None:
-            self.adapters.ended(key, adapter, endpoint)
-            self.on_load_change()
-        if not self.in_flight[key]:
-            del self.in_flight[key]
-            self.on_load_change()
-        self.metrics.in_flight.labels(key).dec()
-        if endpoint is not None:
-            self.picker.inflight.release(endpoint)
-        self.flow.kick(key)  # room for a request held by flow control
-
-
-def in_scope(scope: Scope, route: routing_pb2.ModelRoute) -> bool:
-    """Whether a key with this scope may use the model of `route` (by its key or its own name)."""
-    return scope.allows(route.key, route.names[0] if route.names else route.key)
-
-
-def _headers(message: ep.HttpHeaders) -> dict[str, str]:
-    return {
-        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
-    }
-
-
-class _Exchange:
-    """Per-request state between the headers and body phases."""
-
-    __slots__ = (
-        "adapter",
-        "band",
-        "endpoint",
-        "headers",
-        "headers_only",
-        "model_key",
-        "model_name",
-        "new_body",
-        "new_path",
-        "scope",
-        "started",
-        "tenant",
-        "usage",
-        "wants_body",
-    )
-
-    def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
-        self.model_name: str | None = None
-        self.new_path: str | None = None
-        #: The request has no body (its headers ended the stream).
-        self.headers_only = False
-        #: A LoRAAdapter named in the headers: the body is read to tell the engine which one.
-        self.wants_body: str | None = None
-        #: The body re-encoded with the name its backend knows (None: forwarded unchanged).
-        self.new_body: bytes | None = None
-        self.endpoint: str | None = None
-        #: The on-demand LoRA adapter the request was routed with (its use is counted per endpoint).
-        self.adapter: str | None = None
-        self.model_key: str | None = None
-        #: The models the request's API key may use.
-        self.scope: Scope = ALL_MODELS
-        self.started = time.monotonic()
-        #: Flow control: who the request is fair-shared as, and its band's rank (0 highest).
-        self.tenant = ""
-        self.band = 0
-        #: A tenant with a token budget: what its response says it used, read as it streams past.
-        self.usage: Usage | None = None
-
-
-@dataclass(slots=True)
-class _Cold:
-    """The request must wait for its model: what to resume with once it is ready."""
-
-    resolved: Resolved
-    parsed: dict[str, Any] | None
-    raw_body: bytes | None
-    in_body: bool
-    #: The model is ready but no endpoint holds the request's adapter: wait for a load (on this
-    #: endpoint, for random placement; anywhere when empty).
-    for_adapter: bool = False
-    wanted: str = ""
-    #: The model is saturated: the request waits in flow control's queues.
-    ticket: Ticket | None = None
-
-    def timeout_s(self) -> float:
-        """How long the request may wait (the cold activation timeout, or the flow queue's)."""
-        route = self.resolved.route
-        if self.ticket is not None:
-            return route.flow.queue_timeout_ms / 1000
-        return route.cold.activation_timeout_ms / 1000
-
-
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
-
-
-#: What a request still held when extproc stops gets: the gateway's retriable 503, marked as having
-#: reached no model server (the same words as Envoy's own reply when no extproc answers).
-_STOPPING = immediate(
-    503,
-    error_body(503, "gateway_unavailable", "the gateway is starting or restarting a component; retry shortly"),
-    extra_headers=[("retry-after", "1"), (UNSERVED_HEADER, "1")],
-    details="wakegate_gateway_unavailable",
-)
 
 
 class Processor:
@@ -407,7 +97,7 @@ class Processor:
     def call(self, call: Call) -> ProcessCall:
         return ProcessCall(self, call)
 
-    def decide(self, exchange: _Exchange, message: ep.ProcessingRequest) -> ep.ProcessingResponse | _Cold:
+    def decide(self, exchange: Exchange, message: ep.ProcessingRequest) -> ep.ProcessingResponse | Cold:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             exchange.started = time.monotonic()
@@ -424,7 +114,7 @@ class Processor:
 
     # -- phases ---------------------------------------------------------------------------------
 
-    def _on_response_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
+    def _on_response_body(self, ex: Exchange, message: ep.HttpBody) -> ep.ProcessingResponse:
         """A budgeted request's response streams past: its last chunk says what it used, which goes
         to Envoy's access log (and from there to every extproc's book) as dynamic metadata."""
         usage = ex.usage
@@ -442,8 +132,8 @@ class Processor:
             self.gw.used_tokens(usage.tenant, usage.tokens())
         return ep.ProcessingResponse(response_body=ep.BodyResponse(), dynamic_metadata=metadata)
 
-    def _on_headers(self, ex: _Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse | _Cold:
-        headers = _headers(message)
+    def _on_headers(self, ex: Exchange, message: ep.HttpHeaders) -> ep.ProcessingResponse | Cold:
+        headers = headers_of(message)
         ex.headers = headers
         path = headers.get(":path", "")
         get = headers.get(":method") == "GET"
@@ -501,9 +191,9 @@ class Processor:
                 return self._reject(
                     None, 413, "body_too_large", f"request body exceeds {self.gw.settings.max_body_bytes} bytes"
                 )
-        return _BUFFER_BODY_COUNTED if scope.tokens_per_minute else _BUFFER_BODY
+        return BUFFER_BODY_COUNTED if scope.tokens_per_minute else BUFFER_BODY
 
-    def _on_body(self, ex: _Exchange, message: ep.HttpBody) -> ep.ProcessingResponse | _Cold:
+    def _on_body(self, ex: Exchange, message: ep.HttpBody) -> ep.ProcessingResponse | Cold:
         if ex.model_name is not None:
             return _CONTINUE_BODY  # routed from headers; Envoy should not have sent it
         body = message.body
@@ -542,8 +232,8 @@ class Processor:
     # -- decisions ------------------------------------------------------------------------------
 
     def _decide(
-        self, ex: _Exchange, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
-    ) -> ep.ProcessingResponse | _Cold:
+        self, ex: Exchange, parsed: dict[str, Any] | None, raw_body: bytes | None, *, in_body: bool
+    ) -> ep.ProcessingResponse | Cold:
         assert ex.model_name is not None
         resolved = self.gw.table.resolve(ex.model_name)
         if resolved is None:
@@ -572,7 +262,7 @@ class Processor:
             # An adapter named in the headers: the engine is told which one in the body.
             ex.wants_body = ex.model_name
             ex.model_name = None
-            return _BUFFER_BODY
+            return BUFFER_BODY
         flow = route.key in self.gw.flow_keys  # a set lookup: a proto submessage costs ~0.4 µs
         if flow:
             refused = self._identify(ex, route)
@@ -607,7 +297,7 @@ class Processor:
                 except Shed as exc:
                     return self._shed(route, exc, ex)
                 if ticket is not None:
-                    return _Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
+                    return Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
             if lora is None:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
@@ -615,7 +305,7 @@ class Processor:
                 self.gw.metrics.adapter_requests.labels(route.key, "direct").inc()
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body, place=place)
             # No endpoint holds the adapter: held (whatever the cold mode) while `up` loads it.
-            return _Cold(resolved, parsed, raw_body, in_body, for_adapter=True, wanted=place.wanted)
+            return Cold(resolved, parsed, raw_body, in_body, for_adapter=True, wanted=place.wanted)
         # Cold: demand is registered before anything that can wait or refuse.
         self.gw.cold.demand(route)
         mode = route.cold.mode
@@ -630,9 +320,9 @@ class Processor:
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
-        return _Cold(resolved, parsed, raw_body, in_body)
+        return Cold(resolved, parsed, raw_body, in_body)
 
-    def _identify(self, ex: _Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
+    def _identify(self, ex: Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
         """Who a request of a flow-controlled model is fair-shared as, and its band; a refusal when
         its headers ask for something unknown."""
         tenant = ex.scope.tenant
@@ -653,13 +343,13 @@ class Processor:
         ex.band = band
         return None
 
-    def _shed(self, route: routing_pb2.ModelRoute, exc: Shed, ex: _Exchange) -> ep.ProcessingResponse:
+    def _shed(self, route: routing_pb2.ModelRoute, exc: Shed, ex: Exchange) -> ep.ProcessingResponse:
         """Flow control's refusal: 429 over the tenant's share, 503 when the model cannot take it."""
         self.gw.metrics.flow_shed.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band], exc.code).inc()
         retry = self.gw.settings.flow_retry_after if exc.status == 429 else self.gw.settings.cold_retry_after
         return self._reject(route.key, exc.status, exc.code, str(exc), retry_after=str(retry))
 
-    async def _admitted(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+    async def _admitted(self, ex: Exchange, cold: Cold, deadline: float) -> ep.ProcessingResponse:
         """A request held by flow control: once dispatched, routed as usual."""
         route = cold.resolved.route
         assert cold.ticket is not None
@@ -672,13 +362,13 @@ class Processor:
         resolved = self.gw.table.resolve(ex.model_name or "")
         if resolved is None or not in_scope(ex.scope, resolved.route):
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
-        held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body)
+        held = Cold(resolved, cold.parsed, cold.raw_body, cold.in_body)
         if not resolved.route.endpoints or adapter_route(resolved.route, resolved.adapter) is not None:
             # Cold again, or an adapter to place: the usual path, from the top.
             return await self.hold(ex, held, time.monotonic() + held.timeout_s())
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body)
 
-    async def hold(self, ex: _Exchange, cold: _Cold, deadline: float) -> ep.ProcessingResponse:
+    async def hold(self, ex: Exchange, cold: Cold, deadline: float) -> ep.ProcessingResponse:
         if cold.ticket is not None:
             return await self._admitted(ex, cold, deadline)
         route = cold.resolved.route
@@ -717,7 +407,7 @@ class Processor:
         if resolved is None or not in_scope(ex.scope, resolved.route):
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         if not resolved.route.endpoints:  # ready and gone again within one push: hold once more
-            return await self.hold(ex, _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
+            return await self.hold(ex, Cold(resolved, cold.parsed, cold.raw_body, cold.in_body), deadline)
         if not cold.for_adapter:
             waited = self.gw.cold.flushed(resolved.route.key)
             if waited is not None:
@@ -726,7 +416,7 @@ class Processor:
         if lora is not None and place is None:
             place = placement(resolved.route, lora, self.gw.adapters.draw)
             if not place.endpoints:  # woken without it: wait for its load
-                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, for_adapter=True, wanted=place.wanted)
+                held = Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, for_adapter=True, wanted=place.wanted)
                 return await self.hold(ex, held, deadline)
         if place is not None:
             self.gw.metrics.adapter_requests.labels(resolved.route.key, "waited").inc()
@@ -742,7 +432,7 @@ class Processor:
             except Shed as exc:
                 return self._shed(resolved.route, exc, ex)
             if ticket is not None:
-                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
+                held = Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
                 return await self._admitted(ex, held, time.monotonic() + held.timeout_s())
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
@@ -757,7 +447,7 @@ class Processor:
 
     def _mutations(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         resolved: Resolved,
         parsed: dict[str, Any] | None,
         raw_body: bytes | None,
@@ -788,7 +478,7 @@ class Processor:
 
     def _forward(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         resolved: Resolved,
         parsed: dict[str, Any] | None,
         raw_body: bytes | None,
@@ -849,7 +539,7 @@ class Processor:
         )
 
     def _to_activator(
-        self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any], raw_body: bytes | None, *, in_body: bool
+        self, ex: Exchange, resolved: Resolved, parsed: dict[str, Any], raw_body: bytes | None, *, in_body: bool
     ) -> ep.ProcessingResponse:
         extra = [header(ACTIVATOR_MODEL_HEADER, resolved.route.key)]
         common = self._mutations(ex, resolved, parsed, raw_body, ACTIVATOR_CLUSTER, extra)
@@ -858,7 +548,7 @@ class Processor:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), mode_override=_NO_BODY)
 
-    def release(self, ex: _Exchange) -> None:
+    def release(self, ex: Exchange) -> None:
         """The request is over: release its in-flight count (once)."""
         usage, ex.usage = ex.usage, None
         if usage is not None:  # cut before its end: what it streamed so far
@@ -892,115 +582,3 @@ class Processor:
     ) -> ep.ProcessingResponse:
         self.gw.metrics.requests.labels(model_key or "", status, reason).inc()
         return response
-
-
-class ProcessCall:
-    """One ext_proc stream. Answers on the event loop thread; only a held request gets a task.
-
-    Envoy sends one message per phase and waits for its answer, so at most one message is
-    decided at a time; one arriving while a cold request is held waits behind it. The stream
-    ends with Envoy's half-close (answered with status OK) or a reset; if a request is still
-    held then, its client went away and it leaves the queue. Either way the request's
-    in-flight count is released once.
-    """
-
-    __slots__ = ("_backlog", "_call", "_exchange", "_held", "_proc")
-
-    def __init__(self, proc: Processor, call: Call) -> None:
-        self._proc = proc
-        self._call = call
-        self._exchange = _Exchange()
-        self._held: asyncio.Task[None] | None = None
-        self._backlog: list[bytes] = []
-
-    def on_message(self, data: bytes) -> None:
-        if self._held is not None:
-            self._backlog.append(data)
-            return
-        self._handle(data)
-
-    def on_half_close(self) -> None:
-        # Envoy half-closes when it is done with the request; if a message is still held,
-        # nobody waits for its answer any more (the client went away): as for a reset.
-        self.on_cancel()
-        self._call.finish()
-
-    def on_cancel(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.cancel()
-        self._close()
-
-    def let_go(self) -> None:
-        """Answer the held request with the retriable 503 now (extproc is stopping)."""
-        held, self._held = self._held, None
-        if held is None:
-            return
-        held.cancel()
-        self._close()
-        self._proc._done(None, _STOPPING, "503", "gateway_unavailable")
-        self._call.send(_STOPPING.SerializeToString())
-        self._call.finish()
-
-    def _answer(self, decided: ep.ProcessingResponse) -> None:
-        """Send a decision; once the request needs nothing more from us, end the stream, so
-        that Envoy carries the rest of the request without this process."""
-        self._call.send(decided.SerializeToString())
-        ex = self._exchange
-        if (
-            decided is not _BUFFER_BODY
-            and decided is not _BUFFER_BODY_COUNTED
-            and ex.model_key is None
-            and ex.usage is None
-            and self._proc.gw.completions is not None
-        ):
-            self._call.finish()
-
-    def _handle(self, data: bytes) -> None:
-        try:
-            message = ep.ProcessingRequest.FromString(data)
-        except DecodeError:
-            self._close()
-            self._call.finish(INVALID_ARGUMENT, "not an ext_proc ProcessingRequest")
-            return
-        try:
-            decided = self._proc.decide(self._exchange, message)
-        except Exception as exc:
-            decided = self._proc.failed(exc)
-        if isinstance(decided, _Cold):
-            timeout_s = decided.timeout_s()
-            flow = decided.resolved.route.flow
-            # A cold request of a flow-controlled model may wait for its turn once the model is ready.
-            longest = timeout_s + (flow.queue_timeout_ms / 1000 if decided.ticket is None and flow.enabled else 0)
-            # Tell Envoy this message may take up to the activation (or queue) timeout.
-            self._call.send(
-                ep.ProcessingResponse(
-                    override_message_timeout=duration_pb2.Duration(seconds=int(longest) + 1)
-                ).SerializeToString()
-            )
-            self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))
-            self._proc.holding.add(self)
-            return
-        self._answer(decided)
-
-    async def _hold(self, cold: _Cold, deadline: float) -> None:
-        try:
-            decided = await self._proc.hold(self._exchange, cold, deadline)
-        except asyncio.CancelledError:
-            return  # on_cancel already released the request
-        except Exception:
-            log.exception("holding a cold request failed")
-            self._held = None
-            self._close()
-            self._call.finish(INTERNAL, "internal error")
-            return
-        self._held = None
-        self._proc.holding.discard(self)
-        self._answer(decided)
-        while self._backlog and self._held is None and not self._call.finished:
-            self._handle(self._backlog.pop(0))
-
-    def _close(self) -> None:
-        self._proc.holding.discard(self)
-        self._backlog.clear()
-        self._proc.release(self._exchange)

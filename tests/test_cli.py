@@ -52,7 +52,7 @@ def test_the_operators_help_names_every_kind_it_watches() -> None:
 
     from wakegate.control import crd
     from wakegate.control.k8s import names
-    from wakegate.control.operator.controller import register
+    from wakegate.control.operator.watches import register
 
     registry = kopf.OperatorRegistry()
     register(registry, None)  # type: ignore[arg-type]

@@ -12,7 +12,8 @@ from tests.support import REPO_ROOT
 from tests.support.http import get_json, request
 from tests.support.required import missing
 from tests.support.up import UpProcess
-from wakegate.control.schema import Model, parse_models
+from wakegate.control.manifests import parse_models
+from wakegate.control.schema import Model
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from wakegate.control.delivery_schema import ModelCache
 from wakegate.control.k8s import names
-from wakegate.control.schema import Model, ModelCache
+from wakegate.control.schema import Model
 
 
 class EntryPhase(StrEnum):

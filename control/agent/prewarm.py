@@ -42,11 +42,12 @@ from wakegate.control.delivery.cache import Cache
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.progress import Phase, Progress
 from wakegate.control.delivery.resolver import Access, Resolved, resolve
+from wakegate.control.delivery_schema import ModelCache
 from wakegate.control.k8s import names
 from wakegate.control.k8s.client import Kube, KubeError, path
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
 from wakegate.control.k8s.watch import ListWatch
-from wakegate.control.schema import Model, ModelCache
+from wakegate.control.schema import Model
 
 log = logging.getLogger("wakegate.agent")
 

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from wakegate.control.admin import host_port
 from wakegate.control.extender.server import DEFAULT_MAX_BODY, make_app
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.placement.benchdata import DEFAULT_CONFIGMAP
 from wakegate.control.placement.rules import Weights
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.extender")
 

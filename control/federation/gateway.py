@@ -52,8 +52,10 @@ from wakegate.control.federation_schema import FederatedModel, Federation, Retry
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, UpstreamTls
-from wakegate.control.up.children import Child, CrashLoop, Supervised
+from wakegate.control.feeder.routed import RoutedModel, UpstreamTls
+from wakegate.control.feeder.settings import GatewaySettings
+from wakegate.control.local import gateway as local_gateway
+from wakegate.control.local.children import Child, CrashLoop, Supervised
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.v1 import demand_pb2_grpc
 
@@ -393,7 +395,8 @@ class GlobalGateway:
         self.extproc_admins = admins
         self.envoy_admin = self.state_dir / "run" / "envoy-admin.sock"
         self.envoy_admin.parent.mkdir(parents=True, exist_ok=True)
-        rendered = bootstrap.render(
+        envoy = local_gateway.envoy(
+            self.state_dir,
             self.node_id,
             bootstrap.GatewayPorts(
                 envoy_admin=0,
@@ -404,22 +407,12 @@ class GlobalGateway:
                 activator_standby=activators[1],
                 admin_socket=str(self.envoy_admin),
             ),
-            bootstrap.TokenRef(file=str(self.token.file)),
+            self.token.file,
+            self.envoy_admin,
         )
-        config = self.state_dir / "envoy.yaml"
-        config.write_text(rendered, encoding="utf-8")
-        argv = [
-            bootstrap.envoy_binary(), "-c", str(config), "--concurrency", "1", "--use-dynamic-base-id",
-            "--log-level", "warn", "--drain-time-s", "1", "--drain-strategy", "immediate",
-        ]  # fmt: skip
-
-        async def clear_socket() -> None:  # a killed Envoy leaves its admin socket behind
-            with contextlib.suppress(FileNotFoundError):
-                self.envoy_admin.unlink()
-
         self._children = [
             *(self._extproc(i, extprocs[i], admins[i], activators[i], xds_port) for i in range(2)),
-            Supervised(Child("envoy", argv, self.state_dir / "logs" / "envoy.log"), before_start=clear_socket),
+            envoy,
         ]
         for child in self._children:
             await child.start()
@@ -433,37 +426,20 @@ class GlobalGateway:
             self.failed = True
             self.stop.set()
 
-    async def _wait_ready(self, timeout: float = 60.0, standby_grace: float = 10.0) -> bool:
-        """Ready: both extprocs have their routes, /healthz answers through Envoy and extproc, and
-        Envoy's health checks see both extprocs (so the standby can take over at once); after
-        `standby_grace` seconds the active one alone is enough, as in `wakegate up`."""
-        urls = [f"http://127.0.0.1:{port}/healthz" for port in self.extproc_admins]
-        urls.append(f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz")
-        healthy = f"/stats?filter=^cluster.{contract.EXTPROC_CLUSTER}.membership_healthy$&format=json"
-        started = time.monotonic()
-        assert self._session is not None
-        envoy = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(self.envoy_admin)))
-        async with envoy:
-            while time.monotonic() < started + timeout and not self.stop.is_set():
-                if self.failed:
-                    return False
-                answering = []
-                for url in urls:
-                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as response:
-                            answering.append(response.status == 200)
-                            continue
-                    answering.append(False)
-                if answering[0] and answering[-1]:
-                    if time.monotonic() - started >= standby_grace:
-                        return True
-                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError, LookupError):
-                        async with envoy.get("http://envoy" + healthy, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                            stats = (await r.json()).get("stats", [])
-                            if all(answering) and stats and int(stats[0]["value"]) >= len(self.extproc_admins):
-                                return True
-                await asyncio.sleep(0.05)
-        return False
+    async def _wait_ready(self) -> bool:
+        """Whether the gateway serves, as `wakegate up` checks it (`local_gateway.wait_ready`)."""
+        try:
+            async with local_gateway.admin_session(None, self.envoy_admin) as envoy_admin:
+                return await local_gateway.wait_ready(
+                    (self.gateway.listen_host, self.gateway.listen_port),
+                    self.extproc_admins,
+                    envoy_admin,
+                    self.stop,
+                    self.state_dir / "logs" / "envoy.log",
+                )
+        except local_gateway.GatewayNotReady as exc:
+            log.error("%s", exc)
+            return False
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -539,7 +515,6 @@ class GlobalGateway:
             runner = await self._serve_admin()
             await self._start_children(xds_port)
             if not await self._wait_ready():
-                log.error("the global gateway did not become ready; see %s", self.state_dir / "logs")
                 return 1
             print(
                 f"wakegate federation: global gateway serving on http://{self.gateway.listen_host}:"

@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wakegate.control.admin import host_port
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.kube import proxy_path, read_federation
 from wakegate.control.federation.members import member_of
 from wakegate.control.federation.probe import ProbeFailed, TlsFiles, TlsMaterial, client_context
 from wakegate.control.federation_schema import Federation, parse_federation
 from wakegate.control.k8s.client import add_kubeconfig
-from wakegate.control.schema import ManifestError
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, log_level, settings_from, start
+from wakegate.control.manifests import ManifestError
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, log_level, settings_from, start
 
 log = logging.getLogger("wakegate.federation")
 

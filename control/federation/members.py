@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from wakegate.control.federation_schema import Cluster, FederatedModel, PlacementMode
-from wakegate.control.feeder.resources import RoutedModel, UpstreamTls
+from wakegate.control.feeder.routed import RoutedModel, UpstreamTls
 from wakegate.control.schema import API_VERSION
 
 #: Label on every Model the federation controller writes: the FederatedModel it came from.

@@ -30,18 +30,10 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.envoy_types import ENDPOINT, MODEL_ROUTE, ROUTE, WILDCARD_TYPES, pack
 from wakegate.control.feeder.h2guard import GRPC_OPTIONS, FrameBudget, GuardedServer, serve_guarded
-from wakegate.control.feeder.resources import (
-    ENDPOINT,
-    MODEL_ROUTE,
-    ROUTE,
-    WILDCARD_TYPES,
-    Resources,
-    natively_routed,
-    pack,
-    resource_digest,
-    version_of,
-)
+from wakegate.control.feeder.resources import Resources, resource_digest, version_of
+from wakegate.control.feeder.routes import natively_routed
 from wakegate.internal_token import Authenticator
 from wakegate.v1 import routing_pb2
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wakegate.control.feeder.resources import RoutedModel, routed_model
+from wakegate.control.feeder.routed import RoutedModel, routed_model
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import select
 from wakegate.control.k8s.objects import model_from_object

@@ -16,15 +16,9 @@ from collections.abc import Callable, Mapping
 
 from wakegate.control.feeder.ads import AdsServer
 from wakegate.control.feeder.cache import SnapshotCache
-from wakegate.control.feeder.resources import (
-    BuildMemo,
-    GatewayKey,
-    GatewaySettings,
-    Resources,
-    RoutedModel,
-    build,
-    for_gateway,
-)
+from wakegate.control.feeder.resources import BuildMemo, Resources, build, for_gateway
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewayKey, GatewaySettings
 
 
 class Publisher:

@@ -9,9 +9,12 @@ schema does not accept raises `pydantic.ValidationError`. Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from wakegate.control.schema import InferenceRuntime, Model, ModelCache, ModelCatalog
+from wakegate.control.delivery_schema import ModelCache, ModelCatalog
+from wakegate.control.runtime_schema import InferenceRuntime
+from wakegate.control.schema import Model
 
 _T = TypeVar("_T", Model, InferenceRuntime, ModelCache, ModelCatalog)
 
@@ -42,3 +45,8 @@ def modelcache_from_object(body: Mapping[str, Any]) -> ModelCache:
 
 def modelcatalog_from_object(body: Mapping[str, Any]) -> ModelCatalog:
     return _typed(ModelCatalog, body)
+
+
+def rfc3339_now() -> str:
+    """Now, as Kubernetes writes a time in a status (RFC 3339, UTC, whole seconds)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -12,71 +12,49 @@ base (llama.cpp pods start with the base's adapters; vLLM-style pods get them lo
 Kopf's on-event handlers keep
 no state on the objects (no annotations, no finalizers), so an unchanged world
 causes no writes at all.
+
+The handlers are registered in watches.py; the ModelCatalog, tag-pinning and LoRAAdapter parts of
+the Reconciler live in catalogs.py, pinner.py and lora_reconcile.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
-import kopf
 from pydantic import ValidationError
 
 from wakegate.control.backends import BACKENDS
-from wakegate.control.delivery import catalog as cat
-from wakegate.control.delivery.credentials import Credentials, DockerAuths, parse_docker_config
-from wakegate.control.delivery.errors import DeliveryError
-from wakegate.control.delivery.listing import list_registry
-from wakegate.control.delivery.registry import RegistryClient, RegistrySettings
+from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.k8s import names
-from wakegate.control.k8s.adapters import GATE_ADAPTERS, Selection, adapter_mount, select
+from wakegate.control.k8s.adapters import Selection, select
 from wakegate.control.k8s.client import Kube, KubeError, path
-from wakegate.control.k8s.objects import model_from_object, modelcache_from_object, modelcatalog_from_object
+from wakegate.control.k8s.objects import (
+    model_from_object,
+    modelcache_from_object,
+    rfc3339_now,
+)
 from wakegate.control.operator import pinning
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.lora_loading import RuntimeLoader, Wanted
-from wakegate.control.operator.lora_status import (
-    AdapterObserved,
-    adapter_status,
-    gate_open,
-    ready_pods,
-    started_with,
-)
+from wakegate.control.operator.catalogs import CatalogReconcile
+from wakegate.control.operator.keys import ADAPTER_KEY, CACHE_KEY, CATALOG_KEY
+from wakegate.control.operator.lora_loading import RuntimeLoader
+from wakegate.control.operator.lora_reconcile import LoraReconcile
 from wakegate.control.operator.metrics import OperatorMetrics
+from wakegate.control.operator.pinner import TagPinner
 from wakegate.control.operator.status import Observed, compute, failed_pods, routing_path_status, swap_holder
 from wakegate.control.operator.weights import cache_summary, weights_for
-from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model
+from wakegate.control.runtime_schema import InferenceRuntime
+from wakegate.control.schema import LoRAAdapter, Model
 
 log = logging.getLogger("wakegate.operator")
 
 SCALEDOBJECT_CRD = "scaledobjects.keda.sh"
 BACKEND_LABELS = {names.LABEL_COMPONENT: "model-backend", names.LABEL_MANAGED_BY: names.MANAGED_BY}
-#: Queue keys of ModelCaches (their summary status) carry this prefix; Model keys carry none.
-CACHE_KEY = "ModelCache:"
-#: Queue keys of ModelCatalogs (a listing of their registry) carry this prefix.
-CATALOG_KEY = "ModelCatalog:"
-#: Queue keys of LoRAAdapters (their status) carry this prefix.
-ADAPTER_KEY = "LoRAAdapter:"
-#: Seconds before a base whose engine refused an adapter load is tried again.
-ADAPTER_RETRY = 10.0
-#: Docker config key of a `kubernetes.io/dockerconfigjson` Secret.
-DOCKER_CONFIG_KEY = ".dockerconfigjson"
-#: The longest the catalog timer sleeps between looks (a new catalog wakes it at once).
-CATALOG_TICK = 30.0
-#: Seconds before a Model whose oci:// tag could not be resolved is tried again.
-PIN_RETRY = 30.0
-
-
-def _rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _replicas_owned_elsewhere(deployment: Mapping[str, Any]) -> bool:
@@ -89,7 +67,7 @@ def _replicas_owned_elsewhere(deployment: Mapping[str, Any]) -> bool:
     return False
 
 
-class Reconciler:
+class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
     def __init__(self, kube: Kube, settings: rnd.Settings, workers: int = 4) -> None:
         self.kube = kube
         self.settings = settings
@@ -145,23 +123,6 @@ class Reconciler:
 
     async def run(self) -> None:
         await asyncio.gather(self._catalog_timer(), *(self._worker() for _ in range(self.workers)))
-
-    async def _catalog_timer(self) -> None:
-        """Queue every ModelCatalog whose refresh is due, then sleep until the next one is."""
-        while True:
-            self._catalog_wake.clear()
-            delays = [CATALOG_TICK]
-            for key, body in list(self.catalogs.items()):
-                if key in self._listing:
-                    continue
-                delay = catalog_delay(body, time.time())
-                if delay <= 0:
-                    self._listing.add(key)
-                    self.poke(CATALOG_KEY + key)
-                else:
-                    delays.append(delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._catalog_wake.wait(), timeout=min(delays))
 
     async def _worker(self) -> None:
         while True:
@@ -320,7 +281,7 @@ class Reconciler:
             weights=weights,
         )
         previous = body.get("status") or {}
-        status = compute(observed, previous, _rfc3339())
+        status = compute(observed, previous, rfc3339_now())
         status[pinning.STATUS_FIELD] = pinned or self._kept_pin(key, body)
         if model is not None:
             served = model.with_adapters(adapters) if adapters else model
@@ -336,66 +297,6 @@ class Reconciler:
         self._poke_adapters_of(key)
 
     # -- oci:// tags pinned to digests ------------------------------------------------------------
-
-    async def _pin(self, key: str, body: Mapping[str, Any], model: Model) -> str | None:
-        """The Model's source pinned to a digest (`pinning`) when it names an oci:// tag: the pin
-        already made for this `spec.source`, else the digest the registry gives for the tag now
-        (with the Model's and runtime's imagePullSecrets). A registry that cannot answer is a
-        render error with its reason, and the registry is asked again only `PIN_RETRY` seconds
-        later (however many events come meanwhile); nothing is rendered from the tag until then."""
-        source = model.spec.source
-        tag = pinning.tag_source(source)
-        if source is None or tag is None:
-            return None
-        uid = body["metadata"].get("uid")
-        kept = self._pins.get(key)
-        if kept is not None and kept[:2] == (uid, source):
-            return kept[2]
-        failed = self._pin_failures.get(key)
-        if failed is not None and failed[:2] == (uid, source) and time.monotonic() < failed[2]:
-            raise failed[3]
-        pinned = pinning.recorded(source, body.get("status"))
-        if pinned is None:
-            refs = list(model.spec.imagePullSecrets)
-            with contextlib.suppress(rnd.RenderError):  # the runtime's too, when there is one
-                refs += rnd.select_runtime(model, self.runtimes.values()).spec.imagePullSecrets
-            auths = await self._registry_auths_of(body["metadata"]["namespace"], [ref.name for ref in refs])
-            try:
-                async with RegistryClient(tag.registry, self.registry_settings, auths) as client:
-                    digest, _, _ = await client.manifest(tag.repository, tag.reference)
-            except DeliveryError as exc:
-                error = rnd.RenderError(exc.reason, f"cannot resolve {source} to a digest: {exc}")
-                self._pin_failures[key] = (uid, source, time.monotonic() + PIN_RETRY, error)
-                asyncio.get_running_loop().call_later(PIN_RETRY, self.poke, key)
-                raise error from None
-            pinned = str(tag.at(digest))
-            log.info("Model %s: %s pinned to %s", key, source, digest)
-        self._pin_failures.pop(key, None)
-        self._pins[key] = (uid, source, pinned)
-        return pinned
-
-    def _kept_pin(self, key: str, body: Mapping[str, Any]) -> str | None:
-        """The pin status keeps while the Model cannot be rendered: the one of its current source."""
-        source = (body.get("spec") or {}).get("source")
-        kept = self._pins.get(key)
-        if kept is not None and kept[:2] == (body["metadata"].get("uid"), source):
-            return kept[2]
-        return pinning.recorded(source, body.get("status")) if isinstance(source, str) else None
-
-    async def _registry_auths_of(self, namespace: str, secrets: list[str]) -> DockerAuths:
-        """Registry credentials from the named dockerconfigjson Secrets, the first naming a host
-        winning (as the kubelet tries them); one that cannot be read is skipped with a warning that
-        names it (the pull is then anonymous for its registries, as the kubelet's would be)."""
-        by_host: dict[str, Credentials] = {}
-        for name in dict.fromkeys(secrets):
-            try:
-                auths = await self._registry_auths(namespace, name)
-            except ValueError as exc:
-                log.warning("imagePullSecret skipped: %s", exc)
-                continue
-            for host, credentials in auths.by_host.items():
-                by_host.setdefault(host, credentials)
-        return DockerAuths(by_host)
 
     # -- LoRA adapters ----------------------------------------------------------------------------
 
@@ -414,87 +315,6 @@ class Reconciler:
                 except ValidationError:
                     bases[base] = None
         return select(bases, bodies.values())
-
-    def _poke_adapters_of(self, model_key: str) -> None:
-        namespace, _, name = model_key.partition("/")
-        for adapter_name, adapter in self.adapters.get(namespace, {}).items():
-            if (adapter.get("spec") or {}).get("baseModel") == name:
-                self.poke(ADAPTER_KEY + names.model_key(namespace, adapter_name))
-
-    async def _load_adapters(self, key: str, model: Model, adapters: tuple[LoRAAdapter, ...]) -> None:
-        """Load a run-time-loading base's adapters into the pods whose engine answers (and unload
-        removed ones), then open those pods' readiness gate: a pod is routed only once its
-        adapters are in (a refused load is retried, the base serves on without it)."""
-        namespace = key.partition("/")[0]
-        pods = list(self.pods.get(key, {}).values())
-        wanted = [Wanted(a.name, a.served_name, adapter_mount(a, model.spec.backend).argument) for a in adapters]
-        engines = ready_pods(pods, "ContainersReady")
-        await self.lora_loader.sync(key, pods, wanted, engines)
-        if any(f"{namespace}/{a.name}" in self.lora_loader.failures for a in adapters):
-            asyncio.get_running_loop().call_later(ADAPTER_RETRY, self.poke, key)
-        synced = self.lora_loader.synced(key)
-        for pod in pods:
-            gates = (pod.get("spec") or {}).get("readinessGates") or []
-            gated = any(g.get("conditionType") == GATE_ADAPTERS for g in gates)
-            up = pod["metadata"]["name"] in synced
-            if gated and up != gate_open(pod, GATE_ADAPTERS):
-                await self._set_gate(pod, up)
-
-    async def _set_gate(self, pod: Mapping[str, Any], loaded: bool) -> None:
-        """The pod condition of the adapters' readiness gate (server-side apply: only that entry)."""
-        meta = pod["metadata"]
-        condition = {"type": GATE_ADAPTERS, "status": "True" if loaded else "False", "lastTransitionTime": _rfc3339(),
-                     "reason": "AdaptersLoaded" if loaded else "EngineNotReady"}
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-                "status": {"conditions": [condition]}}
-        try:
-            await asyncio.to_thread(self.kube.apply_status, body, names.FIELD_MANAGER)
-        except KubeError as exc:
-            if exc.status != 404:
-                raise
-
-    async def _reconcile_adapter(self, key: str) -> None:
-        """A LoRAAdapter's status: its base's pods that hold it, or why none does."""
-        namespace, _, name = key.partition("/")
-        body = self.adapters.get(namespace, {}).get(name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            self._adapter_seen.pop(key, None)
-            self._adapter_counts.pop(key, None)
-            self.lora_loader.failures.pop(key, None)
-            self.lora_loader.new_failures.pop(key, None)
-            return
-        base = str((body.get("spec") or {}).get("baseModel") or "")
-        refused = self.selection(namespace).refused.get(name)
-        pods = list(self.pods.get(names.model_key(namespace, base), {}).values())
-        holders: dict[str, str] = {}
-        at_start = False
-        if refused is None:
-            backend = BACKENDS[model_from_object(self.models[names.model_key(namespace, base)]).spec.backend]
-            at_start = bool(backend.lora_arg)
-            holders = started_with(pods, name) if at_start else self.lora_loader.holders(key)
-        previous = body.get("status") or {}
-        seen = self._adapter_seen.setdefault(key, set(previous.get("replicas") or []))
-        counts = self._adapter_counts.setdefault(
-            key, [int(previous.get("loads", 0) or 0), int(previous.get("failures", 0) or 0)]
-        )
-        counts[0] += len(set(holders) - seen)
-        counts[1] += self.lora_loader.take_failures(key)
-        seen.update(holders)
-        observed = AdapterObserved(
-            generation=int(body["metadata"].get("generation", 0)),
-            base=base,
-            refused=refused,
-            holders=holders,
-            ready_replicas=len(ready_pods(pods)),
-            loads=counts[0],
-            failures=counts[1],
-            failure=self.lora_loader.failures.get(key),
-            at_start=at_start,
-        )
-        status = adapter_status(observed, previous, _rfc3339())
-        if any(previous.get(k) != v for k, v in status.items()):
-            await self._patch_status("LoRAAdapter", body, status, status,
-                                     lambda: self.adapters.get(namespace, {}).get(name))
 
     async def _patch_status(self, kind: str, body: Mapping[str, Any], patch: Mapping[str, Any],
                             whole: Mapping[str, Any], current: Callable[[], dict[str, Any] | None]) -> None:
@@ -548,51 +368,11 @@ class Reconciler:
             modelcache_from_object(body)
         except ValidationError as exc:
             invalid = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        summary = cache_summary(body, previous, _rfc3339(), invalid)
+        summary = cache_summary(body, previous, rfc3339_now(), invalid)
         if all(previous.get(k) == v for k, v in summary.items()):
             return
         await self._patch_status("ModelCache", body, summary, {**previous, **summary},
                                  lambda: self.caches.get(namespace, {}).get(name))
-
-    async def _refresh_catalog(self, key: str) -> None:
-        """List a ModelCatalog's registry and write what it found (or why it could not) to status."""
-        body = self.catalogs.get(key)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        meta = body["metadata"]
-        namespace = meta["namespace"]
-        token = (meta.get("annotations") or {}).get(cat.REFRESH_ANNOTATION)
-        try:
-            catalog = modelcatalog_from_object(body)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            result = cat.Refreshed((), (), ("InvalidSpec", problems))
-        else:
-            spec = catalog.spec
-            try:
-                auths = await self._registry_auths(namespace, spec.credentials.name if spec.credentials else None)
-            except ValueError as exc:
-                result = cat.Refreshed((), (), ("bad_credentials", str(exc)))
-            else:
-                settings = replace(self.registry_settings, plain_http=spec.plainHTTP)
-                result = await list_registry(spec.registry, spec.repositories, settings, auths)
-        previous = body.get("status") or {}
-        status = cat.catalog_status(result, previous, _rfc3339(), int(meta.get("generation", 0)), token)
-        if result.failure is not None:
-            log.warning("catalog %s: %s (%s)", key, result.failure[1], result.failure[0])
-        await self._patch_status("ModelCatalog", body, status, status, lambda: self.catalogs.get(key))
-
-    async def _registry_auths(self, namespace: str, secret: str | None) -> DockerAuths:
-        """The credentials of a registry-credential Secret (a catalog's, a Model's imagePullSecret),
-        kept in memory only (never on disk or in a log)."""
-        if secret is None:
-            return DockerAuths()
-        try:
-            body = await asyncio.to_thread(self.kube.get, path("v1", "Secret", namespace, secret))
-        except KubeError as exc:
-            why = "does not exist" if exc.status == 404 else f"cannot be read ({exc.status})"
-            raise ValueError(f"credentials Secret {namespace}/{secret} {why}") from None
-        return secret_auths(body, f"credentials Secret {namespace}/{secret}")
 
     def _prunable(self, namespace: str, api_version: str, kind: str, name: str, owner: str | None) -> bool:
         """A ModelCache is deleted only when this Model owns it (a person's may carry the same name)."""
@@ -689,35 +469,6 @@ class Reconciler:
         return swap_holder(key, running, self._started_at, self._stopped_at)
 
 
-def catalog_delay(body: Mapping[str, Any], now: float) -> float:
-    """Seconds until a ModelCatalog is listed again, from what its status says was done last."""
-    status = body.get("status") or {}
-    meta = body.get("metadata") or {}
-    refresh = int((body.get("spec") or {}).get("refreshSeconds") or 300)
-    observed = status.get("observedGeneration")
-    return cat.refresh_delay(
-        refresh, cat.parse_time(status.get("lastRefreshTime")), int(meta.get("generation", 0)),
-        int(observed) if observed is not None else None,
-        (meta.get("annotations") or {}).get(cat.REFRESH_ANNOTATION), status.get("refreshToken"), now,
-    )
-
-
-def secret_auths(body: Mapping[str, Any], where: str) -> DockerAuths:
-    """The Docker config of a `kubernetes.io/dockerconfigjson` Secret; a ValueError naming `where`
-    (never the content) when it holds none."""
-    encoded = (body.get("data") or {}).get(DOCKER_CONFIG_KEY)
-    if not encoded:
-        raise ValueError(f"{where} has no {DOCKER_CONFIG_KEY} key")
-    try:
-        text = base64.b64decode(encoded, validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        raise ValueError(f"{where}: {DOCKER_CONFIG_KEY} is not base64 text") from None
-    auths = parse_docker_config(text, where)
-    for line in auths.unsupported:
-        log.warning("registry credentials: %s", line)
-    return auths
-
-
 def _record(store: dict[str, dict[str, Any]], key: str, event_type: str | None, body: Mapping[str, Any]) -> None:
     """Keep the newest copy of an object, or forget it when it was deleted."""
     if event_type == "DELETED":
@@ -729,52 +480,3 @@ def _record(store: dict[str, dict[str, Any]], key: str, event_type: str | None, 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     """A detached copy of a Kopf body (Kopf reuses and mutates its views)."""
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in body.items()}
-
-
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
-    """Kopf handlers: record the object, enqueue the Model it belongs to. Nothing is written here."""
-
-    async def model_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_model(event.get("type"), body)
-
-    async def runtime_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_runtime(event.get("type"), body)
-
-    async def deployment_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_deployment(event.get("type"), body)
-
-    async def pod_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_pod(event.get("type"), body)
-
-    async def cache_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_cache(event.get("type"), body)
-
-    async def catalog_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_catalog(event.get("type"), body)
-
-    async def adapter_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        reconciler.on_adapter(event.get("type"), body)
-
-    async def crd_event(event: Mapping[str, Any], **_: Any) -> None:
-        reconciler.on_keda_crd(event.get("type") != "DELETED")
-
-    on_event = kopf.on.event
-    on_event(names.GROUP, names.VERSION, names.MODEL_PLURAL, registry=registry)(model_event)
-    on_event(names.GROUP, names.VERSION, names.RUNTIME_PLURAL, registry=registry)(runtime_event)
-    on_event(names.GROUP, names.VERSION, names.MODELCACHE_PLURAL, registry=registry)(cache_event)
-    on_event(names.GROUP, names.VERSION, names.MODELCATALOG_PLURAL, registry=registry)(catalog_event)
-    on_event(names.GROUP, names.VERSION, names.LORAADAPTER_PLURAL, registry=registry)(adapter_event)
-    on_event("apps", "v1", "deployments", labels=BACKEND_LABELS, registry=registry)(deployment_event)
-    on_event("", "v1", "pods", labels=BACKEND_LABELS, registry=registry)(pod_event)
-    on_event(
-        "apiextensions.k8s.io",
-        "v1",
-        "customresourcedefinitions",
-        when=lambda name, **_: name == SCALEDOBJECT_CRD,
-        registry=registry,
-    )(crd_event)
-
-
-def keda_installed(kube: Kube) -> bool:
-    crd = kube.get_or_none(path("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, SCALEDOBJECT_CRD))
-    return crd is not None

@@ -17,10 +17,11 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+
+from wakegate.control.k8s.objects import rfc3339_now
 
 log = logging.getLogger("wakegate.operator.lora")
 
@@ -122,7 +123,7 @@ class RuntimeLoader:
                         changed = True
                 for key, w in want.items():
                     if key not in held and await self._load(session, endpoint, name, key, w):
-                        held[key] = _Held(w.served_name, w.path, _rfc3339())
+                        held[key] = _Held(w.served_name, w.path, rfc3339_now())
                         changed = True
         return changed
 
@@ -164,7 +165,3 @@ async def _post(session: aiohttp.ClientSession, endpoint: str, path: str, body: 
             return resp.status, await resp.text()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return 0, f"cannot reach the engine: {exc.__class__.__name__}: {exc}"
-
-
-def _rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -24,10 +24,11 @@ from wakegate.control.k8s import kopfing, names
 from wakegate.control.k8s.client import Kube, add_kubeconfig, api_client
 from wakegate.control.k8s.lease import LeaderLease, LeaseConfig, LeaseNamespaceMissing
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.controller import Reconciler, keda_installed, register
+from wakegate.control.operator.controller import Reconciler
 from wakegate.control.operator.metrics import OperatorMetrics
+from wakegate.control.operator.watches import keda_installed, register
 from wakegate.control.runtimes import shipped_runtimes
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.operator")
 
@@ -130,7 +131,7 @@ class Settings(ProcessSettings):
             renew_seconds=args.renew_seconds,
         )
         if args.admin_listen:
-            admin.host_port(args.admin_listen, "0.0.0.0")
+            host_port(args.admin_listen, "0.0.0.0")
         return settings_from(cls, args, lease=lease)
 
 
@@ -184,7 +185,7 @@ async def _serve_admin(address: str, metrics: OperatorMetrics) -> web.AppRunner:
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "leader": metrics.leader})
 
-    host, port = admin.host_port(address, "0.0.0.0")
+    host, port = host_port(address, "0.0.0.0")
     return await admin.serve({"/metrics": scrape, "/healthz": healthz}, host, port)
 
 

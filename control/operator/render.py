@@ -31,9 +31,10 @@ from wakegate.control.k8s.adapters import (
     source_mount,
 )
 from wakegate.control.k8s.objects import model_from_object, runtime_from_object
+from wakegate.control.runtime_schema import InferenceRuntime, RuntimeProbe
 from wakegate.control.runtimes import LABEL_SHIPPED, shipped_runtimes
 from wakegate.control.scaling.core import policy_of
-from wakegate.control.schema import InferenceRuntime, LoRAAdapter, Model, RuntimeProbe, ScalingEngine
+from wakegate.control.schema import LoRAAdapter, Model, ScalingEngine
 
 if TYPE_CHECKING:
     from wakegate.control.operator.weights import Weights

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from wakegate.control.feeder.resources import GatewaySettings, routed_model, routing_path
+from wakegate.control.feeder.native import routing_path
+from wakegate.control.feeder.routed import routed_model
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.operator.render import Condition
 from wakegate.control.operator.weights import State, Weights, condition_dict
 from wakegate.control.schema import Model
@@ -288,7 +290,7 @@ def routing_path_status(
 ) -> dict[str, Any]:
     """`routingPath` (native or decided) and `routingPathReason` of a Model on a cluster.
 
-    The same verdict the feeder routes by (resources.native_blocker over the Model as the gateway
+    The same verdict the feeder routes by (native.native_blocker over the Model as the gateway
     sees it, LoRAAdapters included): its pods that are ready stand for the ready endpoints the
     feeder reads from their EndpointSlices. `model` carries its adapters (`with_adapters`);
     `admitted` is the status's; `native_allowed` is the operator's `--native-path`, as the

@@ -18,10 +18,11 @@ from enum import StrEnum
 from typing import Any
 
 from wakegate.control.delivery.progress import human_bytes
+from wakegate.control.delivery_schema import CACHED_SCHEMES
 from wakegate.control.k8s import names
 from wakegate.control.operator.pinning import same_weights, tag_of
 from wakegate.control.operator.render import Condition, owner_reference
-from wakegate.control.schema import CACHED_SCHEMES, CacheStrategy, Model
+from wakegate.control.schema import CacheStrategy, Model
 
 
 class State(StrEnum):

@@ -34,11 +34,12 @@ from wakegate.control.feeder.h2guard import GuardedServer, serve_guarded
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.control.keda.hub import Hub
 from wakegate.control.keda.service import TlsFiles, serve_external_scaler
+from wakegate.control.manifests import ManifestError, parse_models
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
-from wakegate.control.schema import ManifestError, Model, parse_models
+from wakegate.control.schema import Model
 from wakegate.internal_token import Authenticator, TokenSource
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.scaler")
@@ -104,7 +105,7 @@ class Settings(ProcessSettings):
             except (OSError, ManifestError) as exc:
                 raise ValueError(str(exc)) from None
         for address in (args.demand_listen, args.keda_listen, args.admin_listen):
-            admin.host_port(address, "0.0.0.0")
+            host_port(address, "0.0.0.0")
         return settings_from(
             cls,
             args,
@@ -144,7 +145,7 @@ class Scaler:
         async def metrics(_: web.Request) -> web.Response:
             return admin.metrics_response(self.metrics.registry)
 
-        host, port = admin.host_port(self.settings.admin_listen, "0.0.0.0")
+        host, port = host_port(self.settings.admin_listen, "0.0.0.0")
         return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
 
     async def _start_demand(self) -> GuardedServer:

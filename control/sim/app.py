@@ -1,18 +1,6 @@
 """The simulator's HTTP request handling: an OpenAI-compatible server shaped like vLLM's.
 
-Tokens, as this simulator counts them
--------------------------------------
-* A prompt token is a whitespace-separated word (``len(text.split())``). Chat
-  prompts count the words of every message's text content (string content, or
-  the ``text`` of ``{"type": "text"}`` parts); roles and the chat template are
-  free. A completions prompt given as token ids (a list of ints) counts one per id.
-* Generated text is deterministic: token ``i`` is ``WORDS[i % len(WORDS)]``,
-  joined by single spaces, so a streamed answer concatenates to exactly the
-  non-streamed one and ``completion_tokens == len(text.split())``.
-* A request generates ``max_tokens`` (or ``max_completion_tokens``; default
-  ``--max-tokens-default``) tokens and finishes with ``"length"``, unless
-  ``--eos-after-tokens N`` is set and smaller, in which case it finishes with
-  ``"stop"`` after N tokens.
+How it counts and generates tokens is text.py's; its configuration is config.py's.
 
 The request path avoids per-request work it does not need: routes are a dict
 lookup, static bodies are pre-encoded, stream chunks are byte templates with
@@ -24,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -32,100 +19,34 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_exceptions import HTTPRequestEntityTooLarge
 
+from wakegate.control.sim.config import SimConfig
+from wakegate.control.sim.errors import JSON_CT, BadRequest, Handler, error_response, refusals_answered
 from wakegate.control.sim.kvcache import BLOCK_TOKENS, ROOT, Allocation, KVCache, block_hashes, blocks_for
 from wakegate.control.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wakegate.control.sim.metrics import SimMetrics
-from wakegate.control.sim.sleep import SleepConfig, SleepMode, SleepRefused
-from wakegate.kvevents import KVEventsConfig, chat_tokens, completion_tokens
+from wakegate.control.sim.sleep import SleepMode
+from wakegate.control.sim.text import (
+    FIRST_JSON,
+    NEXT_JSON,
+    NW,
+    count_words,
+    dumps,
+    embedding_vector,
+    generated_text,
+    generated_words,
+)
+from wakegate.kvevents import chat_tokens, completion_tokens
 
 log = logging.getLogger("wakegate.sim")
 
-WORDS = (
-    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
-    "seven", "small", "robots", "hum", "softly", "under", "bright", "stars", "and",
-    "one", "old", "lighthouse", "keeps", "watch", "across", "calm", "grey", "water",
-    "until", "morning", "comes", "again",
-)  # fmt: skip
-_NW = len(WORDS)
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
-#: JSON-encoded token pieces: the first token has no leading space, later ones do.
-_FIRST_JSON = tuple(_dumps(w).encode() for w in WORDS)
-_NEXT_JSON = tuple(_dumps(" " + w).encode() for w in WORDS)
-
-JSON_CT = "application/json"
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-@lru_cache(maxsize=4096)
-def generated_text(n: int) -> str:
-    """The deterministic text of ``n`` generated tokens."""
-    return " ".join([WORDS[i % _NW] for i in range(n)])
-
-
-@lru_cache(maxsize=4096)
-def generated_words(n: int) -> tuple[str, ...]:
-    """The tokens of :func:`generated_text` ``(n)``."""
-    return tuple(WORDS[i % _NW] for i in range(n))
-
-
-def count_words(text: str) -> int:
-    return len(text.split())
-
-
-def embedding_vector(data: bytes, dim: int) -> list[float]:
-    """A deterministic unit vector of ``dim`` floats derived from ``data``."""
-    raw = hashlib.shake_128(data).digest(2 * dim)
-    vec = [x / 32767.5 - 1.0 for x in struct.unpack(f"<{dim}H", raw)]
-    norm = sum(v * v for v in vec) ** 0.5 or 1.0
-    return [v / norm for v in vec]
-
-
-@dataclass
-class SimConfig:
-    model: str
-    served_names: list[str]
-    #: LoRA adapter name -> its path (``root`` in /v1/models)
-    lora_modules: dict[str, str] = field(default_factory=dict)
-    startup_seconds: float = 0.0
-    ttft_ms: float = 0.0
-    tokens_per_second: float = 0.0
-    max_concurrency: int = 0
-    #: prompt tokens prefilled per second, one prefill at a time; 0 = prefill is free
-    prefill_tokens_per_second: float = 0.0
-    #: each running request beyond the first slows every decode step by this fraction
-    batch_slowdown: float = 0.0
-    max_tokens_default: int = 16
-    max_model_len: int = 8192
-    kv_cache_tokens: int = 32768
-    eos_after_tokens: int = 0
-    embedding_dim: int = 16
-    api_key: str | None = None
-    never_ready: bool = False
-    #: log each /v1 request's arrival (``sim timing request t=<epoch seconds>``; benchmarks)
-    log_requests: bool = False
-    #: vLLM's ``--kv-events-config``: publish the prefix cache's block events over ZMQ
-    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
-    #: vLLM's ``--enable-lora``: adapters loaded at run time (``/v1/load_lora_adapter``)
-    enable_lora: bool = False
-    #: vLLM's ``--max-loras``: adapters held at once; the sim refuses a load past it
-    max_loras: int = 1
-    #: milliseconds one adapter load takes
-    lora_load_ms: float = 0.0
-    #: vLLM's sleep mode and what it costs (control/sim/sleep.py)
-    sleep: SleepConfig = field(default_factory=SleepConfig)
-
-    @property
-    def primary(self) -> str:
-        return self.served_names[0]
 
 
 @dataclass(eq=False, slots=True)
@@ -146,40 +67,6 @@ def _output_hashes(tokens: list[str], hashes: list[bytes], generated: int) -> li
         return []
     tail = [*tokens[start:], *generated_words(generated)]
     return block_hashes(tail, hashes[-1] if hashes else ROOT)
-
-
-class BadRequest(Exception):
-    def __init__(
-        self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        #: the request field at fault, where vLLM names one
-        self.param = param
-
-
-def error_response(
-    status: int, message: str, kind: str, headers: dict[str, str] | None = None, param: str | None = None
-) -> web.Response:
-    """An OpenAI-shaped error, as vLLM returns it."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.Response(status=status, body=_dumps(body).encode(), content_type=JSON_CT, headers=headers)
-
-
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
-
-
-def _refusals_answered(handler: Handler) -> Handler:
-    """`handler` with its sleep-mode refusals answered as vLLM answers errors."""
-
-    async def answered(request: web.BaseRequest) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except SleepRefused as exc:
-            return error_response(exc.status, str(exc), "BadRequestError")
-
-    return answered
 
 
 class Sim:
@@ -229,7 +116,7 @@ class Sim:
             self.sleep = SleepMode(cfg.sleep, self._forget_cache)
             self.metrics.registry.register(self.sleep)
             for path, (methods, handler) in self.sleep.routes().items():
-                self._routes[path] = (methods, _refusals_answered(handler), False)
+                self._routes[path] = (methods, refusals_answered(handler), False)
         if cfg.enable_lora:
             self._routes["/v1/load_lora_adapter"] = (frozenset({"POST"}), self._load_lora, True)
             self._routes["/v1/unload_lora_adapter"] = (frozenset({"POST"}), self._unload_lora, True)
@@ -253,7 +140,7 @@ class Sim:
                 {"id": name, "object": "model", "created": created, "owned_by": "vllm",
                  "root": root, "parent": self.cfg.primary, "max_model_len": None}
             )  # fmt: skip
-        return _dumps({"object": "list", "data": data}).encode()
+        return dumps({"object": "list", "data": data}).encode()
 
     def _next_id(self, prefix: str) -> str:
         self._seq += 1
@@ -595,7 +482,7 @@ class Sim:
             }  # fmt: skip
         m.success[finish] += 1
         m.e2e.observe(loop.time() - start)
-        return web.Response(body=_dumps(out).encode(), content_type=JSON_CT)
+        return web.Response(body=dumps(out).encode(), content_type=JSON_CT)
 
     async def _stream(
         self,
@@ -639,7 +526,7 @@ class Sim:
             tpot = self._tpot
             due = loop.time()
             for i in range(n):
-                piece = _NEXT_JSON[i % _NW] if i else _FIRST_JSON[0]
+                piece = NEXT_JSON[i % NW] if i else FIRST_JSON[0]
                 chunk = head + piece + (last_tail if i == n - 1 else tail)
                 if i == 0:
                     chunk = first + chunk
@@ -655,7 +542,7 @@ class Sim:
                 if i == 0:
                     m.ttft.observe(loop.time() - start)
             if include_usage:
-                usage = _dumps(
+                usage = dumps(
                     {
                         "prompt_tokens": prompt_tokens,
                         "total_tokens": prompt_tokens + n,
@@ -702,7 +589,7 @@ class Sim:
                 vec = embedding_vector(item.encode(), self.cfg.embedding_dim)
             else:
                 tokens += len(item)
-                vec = embedding_vector(_dumps(item).encode(), self.cfg.embedding_dim)
+                vec = embedding_vector(dumps(item).encode(), self.cfg.embedding_dim)
             emb: list[float] | str = vec
             if fmt == "base64":
                 emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
@@ -720,4 +607,4 @@ class Sim:
             "id": self._next_id("embd"), "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         }  # fmt: skip
-        return web.Response(body=_dumps(out).encode(), content_type=JSON_CT)
+        return web.Response(body=dumps(out).encode(), content_type=JSON_CT)

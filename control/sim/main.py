@@ -30,7 +30,8 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
-from wakegate.control.sim.app import Sim, SimConfig
+from wakegate.control.sim.app import Sim
+from wakegate.control.sim.config import SimConfig
 from wakegate.control.sim.events import Publisher
 from wakegate.control.sim.sleep import SleepConfig
 from wakegate.kvevents import KVEventsConfig, parse_config

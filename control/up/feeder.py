@@ -39,13 +39,9 @@ from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.codec import FrameError, frame, from_wire, read_frame, to_wire
 from wakegate.control.feeder.publisher import Publisher
-from wakegate.control.feeder.resources import (
-    GatewaySettings,
-    Resources,
-    RoutedModel,
-    build,
-    gateway_keys,
-)
+from wakegate.control.feeder.resources import Resources, build
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings, gateway_keys
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.keyfile import RELOAD_INTERVAL, AuthConfigError, KeyFile
 from wakegate.process import graceful_exit

@@ -44,7 +44,7 @@ from wakegate import contract, promtext
 from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.demand.book import AdapterLoad
-from wakegate.control.feeder.resources import RoutedAdapter
+from wakegate.control.feeder.routed import RoutedAdapter
 from wakegate.control.schema import LoRAAdapter, Model
 from wakegate.control.up.adapters import LATENCIES_KEPT, AdapterError, AdapterLoader, AdapterSlots
 from wakegate.control.up.weights import Delivery, Weights, WeightsWatch

@@ -21,7 +21,8 @@ from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.console import old_spelling, size_argument
 from wakegate.control.delivery.resolver import Verify
-from wakegate.control.up.supervisor import Settings, Up
+from wakegate.control.up.settings import Settings
+from wakegate.control.up.supervisor import Up
 from wakegate.control.up.weights import default_flash_dir
 from wakegate.process import add_log_level, start
 

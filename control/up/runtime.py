@@ -11,6 +11,9 @@ loads) is tried again with exponential backoff within its activation's time
 (`activationTimeout` from its first attempt, less `activation_margin`). Only when that
 time is up does the activation fail: `failed_activations` grows, and the gateways answer
 the requests they held with the last attempt's reason. Until then they keep holding them.
+
+A replica's own record is in replica.py; what its engine is started with (weights, adapters,
+arguments, environment) in launch.py; the idle tiers (asleep, waking) in tiers.py.
 """
 
 from __future__ import annotations
@@ -19,11 +22,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +31,29 @@ import aiohttp
 
 from wakegate import contract
 from wakegate.control.admin import free_port
-from wakegate.control.backends import BACKENDS, LoadSignals
-from wakegate.control.backends.base import fill, kv_events_argv
+from wakegate.control.backends import BACKENDS
 from wakegate.control.delivery.cache import default_cache_dir
 from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.demand.book import AdapterLoad
-from wakegate.control.feeder.resources import RoutedModel, routed_adapters, routed_model
+from wakegate.control.feeder.routed import RoutedModel, routed_adapters, routed_model
+from wakegate.control.local.children import Child
 from wakegate.control.schema import Model
-from wakegate.control.up.children import Child
 from wakegate.control.up.engine import Engine, EngineError
-from wakegate.control.up.gpus import GpuPool, Slot, visible_devices_env
+from wakegate.control.up.gpus import GpuPool, Slot
 from wakegate.control.up.hotswap import HotSwap
-from wakegate.control.up.weights import Delivery, DeliveryConfig, Weights, WeightsWatch
+from wakegate.control.up.launch import ReplicaLaunch
+from wakegate.control.up.replica import (
+    DORMANT,
+    Activation,
+    Replica,
+    ReplicaState,
+    RuntimeSettings,
+    Tier,
+    activation_margin,
+)
+from wakegate.control.up.tiers import IdleTiers
+from wakegate.control.up.weights import Delivery, DeliveryConfig, WeightsWatch
 
 log = logging.getLogger("wakegate.up")
 
@@ -52,116 +62,7 @@ log = logging.getLogger("wakegate.up")
 ANSWER_AFTER = 0.1
 
 
-def activation_margin(timeout: float) -> float:
-    """How long before `activationTimeout` runs out an activation whose attempts all failed is
-    given up: a held request's own timeout runs from its arrival, a moment before the start
-    attempts began, and it should hear the last attempt's reason rather than a bare timeout."""
-    return min(1.0, timeout / 10)
-
-
-@dataclass
-class Activation:
-    """One replica's start attempts since it last began from nothing (or was last given up on)."""
-
-    began: float
-    deadline: float
-    #: Attempts that failed so far, and why the last one did.
-    failed: int = 0
-    last_failure: str = ""
-
-
-class ReplicaState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    RESTARTING = "restarting"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    #: The asleep tier: the process lives, the engine has let go of the model (unrouted).
-    SLEEPING = "sleeping"
-    ASLEEP = "asleep"
-    WAKING = "waking"
-
-
-#: States of a replica whose process lives but whose model is not on the accelerator (or is
-#: getting there): the tier's task drives them; the watch loop only notices the process exit.
-DORMANT = frozenset({ReplicaState.SLEEPING, ReplicaState.ASLEEP, ReplicaState.WAKING})
-
-
-class Tier(StrEnum):
-    """How far a model has idled: warm (serving), asleep (process alive, accelerator freed), zero."""
-
-    WARM = "warm"
-    ASLEEP = "asleep"
-    ZERO = "zero"
-
-
-@dataclass
-class RuntimeSettings:
-    """Knobs of the local runtime; one object per `up` process."""
-
-    #: Where backend logs go: one file per replica.
-    log_dir: Path = Path(".wakegate/logs")
-    host: str = "127.0.0.1"
-    #: Health probe period while a replica loads (short: readiness is noticed within this
-    #: long, and held requests wait for it), and once it is ready.
-    probe_interval_loading: float = 0.02
-    probe_interval_ready: float = 2.0
-    #: Restart backoff bounds after a crash.
-    restart_backoff_min: float = 1.0
-    restart_backoff_max: float = 30.0
-    #: Grace given to a backend on stop before SIGKILL; in-flight streams finish within it.
-    stop_grace: float = 30.0
-    #: Pause between taking a replica out of the routes and signalling it, so that no
-    #: request is sent to a backend that stopped listening (Envoy applies the push in ms).
-    unroute_delay: float = 0.5
-    #: Folder of engines' private state: one per model and replica slot (Ollama's model store).
-    engines_dir: Path = Path(".wakegate/engines")
-    #: Relative `file://` sources are found from here: the manifest's folder.
-    base_dir: Path | None = None
-    #: How often a ready replica's own load signals are read (for picking and draining).
-    load_interval: float = 0.5
-
-
-@dataclass
-class Replica:
-    index: int
-    port: int
-    child: Child
-    state: ReplicaState = ReplicaState.STARTING
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    restarts: int = 0
-    task: asyncio.Task[None] | None = None
-    gpu_owner: str = ""
-    #: Lowest number free among the model's replicas: names the engine's private folder, which
-    #: outlives the process (Ollama's store is reused on the next wake).
-    slot: int = 0
-    #: Cold-start timeline of the current process (monotonic seconds).
-    #: The weights were on disk (pulled, checked, staged) and the process about to start.
-    weights_at: float | None = None
-    healthy_at: float | None = None
-    #: The plugin's load steps done (Ollama: the model created in its store).
-    prepared_at: float | None = None
-    loaded_at: float | None = None
-    first_byte: float | None = None
-    #: When that first byte came (monotonic), for the timeline.
-    first_byte_at: float | None = None
-    #: The engine's own load signals, last read.
-    load: LoadSignals | None = None
-    #: The first answer asked of a new process (runs beside the first requests).
-    probe: asyncio.Task[None] | None = None
-    #: The weights the current process loads, leased until it exits.
-    weights: Weights | None = None
-    #: Its LoRAAdapters' weights (llama.cpp: all of the base's, given at start), leased likewise.
-    #: Engines that load adapters at run time get them from the model's HotSwap instead.
-    adapter_weights: list[Weights] = field(default_factory=list)
-    #: The start attempts of its current activation (None once it is ready).
-    activation: Activation | None = None
-    #: When it last went to sleep (monotonic), while it sleeps.
-    asleep_since: float | None = None
-
-
-class ModelRuntime:
+class ModelRuntime(IdleTiers, ReplicaLaunch):
     """The replicas of one model."""
 
     def __init__(
@@ -293,160 +194,6 @@ class ModelRuntime:
         return ""
 
     @property
-    def tier(self) -> Tier:
-        """zero: no process; asleep: every process sleeps; else warm (going to sleep included)."""
-        if not self.replicas:
-            return Tier.ZERO
-        if all(r.state is ReplicaState.ASLEEP for r in self.replicas):
-            return Tier.ASLEEP
-        return Tier.WARM
-
-    @property
-    def awake_count(self) -> int:
-        """Processes that hold (or are about to hold) the accelerator: live ones less the sleeping."""
-        return self.live_count - sum(1 for r in self.replicas if r.state is ReplicaState.ASLEEP)
-
-    @property
-    def asleep_count(self) -> int:
-        return sum(1 for r in self.replicas if r.state in DORMANT)
-
-    def want_asleep(self, asleep: bool, asked: float | None = None) -> None:
-        """Drive every replica to sleep (True) or awake (False); `asked` is when the demand that
-        wakes it was seen (the wake's duration counts from there)."""
-        if not asleep:
-            self.sleep_refused = ""
-            if self._wake_asked is None and self.asleep_count:
-                self._wake_asked = asked if asked is not None else time.monotonic()
-        elif self.sleep_refused:
-            return
-        self._asleep_wanted = asleep
-        idle = self._tier_task is None or self._tier_task.done()
-        moving = ReplicaState.READY if asleep else ReplicaState.ASLEEP
-        if idle and any(r.state is moving for r in self.replicas):
-            # Only when a replica has somewhere to go: a model that is already there costs no task.
-            self._tier_task = asyncio.create_task(self._drive_tier(), name=f"tier-{self.model.name}")
-
-    async def _drive_tier(self) -> None:
-        while True:
-            if self._asleep_wanted:
-                targets = [r for r in self.replicas if r.state is ReplicaState.READY]
-                if not targets or self.sleep_refused:
-                    return
-                why = self._sleep_not_allowed()
-                if why:
-                    self.sleep_refused = why
-                    log.info("sleep skipped model=%s: %s", self.model.key, why)
-                    return
-                await asyncio.gather(*(self._sleep_replica(r) for r in targets))
-            else:
-                targets = [r for r in self.replicas if r.state is ReplicaState.ASLEEP]
-                if not targets:
-                    self._wake_asked = None
-                    return
-                await asyncio.gather(*(self._wake_replica(r) for r in targets))
-
-    @property
-    def tier_units(self) -> int:
-        """Accelerators the tier counts (one per replica without any): the awake replicas' while
-        warm, the sleeping ones' while asleep, one replica's at zero."""
-        per = max(1, self.gpus_per_replica)
-        tier = self.tier
-        if tier is Tier.ZERO:
-            return per
-        if tier is Tier.ASLEEP:
-            return per * len(self.replicas)
-        return per * sum(1 for r in self.replicas if r.state is not ReplicaState.ASLEEP)
-
-    def _note_tier(self) -> None:
-        """Tell `on_tier` when the model's tier (or the accelerators it counts) changed."""
-        now = (self.tier, self.tier_units)
-        if now != self._last_tier:
-            self._last_tier = now
-            if self.on_tier is not None:
-                self.on_tier(self)
-
-    def _sleep_not_allowed(self) -> str:
-        """Why sleeping would not fit in memory now ("" when it does): level 1 keeps the weights in
-        host memory (vLLM), so that much must be available."""
-        level = self.model.spec.scaling.sleepLevel
-        if not (self.backend.sleep_holds_weights and level == 1) or self.weights is None:
-            return ""
-        size = _size_of(self.weights)
-        available = _host_memory_available()
-        if available is not None and size * len(self.replicas) > available:
-            return (f"level 1 keeps {size >> 20} MiB of weights per replica in host memory and "
-                    f"{available >> 20} MiB are available")
-        return ""
-
-    def _engine(self, replica: Replica, session: aiohttp.ClientSession) -> Engine:
-        return Engine(self.backend, session, self.settings.host, replica.port, self._values(replica), None)
-
-    async def _sleep_replica(self, replica: Replica) -> None:
-        """Unroute, drain, and ask the engine to sleep; a refusal keeps it warm (and is not retried
-        until the next demand)."""
-        replica.state = ReplicaState.SLEEPING
-        self._changed()
-        await asyncio.sleep(self.settings.unroute_delay)
-        await self._drain(replica)
-        level = self.model.spec.scaling.sleepLevel
-        started = time.monotonic()
-        async with aiohttp.ClientSession() as session:
-            try:
-                await self._engine(replica, session).sleep(level)
-            except EngineError as exc:
-                self.sleep_refused = str(exc)
-                log.warning("sleep failed model=%s replica=%d: %s", self.model.key, replica.index, exc)
-                if replica.state is ReplicaState.SLEEPING:
-                    replica.state = ReplicaState.READY
-                    self._changed()
-                return
-        if replica.state is not ReplicaState.SLEEPING:
-            return  # stopped meanwhile
-        replica.state = ReplicaState.ASLEEP
-        replica.asleep_since = time.monotonic()
-        replica.load = None
-        self.gpus.doze(replica.gpu_owner, self.backend.asleep_vram_mb)
-        log.info("replica asleep model=%s replica=%d level=%d seconds=%.3f", self.model.key, replica.index,
-                 level, replica.asleep_since - started)
-        self._changed()
-
-    async def _wake_replica(self, replica: Replica) -> None:
-        """Wake the engine and route it once it says the model is loaded; an engine that does not
-        wake is stopped (the scaler starts a new one from zero)."""
-        if not self.gpus.rouse(replica.gpu_owner):
-            log.warning("wake model=%s replica=%d: its accelerator is taken; starting it anew",
-                        self.model.key, replica.index)
-            await replica.child.stop(self.backend.term_grace)
-            return
-        replica.state = ReplicaState.WAKING
-        level = self.model.spec.scaling.sleepLevel
-        async with aiohttp.ClientSession() as session:
-            engine = self._engine(replica, session)
-            try:
-                await engine.wake(level)
-                deadline = time.monotonic() + 30.0
-                while not await engine.loaded():
-                    if time.monotonic() > deadline:
-                        raise EngineError("the model was not loaded 30s after the wake")
-                    await asyncio.sleep(self.settings.probe_interval_loading)
-            except EngineError as exc:
-                log.warning("wake failed model=%s replica=%d: %s; stopping it", self.model.key, replica.index, exc)
-                await replica.child.stop(self.backend.term_grace)
-                return
-        if replica.state is not ReplicaState.WAKING:
-            return
-        replica.state = ReplicaState.READY
-        replica.ready_at = time.monotonic()
-        replica.asleep_since = None
-        asked = self._wake_asked if self._wake_asked is not None else replica.ready_at
-        self.last_wake_from_asleep = replica.ready_at - asked
-        log.info("replica awake model=%s replica=%d level=%d seconds=%.3f", self.model.key, replica.index,
-                 level, self.last_wake_from_asleep)
-        self._changed()
-        if self.on_woken is not None:
-            self.on_woken(self, self.last_wake_from_asleep)
-
-    @property
     def replica_count(self) -> int:
         """Replicas the model is meant to have (starting, ready or restarting)."""
         return len(self.replicas)
@@ -485,123 +232,6 @@ class ModelRuntime:
             self.hotswap.close()
 
     # -- replicas ---------------------------------------------------------------------------------
-
-    def _values(self, replica: Replica) -> dict[str, str]:
-        """What the plugin's templates are filled with for one replica."""
-        state = self.settings.engines_dir / self.model.name / str(replica.slot)
-        weights = replica.weights.path if replica.weights is not None else self.weights
-        return {
-            "host": self.settings.host,
-            "port": str(replica.port),
-            # The engine gets the weights: the file (or folder) the source resolved to; without a
-            # source, the served name (a hub id vLLM fetches itself).
-            "model": str(weights) if weights is not None else self.model.served_name,
-            "served_name": self.model.served_name,
-            "state": str(state.resolve()),
-            "max_adapters": str(self.model.spec.adapters.maxAdapters),
-            "sleep_level": str(self.model.spec.scaling.sleepLevel),
-        }
-
-    def _argv(self, values: dict[str, str], adapters: Sequence[Weights] = ()) -> list[str]:
-        argv = self.backend.command(values, tuple(self.model.spec.command)) + list(self.model.spec.args)
-        if adapters and self.backend.lora_arg:
-            argv += list(self.backend.lora_start_args)
-            for weights in adapters:
-                argv += [self.backend.lora_arg, str(weights.path)]
-        elif self.model.adapters and self.backend.lora_runtime_args:
-            argv += [fill(a, values) for a in self.backend.lora_runtime_args]
-        if self.can_sleep:
-            argv += [a for a in self.backend.sleep_args if a not in argv]
-        kv = self.model.spec.routing.kvEvents
-        if kv is not None:
-            argv += kv_events_argv(self.backend, argv, int(values["port"]), kv.portOffset, kv.replayPortOffset)
-        return argv
-
-    def _env(self, values: dict[str, str], gpus: list[Slot]) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.backend.environment(values))
-        env.update(visible_devices_env(gpus))
-        if self.model.adapters:
-            env.update(self.backend.lora_runtime_env)
-        if self.can_sleep:
-            env.update(self.backend.sleep_env)
-        env.update(self.model.spec.env)
-        return env
-
-    async def _acquire_adapters(self, replica: Replica) -> None:
-        """The base's LoRAAdapters, through the cache, for an engine that loads every one at start
-        (llama.cpp), so that a first request for one never restarts the base. Engines that load
-        them at run time get them from the HotSwap, on demand."""
-        if not self.backend.lora_arg:
-            return
-        try:
-            for adapter in self.model.adapters:
-                watch = self.adapter_watches[adapter.name]
-                weights = await self.delivery.acquire_adapter(adapter, watch, base_dir=self.settings.base_dir)
-                replica.adapter_weights.append(weights)
-        except DeliveryError as exc:
-            self._release_weights(replica)
-            raise DeliveryError(f"LoRAAdapter {adapter.name}: {exc}", exc.reason) from None
-
-    def adapter_status(self) -> dict[str, dict[str, Any]]:
-        """Per LoRAAdapter: the replicas that hold it, when it was last loaded, its weights' state."""
-        ready = [r for r in self.replicas if r.state is ReplicaState.READY]
-        if self.hotswap is not None:
-            names = {f"{self.settings.host}:{r.port}": f"{self.model.name}-{r.index}" for r in ready}
-            return self.hotswap.status(names)
-        out: dict[str, dict[str, Any]] = {}
-        for adapter in self.model.adapters:
-            watch = self.adapter_watches[adapter.name]
-            loaded_at = self.adapter_loaded_at.get(adapter.name)
-            weights = watch.status()
-            holders = [] if watch.error is not None else [f"{self.model.name}-{r.index}" for r in ready]
-            out[adapter.name] = {
-                "base": self.model.name,
-                "served_name": adapter.served_name,
-                "source": adapter.spec.source,
-                "replicas": holders,
-                "loaded_replicas": len(holders),
-                "last_load": None if loaded_at is None else time.strftime(
-                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime(loaded_at)),
-                "failure": weights["error"],
-                "weights": weights,
-            }
-        return out
-
-    async def _acquire_weights(self, replica: Replica, deadline: float) -> None:
-        """`spec.source` to a local path for this start of the replica's engine, leased (relative
-        file:// from the manifest's folder; oci:// and hf:// through the cache, checked). The
-        weights must be there by the activation's `deadline` (its time less a margin), so that held
-        requests learn why before their own timeout; a pull cut short keeps its bytes for the next try."""
-        if self.model.spec.source is None:
-            return
-        timeout = float(self.model.spec.scaling.activationTimeout)
-        budget = max(0.1, deadline - time.monotonic())
-        acquire = self.delivery.acquire(
-            self.model, self.weights_watch, base_dir=self.settings.base_dir, needs_file=self.backend.needs_file,
-            folder=self.backend.loads_folder,
-        )
-        try:
-            replica.weights = await asyncio.wait_for(acquire, budget)
-        except TimeoutError:
-            error = DeliveryError(
-                f"{self.model.spec.source}: the weights were not ready within {budget:.0f}s of the "
-                f"{timeout:.0f}s activationTimeout (bytes pulled so far are kept for the next activation)",
-                "timeout",
-            )
-            self.weights_watch.failed(error)
-            raise error from None
-        self.weights = replica.weights.path
-
-    def _release_weights(self, replica: Replica) -> None:
-        if replica.weights is not None:
-            replica.weights.release()
-            replica.weights = None
-        for weights in replica.adapter_weights:
-            weights.release()
-        replica.adapter_weights.clear()
-        if self.hotswap is not None:
-            self.hotswap.forget(f"{self.settings.host}:{replica.port}")
 
     @property
     def capacity(self) -> int:
@@ -996,25 +626,3 @@ class ModelRuntime:
             self._on_change()  # new load numbers for picking; not a new backend generation
             if self.hotswap is not None:
                 self.hotswap.poke()  # holders may be saturated now
-
-
-def _size_of(path: Path) -> int:
-    """Bytes of a weight file, or of every file under a weight folder."""
-    try:
-        if path.is_file():
-            return path.stat().st_size
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    except OSError:
-        return 0
-
-
-def _host_memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from wakegate.control.demand.book import DemandBook, ModelLoad
 from wakegate.control.scaling.core import Core, Verdict
 from wakegate.control.up.predictive import Predictive
-from wakegate.control.up.runtime import DORMANT, ModelRuntime, Replica, ReplicaState
+from wakegate.control.up.replica import DORMANT, Replica, ReplicaState
+from wakegate.control.up.runtime import ModelRuntime
 
 log = logging.getLogger("wakegate.up")
 

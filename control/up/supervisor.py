@@ -3,25 +3,23 @@
 Starts, in order: the xDS feeder (in this process), extproc, Envoy, then the backend
 replicas the scaler asks for. The first SIGINT/SIGTERM drains and stops every child (Envoy
 first, so no new request is admitted); a second one exits at once. Children die with this
-process even if it is SIGKILLed. `status()` is what the admin port's /status serves.
+process even if it is SIGKILLed. `status()` (status.py) is what the admin port's /status serves;
+its settings are settings.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import socket
-import ssl
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
@@ -30,136 +28,36 @@ from aiohttp import web
 from wakegate import contract, internal_token
 from wakegate.control import admin, bootstrap
 from wakegate.control.admin import free_port
-from wakegate.control.delivery.errors import RegistryError
 from wakegate.control.delivery.progress import human_bytes
-from wakegate.control.delivery.registry import RegistrySettings, load_auths
+from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.delivery.resolver import Access, Verify
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.demand.service import DemandService
-from wakegate.control.feeder.resources import GatewaySettings, RoutedModel, routing_path
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.keda.hub import Hub as ScalerHub
 from wakegate.control.keda.service import serve_local
+from wakegate.control.local import gateway as local_gateway
+from wakegate.control.local.children import Child, CrashLoop, Supervised
 from wakegate.control.savings.metrics import TierCollector
 from wakegate.control.scaling.savings import Ledger
-from wakegate.control.schema import ManifestError, Model, parse_models
-from wakegate.control.up.children import Child, CrashLoop, Supervised
-from wakegate.control.up.engine import runnable
 from wakegate.control.up.feeder import RoutedSource, gateway_json
 from wakegate.control.up.gpus import discover
 from wakegate.control.up.metrics import UpMetrics
 from wakegate.control.up.native import NativeDemand
 from wakegate.control.up.predictive import HISTORY_FILE, Predictive
-from wakegate.control.up.runtime import ModelRuntime, ReplicaState, RuntimeSettings, Tier
+from wakegate.control.up.replica import RuntimeSettings, Tier
+from wakegate.control.up.runtime import ModelRuntime
 from wakegate.control.up.scaler import LocalScaler
+from wakegate.control.up.settings import Settings
+from wakegate.control.up.status import UpStatus
 from wakegate.control.up.weights import Delivery, DeliveryConfig
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, parse_counters, stat_name
 from wakegate.internal_token import Authenticator, TokenSource
-from wakegate.process import ProcessSettings, graceful_exit, settings_from
+from wakegate.process import graceful_exit, host_port
 from wakegate.v1 import demand_pb2_grpc
 
 log = logging.getLogger("wakegate.up")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Settings(ProcessSettings):
-    """Everything `wakegate up` is configured with; built once from its command line."""
-
-    file: Path
-    """The YAML file of Model documents."""
-    models: tuple[Model, ...]
-    """The Models the file holds, validated."""
-    listen_host: str
-    """Address of the gateway's listener."""
-    listen_port: int
-    """Port of the gateway's listener."""
-    admin_listen: str
-    """HTTP address of /status, /healthz and /metrics."""
-    envoy_admin_listen: str | None
-    """Envoy's admin API on this TCP address; None: an owner-only Unix socket in the state dir."""
-    state_dir: Path
-    """Logs and rendered configs (Envoy's bootstrap)."""
-    api_keys_file: Path | None
-    """API keys, one per line with an optional scope of models; None: no auth."""
-    public_metrics: str
-    """`/metrics` on the gateway's listener: off, open or keys (any valid API key)."""
-    fairness_header: bool
-    """Flow control: clients may name their tenant in x-gateway-inference-fairness-id (keys without one)."""
-    max_body_bytes: int
-    """Largest request body the gateway reads, bytes."""
-    global_rps: float
-    """Requests/s over all models; 0: unlimited."""
-    global_burst: float
-    """Burst of `global_rps`; 0: max(1, rps)."""
-    envoy_concurrency: int
-    """Envoy worker threads."""
-    extproc_h2_limit: tuple[str, ...]
-    """NAME=VALUE limits of extproc's HTTP/2 server (`wakegate extproc --h2-limit`)."""
-    upstream_header: bool
-    """Add x-wakegate-upstream (the backend's ip:port) to responses."""
-    status_display: bool
-    """The live status table on the terminal."""
-    keepalive_seconds: float
-    """SSE heartbeat interval of held keepalive requests."""
-    scaler_listen: str | None
-    """Also serve KEDA's ExternalScaler gRPC service here (HOST:PORT)."""
-    fake_gpus: Path | None
-    """JSON file of GPUs to pretend this machine has."""
-    cache_dir: Path
-    """This machine's model cache (oci:// and hf:// sources)."""
-    cache_max_size: int | None
-    """Cache budget in bytes; None: the file system's free space."""
-    cache_verify: str
-    """Check of a cached entry before each engine start: `blocks` or `sizes`."""
-    registry_config: Path | None
-    """Docker config with registry credentials; None: $DOCKER_CONFIG/config.json, ~/.docker/config.json."""
-    ca_file: Path | None
-    """Extra CA certificates trusted for registries."""
-    plain_http: bool
-    """Plain HTTP to every registry."""
-    flash_dir: Path
-    """Where `spec.cache.flash` stages weights (a tmpfs)."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Settings:
-        """Raises ValueError with a message for the user: no file, an invalid one, a malformed address."""
-        if args.file is None:
-            raise ValueError("-f FILE is required")
-        try:
-            models = tuple(parse_models(args.file.read_text(encoding="utf-8"), str(args.file)))
-        except OSError as exc:
-            raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
-        except ManifestError as exc:
-            raise ValueError(str(exc)) from None
-        for model in models:
-            problem = runnable(model, args.file.resolve().parent)
-            if problem is not None:
-                raise ValueError(f"{args.file}: Model {model.name!r}: {problem}")
-        try:
-            host, port = admin.host_port(args.listen)
-            admin.host_port(args.admin_listen)
-            if args.envoy_admin_listen is not None:
-                admin.host_port(args.envoy_admin_listen)
-        except ValueError as exc:
-            raise ValueError(f"--listen and --admin-listen take HOST:PORT: {exc}") from None
-        display = sys.stderr.isatty() if args.status_display is None else args.status_display
-        if args.registry_config is not None or args.ca_file is not None:
-            try:
-                load_auths(args.registry_config)  # unreadable or not a Docker config: say so now
-                if args.ca_file is not None:
-                    ssl.create_default_context().load_verify_locations(cafile=str(args.ca_file))
-            except RegistryError as exc:
-                raise ValueError(f"--registry-config: {exc}") from None
-            except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"--registry-ca-file {args.ca_file}: not a PEM file of certificates ({exc})") from None
-        return settings_from(
-            cls,
-            args,
-            models=models,
-            listen_host=host,
-            listen_port=port,
-            status_display=display,
-            extproc_h2_limit=tuple(getattr(args, "extproc_h2_limit", ())),
-        )
 
 
 @dataclass
@@ -190,7 +88,7 @@ class _Refusals:
         return total
 
 
-class Up:
+class Up(UpStatus):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.models = list(settings.models)
@@ -378,36 +276,6 @@ class Up:
             self.metrics.in_flight.labels(key).set(load.in_flight if load else 0)
             self.metrics.leases.labels(key).set(load.leases if load else 0)
 
-    async def _status_display(self) -> None:
-        from rich.console import Console
-        from rich.live import Live
-        from rich.table import Table
-
-        def table() -> Table:
-            view = Table(title=f"wakegate up — http://{self.gateway.listen_host}:{self.gateway.listen_port}")
-            columns = ("model", "state", "replicas", "ready", "queued", "in-flight", "last cold start", "weights")
-            for column in columns:
-                view.add_column(column)
-            for model in self.status()["models"]:
-                cold = model["last_cold_start_seconds"]
-                progress = (model["delivery"] or {}).get("progress")
-                view.add_row(
-                    model["key"],
-                    model["state"],
-                    str(len(model["replicas"])),
-                    str(model["ready"]),
-                    str(model["queued"]),
-                    str(model["in_flight"]),
-                    f"{cold:.2f}s" if cold else "-",
-                    _weights_cell(progress),
-                )
-            return view
-
-        with Live(table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
-            while True:
-                await asyncio.sleep(0.5)
-                live.update(table())
-
     # -- feeder -------------------------------------------------------------------------------
 
     def _routed(self) -> list[RoutedModel]:
@@ -497,104 +365,6 @@ class Up:
             return 1
         return 0
 
-    def _routing_path(self, runtime: ModelRuntime) -> dict[str, str]:
-        """Which path the model's warm requests take now, and why not native when they cannot."""
-        return routing_path(runtime.routed(), self.gateway)
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "gateway": f"http://{self.gateway.listen_host}:{self.gateway.listen_port}",
-            "serving": self.serving,
-            "components": {
-                name: {
-                    "pid": c.child.pid,
-                    "running": c.child.running,
-                    "restarts": c.restarts,
-                    "log": str(c.child.log_path),
-                }
-                for name, c in self.components.items()
-            },
-            "models": [
-                {
-                    "key": rt.model.key,
-                    "names": rt.model.client_names,
-                    "served_name": rt.model.served_name,
-                    "backend": rt.model.spec.backend,
-                    "weights": str(rt.weights) if rt.weights is not None else None,
-                    "delivery": rt.weights_watch.status() if rt.model.spec.source is not None else None,
-                    "replicas": [
-                        {
-                            "index": r.index,
-                            "port": r.port,
-                            "state": r.state.value,
-                            "pid": r.child.pid,
-                            "restarts": r.restarts,
-                            # The start attempts of an activation still in progress: how many
-                            # failed, and the seconds it has left before it is given up.
-                            "activation": (
-                                {
-                                    "failed_attempts": r.activation.failed,
-                                    "seconds_left": round(max(0.0, r.activation.deadline - time.monotonic()), 1),
-                                }
-                                if r.activation is not None
-                                else None
-                            ),
-                            "engine_load": (
-                                {"running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage}
-                                if r.load is not None
-                                else None
-                            ),
-                            "gpus": self.gpus.owned(r.gpu_owner),
-                            "log": str(r.child.log_path),
-                        }
-                        for r in rt.replicas
-                    ],
-                    "ready": len(rt.ready_endpoints),
-                    "state": _model_state(rt),
-                    "tier": rt.tier.value,
-                    "sleep": {
-                        "after_seconds": rt.model.spec.scaling.sleepAfter,
-                        "level": rt.model.spec.scaling.sleepLevel,
-                        "engine_can_sleep": rt.backend.can_sleep,
-                        "skipped": rt.sleep_refused or None,
-                    },
-                    "predictive": self.predictive.status(rt.model.key),
-                    "last_wake_seconds": {
-                        Tier.ASLEEP.value: rt.last_wake_from_asleep,
-                        Tier.ZERO.value: rt.last_cold_start,
-                    },
-                    **self._routing_path(rt),
-                    "admitted": rt.admitted,
-                    "waiting_for": rt.waiting_for,
-                    "failed_activations": rt.failed_activations,
-                    "last_failure": rt.last_failure,
-                    "last_failure_code": rt.last_failure_code,
-                    "failed_start_attempts": rt.failed_attempts,
-                    "last_attempt_failure": rt.last_attempt_failure,
-                    "last_cold_start_seconds": rt.last_cold_start,
-                    "last_cold_start": dict(rt.last_timeline),
-                    "queued": self.scaler.loads[rt.model.key].queued if rt.model.key in self.scaler.loads else 0,
-                    "in_flight": (
-                        self.scaler.loads[rt.model.key].in_flight if rt.model.key in self.scaler.loads else 0
-                    ),
-                    "leases": self.scaler.loads[rt.model.key].leases if rt.model.key in self.scaler.loads else 0,
-                    "adapters": rt.adapter_status(),
-                    "adapter_loads": rt.hotswap.load_summary() if rt.hotswap is not None else None,
-                }
-                for rt in self.runtimes.values()
-            ],
-            "savings": self.savings(self.started_at, time.time()),
-            "cache": {"dir": str(self.delivery.config.cache_dir), "max_bytes": self.delivery.config.max_size},
-            "gpu_groups": {
-                name: {"active": self.scaler.group_active(name), "swaps": swaps}
-                for name, swaps in self.scaler.swaps.items()
-            },
-        }
-
-    def savings(self, since: float, until: float) -> dict[str, Any]:
-        """Accelerator-seconds per tier and wakes per model in [since, until] (wall clock)."""
-        return {"since": since, "until": until, "models": self.ledger.window(since, until)}
-
     async def _start_admin(self) -> web.AppRunner:
         async def status(_: web.Request) -> web.Response:
             return web.json_response(self.status())
@@ -620,7 +390,7 @@ class Up:
         async def gateway_metrics(_: web.Request) -> web.Response:
             return await self._gateway_metrics()
 
-        host, port = admin.host_port(self.settings.admin_listen)
+        host, port = host_port(self.settings.admin_listen)
         routes = {"/metrics": metrics, "/metrics/gateway": gateway_metrics, "/status": status, "/healthz": healthz,
                   "/savings": savings}
         return await admin.serve(routes, host, port)
@@ -717,7 +487,8 @@ class Up:
         return Supervised(Child(f"extproc-{index}", argv, self.state_dir / "logs" / f"extproc-{index}.log"))
 
     def _envoy(self, ports: Ports) -> Supervised:
-        rendered = bootstrap.render(
+        return local_gateway.envoy(
+            self.state_dir,
             self.node_id,
             bootstrap.GatewayPorts(
                 envoy_admin=self._envoy_admin_port(),
@@ -728,32 +499,11 @@ class Up:
                 activator_standby=ports.activator[1],
                 admin_socket=None if self.settings.envoy_admin_listen else str(self.envoy_admin),
             ),
-            bootstrap.TokenRef(file=str(self.token.file)),
+            self.token.file,
+            self.envoy_admin,
+            concurrency=self.settings.envoy_concurrency,
             extproc_streams=_extproc_streams(self.settings.extproc_h2_limit),
         )
-        config = self.state_dir / "envoy.yaml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(rendered, encoding="utf-8")
-        argv = [
-            bootstrap.envoy_binary(),
-            "-c",
-            str(config),
-            "--concurrency",
-            str(self.settings.envoy_concurrency),
-            "--use-dynamic-base-id",
-            "--log-level",
-            "warn",
-            "--drain-time-s",
-            "1",
-            "--drain-strategy",
-            "immediate",
-        ]
-
-        async def clear_socket() -> None:  # a killed Envoy leaves its admin socket behind
-            with contextlib.suppress(FileNotFoundError):
-                self.envoy_admin.unlink()
-
-        return Supervised(Child("envoy", argv, self.state_dir / "logs" / "envoy.log"), before_start=clear_socket)
 
     async def _watch(self, component: Supervised) -> None:
         try:
@@ -765,15 +515,11 @@ class Up:
     def _envoy_admin_port(self) -> int:
         if self.settings.envoy_admin_listen is None:
             return 0
-        return admin.host_port(self.settings.envoy_admin_listen)[1]
+        return host_port(self.settings.envoy_admin_listen)[1]
 
     def _admin_session(self) -> aiohttp.ClientSession:
         """A client of Envoy's admin API (paths relative to it)."""
-        timeout = aiohttp.ClientTimeout(total=2)
-        if self.settings.envoy_admin_listen is None:
-            connector = aiohttp.UnixConnector(path=str(self.envoy_admin))
-            return aiohttp.ClientSession(base_url="http://envoy", connector=connector, timeout=timeout)
-        return aiohttp.ClientSession(base_url=f"http://{self.settings.envoy_admin_listen}", timeout=timeout)
+        return local_gateway.admin_session(self.settings.envoy_admin_listen, self.envoy_admin)
 
     async def _native_demand(self) -> None:
         """Envoy's counters of the natively routed models into the demand book, every POLL_SECONDS
@@ -821,55 +567,21 @@ class Up:
                                 self.scaler.poke()  # its outcome and the history's save are evaluated
                     totals = seen
 
-    async def _envoy_stat(self, session: aiohttp.ClientSession, name: str) -> int | None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            async with session.get(f"/stats?filter=^{name}$&format=json") as response:
-                stats = (await response.json()).get("stats", [])
-                return int(stats[0]["value"]) if stats else 0
-        return None
-
-    async def _wait_gateway_ready(self, ports: Ports, timeout: float = 60.0, standby_grace: float = 10.0) -> bool:
-        """Ready means a request would succeed: extproc has its routes and GET /healthz through
-        Envoy and extproc answers 200, and Envoy's health checks see both extprocs (until then its
-        workers may still send some requests to the standby, whose rate-limit buckets and prefix
-        history are its own; after `standby_grace` seconds one healthy extproc is enough).
-        A listener Envoy cannot bind (the port was taken meanwhile) stops `up` with an error."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        answering_since: float | None = None
-        healthy_stat = f"cluster.{contract.EXTPROC_CLUSTER}.membership_healthy"
-        urls = [
-            f"http://127.0.0.1:{ports.extproc_admin[0]}/healthz",  # extproc has its route table
-            f"http://{self.gateway.listen_host}:{self.gateway.listen_port}/healthz",  # through Envoy
-        ]
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
-            self._admin_session() as admin_session,
-        ):
-            while asyncio.get_running_loop().time() < deadline and not self._stop.is_set():
-                ok = 0
-                for url in urls:
-                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                        async with session.get(url) as response:
-                            ok += response.status == 200
-                if ok == len(urls):
-                    now = asyncio.get_running_loop().time()
-                    answering_since = now if answering_since is None else answering_since
-                    healthy = await self._envoy_stat(admin_session, healthy_stat)
-                    if (healthy or 0) >= len(ports.extproc) or now - answering_since >= standby_grace:
-                        return True
-                rejected = await self._envoy_stat(admin_session, "listener_manager.lds.update_rejected")
-                if rejected:
-                    self._failure = (
-                        f"Envoy cannot listen on {self.gateway.listen_host}:{self.gateway.listen_port} "
-                        f"(see {self.state_dir / 'logs' / 'envoy.log'})"
-                    )
-                    self._stop.set()
-                    return False
-                await asyncio.sleep(0.05)
-        if not self._stop.is_set():
-            self._failure = f"gateway did not become ready in {timeout:.0f}s; see {self.state_dir / 'logs'}"
+    async def _wait_gateway_ready(self, ports: Ports) -> bool:
+        """Whether the gateway serves (`local_gateway.wait_ready`); one that cannot stops `up` with the reason."""
+        try:
+            async with self._admin_session() as envoy_admin:
+                return await local_gateway.wait_ready(
+                    (self.gateway.listen_host, self.gateway.listen_port),
+                    ports.extproc_admin,
+                    envoy_admin,
+                    self._stop,
+                    self.state_dir / "logs" / "envoy.log",
+                )
+        except local_gateway.GatewayNotReady as exc:
+            self._failure = str(exc)
             self._stop.set()
-        return False
+            return False
 
     async def _drain(self) -> None:
         """SIGTERM: Envoy stops accepting, in-flight requests and streams get up to the drain
@@ -886,7 +598,7 @@ class Up:
                 async with session.post("/drain_listeners") as response:
                     await response.read()
             while loop.time() < deadline:
-                active = await self._envoy_stat(session, "http.wakegate.downstream_rq_active")
+                active = await local_gateway.envoy_stat(session, "http.wakegate.downstream_rq_active")
                 if active is None or active == 0:
                     break
                 await asyncio.sleep(0.1)
@@ -915,34 +627,6 @@ def _cannot_bind(host: str, port: int) -> str | None:
         except OSError as exc:
             return exc.strerror or str(exc)
     return None
-
-
-def _model_state(runtime: ModelRuntime) -> str:
-    """One word for the status table: idle, waiting (GPU group), loading, ready, restarting."""
-    states = {r.state for r in runtime.replicas}
-    if ReplicaState.READY in states:
-        return "ready"
-    if ReplicaState.WAKING in states:
-        return "waking"
-    if states and states <= {ReplicaState.ASLEEP, ReplicaState.SLEEPING}:
-        return "asleep"
-    if ReplicaState.STARTING in states:
-        return "loading"
-    if ReplicaState.RESTARTING in states:
-        return "restarting"
-    if not runtime.admitted or runtime.waiting_for:
-        return "waiting"
-    return "idle"
-
-
-def _weights_cell(progress: dict[str, Any] | None) -> str:
-    """The status table's weights column: the phase, and how far a transfer is."""
-    if progress is None:
-        return "-"
-    total = progress["total_bytes"]
-    if progress["phase"] in ("pulling", "waiting", "verifying", "staging") and total:
-        return f"{progress['phase']} {100 * progress['done_bytes'] // total}%"
-    return str(progress["phase"])
 
 
 def _extproc_streams(limits: tuple[str, ...]) -> int | None:

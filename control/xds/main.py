@@ -24,11 +24,10 @@ from prometheus_client import CollectorRegistry
 
 from wakegate import internal_token
 from wakegate.control import admin
-from wakegate.control.admin import host_port
-from wakegate.control.feeder.resources import GatewaySettings
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.internal_token import Authenticator, TokenSource
-from wakegate.process import ProcessSettings, add_log_level, graceful_exit, settings_from, start
+from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
 log = logging.getLogger("wakegate.xds")
 

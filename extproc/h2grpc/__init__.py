@@ -5,7 +5,9 @@ Why not grpcio's server: at one ext_proc stream per HTTP request, grpc.aio spend
 spends about 50 (docs/decisions.md, "extproc serves ext_proc with its own HTTP/2 server").
 
 - `hpack`: header compression (decoding what clients send, literals for what we send);
-- `connection`: HTTP/2 framing, streams, flow control and draining; knows nothing of gRPC;
+- `frames` (HTTP/2's wire vocabulary), `request_check` (what a request's headers must be),
+  `stream` (one stream as the application sees it), `connection` (framing, flow control and
+  draining of one connection) and `server` (listening, stopping): HTTP/2, nothing of gRPC;
 - `call`: gRPC calls over those streams and the server that routes them by method.
 
 None of it knows ext_proc: extproc's service registers its methods on `call.GrpcServer`.

@@ -22,9 +22,11 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Protocol
 
-from wakegate.extproc.h2grpc.connection import Connection, H2Server, Stream
+from wakegate.extproc.h2grpc.connection import Connection
 from wakegate.extproc.h2grpc.hpack import STATUS_200, literal
 from wakegate.extproc.h2grpc.limits import H2Limits
+from wakegate.extproc.h2grpc.server import H2Server
+from wakegate.extproc.h2grpc.stream import Stream
 
 log = logging.getLogger("wakegate.extproc.h2")
 

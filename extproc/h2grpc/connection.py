@@ -1,15 +1,7 @@
-"""The HTTP/2 side of the server (RFC 9113): connections, streams, flow control, draining, limits.
+"""One HTTP/2 connection of the server (RFC 9113): framing, streams, flow control, draining, limits.
 
-It knows nothing of gRPC. For each new stream the server's `new_stream` callback builds the
-`Stream` object from the decoded request headers: an application protocol subclasses
-`Stream` (gRPC's `Call` does) and overrides its hooks, `on_data` for each DATA payload,
-`on_end` when the client has sent everything, and `on_reset` once if the stream is reset or
-the connection is lost before it ended. It answers with `write_headers()`, `write_data()`,
-then `end()` with the last header block (or none). One object per stream, on the event loop
-thread, without a task.
-
-What it speaks: cleartext HTTP/2 with prior knowledge (no TLS, no server push, no
-priorities):
+It knows nothing of gRPC; the application sees its streams (stream.py). What it speaks:
+cleartext HTTP/2 with prior knowledge (no TLS, no server push, no priorities):
 
 * frames: DATA, HEADERS + CONTINUATION, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE;
   PRIORITY (checked, then ignored) and unknown frame types are ignored, PUSH_PROMISE is a
@@ -35,274 +27,75 @@ ends the connection with GOAWAY ENHANCE_YOUR_CALM; the server counts each such r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import struct
 import time
-from collections import Counter, deque
-from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
+from wakegate.extproc.h2grpc.frames import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    FLOW_CONTROL_ERROR,
+    FRAME_HEADER,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    INTERNAL_ERROR,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    STREAM_CLOSED,
+    WINDOW_UPDATE,
+    ProtocolError,
+    StreamError,
+    calm,
+    frame,
+    unpad,
+)
 from wakegate.extproc.h2grpc.hpack import HeaderDecoder, HpackError
-from wakegate.extproc.h2grpc.limits import Budget, H2Limits
+from wakegate.extproc.h2grpc.limits import Budget
+from wakegate.extproc.h2grpc.request_check import check_request
+from wakegate.extproc.h2grpc.stream import Stream
+
+if TYPE_CHECKING:
+    from wakegate.extproc.h2grpc.server import H2Server
+
 
 log = logging.getLogger("wakegate.extproc.h2")
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# Frame types (RFC 9113 §6).
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-# Flags.
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-# Settings.
-SETTINGS_HEADER_TABLE_SIZE = 0x1
-SETTINGS_ENABLE_PUSH = 0x2
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
-SETTINGS_MAX_FRAME_SIZE = 0x5
-SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
-# Error codes.
-NO_ERROR = 0x0
-PROTOCOL_ERROR = 0x1
-INTERNAL_ERROR = 0x2
-FLOW_CONTROL_ERROR = 0x3
-STREAM_CLOSED = 0x5
-FRAME_SIZE_ERROR = 0x6
-REFUSED_STREAM = 0x7
-CANCEL = 0x8
-COMPRESSION_ERROR = 0x9
-ENHANCE_YOUR_CALM = 0xB
-
-MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65_535
-DEFAULT_FRAME_SIZE = 16_384
-#: Top a stream's receive window up once this much of it has been used.
-_WINDOW_REFILL = 1 << 30
 _GOAWAY_PING = b"wg-drain"
 _IDLE_PING = b"wg-alive"
-_FRAME_HEADER = struct.Struct(">I")
-#: `Stream.end(None)`: the stream ends with an empty DATA frame, not trailers.
-_NO_TRAILERS = b""
+
 #: Stream ids we reset ourselves, remembered so that the client's late frames on them are
 #: ignored (RFC 9113 §5.1, "closed") rather than answered as errors.
 _RESET_MEMORY = 1024
-#: Accept queue: a burst of connections (an attack, or many at once) must not make Envoy's own
-#: connect wait for a SYN retry (its connect timeout to extproc is 1 s). The kernel caps it at
-#: net.core.somaxconn.
-_BACKLOG = 4096
+
 #: Seconds a connection we ended keeps being read (and dropped) before it is closed, and
 #: bytes at most (a client that keeps sending gets no more of our reading).
 _LINGER = 0.2
 _LINGER_BYTES = 256 * 1024
 #: Unhandled input (frames left for the next turn) above which we stop reading the connection.
 _READ_AHEAD = 256 * 1024
-
-#: The request pseudo-headers, each a bit (:path is 4: it must not be empty; the first three must be there).
-_PSEUDO_BITS = {b":method": 1, b":scheme": 2, b":path": 4, b":authority": 8}
-#: Regular fields a request is checked for: 0 connection-specific (never allowed), 1 te, 2 content-length.
-_SPECIAL_HEADERS = {
-    b"connection": 0, b"keep-alive": 0, b"proxy-connection": 0, b"transfer-encoding": 0, b"upgrade": 0,
-    b"te": 1, b"content-length": 2,
-}  # fmt: skip
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: int, reason: str, refusal: str = "") -> None:
-        super().__init__(reason)
-        self.code = code
-        #: For ENHANCE_YOUR_CALM: which limit it was (the server counts refusals by it).
-        self.refusal = refusal
-
-
-def calm(refusal: str, reason: str) -> ProtocolError:
-    return ProtocolError(ENHANCE_YOUR_CALM, reason, refusal)
-
-
-class _StreamError(Exception):
-    """A malformed request: the stream is reset with `code`, the connection goes on."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-def frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
-    return _FRAME_HEADER.pack(len(payload))[1:] + bytes((kind, flags)) + _FRAME_HEADER.pack(stream_id) + payload
-
-
-class Stream:
-    """One HTTP/2 stream of a connection; subclasses give it an application protocol."""
-
-    __slots__ = (
-        "_conn",
-        "_expected_length",
-        "_held",
-        "_opened",
-        "_pending",
-        "_queued_end",
-        "_recv_used",
-        "closed",
-        "ended",
-        "half_closed",
-        "send_window",
-        "stream_id",
-    )
-
-    def __init__(self, conn: Connection, stream_id: int) -> None:
-        self._conn = conn
-        self.stream_id = stream_id
-        self.send_window = conn.peer_initial_window
-        self._recv_used = 0
-        # Queued data as views: a frame's chunk is a slice of the view, so sending a message in
-        # N frames copies each byte once (slicing bytes would copy the rest of it every frame).
-        self._pending: deque[memoryview] = deque()
-        self._queued_end: bytes | None = None
-        #: Bytes of received DATA the application still holds (see `buffered()`).
-        self._held = 0
-        #: content-length the client announced, counted down by the DATA it sends; or None.
-        self._expected_length: int | None = None
-        self._opened = 0.0
-        #: The client sent END_STREAM.
-        self.half_closed = False
-        #: We ended our side (the last frame is queued or sent), or the stream was reset.
-        self.ended = False
-        #: Gone from the connection: ended both ways, reset, or the connection was lost.
-        self.closed = False
-
-    # -- hooks for the application protocol ---------------------------------------------------
-
-    def on_data(self, data: bytes) -> None:
-        """A DATA payload arrived (never after `end()`)."""
-
-    def on_end(self) -> None:
-        """The client sent END_STREAM (not heard after `end()`)."""
-
-    def on_reset(self) -> None:
-        """The stream was reset, or the connection lost, before `end()`."""
-
-    def buffered(self) -> int:
-        """Bytes of received DATA the application keeps for later (a partial message).
-
-        The connection's receive window is given back only as these are released, so what
-        all streams of a connection buffer stays within `connection_window`."""
-        return 0
-
-    # -- answering -----------------------------------------------------------------------------
-
-    def write_headers(self, block: bytes) -> None:
-        """Send a header block (response headers) at once; it does not end the stream."""
-        if not self.ended:
-            self._conn.write(frame(HEADERS, END_HEADERS, self.stream_id, block))
-
-    def write_data(self, data: bytes) -> None:
-        """Queue data; it goes out as the client's flow-control windows allow."""
-        if self.ended:
-            return
-        conn = self._conn
-        size = len(data)
-        if not self._pending and size <= self.send_window and size <= conn.send_window and size <= conn.peer_max_frame:
-            self.send_window -= size
-            conn.send_window -= size
-            conn.data_frames_sent += 1
-            conn.write(frame(DATA, 0, self.stream_id, data))
-            return
-        self._pending.append(memoryview(data))
-        self._flush()
-
-    def end(self, block: bytes | None) -> None:
-        """End our side after the data still queued: with a last header block (trailers), or
-        with an empty END_STREAM DATA frame when `block` is None."""
-        if self.ended:
-            return
-        self.ended = True
-        self._queued_end = block if block is not None else _NO_TRAILERS
-        self._flush()
-
-    def _flush(self) -> None:
-        conn = self._conn
-        if self.closed:
-            return
-        while self._pending:
-            data = self._pending[0]
-            room = min(self.send_window, conn.send_window, conn.peer_max_frame)
-            if room <= 0:
-                conn.blocked.add(self)
-                return
-            chunk, rest = data[:room], data[room:]
-            self.send_window -= len(chunk)
-            conn.send_window -= len(chunk)
-            conn.data_frames_sent += 1
-            conn.write(frame(DATA, 0, self.stream_id, chunk))
-            if rest:
-                self._pending[0] = rest
-            else:
-                self._pending.popleft()
-        conn.blocked.discard(self)
-        last = self._queued_end
-        if last is not None:
-            if last is _NO_TRAILERS:  # an empty DATA frame ends the stream
-                conn.write(frame(DATA, END_STREAM, self.stream_id))
-            else:
-                conn.write(frame(HEADERS, END_HEADERS | END_STREAM, self.stream_id, last))
-            self._queued_end = None
-            if self.half_closed:
-                conn.forget(self)
-
-    # -- from the connection -----------------------------------------------------------------
-
-    def _received(self, payload: bytes, end_stream: bool, flow: int = 0) -> None:
-        conn = self._conn
-        if self._expected_length is not None:
-            self._expected_length -= len(payload)
-            if self._expected_length < 0 or (end_stream and self._expected_length):
-                conn.release(flow)
-                raise _StreamError(PROTOCOL_ERROR, "DATA does not match content-length")
-        if not self.ended:
-            self._recv_used += flow
-            if self._recv_used >= _WINDOW_REFILL:  # a very long stream: keep its window open
-                conn.write(frame(WINDOW_UPDATE, 0, self.stream_id, _FRAME_HEADER.pack(self._recv_used)))
-                self._recv_used = 0
-            if payload:
-                held = self._held
-                self.on_data(payload)
-                self._held = self.buffered() if not self.ended else 0
-                flow += held - self._held
-        if flow:
-            owed = conn._owed + flow
-            if owed < conn._owed_limit:  # the usual case, without a call
-                conn._owed = owed
-            else:
-                conn.release(flow)
-        if end_stream:
-            self._remote_end()
-
-    def _remote_end(self) -> None:
-        self.half_closed = True
-        if not self.ended:
-            self.on_end()
-        if self.ended and self._queued_end is None and not self.closed:
-            self._conn.forget(self)
-
-    def _reset(self) -> None:
-        """The stream is gone (RST_STREAM, or the connection): no more sending.
-
-        `on_reset` runs only if we had not ended the stream ourselves.
-        """
-        was_ended = self.ended
-        self.closed = True
-        self.ended = True
-        self._pending.clear()
-        self._queued_end = None
-        if not was_ended:
-            try:
-                self.on_reset()
-            except Exception:
-                log.exception("stream failed on reset")
 
 
 class Connection(asyncio.Protocol):
@@ -380,7 +173,7 @@ class Connection(asyncio.Protocol):
         )
         out = frame(SETTINGS, 0, 0, settings)
         if limits.connection_window > DEFAULT_WINDOW:
-            out += frame(WINDOW_UPDATE, 0, 0, _FRAME_HEADER.pack(limits.connection_window - DEFAULT_WINDOW))
+            out += frame(WINDOW_UPDATE, 0, 0, FRAME_HEADER.pack(limits.connection_window - DEFAULT_WINDOW))
         self.transport.write(out)
         self._timer = asyncio.get_running_loop().call_later(limits.preface_timeout, self._preface_timeout)
         if server.draining:
@@ -510,7 +303,7 @@ class Connection(asyncio.Protocol):
         if owed >= self._half_window >> 1 or self._recv_window < self._half_window:
             self._recv_window += owed
             self._owed = 0
-            self.write(frame(WINDOW_UPDATE, 0, 0, _FRAME_HEADER.pack(owed)))
+            self.write(frame(WINDOW_UPDATE, 0, 0, FRAME_HEADER.pack(owed)))
         else:
             self._owed = owed
         self._owed_limit = 0 if self._recv_window < self._half_window else self._half_window >> 1
@@ -631,7 +424,7 @@ class Connection(asyncio.Protocol):
                 pos += 9 + length
                 try:
                     self._frame(kind, flags, stream_id, payload)
-                except _StreamError as exc:
+                except StreamError as exc:
                     self._stream_error(stream_id, exc.code)
                 if self._closing:
                     return False
@@ -685,11 +478,11 @@ class Connection(asyncio.Protocol):
             if stream_id == 0:
                 raise ProtocolError(PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
-                raise _StreamError(FRAME_SIZE_ERROR, "PRIORITY of the wrong size")
+                raise StreamError(FRAME_SIZE_ERROR, "PRIORITY of the wrong size")
             if not self._priorities.take():
                 raise calm("priority", "too many PRIORITY frames")
             if int.from_bytes(payload[:4], "big") & 0x7FFFFFFF == stream_id:
-                raise _StreamError(PROTOCOL_ERROR, "stream depends on itself")
+                raise StreamError(PROTOCOL_ERROR, "stream depends on itself")
         elif not self._priorities.take():  # unknown frame types are ignored (RFC 9113 §4.1)...
             raise calm("priority", "too many frames of unknown types")  # ... within reason
 
@@ -718,7 +511,7 @@ class Connection(asyncio.Protocol):
                 raise ProtocolError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
             self._owed_limit = 0
         if flags & PADDED:
-            payload = _unpad(payload)
+            payload = unpad(payload)
         if payload or flags & END_STREAM:
             self._empty_frames = 0
         else:
@@ -733,7 +526,7 @@ class Connection(asyncio.Protocol):
             return
         if stream.half_closed:
             self.release(flow)
-            raise _StreamError(STREAM_CLOSED, "DATA after END_STREAM")
+            raise StreamError(STREAM_CLOSED, "DATA after END_STREAM")
         stream._received(payload, bool(flags & END_STREAM), flow)
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -741,7 +534,7 @@ class Connection(asyncio.Protocol):
             raise ProtocolError(PROTOCOL_ERROR, "HEADERS on stream 0")
         self._empty_frames = 0
         if flags & PADDED:
-            payload = _unpad(payload)
+            payload = unpad(payload)
         if flags & PRIORITY_FLAG:
             if len(payload) < 5:
                 raise ProtocolError(PROTOCOL_ERROR, "short HEADERS priority block")
@@ -763,11 +556,11 @@ class Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers from the client: only allowed to end the stream
             if stream.half_closed:
-                raise _StreamError(STREAM_CLOSED, "HEADERS after END_STREAM")
+                raise StreamError(STREAM_CLOSED, "HEADERS after END_STREAM")
             if not flags & END_STREAM:
                 raise ProtocolError(PROTOCOL_ERROR, "HEADERS in the middle of a stream")
             if any(name[:1] == b":" for name, _ in headers):
-                raise _StreamError(PROTOCOL_ERROR, "pseudo-header in trailers")
+                raise StreamError(PROTOCOL_ERROR, "pseudo-header in trailers")
             stream._received(b"", True)
             return
         if stream_id % 2 == 0:
@@ -778,8 +571,8 @@ class Connection(asyncio.Protocol):
             return
         self.last_stream_id = stream_id
         if flags & 0x100:
-            raise _StreamError(PROTOCOL_ERROR, "stream depends on itself")
-        length = _check_request(headers)
+            raise StreamError(PROTOCOL_ERROR, "stream depends on itself")
+        length = check_request(headers)
         if self.goaway == "final" or len(self.streams) >= self.limits.max_concurrent_streams:
             self.server.refuse("stream_limit" if self.goaway is None else "draining")
             if not self._rsts.take():
@@ -885,12 +678,12 @@ class Connection(asyncio.Protocol):
             if stream_id > self.last_stream_id:
                 raise ProtocolError(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {stream_id}")
             if increment == 0 and self._closed_stream(stream_id, "WINDOW_UPDATE"):
-                raise _StreamError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+                raise StreamError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
             return  # a late update for a stream we already closed
         if increment == 0:
-            raise _StreamError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            raise StreamError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
         if stream.send_window + increment > MAX_WINDOW:
-            raise _StreamError(FLOW_CONTROL_ERROR, "stream window overflow")
+            raise StreamError(FLOW_CONTROL_ERROR, "stream window overflow")
         stream.send_window += increment
         if stream in self.blocked:
             stream._flush()
@@ -900,137 +693,3 @@ class Connection(asyncio.Protocol):
             if self.send_window <= 0:
                 return
             stream._flush()
-
-
-def _check_request(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """Raise _StreamError for a malformed request (RFC 9113 §8.2-8.3); its content-length, if any."""
-    seen = 0
-    regular = False
-    length: int | None = None
-    for name, value in headers:
-        bit = _PSEUDO_BITS.get(name)
-        if bit is not None:
-            if regular or seen & bit:
-                raise _StreamError(PROTOCOL_ERROR, "pseudo-header repeated or after a regular header")
-            if bit == 4 and not value:
-                raise _StreamError(PROTOCOL_ERROR, "empty :path")
-            seen |= bit
-            continue
-        regular = True
-        if name[:1] == b":":
-            raise _StreamError(PROTOCOL_ERROR, "unknown or response pseudo-header")
-        if not name.islower() and name.lower() != name:
-            raise _StreamError(PROTOCOL_ERROR, "uppercase header name")
-        special = _SPECIAL_HEADERS.get(name)
-        if special is None:
-            continue
-        if special == 0:
-            raise _StreamError(PROTOCOL_ERROR, "connection-specific header")
-        if special == 1:
-            if value != b"trailers":
-                raise _StreamError(PROTOCOL_ERROR, "te other than trailers")
-        elif not value.isdigit() or (length is not None and int(value) != length):
-            raise _StreamError(PROTOCOL_ERROR, "bad content-length")
-        else:
-            length = int(value)
-    if seen & 7 != 7:
-        raise _StreamError(PROTOCOL_ERROR, "missing :method, :scheme or :path")
-    return length
-
-
-def _unpad(payload: bytes) -> bytes:
-    if not payload:
-        raise ProtocolError(PROTOCOL_ERROR, "padded frame without a pad length")
-    pad = payload[0]
-    if pad >= len(payload):
-        raise ProtocolError(PROTOCOL_ERROR, "padding longer than the frame")
-    return payload[1 : len(payload) - pad]
-
-
-def host_port(address: str) -> tuple[str, int]:
-    """HOST:PORT (HOST may be [v6] or empty for 127.0.0.1), as extproc's listeners take it."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-#: Builds the stream object of a new stream from its connection, id and request headers.
-NewStream = Callable[[Connection, int, list[tuple[bytes, bytes]]], Stream]
-
-
-class H2Server:
-    """Accepts HTTP/2 connections on TCP or a Unix socket; `new_stream` builds each stream."""
-
-    def __init__(self, new_stream: NewStream, limits: H2Limits | None = None) -> None:
-        self.new_stream = new_stream
-        self.limits = limits or H2Limits()
-        self.connections: set[Connection] = set()
-        self.draining = False
-        #: Connections, streams and connections ended for a limit, by the limit's name.
-        self.refused: Counter[str] = Counter()
-        #: Warnings about ended connections: a burst of 20, then one a second.
-        self.log_budget = Budget(20, 1.0)
-        self._servers: list[asyncio.Server] = []
-        self._idle = asyncio.Event()
-
-    def refuse(self, reason: str) -> None:
-        self.refused[reason] += 1
-
-    async def listen(self, address: str, *, serving: bool = True) -> str:
-        """Listen on HOST:PORT or unix:PATH; returns the address actually bound. `serving=False`:
-        bound only (a port some server listens on already is an error now), and connections are
-        refused until `start_serving()`."""
-        loop = asyncio.get_running_loop()
-        if address.startswith("unix:"):
-            path = address[len("unix:") :]
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            server = await loop.create_unix_server(
-                lambda: Connection(self), path, backlog=_BACKLOG, start_serving=serving
-            )
-            self._servers.append(server)
-            return address
-        host, port = host_port(address)
-        server = await loop.create_server(
-            lambda: Connection(self), host, port, backlog=_BACKLOG, start_serving=serving
-        )
-        self._servers.append(server)
-        bound = server.sockets[0].getsockname()[1]
-        return f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-
-    async def start_serving(self) -> None:
-        """Accept connections on what `listen(serving=False)` bound (OSError: the port was taken
-        meanwhile)."""
-        for server in self._servers:
-            if not server.is_serving():
-                await server.start_serving()
-
-    @property
-    def active_streams(self) -> int:
-        return sum(len(conn.streams) for conn in self.connections)
-
-    async def stop(self, grace: float) -> None:
-        """Refuse new streams, let the open ones finish for up to `grace` seconds, then cut them."""
-        self.draining = True
-        for server in self._servers:
-            server.close()
-        for conn in list(self.connections):
-            conn.start_goaway()
-            if not conn.streams and conn.goaway == "final":
-                conn.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        while self.active_streams and loop.time() < deadline:
-            self._idle.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
-        for conn in list(self.connections):
-            if conn.streams:
-                log.warning("cutting %d stream(s) still open after %.0fs", len(conn.streams), grace)
-            conn.close()
-        for server in self._servers:
-            await server.wait_closed()
-
-    def _streams_ended(self) -> None:
-        """A connection has no streams left (or is gone): wake a stop() that waits for that."""
-        if self.draining:
-            self._idle.set()

@@ -82,6 +82,14 @@ def settings_from(cls: type[_Settings], args: argparse.Namespace, **given: Any) 
     return cls(**taken, **given)
 
 
+def host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 in brackets; an empty host means `default_host`); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]") or default_host, int(port)
+
+
 def log_level(text: str) -> str:
     """argparse type of `--log-level`: a level name in any case."""
     level = text.strip().upper()

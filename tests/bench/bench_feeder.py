@@ -19,9 +19,10 @@ import statistics
 import time
 from typing import Any
 
-from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.cache import SnapshotCache
 from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 
 Acked = dict[str, frozenset[tuple[str, int]]]
 
@@ -43,9 +44,9 @@ class Acks:
         return self._retained.get(node, {})
 
 
-def fleet(n: int) -> list[r.RoutedModel]:
+def fleet(n: int) -> list[RoutedModel]:
     return [
-        r.RoutedModel(
+        RoutedModel(
             key=f"ns/m{i}",
             names=(f"m{i}",),
             served_name=f"m{i}",
@@ -55,8 +56,8 @@ def fleet(n: int) -> list[r.RoutedModel]:
     ]
 
 
-async def publish_ms(models: list[r.RoutedModel], gateways: int, lagging: bool, rounds: int) -> float:
-    publisher = Publisher(SnapshotCache(), r.GatewaySettings(), lambda: models)
+async def publish_ms(models: list[RoutedModel], gateways: int, lagging: bool, rounds: int) -> float:
+    publisher = Publisher(SnapshotCache(), GatewaySettings(), lambda: models)
     current = {m.cluster: frozenset(m.endpoints) for m in models}
     confirmed = {f"gw-{g}": dict(current) for g in range(gateways)}
     if lagging and gateways:

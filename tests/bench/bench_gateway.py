@@ -36,36 +36,25 @@ import contextlib
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
+from tests.bench.procs import CpuMeter, Proc, children_of, cmdline, http, wait_until
+from tests.bench.wrk import MODEL, WrkResult, chat_body, lua_script, parse_wrk, run_wrk
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
 
-MODEL = "bench-model"
 #: The same sim model on the native path (routing.path native, strategy round-robin).
 NATIVE = "bench-native"
 
-
-def chat_body(model: str) -> str:
-    return json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}, separators=(",", ":")
-    )
-
-
-BODY = chat_body(MODEL)
 NATIVE_BODY = chat_body(NATIVE)
 #: The wakegate paths: (name, model, named by the X-Model-ID header).
 WAKEGATE_PATHS = (
@@ -74,252 +63,6 @@ WAKEGATE_PATHS = (
     ("native(body)", NATIVE, False),
     ("native(X-Model-ID)", NATIVE, True),
 )
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-# -- processes ----------------------------------------------------------------------------------
-
-
-class Proc:
-    """A child in its own process group, logged to a file, stopped by group."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, cwd: Path | None = None) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self, tail: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-tail:]
-        return ""
-
-    def _killpg(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def stop(self, grace: float = 10.0, *, group_term: bool = True) -> int | None:
-        """SIGTERM (the group, or only the leader when it drains its own children), then SIGKILL."""
-        if self.alive():
-            if group_term:
-                self._killpg(signal.SIGTERM)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._killpg(signal.SIGKILL)
-                self.proc.wait()
-        self._killpg(signal.SIGKILL)  # anything left in the group
-        self._log.close()
-        return self.proc.returncode
-
-
-def wait_until(check: Any, what: str, timeout: float, procs: list[Proc]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if not p.alive():
-                code = p.proc.returncode
-                raise RuntimeError(f"{p.name} exited with {code} while waiting for {what}:\n{p.log()}")
-        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-            if check():
-                return
-        time.sleep(0.1)
-    logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in procs)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{logs}")
-
-
-def http(url: str, body: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    data = body.encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                found.append(int(entry))
-    return found
-
-
-def cmdline(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    return ""
-
-
-# -- CPU accounting -----------------------------------------------------------------------------
-
-
-def proc_ticks(pid: int) -> int | None:
-    """utime + stime of a process (all its threads), in clock ticks."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, total) ticks over all CPUs from /proc/stat."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = parts[3] + parts[4]  # idle + iowait
-    total = sum(parts[:8])  # without guest, counted in user already
-    return total - idle, total
-
-
-class CpuMeter:
-    """CPU used by named processes, and by the whole machine, between start() and stop()."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-        self.p0 = {name: proc_ticks(pid) for name, pid in self.pids.items()}
-        self.m0 = machine_ticks()
-
-    def stop(self, wrk_ticks: int | None = None) -> dict[str, float]:
-        wall = time.monotonic() - self.t0
-        out: dict[str, float] = {}
-        ours = 0.0
-        for name, pid in self.pids.items():
-            now, before = proc_ticks(pid), self.p0.get(name)
-            if now is None or before is None:
-                continue
-            pct = 100.0 * (now - before) / CLK_TCK / wall
-            out[name] = round(pct, 1)
-            ours += pct
-        if wrk_ticks is not None:
-            out["wrk"] = round(100.0 * wrk_ticks / CLK_TCK / wall, 1)
-            ours += out["wrk"]
-        busy1, total1 = machine_ticks()
-        busy, total = busy1 - self.m0[0], total1 - self.m0[1]
-        ncpu = os.cpu_count() or 1
-        machine = 100.0 * ncpu * busy / total if total else 0.0  # in "% of one core" units
-        out["machine_busy"] = round(machine, 1)
-        out["other_load"] = round(max(0.0, machine - ours), 1)
-        return out
-
-
-# -- wrk ----------------------------------------------------------------------------------------
-
-_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
-
-
-def _ms(text: str) -> float:
-    m = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text.strip())
-    if not m:
-        raise ValueError(f"cannot parse wrk latency {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-@dataclass
-class WrkResult:
-    path: str
-    connections: int
-    duration_s: float
-    rps: float
-    p50_ms: float
-    p99_ms: float
-    requests: int
-    non_2xx: int
-    socket_errors: dict[str, int]
-    cpu: dict[str, float] = field(default_factory=dict)
-    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
-
-    @property
-    def errors(self) -> int:
-        return self.non_2xx + sum(self.socket_errors.values())
-
-    @property
-    def cpu_us_per_request(self) -> float:
-        """CPU of the processes on this path (wrk included), per request, in microseconds."""
-        ours = sum(v for k, v in self.cpu.items() if k not in ("machine_busy", "other_load"))
-        return ours / 100.0 / self.rps * 1e6 if self.rps else float("nan")
-
-
-def parse_wrk(path: str, connections: int, duration: float, out: str) -> WrkResult:
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
-    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
-    reqs = re.search(r"(\d+) requests in", out)
-    if not (rps and p50 and p99 and reqs):
-        raise RuntimeError(f"cannot parse wrk output for {path}:\n{out}")
-    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    socket_errors = (
-        dict(zip(("connect", "read", "write", "timeout"), map(int, sock.groups()), strict=True))
-        if sock
-        else {"connect": 0, "read": 0, "write": 0, "timeout": 0}
-    )
-    return WrkResult(
-        path=path,
-        connections=connections,
-        duration_s=duration,
-        rps=float(rps.group(1)),
-        p50_ms=_ms(p50.group(1)),
-        p99_ms=_ms(p99.group(1)),
-        requests=int(reqs.group(1)),
-        non_2xx=int(non2xx.group(1)) if non2xx else 0,
-        socket_errors=socket_errors,
-    )
-
-
-def lua_script(directory: Path, name: str, extra_headers: dict[str, str], body: str = BODY) -> Path:
-    lines = [
-        'wrk.method = "POST"',
-        f"wrk.body = {json.dumps(body)}",
-        'wrk.headers["Content-Type"] = "application/json"',
-        *(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in extra_headers.items()),
-    ]
-    path = directory / name
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def run_wrk(
-    wrk: str, url: str, script: Path, connections: int, duration: float, *, latency: bool = True
-) -> tuple[str, int]:
-    """Run wrk; returns (stdout, CPU ticks wrk used)."""
-    argv = [wrk, "-t1", f"-c{connections}", f"-d{duration:g}s", "-s", str(script), url]
-    if latency:
-        argv.insert(4, "--latency")
-    before = os.times()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
-    after = os.times()
-    ticks = round(
-        ((after.children_user - before.children_user) + (after.children_system - before.children_system)) * CLK_TCK
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr}\n{done.stdout}")
-    return done.stdout, ticks
 
 
 # -- the three stacks ---------------------------------------------------------------------------

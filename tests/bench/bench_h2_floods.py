@@ -34,8 +34,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tests.bench.bench_gateway import CLK_TCK, children_of, cmdline, proc_ticks
 from tests.bench.common import git_state, loadavg
+from tests.bench.procs import CLK_TCK, children_of, cmdline, proc_ticks
 from tests.support import h2attack
 from tests.support.up import UpProcess, model_doc
 

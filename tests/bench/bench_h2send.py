@@ -21,8 +21,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from tests.bench.common import git_state, loadavg
-from wakegate.extproc.h2grpc.connection import MAX_WINDOW, Connection, Stream
+from wakegate.extproc.h2grpc.connection import Connection
+from wakegate.extproc.h2grpc.frames import MAX_WINDOW
 from wakegate.extproc.h2grpc.limits import H2Limits
+from wakegate.extproc.h2grpc.stream import Stream
 
 SIZES = {"64 KiB": 64 << 10, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "4 MiB": 4 << 20}
 

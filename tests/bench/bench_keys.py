@@ -35,22 +35,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.bench.bench_gateway import (
-    BODY,
-    MODEL,
-    MODELS_YAML,
-    CpuMeter,
-    Proc,
-    WrkResult,
-    children_of,
-    cmdline,
-    http,
-    lua_script,
-    parse_wrk,
-    run_wrk,
-    wait_until,
-)
+from tests.bench.bench_gateway import MODELS_YAML
 from tests.bench.common import REPO_ROOT, git_state, loadavg
+from tests.bench.procs import CpuMeter, Proc, children_of, cmdline, http, wait_until
+from tests.bench.wrk import BODY, MODEL, WrkResult, lua_script, parse_wrk, run_wrk
 from wakegate.control.admin import free_port
 
 

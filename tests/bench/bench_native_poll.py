@@ -33,8 +33,8 @@ from wakegate.control.admin import free_port
 from wakegate.envoycounters import POLL_SECONDS, STATS_QUERY, stat_name
 from wakegate.extproc import native
 from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.gateway import Gateway, Settings
 from wakegate.extproc.native import NativeCounts
-from wakegate.extproc.service import Gateway, Settings
 from wakegate.v1 import routing_pb2
 
 

@@ -29,17 +29,23 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from tests.bench.bench_gateway import CLK_TCK, lua_script, proc_ticks, run_wrk
 from tests.bench.common import git_state, loadavg
+from tests.bench.procs import CLK_TCK, proc_ticks
+from tests.bench.wrk import lua_script, run_wrk
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
-from wakegate.control.feeder import resources as r
+from wakegate.control.feeder import listeners
+from wakegate.control.feeder.listeners import ROUTER_FILTER, http_listener
+from wakegate.control.feeder.ratelimit import HEADER_MUTATION, LOCAL_RATE_LIMIT
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.routes import route_configuration
+from wakegate.control.feeder.settings import GatewaySettings
 
-MODEL = r.RoutedModel(
+MODEL = RoutedModel(
     key="bench", names=("bench",), served_name="bench", strategy="round-robin", path="native",
     endpoints=(("127.0.0.1", 9),), requests_per_second=1e9, burst=1e9,
 )  # fmt: skip
-SETTINGS = r.GatewaySettings(native_allowed=True)
+SETTINGS = GatewaySettings(native_allowed=True)
 
 
 def bootstrap(port: int, admin: int, limited: bool) -> dict[str, Any]:
@@ -49,19 +55,20 @@ def bootstrap(port: int, admin: int, limited: bool) -> dict[str, Any]:
         "match": {"prefix": "/", "headers": [{"name": "x-model-id", "string_match": {"exact": "bench"}}]},
         "direct_response": {"status": 200, "body": {"inline_string": "ok"}},
     }
-    filters = [r.ROUTER_FILTER]
+    filters = [ROUTER_FILTER]
     if limited:
-        listener = json_format.MessageToDict(r.listener(SETTINGS, True, (MODEL,)), preserving_proto_field_name=True)
+        made = listeners.listener(SETTINGS, True, (MODEL,))
+        listener = json_format.MessageToDict(made, preserving_proto_field_name=True)
         chain = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        filters = [f for f in chain if f["name"] in (r.LOCAL_RATE_LIMIT, r.HEADER_MUTATION)] + filters
-        table = r.route_configuration(SETTINGS, [MODEL], body_metadata=True, rate_limited=[MODEL])
+        filters = [f for f in chain if f["name"] in (LOCAL_RATE_LIMIT, HEADER_MUTATION)] + filters
+        table = route_configuration(SETTINGS, [MODEL], body_metadata=True, rate_limited=[MODEL])
         native = next(x for x in table.virtual_hosts[0].routes if x.route.cluster)
         route["metadata"] = json_format.MessageToDict(native.metadata, preserving_proto_field_name=True)
     hosts = [{"name": "all", "domains": ["*"], "routes": [route]}]
     hcm = {"stat_prefix": "bench", "route_config": {"virtual_hosts": hosts}, "http_filters": filters}
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-        "static_resources": {"listeners": [r.http_listener("bench", "127.0.0.1", port, hcm)]},
+        "static_resources": {"listeners": [http_listener("bench", "127.0.0.1", port, hcm)]},
     }
 
 

@@ -48,10 +48,12 @@ from tests.bench.common import git_state, loadavg
 from wakegate import internal_token
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
-from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.envoy_types import CLUSTER, ENDPOINT, MODEL_ROUTE
 from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.internal_token import Authenticator, TokenSource
 
 NODE = "bench-scale"
@@ -100,9 +102,9 @@ def percentile(values: list[float], q: float) -> float:
 # -- route changes -------------------------------------------------------------------------------
 
 
-def fleet(models: int, endpoints: int, generation: int = 0) -> list[r.RoutedModel]:
+def fleet(models: int, endpoints: int, generation: int = 0) -> list[RoutedModel]:
     return [
-        r.RoutedModel(
+        RoutedModel(
             key=f"bench/m{i}",
             names=(f"m{i}",),
             served_name=f"m{i}",
@@ -161,7 +163,7 @@ class Gateway:
 
 async def route_run(models: int, endpoints: int, changes: int, tmp: Path) -> dict[str, Any]:
     state = fleet(models, endpoints)
-    publisher = Publisher(SnapshotCache(), r.GatewaySettings(), lambda: state)
+    publisher = Publisher(SnapshotCache(), GatewaySettings(), lambda: state)
     acked = asyncio.Event()
 
     def on_acked() -> None:
@@ -198,7 +200,7 @@ async def route_run(models: int, endpoints: int, changes: int, tmp: Path) -> dic
         start_s = time.perf_counter() - started
         full = {
             kind: sum(len(m.SerializeToString()) for m in publisher.cache.snapshot.by_type[t].values())
-            for kind, t in (("cds", r.CLUSTER), ("eds", r.ENDPOINT), ("routes", r.MODEL_ROUTE))
+            for kind, t in (("cds", CLUSTER), ("eds", ENDPOINT), ("routes", MODEL_ROUTE))
         }
         latencies, builds, resources, envoy_ms = [], [], [], []
         for n in range(changes):
@@ -218,8 +220,8 @@ async def route_run(models: int, endpoints: int, changes: int, tmp: Path) -> dic
             resources.append(ads.stats.resources_sent - sent)
         changed = state[(changes - 1) * 7919 % models]
         change_bytes = {
-            "eds": len(publisher.cache.snapshot.by_type[r.ENDPOINT][changed.cluster].SerializeToString()),
-            "route": len(publisher.cache.snapshot.by_type[r.MODEL_ROUTE][changed.key].SerializeToString()),
+            "eds": len(publisher.cache.snapshot.by_type[ENDPOINT][changed.cluster].SerializeToString()),
+            "route": len(publisher.cache.snapshot.by_type[MODEL_ROUTE][changed.key].SerializeToString()),
         }
         await asyncio.sleep(0.5)  # let the last acknowledgements settle before reading memory
         return {

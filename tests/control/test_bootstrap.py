@@ -19,6 +19,7 @@ from wakegate.control.admin import free_port
 from wakegate.control.feeder import resources
 from wakegate.control.feeder.ads import start_server
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.internal_token import ENV, Authenticator, TokenSource
 
 PORTS = bootstrap.GatewayPorts(envoy_admin=19901, xds=18000, extproc=19002, activator=19004)
@@ -133,7 +134,7 @@ def test_envoy_validates_both_forms(tmp_path: Path) -> None:
 async def test_a_real_envoy_presents_the_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
     """The feeder accepts Envoy's ADS stream only with the token; both ways Envoy can read it work."""
     cache = SnapshotCache()
-    await cache.set(resources.build([], resources.GatewaySettings(listen_port=free_port())))
+    await cache.set(resources.build([], GatewaySettings(listen_port=free_port())))
     auth = Authenticator(TokenSource(None, environ={ENV: "the-token"}))
     server, ads, xds = await start_server(cache, "127.0.0.1:0", authenticator=auth)
     token_file = tmp_path / "token"

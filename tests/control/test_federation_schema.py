@@ -8,7 +8,7 @@ import pytest
 
 from wakegate.control import crd
 from wakegate.control.federation_schema import PlacementMode, parse_federation
-from wakegate.control.schema import ManifestError
+from wakegate.control.manifests import ManifestError
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "federation" / "global.yaml").read_text()
 

@@ -9,8 +9,10 @@ import pytest
 import yaml
 
 from wakegate.control import crd
-from wakegate.control.feeder.resources import RoutedModel, model_route, routed_adapters, routed_model
-from wakegate.control.schema import ColdMode, ManifestError, parse_manifest, parse_models
+from wakegate.control.feeder.model_routes import model_route
+from wakegate.control.feeder.routed import RoutedModel, routed_adapters, routed_model
+from wakegate.control.manifests import ManifestError, parse_manifest, parse_models
+from wakegate.control.schema import ColdMode
 from wakegate.v1 import routing_pb2
 
 MINIMAL = """

@@ -19,7 +19,7 @@ from tests.engines.test_up_oci import chat, publish
 from tests.support import REPO_ROOT
 from tests.support.tools import registry_bin
 from tests.support.up import UpProcess
-from wakegate.control.schema import parse_models
+from wakegate.control.manifests import parse_models
 
 __all__ = ["registry_bin"]
 pytestmark = pytest.mark.usefixtures("registry_bin")

@@ -19,7 +19,7 @@ from wakegate import contract
 from wakegate.control.admin import free_port
 from wakegate.extproc.activator import Activator, start
 from wakegate.extproc.auth import ApiKeys
-from wakegate.extproc.service import Gateway, Settings
+from wakegate.extproc.gateway import Gateway, Settings
 from wakegate.v1 import routing_pb2
 
 BODY = {"model": "m", "stream": True, "messages": []}

@@ -8,7 +8,8 @@ import pytest
 from wakegate.control.sim.kvcache import KVCache
 from wakegate.extproc.kvindex import KVIndex, Target, target_for
 from wakegate.extproc.picking import Picker
-from wakegate.extproc.scheduling import SCORERS, EngineState, Request, Rotation, Signals, schedule
+from wakegate.extproc.scheduling import EngineState, Request, Rotation, Signals, schedule
+from wakegate.extproc.scorers import SCORERS
 from wakegate.kvevents import (
     BLOCK_TOKENS,
     ROOT,

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from wakegate.extproc import main
 from wakegate.extproc.auth import ALL_MODELS, ApiKeys
+from wakegate.extproc.gateway import Gateway, Settings
 from wakegate.extproc.native import STALE_SECONDS, NativeCounts
-from wakegate.extproc.service import Gateway, Settings
 from wakegate.v1 import routing_pb2
 
 

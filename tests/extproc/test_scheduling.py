@@ -10,7 +10,6 @@ from wakegate.extproc.picking import Picker
 from wakegate.extproc.prefix import BLOCK_CHARS, PrefixIndex, chain, prompt_text
 from wakegate.extproc.scheduling import (
     QUEUE_LIMIT,
-    SCORERS,
     EngineState,
     Request,
     Rotation,
@@ -21,6 +20,7 @@ from wakegate.extproc.scheduling import (
     under_capacity,
     weights_for,
 )
+from wakegate.extproc.scorers import SCORERS
 from wakegate.v1 import routing_pb2
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

@@ -19,8 +19,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from wakegate import contract
 from wakegate.extproc.auth import ApiKeys
+from wakegate.extproc.exchange import Cold, Exchange
+from wakegate.extproc.gateway import Gateway, Settings
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT
-from wakegate.extproc.service import Gateway, ProcessCall, Processor, Settings, _Cold, _Exchange
+from wakegate.extproc.process_call import ProcessCall
+from wakegate.extproc.service import Processor
 from wakegate.v1 import routing_pb2
 
 
@@ -75,8 +78,8 @@ def body(data: dict[str, Any] | bytes) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True))
 
 
-def decide(proc: Processor, *messages: ep.ProcessingRequest) -> tuple[_Exchange, Any]:
-    exchange = _Exchange()
+def decide(proc: Processor, *messages: ep.ProcessingRequest) -> tuple[Exchange, Any]:
+    exchange = Exchange()
     decided: Any = None
     for message in messages:
         decided = proc.decide(exchange, message)
@@ -255,7 +258,7 @@ def test_path_prefix_is_stripped_and_client_destination_removed() -> None:
 
 def test_body_named_model_is_buffered_then_rewritten() -> None:
     proc = Processor(gateway())
-    exchange = _Exchange()
+    exchange = Exchange()
     first = proc.decide(exchange, headers("/v1/chat/completions"))
     assert first.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
     decided = proc.decide(exchange, body({"model": "small", "messages": []}))
@@ -263,7 +266,7 @@ def test_body_named_model_is_buffered_then_rewritten() -> None:
     assert json.loads(common.body_mutation.body) == {"model": "org/chat", "messages": []}
     assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
     # A LoRA adapter keeps its own name: the body is left alone.
-    adapter = proc.decide(_Exchange(), headers("/v1/completions", **{"x-model-id": "chat-sql"}))
+    adapter = proc.decide(Exchange(), headers("/v1/completions", **{"x-model-id": "chat-sql"}))
     assert not adapter.request_headers.response.HasField("body_mutation")
 
 
@@ -341,7 +344,7 @@ async def test_cold_reject_registers_demand_then_answers_503() -> None:
 
 async def test_cold_keepalive_stream_goes_to_the_activator() -> None:
     proc = Processor(gateway())
-    exchange = _Exchange()
+    exchange = Exchange()
     proc.decide(exchange, headers("/v1/chat/completions"))
     decided = proc.decide(exchange, body({"model": "streamer", "stream": True}))
     mutations = set_headers(decided.request_body.response)
@@ -353,7 +356,7 @@ async def test_a_held_request_is_sent_on_when_its_model_becomes_ready() -> None:
     gw = gateway()
     proc = Processor(gw)
     exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "waiting"}))
-    assert isinstance(cold, _Cold)
+    assert isinstance(cold, Cold)
     held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
     await asyncio.sleep(0.01)
     assert gw.queue_view()["models"][-1] == {
@@ -520,7 +523,7 @@ async def test_a_held_request_is_checked_again_against_its_keys_scope(tmp_path: 
     gw.set_routes([route("waiting", names=("w",)), route("other", "10.0.0.8:8000")])
     proc = Processor(gw)
     exchange, cold = decide(proc, headers("/v1/x", **{"x-model-id": "w", "authorization": "Bearer mine"}))
-    assert isinstance(cold, _Cold)
+    assert isinstance(cold, Cold)
     held = asyncio.create_task(proc.hold(exchange, cold, exchange.started + 5))
     await asyncio.sleep(0.01)
     gw.set_routes([route("waiting", "10.0.0.9:8000"), route("other", "10.0.0.8:8000", names=("w",))])
@@ -535,7 +538,7 @@ def test_an_adapter_named_in_the_headers_has_its_body_read_and_rewritten() -> No
     gw = gateway()
     gw.set_routes([*ROUTES, lora])
     proc = Processor(gw)
-    exchange = _Exchange()
+    exchange = Exchange()
     asked = proc.decide(exchange, headers("/v1/completions", **{"x-model-id": "sql"}))
     assert asked.mode_override.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
     done = proc.decide(exchange, body({"model": "whatever", "prompt": "hi"}))

@@ -13,7 +13,7 @@ import pytest
 from tests.gateway.conftest import API_KEY
 from tests.support.rawhttp import http1, http2
 from tests.support.up import UpProcess
-from wakegate.extproc.h2grpc import connection as h2
+from wakegate.extproc.h2grpc.frames import COMPRESSION_ERROR
 
 GOOD_HEAD = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + API_KEY.encode() + b"\r\n"
 
@@ -105,7 +105,7 @@ def test_malformed_http2_request_resets_only_its_stream(gateway: UpProcess, head
 def test_http2_header_block_over_the_limit_ends_its_connection_only(gateway: UpProcess) -> None:
     """HPACK state cannot be kept once a block is refused half-read: the connection goes (GOAWAY)."""
     replies = http2(gateway.port, [([*MODELS, ("x-big", "a" * 70_000)], b"")])
-    assert replies[1].ended == f"goaway:{h2.COMPRESSION_ERROR}", replies[1]
+    assert replies[1].ended == f"goaway:{COMPRESSION_ERROR}", replies[1]
     assert http2(gateway.port, [(MODELS, b"")])[1].status == 200
 
 

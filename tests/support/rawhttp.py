@@ -16,7 +16,21 @@ from typing import Any
 
 import hpack
 
-from wakegate.extproc.h2grpc import connection as h2
+from wakegate.extproc.h2grpc.frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME_SIZE,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    frame,
+)
 
 
 @dataclass
@@ -82,17 +96,17 @@ def _read_http1(reader: Any) -> Reply:
 def http2(port: int, streams: list[tuple[list[tuple[str, str]], bytes]], timeout: float = 30.0) -> dict[int, Reply]:
     """One connection, one stream per (headers, body) in order (ids 1, 3, 5, ...): how each ended."""
     encoder = hpack.Encoder()
-    out = [h2.PREFACE, h2.frame(h2.SETTINGS, 0, 0)]
+    out = [PREFACE, frame(SETTINGS, 0, 0)]
     for n, (headers, body) in enumerate(streams):
         stream_id = 2 * n + 1
         block = encoder.encode(headers, huffman=False)
-        pieces = [block[i : i + h2.DEFAULT_FRAME_SIZE] for i in range(0, len(block), h2.DEFAULT_FRAME_SIZE)] or [b""]
-        end = 0 if body else h2.END_STREAM
-        out.append(h2.frame(h2.HEADERS, end | (h2.END_HEADERS if len(pieces) == 1 else 0), stream_id, pieces[0]))
+        pieces = [block[i : i + DEFAULT_FRAME_SIZE] for i in range(0, len(block), DEFAULT_FRAME_SIZE)] or [b""]
+        end = 0 if body else END_STREAM
+        out.append(frame(HEADERS, end | (END_HEADERS if len(pieces) == 1 else 0), stream_id, pieces[0]))
         for i, piece in enumerate(pieces[1:], 2):
-            out.append(h2.frame(h2.CONTINUATION, h2.END_HEADERS if i == len(pieces) else 0, stream_id, piece))
+            out.append(frame(CONTINUATION, END_HEADERS if i == len(pieces) else 0, stream_id, piece))
         if body:
-            out.append(h2.frame(h2.DATA, h2.END_STREAM, stream_id, body))
+            out.append(frame(DATA, END_STREAM, stream_id, body))
     replies = {2 * n + 1: Reply() for n in range(len(streams))}
     open_ids = set(replies)
     decoder = hpack.Decoder()
@@ -115,28 +129,28 @@ def http2(port: int, streams: list[tuple[list[tuple[str, str]], bytes]], timeout
                 break
             data += chunk
             while len(data) >= 9 and len(data) >= 9 + (length := int.from_bytes(data[:3], "big")):
-                kind, flags, stream_id = data[3], data[4], int.from_bytes(data[5:9], "big") & h2.MAX_WINDOW
+                kind, flags, stream_id = data[3], data[4], int.from_bytes(data[5:9], "big") & MAX_WINDOW
                 payload, data = data[9 : 9 + length], data[9 + length :]
                 reply = replies.get(stream_id)
-                if kind == h2.SETTINGS and not flags & h2.ACK:
-                    sock.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                elif kind == h2.GOAWAY:
+                if kind == SETTINGS and not flags & ACK:
+                    sock.sendall(frame(SETTINGS, ACK, 0))
+                elif kind == GOAWAY:
                     goaway = f"goaway:{struct.unpack('>I', payload[4:8])[0]}"
-                    last = struct.unpack(">I", payload[:4])[0] & h2.MAX_WINDOW
+                    last = struct.unpack(">I", payload[:4])[0] & MAX_WINDOW
                     for gone in [s for s in open_ids if s > last]:  # never processed
                         replies[gone].ended = goaway
                         open_ids.discard(gone)
                 elif reply is None:
                     continue
-                elif kind == h2.HEADERS:
+                elif kind == HEADERS:
                     for name, value in decoder.decode(payload):
                         reply.headers[str(name)] = str(value)
                     reply.status = int(reply.headers.get(":status", 0))
-                elif kind == h2.DATA:
+                elif kind == DATA:
                     reply.body += payload
-                elif kind == h2.RST_STREAM:
+                elif kind == RST_STREAM:
                     reply.ended = f"reset:{struct.unpack('>I', payload)[0]}"
                     open_ids.discard(stream_id)
-                if kind in (h2.HEADERS, h2.DATA) and flags & h2.END_STREAM:
+                if kind in (HEADERS, DATA) and flags & END_STREAM:
                     open_ids.discard(stream_id)
     return replies

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.fakekube import FakeApiServer
 from wakegate.control.agent.labels import Report, node_report, patch_for
 from wakegate.control.agent.main import NodeAgent
 from wakegate.control.gpu.discovery import DiscoveryError, GpuDevice
@@ -54,36 +55,37 @@ def test_patch_only_changed_keys_and_removes_stale_ones() -> None:
     }
 
 
-class FakeKube:
-    """One Node's labels as the API server answers them (the real one runs in e2e/test_placement.py)."""
+NODE = "/api/v1/nodes/n"
 
-    def __init__(self, labels: dict[str, str] | None = None) -> None:
-        self.labels = dict(labels or {})
-        self.patches: list[dict[str, Any]] = []
 
-    def get(self, resource: str) -> Any:
-        assert resource == "/api/v1/nodes/n"
-        return {"metadata": {"name": "n", "labels": self.labels}}
+def node_server(labels: dict[str, str] | None = None) -> FakeApiServer:
+    """The API server with one Node, n (the real one runs in e2e/test_placement.py)."""
+    server = FakeApiServer()
+    server.add(NODE, {"metadata": {"name": "n", "labels": dict(labels or {})}})
+    return server
 
-    def merge_patch(self, resource: str, patch: dict[str, Any], field_manager: str) -> None:
-        assert resource == "/api/v1/nodes/n" and field_manager == "wakegate-agent"
-        self.patches.append(patch)
+
+def patches(server: FakeApiServer) -> list[Any]:
+    """The agent's merge patches, each of Node n as wakegate-agent."""
+    calls = server.writes("PATCH")
+    assert all(c.path == NODE and c.query["fieldManager"] == "wakegate-agent" for c in calls)
+    return [c.body for c in calls]
 
 
 def test_agent_patches_on_change_only(tmp_path: Path) -> None:
     path = tmp_path / "gpus.json"
     gpu = {"vendor": "nvidia", "arch": "sm90", "total_mb": 81559, "free_mb": 80000, "utilization": 0}
     path.write_text(json.dumps({"n": [gpu]}))
-    core = FakeKube()
-    agent = NodeAgent(core, "n", [FakeDiscovery(path, "n")], [])  # type: ignore[arg-type]
+    core = node_server()
+    agent = NodeAgent(core.kube(), "n", [FakeDiscovery(path, "n")], [])
     assert agent.sync() is True
     assert agent.sync() is False
     path.write_text(json.dumps({"n": [dict(gpu, free_mb=1000)]}))
     assert agent.sync() is True
-    assert core.patches[-1] == {"metadata": {"annotations": {"wakegate.io/gpu-free-memory-mb": "1000"}}}
+    assert patches(core)[-1] == {"metadata": {"annotations": {"wakegate.io/gpu-free-memory-mb": "1000"}}}
     path.write_text(json.dumps({"n": []}))
     assert agent.sync() is True
-    assert core.patches[-1]["metadata"]["labels"] == dict.fromkeys(
+    assert patches(core)[-1]["metadata"]["labels"] == dict.fromkeys(
         ("wakegate.io/gpu.vendor", "wakegate.io/gpu.arch", "wakegate.io/gpu.count", "wakegate.io/gpu.vram-mb")
     )
     assert agent.sync() is False
@@ -100,8 +102,8 @@ class Broken:
 
 
 def test_no_gpu_and_no_library_log_one_clear_line(caplog: pytest.LogCaptureFixture) -> None:
-    core = FakeKube()
-    agent = NodeAgent(core, "n", [Broken()], ["amdsmi: amdsmi not importable"])  # type: ignore[arg-type]
+    core = node_server()
+    agent = NodeAgent(core.kube(), "n", [Broken()], ["amdsmi: amdsmi not importable"])
     with caplog.at_level(logging.INFO, logger="wakegate.agent"):
         assert agent.sync() is False
         assert agent.sync() is False
@@ -110,13 +112,13 @@ def test_no_gpu_and_no_library_log_one_clear_line(caplog: pytest.LogCaptureFixtu
         "node n: no GPU found (amdsmi: amdsmi not importable; nvml: NVML query failed: GPU is lost); "
         "the node gets no wakegate GPU labels"
     ]
-    assert core.patches == []
+    assert patches(core) == []
 
 
 def test_stale_labels_from_an_earlier_run_are_removed() -> None:
-    core = FakeKube({"wakegate.io/gpu.vendor": "nvidia", "kubernetes.io/os": "linux"})
-    assert NodeAgent(core, "n", [], ["nvml: nvmlInit failed"]).sync() is True  # type: ignore[arg-type]
-    assert core.patches == [{"metadata": {"labels": {"wakegate.io/gpu.vendor": None}}}]
+    core = node_server({"wakegate.io/gpu.vendor": "nvidia", "kubernetes.io/os": "linux"})
+    assert NodeAgent(core.kube(), "n", [], ["nvml: nvmlInit failed"]).sync() is True
+    assert patches(core) == [{"metadata": {"labels": {"wakegate.io/gpu.vendor": None}}}]
 
 
 def test_cli_without_node_name_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from wakegate.control.agent.caching import Entry, EntryPhase, label_patch, model_may_run, status_body, wants
+from wakegate.control.delivery_schema import ModelCache
 from wakegate.control.k8s import names
 from wakegate.control.k8s.objects import model_from_object, modelcache_from_object
-from wakegate.control.schema import Model, ModelCache
+from wakegate.control.schema import Model
 
 DIGEST = "sha256:" + "ab" * 32
 OTHER = "sha256:" + "cd" * 32

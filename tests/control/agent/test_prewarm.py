@@ -13,6 +13,7 @@ import pytest
 
 from e2e.tools.registry import Registry, start_registry
 from tests.control.delivery.conftest import weights
+from tests.support.fakekube import FakeApiServer
 from tests.support.tools import registry_bin
 from wakegate.control.agent.prewarm import Prewarmer
 from wakegate.control.delivery.cache import Cache
@@ -20,7 +21,7 @@ from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.k8s import names
-from wakegate.control.k8s.client import KubeError
+from wakegate.control.k8s.client import object_path
 
 __all__ = ["registry_bin"]
 pytestmark = pytest.mark.usefixtures("registry_bin")
@@ -36,35 +37,34 @@ class Mirror:
         return list(self.objects)
 
 
-class FakeKube:
-    """Answers the agent's reads and records its writes, the way the API server would take them."""
+class Cluster:
+    """The fake API server (tests/support/fakekube.py) with this Node, the Secrets and the
+    ModelCaches, read back as the agent left them."""
 
     def __init__(self, secrets: dict[str, dict[str, Any]] | None = None) -> None:
-        self.labels: dict[str, str] = {"pool": "a"}
-        self.secrets = secrets or {}
-        self.applied: list[tuple[dict[str, Any], str]] = []
-        self.status: dict[str, list[dict[str, Any]]] = {}
+        self.server = FakeApiServer()
+        self.node = f"/api/v1/nodes/{NODE}"
+        self.server.add(self.node, {"metadata": {"name": NODE, "labels": {"pool": "a"}}})
+        for name, body in (secrets or {}).items():
+            self.server.add(f"/api/v1/namespaces/ns/secrets/{name}", {"metadata": {"name": name}, **body})
 
-    def get(self, resource: str) -> Any:
-        if resource.endswith(f"/nodes/{NODE}"):
-            return {"metadata": {"name": NODE, "labels": dict(self.labels)}}
-        name = resource.rsplit("/", 1)[1]
-        if "/secrets/" in resource and name in self.secrets:
-            return self.secrets[name]
-        raise KubeError(404, "Not Found", json.dumps({"message": f"{name} not found"}))
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.server.objects[self.node]["metadata"]["labels"])
 
-    def apply_status(self, obj: dict[str, Any], field_manager: str) -> Any:
-        self.applied.append((obj, field_manager))
-        self.status[obj["metadata"]["name"]] = obj["status"]["nodes"]
-        return obj
+    @property
+    def status(self) -> dict[str, list[dict[str, Any]]]:
+        """ModelCache name -> the node entries of its status (those the agent wrote one to)."""
+        return {
+            obj["metadata"]["name"]: obj["status"]["nodes"]
+            for obj in self.server.objects.values()
+            if obj.get("kind") == "ModelCache" and "status" in obj
+        }
 
-    def merge_patch(self, resource: str, patch: dict[str, Any], field_manager: str = "") -> Any:
-        for key, value in patch["metadata"]["labels"].items():
-            if value is None:
-                self.labels.pop(key, None)
-            else:
-                self.labels[key] = value
-        return {}
+    @property
+    def applied(self) -> list[tuple[dict[str, Any], str]]:
+        """Each status the agent applied, with its field manager."""
+        return [(c.body, c.query["fieldManager"]) for c in self.server.writes("PATCH", "/status")]
 
 
 def modelcache(name: str, source: str, **spec: Any) -> dict[str, Any]:
@@ -84,9 +84,11 @@ class Clock:
         return self.now
 
 
-def prewarmer(kube: FakeKube, cache_dir: Path, clock: Clock, *caches: dict[str, Any]) -> Prewarmer:
+def prewarmer(kube: Cluster, cache_dir: Path, clock: Clock, *caches: dict[str, Any]) -> Prewarmer:
+    for cache in caches:
+        kube.server.add(object_path(cache), cache)
     agent = Prewarmer(
-        kube,
+        kube.server.kube(),
         NODE,
         Cache(cache_dir),
         Access(RegistrySettings()),
@@ -120,7 +122,7 @@ def test_prewarm_with_credentials_reports_ready_labels_the_node_and_keeps_the_se
         source, digest = published(reg, tmp_path, "models/tiny:v1")
         assert reg.credentials is not None
         secret = {"data": {".dockerconfigjson": base64.b64encode(reg.docker_config.read_bytes()).decode()}}
-        kube = FakeKube({"regcred": secret})
+        kube = Cluster({"regcred": secret})
         clock = Clock()
         agent = prewarmer(
             kube,
@@ -153,7 +155,7 @@ def test_prewarm_with_credentials_reports_ready_labels_the_node_and_keeps_the_se
 def test_a_missing_tag_is_failed_with_its_reason_and_retried_later(tmp_path: Path) -> None:
     with start_registry(tmp_path / "reg") as reg:
         published(reg, tmp_path, "models/tiny:v1")
-        kube = FakeKube()
+        kube = Cluster()
         clock = Clock()
         agent = prewarmer(kube, tmp_path / "cache", clock, modelcache("bad", f"oci://{reg.host}/models/tiny:nope"))
         asyncio.run(settle(agent))
@@ -170,7 +172,7 @@ def test_a_missing_tag_is_failed_with_its_reason_and_retried_later(tmp_path: Pat
 def test_a_missing_secret_is_failed_and_a_deleted_modelcache_gives_its_entries_up(tmp_path: Path) -> None:
     with start_registry(tmp_path / "reg") as reg:
         source, digest = published(reg, tmp_path, "models/tiny:v1")
-        kube = FakeKube()
+        kube = Cluster()
         agent = prewarmer(
             kube,
             tmp_path / "cache",
@@ -194,7 +196,7 @@ def test_progress_is_reported_as_pulling_with_bytes(tmp_path: Path) -> None:
     with start_registry(tmp_path / "reg") as reg:
         source = f"oci://{reg.host}/models/big:v1"
         asyncio.run(push(weights(tmp_path / "w", size=size, name="big.gguf"), source))
-        kube = FakeKube()
+        kube = Cluster()
         agent = prewarmer(kube, tmp_path / "cache", Clock(), modelcache("big", source))
 
         async def run() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wakegate.control.backends import BACKENDS, BackendError, LoadSignals
-from wakegate.control.schema import ManifestError, parse_models
+from wakegate.control.manifests import ManifestError, parse_models
 
 VALUES = {"host": "127.0.0.1", "port": "9001", "model": "/m/tiny.gguf", "served_name": "org/tiny", "state": "/s"}
 

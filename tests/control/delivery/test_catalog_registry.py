@@ -27,7 +27,7 @@ from wakegate.control.delivery import media
 from wakegate.control.delivery.listing import Limits, list_registry
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistryClient, RegistrySettings
-from wakegate.control.schema import parse_models
+from wakegate.control.manifests import parse_models
 
 pytestmark = pytest.mark.usefixtures("registry_bin")
 

@@ -13,7 +13,8 @@ from wakegate import contract
 from wakegate.control.federation.gateway import GatewayConfig, GlobalGateway
 from wakegate.control.federation.members import MemberHealth
 from wakegate.control.federation_schema import parse_federation
-from wakegate.control.feeder.resources import MODEL_ROUTE, ROUTE, ROUTE_NAME, build
+from wakegate.control.feeder.envoy_types import MODEL_ROUTE, ROUTE, ROUTE_NAME
+from wakegate.control.feeder.resources import build
 
 OTHER = """
 ---

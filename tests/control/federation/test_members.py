@@ -81,7 +81,7 @@ def test_routes_hold_only_members_that_are_reachable_and_report_the_model_ready(
 def test_routes_carry_each_members_weight_to_the_pick() -> None:
     from collections import Counter
 
-    from wakegate.control.feeder import resources
+    from wakegate.control.feeder.model_routes import model_route
     from wakegate.extproc.picking import Picker
 
     text = FILE.replace("gpus: 2}", "gpus: 2, weight: 300}")
@@ -89,7 +89,7 @@ def test_routes_carry_each_members_weight_to_the_pick() -> None:
     health = {"east": up(report(ready=1, queued=1)), "west": up(report(ready=1, queued=1))}
     (route,) = fed.global_routes([model], members, health)
     assert route.endpoint_weights == (("10.0.0.1", 8080, 300), ("10.0.0.2", 8080, 100))
-    proto = resources.model_route(route)
+    proto = model_route(route)
     assert [(e.address, e.weight) for e in proto.endpoints] == [("10.0.0.1", 300), ("10.0.0.2", 100)]
     # What extproc does with the route (service._forward): equally loaded members split 3 : 1.
     endpoints = [f"{e.address}:{e.port}" for e in proto.endpoints]
@@ -103,7 +103,7 @@ def test_routes_carry_each_members_weight_to_the_pick() -> None:
     # A busier member is not picked for its weight.
     health["east"] = up(report(ready=1, queued=5))
     (route,) = fed.global_routes([model], members, health)
-    proto = resources.model_route(route)
+    proto = model_route(route)
     loads = {f"{e.address}:{e.port}": e.engine_load for e in proto.endpoints}
     assert {picker.pick(route.key, "least-loaded", endpoints, {}, None, loads, shares=weights) for _ in range(10)} == {
         "10.0.0.2:8080"
@@ -111,7 +111,7 @@ def test_routes_carry_each_members_weight_to_the_pick() -> None:
 
 
 def test_an_https_member_is_an_endpoint_only_with_its_tls() -> None:
-    from wakegate.control.feeder.resources import UpstreamTls
+    from wakegate.control.feeder.routed import UpstreamTls
 
     model, members = federation(FILE.replace('"http://10.0.0.1:8080"}', '"https://10.0.0.1:8443", caFile: ca.pem}'))
     assert members[0].tls and members[0].server_name is None and not members[1].tls

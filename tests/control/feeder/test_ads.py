@@ -12,21 +12,29 @@ from dataclasses import replace
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.ads import AdsServer, start_server
 from wakegate.control.feeder.cache import SnapshotCache
+from wakegate.control.feeder.clusters import load_assignment
+from wakegate.control.feeder.envoy_types import CLUSTER, ENDPOINT, MODEL_ROUTE, ROUTE, ROUTE_NAME
 from wakegate.control.feeder.publisher import Publisher
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.routes import natively_routed
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.extproc.feed import RouteFeed
+from wakegate.v1 import routing_pb2
 
 NODE = base_pb2.Node(id="test-envoy")
 
 
 def snapshot(*ports: int) -> r.Resources:
-    model = r.RoutedModel(key="m", names=("m",), served_name="m", endpoints=tuple(("127.0.0.1", p) for p in ports))
-    return r.build([model], r.GatewaySettings())
+    model = RoutedModel(key="m", names=("m",), served_name="m", endpoints=tuple(("127.0.0.1", p) for p in ports))
+    return r.build([model], GatewaySettings())
 
 
 class Client:
@@ -73,11 +81,11 @@ async def server() -> AsyncIterator[tuple[SnapshotCache, grpc.aio.Channel, objec
 async def test_nack_is_logged_and_does_not_wedge_the_stream(server, caplog: pytest.LogCaptureFixture) -> None:
     cache, channel, ads = server
     client = Client(channel)
-    await client.send(type_url=r.CLUSTER)
+    await client.send(type_url=CLUSTER)
     first = await client.receive()
     assert len(first.resources) == 1
     await client.send(
-        type_url=r.CLUSTER,
+        type_url=CLUSTER,
         response_nonce=first.nonce,
         version_info="",
         error_detail=status_pb2.Status(code=3, message="bad cluster: reason from envoy"),
@@ -89,15 +97,15 @@ async def test_nack_is_logged_and_does_not_wedge_the_stream(server, caplog: pyte
     await cache.set(
         r.build(
             [
-                r.RoutedModel(key="m", names=("m",), served_name="m"),
-                r.RoutedModel(key="n", names=("n",), served_name="n"),
+                RoutedModel(key="m", names=("m",), served_name="m"),
+                RoutedModel(key="n", names=("n",), served_name="n"),
             ],
-            r.GatewaySettings(),
+            GatewaySettings(),
         )
     )
     second = await client.receive()
     assert len(second.resources) == 2 and second.version_info != first.version_info
-    await client.send(type_url=r.CLUSTER, response_nonce=second.nonce, version_info=second.version_info)
+    await client.send(type_url=CLUSTER, response_nonce=second.nonce, version_info=second.version_info)
     await asyncio.sleep(0.1)
     assert ads.stats.acks == 1
 
@@ -105,17 +113,17 @@ async def test_nack_is_logged_and_does_not_wedge_the_stream(server, caplog: pyte
 async def test_named_endpoints_are_pushed_only_on_change(server) -> None:
     cache, channel, _ = server
     client = Client(channel)
-    await client.send(type_url=r.ENDPOINT, resource_names=["model.m"])
+    await client.send(type_url=ENDPOINT, resource_names=["model.m"])
     first = await client.receive()
     await client.send(
-        type_url=r.ENDPOINT, resource_names=["model.m"], response_nonce=first.nonce, version_info=first.version_info
+        type_url=ENDPOINT, resource_names=["model.m"], response_nonce=first.nonce, version_info=first.version_info
     )
     await cache.set(snapshot(9000))  # same content: nothing to push
     with pytest.raises(TimeoutError):
         await client.receive(timeout=0.3)
     await cache.set(snapshot(9000, 9001))
     second = await client.receive()
-    cla = r.endpoint_pb2.ClusterLoadAssignment()
+    cla = endpoint_pb2.ClusterLoadAssignment()
     second.resources[0].Unpack(cla)
     assert len(cla.endpoints[0].lb_endpoints) == 2
 
@@ -138,9 +146,9 @@ async def test_route_feed_receives_pushes(server) -> None:
         task.cancel()
 
 
-def fleet(n: int, ready: dict[int, tuple[int, ...]] | None = None) -> list[r.RoutedModel]:
+def fleet(n: int, ready: dict[int, tuple[int, ...]] | None = None) -> list[RoutedModel]:
     return [
-        r.RoutedModel(
+        RoutedModel(
             key=f"m{i}",
             names=(f"m{i}",),
             served_name=f"m{i}",
@@ -160,7 +168,7 @@ async def wait_until(check: object, timeout: float = 3.0) -> None:
 async def test_the_route_feed_gets_only_what_changed_and_only_differences_after_a_reconnect(server) -> None:
     cache, channel, ads = server
     memo = r.BuildMemo()
-    await cache.set(r.build(fleet(300), r.GatewaySettings(), memo=memo))
+    await cache.set(r.build(fleet(300), GatewaySettings(), memo=memo))
     updates: list[tuple[list[str], list[str]]] = []
     feed = RouteFeed(channel.target, "extproc-test", lambda c, gone: updates.append(([x.key for x in c], gone)))
     task = asyncio.create_task(feed.run())
@@ -170,12 +178,12 @@ async def test_the_route_feed_gets_only_what_changed_and_only_differences_after_
 
         # One replica ready: one route crosses, not 300.
         sent = ads.stats.resources_sent
-        await cache.set(r.build(fleet(300, {7: (9007,)}), r.GatewaySettings(), memo=memo))
+        await cache.set(r.build(fleet(300, {7: (9007,)}), GatewaySettings(), memo=memo))
         await wait_until(lambda: len(updates) == 2)
         assert updates[1] == (["m7"], []) and ads.stats.resources_sent == sent + 1
 
         # A model removed: its name alone.
-        await cache.set(r.build(fleet(300, {7: (9007,)})[:299], r.GatewaySettings(), memo=memo))
+        await cache.set(r.build(fleet(300, {7: (9007,)})[:299], GatewaySettings(), memo=memo))
         await wait_until(lambda: len(updates) == 3)
         assert updates[2] == ([], ["m299"]) and len(feed.versions) == 299
 
@@ -183,7 +191,7 @@ async def test_the_route_feed_gets_only_what_changed_and_only_differences_after_
         # what it holds and gets just those two.
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await cache.set(r.build(fleet(299, {7: (9007,), 8: (9008,)})[1:], r.GatewaySettings(), memo=memo))
+        await cache.set(r.build(fleet(299, {7: (9007,), 8: (9008,)})[1:], GatewaySettings(), memo=memo))
         task = asyncio.create_task(feed.run())
         await wait_until(lambda: len(updates) == 4)
         assert updates[3] == (["m8"], ["m0"])
@@ -198,19 +206,19 @@ async def test_a_route_update_extproc_refuses_is_nacked_and_offered_again_on_the
 ) -> None:
     cache, channel, ads = server
     memo = r.BuildMemo()
-    await cache.set(r.build(fleet(3), r.GatewaySettings(), memo=memo))
+    await cache.set(r.build(fleet(3), GatewaySettings(), memo=memo))
     updates: list[list[str]] = []
     feed = RouteFeed(channel.target, "extproc-test", lambda c, _: updates.append([x.key for x in c]))
     task = asyncio.create_task(feed.run())
     try:
         await asyncio.wait_for(feed.synced.wait(), 3)
-        broken = r.build(fleet(3, {1: (9001,)}), r.GatewaySettings(), memo=memo)
-        routes = dict(broken.by_type[r.MODEL_ROUTE])
-        routes["m1"] = r.routing_pb2.ModelRoute(key="m1")  # no cluster: extproc refuses it
-        await cache.set(r.Resources(by_type={**broken.by_type, r.MODEL_ROUTE: routes}))
+        broken = r.build(fleet(3, {1: (9001,)}), GatewaySettings(), memo=memo)
+        routes = dict(broken.by_type[MODEL_ROUTE])
+        routes["m1"] = routing_pb2.ModelRoute(key="m1")  # no cluster: extproc refuses it
+        await cache.set(r.Resources(by_type={**broken.by_type, MODEL_ROUTE: routes}))
         await wait_until(lambda: ads.stats.nacks == 1)
         assert "ModelRoute without key or cluster" in caplog.text and len(updates) == 1
-        await cache.set(r.build(fleet(3, {1: (9001,), 2: (9002,)}), r.GatewaySettings(), memo=memo))
+        await cache.set(r.build(fleet(3, {1: (9001,), 2: (9002,)}), GatewaySettings(), memo=memo))
         await wait_until(lambda: len(updates) == 2)
         assert sorted(updates[1]) == ["m1", "m2"]  # the refused one again, with the new change
     finally:
@@ -221,18 +229,18 @@ async def test_a_route_update_extproc_refuses_is_nacked_and_offered_again_on_the
 async def test_an_endpoint_change_sends_envoy_that_cluster_alone(server) -> None:
     cache, channel, _ = server
     memo = r.BuildMemo()
-    await cache.set(r.build(fleet(50), r.GatewaySettings(), memo=memo))
+    await cache.set(r.build(fleet(50), GatewaySettings(), memo=memo))
     client = Client(channel)
     names = [f"model.m{i}" for i in range(50)]
-    await client.send(type_url=r.ENDPOINT, resource_names=names)
+    await client.send(type_url=ENDPOINT, resource_names=names)
     first = await client.receive()
     assert len(first.resources) == 50
     await client.send(
-        type_url=r.ENDPOINT, resource_names=names, response_nonce=first.nonce, version_info=first.version_info
+        type_url=ENDPOINT, resource_names=names, response_nonce=first.nonce, version_info=first.version_info
     )
-    await cache.set(r.build(fleet(50, {3: (9003,)}), r.GatewaySettings(), memo=memo))
+    await cache.set(r.build(fleet(50, {3: (9003,)}), GatewaySettings(), memo=memo))
     second = await client.receive()
-    cla = r.endpoint_pb2.ClusterLoadAssignment()
+    cla = endpoint_pb2.ClusterLoadAssignment()
     (packed,) = second.resources
     packed.Unpack(cla)
     assert cla.cluster_name == "model.m3" and len(cla.endpoints[0].lb_endpoints) == 1
@@ -250,7 +258,7 @@ class Gateway:
         await client.send(**fields)
 
     async def ack(self, client: Client, response: discovery_pb2.DiscoveryResponse) -> None:
-        names = ["model.m"] if response.type_url == r.ENDPOINT else []
+        names = ["model.m"] if response.type_url == ENDPOINT else []
         await client.send(
             type_url=response.type_url,
             resource_names=names,
@@ -260,20 +268,20 @@ class Gateway:
 
 
 def route_ports(response: discovery_pb2.DiscoveryResponse) -> list[int]:
-    route = r.routing_pb2.ModelRoute()
+    route = routing_pb2.ModelRoute()
     response.resources[0].Unpack(route)
     return [e.port for e in route.endpoints]
 
 
 def eds_ports(response: discovery_pb2.DiscoveryResponse) -> list[int]:
-    cla = r.endpoint_pb2.ClusterLoadAssignment()
+    cla = endpoint_pb2.ClusterLoadAssignment()
     response.resources[0].Unpack(cla)
     return [lb.endpoint.address.socket_address.port_value for lb in cla.endpoints[0].lb_endpoints]
 
 
 async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
-    models = [r.RoutedModel(key="m", names=("m",), served_name="m", endpoints=(("127.0.0.1", 9000),))]
-    publisher = Publisher(SnapshotCache(), r.GatewaySettings(), lambda: models)
+    models = [RoutedModel(key="m", names=("m",), served_name="m", endpoints=(("127.0.0.1", 9000),))]
+    publisher = Publisher(SnapshotCache(), GatewaySettings(), lambda: models)
     await publisher.publish()
     srv, publisher.ads, port = await start_server(
         publisher.cache, "127.0.0.1:0", on_endpoints_acked=publisher.publish_soon
@@ -282,11 +290,11 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             a, b = Gateway(channel, "gw-a"), Gateway(channel, "gw-b")
             for gw in (a, b):
-                await gw.send(gw.envoy, type_url=r.ENDPOINT, resource_names=["model.m"])
+                await gw.send(gw.envoy, type_url=ENDPOINT, resource_names=["model.m"])
                 eds = await gw.envoy.receive()
                 assert eds_ports(eds) == [9000]
                 await gw.ack(gw.envoy, eds)
-                await gw.send(gw.extproc, type_url=r.MODEL_ROUTE)
+                await gw.send(gw.extproc, type_url=MODEL_ROUTE)
                 route = await gw.extproc.receive()
                 assert route_ports(route) == [9000]
                 await gw.ack(gw.extproc, route)
@@ -305,7 +313,7 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
             # gw-b's Envoy rejects it: gw-b stays where it was, gw-a is untouched.
             await b.send(
                 b.envoy,
-                type_url=r.ENDPOINT,
+                type_url=ENDPOINT,
                 resource_names=["model.m"],
                 response_nonce=eds_b.nonce,
                 error_detail=status_pb2.Status(code=3, message="no"),
@@ -324,7 +332,7 @@ async def test_each_gateway_is_gated_by_its_own_envoy_only() -> None:
             assert eds_ports(await a.envoy.receive()) == [9001]
             assert publisher.ads is not None
             assert publisher.ads.retained("gw-b") == {"model.m": frozenset({("127.0.0.1", 9000)})}
-            assert publisher.cache.view("gw-b").by_type[r.ENDPOINT]["model.m"] == r.load_assignment(
+            assert publisher.cache.view("gw-b").by_type[ENDPOINT]["model.m"] == load_assignment(
                 replace(models[0], endpoints=(("127.0.0.1", 9000), ("127.0.0.1", 9001)))
             )
             # A node never seen gets the ungated base.
@@ -345,20 +353,20 @@ async def test_a_native_models_last_endpoint_leaves_only_after_envoy_acked_route
     while its cluster keeps the endpoint, and only the ACK of those routes empties the cluster."""
     ep = ("127.0.0.1", 9000)
     models = [
-        r.RoutedModel(key="m", names=("m",), served_name="m", strategy="round-robin", path="native", endpoints=(ep,))
+        RoutedModel(key="m", names=("m",), served_name="m", strategy="round-robin", path="native", endpoints=(ep,))
     ]
-    settings = r.GatewaySettings(native_allowed=True)
+    settings = GatewaySettings(native_allowed=True)
     publisher = Publisher(SnapshotCache(), settings, lambda: models)
     await publisher.publish()
     srv, publisher.ads, port = await start_server(
         publisher.cache, "127.0.0.1:0", on_endpoints_acked=publisher.publish_soon
     )
-    names = {r.ENDPOINT: ["model.m"], r.ROUTE: [r.ROUTE_NAME]}
+    names = {ENDPOINT: ["model.m"], ROUTE: [ROUTE_NAME]}
 
     def native(response: discovery_pb2.DiscoveryResponse) -> frozenset[str]:
-        config = r.route_pb2.RouteConfiguration()
+        config = route_pb2.RouteConfiguration()
         response.resources[0].Unpack(config)
-        return r.natively_routed(config)
+        return natively_routed(config)
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -378,11 +386,11 @@ async def test_a_native_models_last_endpoint_leaves_only_after_envoy_acked_route
                     if response.type_url == type_url:
                         return response
 
-            await envoy.send(type_url=r.ENDPOINT, resource_names=names[r.ENDPOINT])
-            eds = await next_of(r.ENDPOINT)
+            await envoy.send(type_url=ENDPOINT, resource_names=names[ENDPOINT])
+            eds = await next_of(ENDPOINT)
             await ack(eds)
-            await envoy.send(type_url=r.ROUTE, resource_names=names[r.ROUTE])
-            rds = await next_of(r.ROUTE)
+            await envoy.send(type_url=ROUTE, resource_names=names[ROUTE])
+            rds = await next_of(ROUTE)
             assert native(rds) == {"model.m"}
             await ack(rds)
             for _ in range(100):
@@ -393,14 +401,14 @@ async def test_a_native_models_last_endpoint_leaves_only_after_envoy_acked_route
             # Cold: routes without the native ones first; the endpoint stays in the cluster.
             models[0] = replace(models[0], endpoints=())
             publisher.publish_soon()
-            rds = await next_of(r.ROUTE)
+            rds = await next_of(ROUTE)
             assert native(rds) == frozenset()
-            view = publisher.cache.view("gw").by_type[r.ENDPOINT]["model.m"]
+            view = publisher.cache.view("gw").by_type[ENDPOINT]["model.m"]
             assert [lb.endpoint.address.socket_address.port_value for lb in view.endpoints[0].lb_endpoints] == [9000]  # type: ignore[attr-defined]
             # Envoy applies them: now the cluster empties.
             await ack(rds)
-            eds = await next_of(r.ENDPOINT)
-            cla = r.endpoint_pb2.ClusterLoadAssignment()
+            eds = await next_of(ENDPOINT)
+            cla = endpoint_pb2.ClusterLoadAssignment()
             eds.resources[0].Unpack(cla)
             assert [lb for locality in cla.endpoints for lb in locality.lb_endpoints] == []
             envoy.call.cancel()
@@ -412,14 +420,14 @@ async def test_the_route_feed_is_in_sync_with_an_empty_route_set(server) -> None
     """A gateway in front of a cluster with no Models yet: extproc still hears that there is
     nothing (its readiness waits for a first route table), then gets the first Model."""
     cache, channel, _ = server
-    await cache.set(r.build([], r.GatewaySettings()))
+    await cache.set(r.build([], GatewaySettings()))
     updates: list[tuple[list[str], list[str]]] = []
     feed = RouteFeed(channel.target, "extproc-test", lambda c, gone: updates.append(([x.key for x in c], gone)))
     task = asyncio.create_task(feed.run())
     try:
         await asyncio.wait_for(feed.synced.wait(), 3)
         assert updates == [([], [])]
-        await cache.set(r.build(fleet(1), r.GatewaySettings()))
+        await cache.set(r.build(fleet(1), GatewaySettings()))
         await wait_until(lambda: len(updates) == 2)
         assert updates[1] == (["m0"], [])
     finally:

@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 
 from wakegate.control.feeder import codec
-from wakegate.control.feeder.resources import (
-    GatewaySettings,
-    RoutedAdapter,
-    RoutedFlow,
-    RoutedModel,
-    UpstreamTls,
-)
+from wakegate.control.feeder.routed import RoutedAdapter, RoutedFlow, RoutedModel, UpstreamTls
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.up.feeder import RoutedSource, decode, delta_message, gateway_from_json, gateway_json
 
 TLS = UpstreamTls(

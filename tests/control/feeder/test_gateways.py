@@ -26,7 +26,9 @@ from google.rpc import status_pb2
 
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc
-from wakegate.control.feeder import resources as r
+from wakegate.control.feeder.envoy_types import CLUSTER as CLUSTER_TYPE
+from wakegate.control.feeder.envoy_types import ENDPOINT, MODEL_ROUTE
+from wakegate.control.feeder.routed import cluster_name
 from wakegate.v1 import demand_pb2, demand_pb2_grpc, routing_pb2
 
 FLEET = model_doc(
@@ -34,7 +36,7 @@ FLEET = model_doc(
     extra="""  scaling: {min: 0, max: 1, idleTimeout: 2, activationTimeout: 60}
 """,
 )
-CLUSTER = r.cluster_name("sleepy")
+CLUSTER = cluster_name("sleepy")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ class Subscriber:
             discovery_pb2.DiscoveryRequest(
                 node=self.node,
                 type_url=response.type_url,
-                resource_names=[CLUSTER] if response.type_url == r.ENDPOINT else [],
+                resource_names=[CLUSTER] if response.type_url == ENDPOINT else [],
                 response_nonce=response.nonce,
                 **fields,  # type: ignore[arg-type]
             )
@@ -117,7 +119,7 @@ class Subscriber:
             if response.type_url != type_url:
                 continue
             for packed in response.resources:
-                if type_url == r.MODEL_ROUTE:
+                if type_url == MODEL_ROUTE:
                     route = routing_pb2.ModelRoute()
                     packed.Unpack(route)
                     counts.append(len(route.endpoints))
@@ -153,9 +155,9 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
         ]
         for subscriber in foreign:
             # An Envoy's subscriptions and an extproc's, on one stream: both directions of gating.
-            subscriber.subscribe(r.CLUSTER)
-            subscriber.subscribe(r.ENDPOINT, (CLUSTER,))
-            subscriber.subscribe(r.MODEL_ROUTE)
+            subscriber.subscribe(CLUSTER_TYPE)
+            subscriber.subscribe(ENDPOINT, (CLUSTER,))
+            subscriber.subscribe(MODEL_ROUTE)
         deadline = time.monotonic() + 20
         while any(len(s.acked) < 3 for s in foreign) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -172,9 +174,9 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
                 # The lagging "gateway" took the endpoint into its routes, then stalls: it will
                 # never acknowledge the endpoint's removal.
                 deadline = time.monotonic() + 20
-                while 1 not in lagging.endpoints_seen(r.MODEL_ROUTE) and time.monotonic() < deadline:
+                while 1 not in lagging.endpoints_seen(MODEL_ROUTE) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-                assert 1 in lagging.endpoints_seen(r.MODEL_ROUTE)
+                assert 1 in lagging.endpoints_seen(MODEL_ROUTE)
                 lagging.frozen = True
             # Back to zero. The next wake gets a new backend port; had the old endpoint stayed in
             # this gateway's Envoy for the lagging one's sake, some requests would hit it (503).
@@ -184,12 +186,12 @@ async def test_silent_and_rejecting_subscribers_do_not_hold_back_the_gateway(up:
         # got one change it never answered, and nothing after. Both streams are still open, and
         # their own routes stay without the endpoint their "Envoy" never confirmed.
         silent, nack, _ = foreign
-        assert nack.endpoints_seen(r.ENDPOINT)[0] == 0 and max(nack.endpoints_seen(r.ENDPOINT)) == 1
-        assert len(nack.endpoints_seen(r.ENDPOINT)) >= 3, nack.endpoints_seen(r.ENDPOINT)
-        assert silent.endpoints_seen(r.ENDPOINT) in ([0], [0, 1]), silent.endpoints_seen(r.ENDPOINT)
-        assert set(silent.endpoints_seen(r.MODEL_ROUTE)) == set(nack.endpoints_seen(r.MODEL_ROUTE)) == {0}
+        assert nack.endpoints_seen(ENDPOINT)[0] == 0 and max(nack.endpoints_seen(ENDPOINT)) == 1
+        assert len(nack.endpoints_seen(ENDPOINT)) >= 3, nack.endpoints_seen(ENDPOINT)
+        assert silent.endpoints_seen(ENDPOINT) in ([0], [0, 1]), silent.endpoints_seen(ENDPOINT)
+        assert set(silent.endpoints_seen(MODEL_ROUTE)) == set(nack.endpoints_seen(MODEL_ROUTE)) == {0}
         # The lagging one's own Envoy view kept the old endpoint beside the new one; ours did not.
-        assert max(lagging.endpoints_seen(r.ENDPOINT)) == 2, lagging.endpoints_seen(r.ENDPOINT)
+        assert max(lagging.endpoints_seen(ENDPOINT)) == 2, lagging.endpoints_seen(ENDPOINT)
         assert not any(s.reader.done() for s in foreign)
         for subscriber in foreign:
             subscriber.call.cancel()
@@ -222,7 +224,7 @@ async def test_subscribers_and_reporters_without_the_token_are_refused_and_count
     async with grpc.aio.insecure_channel(feeder_address(up)) as channel:
         for token in (None, "not-the-token"):
             subscriber = Subscriber(channel, f"stranger-{token}", "silent", token)
-            subscriber.subscribe(r.MODEL_ROUTE)
+            subscriber.subscribe(MODEL_ROUTE)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await asyncio.wait_for(subscriber.reader, 10)
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED

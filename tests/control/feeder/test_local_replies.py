@@ -27,7 +27,10 @@ from google.protobuf import json_format
 from tests.support.http import LoopbackServer
 from wakegate import contract
 from wakegate.control.admin import free_port
-from wakegate.control.feeder import resources as r
+from wakegate.control.feeder import listeners
+from wakegate.control.feeder.replies import LOCAL_REPLY_CONFIG
+from wakegate.control.feeder.routes import route_configuration
+from wakegate.control.feeder.settings import GatewaySettings
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
@@ -111,11 +114,11 @@ def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> I
     silent = Silent()
     claims = claims_unserved()
     port = free_port()
-    settings = r.GatewaySettings(listen_port=port, extproc_message_timeout_ms=1000)
-    listener = json_format.MessageToDict(r.listener(settings), preserving_proto_field_name=True)
+    settings = GatewaySettings(listen_port=port, extproc_message_timeout_ms=1000)
+    listener = json_format.MessageToDict(listeners.listener(settings), preserving_proto_field_name=True)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     hcm.pop("rds")
-    routes = json_format.MessageToDict(r.route_configuration(settings), preserving_proto_field_name=True)
+    routes = json_format.MessageToDict(route_configuration(settings), preserving_proto_field_name=True)
     catch_all = routes["virtual_hosts"][0]["routes"][-1]["direct_response"]  # before extproc names a cluster
     hcm["route_config"] = {
         "response_headers_to_remove": routes["response_headers_to_remove"],
@@ -242,6 +245,6 @@ def test_the_shape_is_the_one_extproc_uses() -> None:
     from wakegate.extproc.responses import error_body
 
     extproc_keys = set(json.loads(error_body(400, "x", "y"))["error"])
-    for mapper in r.LOCAL_REPLY_CONFIG["mappers"][1:]:
+    for mapper in LOCAL_REPLY_CONFIG["mappers"][1:]:
         assert set(mapper["body_format_override"]["json_format"]["error"]) == extproc_keys
-    assert set(r.LOCAL_REPLY_CONFIG["body_format"]["json_format"]["error"]) == extproc_keys
+    assert set(LOCAL_REPLY_CONFIG["body_format"]["json_format"]["error"]) == extproc_keys

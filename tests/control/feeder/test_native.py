@@ -10,11 +10,27 @@ import pytest
 from google.protobuf import json_format
 
 from wakegate import contract
+from wakegate.control.feeder import listeners
 from wakegate.control.feeder import resources as r
+from wakegate.control.feeder.clusters import envoy_always_picks
+from wakegate.control.feeder.envoy_types import (
+    CLUSTER,
+    ENDPOINT,
+    LISTENER,
+    LISTENER_NAME,
+    MODEL_ROUTE,
+    ROUTE,
+    ROUTE_NAME,
+)
+from wakegate.control.feeder.listeners import JSON_TO_METADATA
+from wakegate.control.feeder.native import native_blocker, native_keys
+from wakegate.control.feeder.routed import RoutedModel, routed_model
+from wakegate.control.feeder.routes import natively_routed
+from wakegate.control.feeder.settings import GatewaySettings
 
-ON = r.GatewaySettings(native_allowed=True)
+ON = GatewaySettings(native_allowed=True)
 EP = ("127.0.0.1", 9100)
-NATIVE = r.RoutedModel(
+NATIVE = RoutedModel(
     key="ns/n",
     names=("n", "n-alias"),
     served_name="n",
@@ -22,11 +38,11 @@ NATIVE = r.RoutedModel(
     path="native",
     endpoints=(EP,),
 )
-DECIDED = r.RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
+DECIDED = RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
 
 
 def routes(built: r.Resources) -> list[dict[str, Any]]:
-    config = json_format.MessageToDict(built.by_type[r.ROUTE][r.ROUTE_NAME], preserving_proto_field_name=True)
+    config = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME], preserving_proto_field_name=True)
     return list(config["virtual_hosts"][0]["routes"])
 
 
@@ -35,7 +51,7 @@ def native_routes(built: r.Resources) -> list[dict[str, Any]]:
 
 
 def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
-    cla = built.by_type[r.ENDPOINT][cluster]
+    cla = built.by_type[ENDPOINT][cluster]
     return {
         (lb.endpoint.address.socket_address.address, lb.endpoint.address.socket_address.port_value)  # type: ignore[attr-defined]
         for locality in cla.endpoints  # type: ignore[attr-defined]
@@ -47,7 +63,7 @@ def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
     ("change", "settings", "reason"),
     [
         ({"path": "decided"}, ON, "routing.path is decided"),
-        ({}, r.GatewaySettings(), "the gateway's native path is off (API keys or a global rate limit on the cluster)"),
+        ({}, GatewaySettings(), "the gateway's native path is off (API keys or a global rate limit on the cluster)"),
         ({"strategy": "default", "profile": "balanced"}, ON, "scored or sticky picking"),
         ({"strategy": "session-affinity"}, ON, "scored or sticky picking"),
         ({"lora_adapters": ("sql",)}, ON, "LoRA adapters"),
@@ -57,30 +73,30 @@ def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:
     ],
 )
 def test_what_keeps_a_model_on_the_decided_path(
-    change: dict[str, Any], settings: r.GatewaySettings, reason: str
+    change: dict[str, Any], settings: GatewaySettings, reason: str
 ) -> None:
     model = replace(NATIVE, **change)
-    assert r.native_blocker(model, settings).startswith(reason)
+    assert native_blocker(model, settings).startswith(reason)
     built = r.build([model, DECIDED], settings)
     assert native_routes(built) == []
-    assert r.natively_routed(built.by_type[r.ROUTE][r.ROUTE_NAME]) == frozenset()
+    assert natively_routed(built.by_type[ROUTE][ROUTE_NAME]) == frozenset()
 
 
 def test_a_least_loaded_model_goes_native_with_envoys_full_scan_least_request() -> None:
     """Envoy's own pick for a native least-loaded model compares every endpoint's active requests
     (not two sampled ones), as extproc compares its in-flight counts."""
     model = replace(NATIVE, strategy="least-loaded", endpoints=(EP, ("127.0.0.1", 9101), ("127.0.0.1", 9102)))
-    assert r.native_blocker(model, ON) == ""
+    assert native_blocker(model, ON) == ""
     built = r.build([model, DECIDED], ON)
     assert {x["route"]["cluster"] for x in native_routes(built)} == {model.cluster}
-    cluster = json_format.MessageToDict(built.by_type[r.CLUSTER][model.cluster], preserving_proto_field_name=True)
+    cluster = json_format.MessageToDict(built.by_type[CLUSTER][model.cluster], preserving_proto_field_name=True)
     (policy,) = cluster["load_balancing_policy"]["policies"]
     override = policy["typed_extension_config"]["typed_config"]
     (fallback,) = override["fallback_policy"]["policies"]
     assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
     assert fallback["typed_extension_config"]["typed_config"]["selection_method"] == "FULL_SCAN"
     # A round-robin model keeps round robin.
-    rr = json_format.MessageToDict(built.by_type[r.CLUSTER][DECIDED.cluster], preserving_proto_field_name=True)
+    rr = json_format.MessageToDict(built.by_type[CLUSTER][DECIDED.cluster], preserving_proto_field_name=True)
     (rr_policy,) = rr["load_balancing_policy"]["policies"]
     (rr_fallback,) = rr_policy["typed_extension_config"]["typed_config"]["fallback_policy"]["policies"]
     assert rr_fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
@@ -88,7 +104,7 @@ def test_a_least_loaded_model_goes_native_with_envoys_full_scan_least_request() 
 
 def lb_policies(built: r.Resources, cluster: str) -> list[str]:
     """The names of a cluster's load-balancing policies, outermost first."""
-    config = json_format.MessageToDict(built.by_type[r.CLUSTER][cluster], preserving_proto_field_name=True)
+    config = json_format.MessageToDict(built.by_type[CLUSTER][cluster], preserving_proto_field_name=True)
     names = []
     policies = config["load_balancing_policy"]["policies"]
     while policies:
@@ -103,7 +119,7 @@ def test_a_model_extproc_never_picks_for_has_no_override_host(path: str) -> None
     """Round robin without scoring or adapters: extproc names no endpoint on either path, so its
     cluster is Envoy's round robin alone, the same whether it is native or decided now."""
     model = replace(NATIVE, path=path)
-    assert r.envoy_always_picks(model)
+    assert envoy_always_picks(model)
     built = r.build([model, DECIDED], ON)
     assert lb_policies(built, model.cluster) == ["envoy.load_balancing_policies.round_robin"]
     cold = r.build([replace(model, endpoints=())], ON)
@@ -116,41 +132,41 @@ def test_a_model_extproc_never_picks_for_has_no_override_host(path: str) -> None
         replace(model, lora_adapters=("sql",)),
         replace(model, adapters_on_demand=True),
     ):
-        assert not r.envoy_always_picks(picked)
+        assert not envoy_always_picks(picked)
         assert lb_policies(r.build([picked], ON), picked.cluster)[0] == "envoy.load_balancing_policies.override_host"
 
 
 def test_a_default_model_stays_on_balanced_picking_even_when_it_asks_for_native() -> None:
-    from wakegate.control.schema import parse_models
+    from wakegate.control.manifests import parse_models
 
     (model,) = parse_models(
         "apiVersion: wakegate.io/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec:\n  backend: sim\n"
         "  routing: {path: native}\n"
     )
-    routed = r.routed_model(model, [EP])
+    routed = routed_model(model, [EP])
     assert routed.profile == "balanced"
-    assert "picking" in r.native_blocker(routed, ON)
+    assert "picking" in native_blocker(routed, ON)
 
 
 def test_a_gateway_of_decided_models_has_the_listener_and_routes_it_always_had() -> None:
     decided = [replace(NATIVE, path="decided"), DECIDED]
     built = r.build(decided, ON)
-    assert built.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(ON)
-    assert r.JSON_TO_METADATA not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
-    assert r.JSON_TO_METADATA not in str(built.by_type[r.ROUTE][r.ROUTE_NAME])
+    assert built.by_type[LISTENER][LISTENER_NAME] == listeners.listener(ON)
+    assert JSON_TO_METADATA not in str(built.by_type[LISTENER][LISTENER_NAME])
+    assert JSON_TO_METADATA not in str(built.by_type[ROUTE][ROUTE_NAME])
     assert native_routes(built) == []
     # No API keys allowed it, but keys on the gateway make the same ask decided-only too.
-    keyed = r.build([NATIVE, DECIDED], r.GatewaySettings())
-    assert keyed.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(r.GatewaySettings())
+    keyed = r.build([NATIVE, DECIDED], GatewaySettings())
+    assert keyed.by_type[LISTENER][LISTENER_NAME] == listeners.listener(GatewaySettings())
 
 
 def test_a_cold_native_model_reads_no_body_but_keeps_the_listener_it_will_need() -> None:
     cold = r.build([replace(NATIVE, endpoints=()), DECIDED], ON)
     warm = r.build([NATIVE, DECIDED], ON)
     # Waking changes routes only: a listener update would drain every connection.
-    assert cold.by_type[r.LISTENER] == warm.by_type[r.LISTENER]
+    assert cold.by_type[LISTENER] == warm.by_type[LISTENER]
     for route in routes(cold):
-        assert route["typed_per_filter_config"][r.JSON_TO_METADATA]["disabled"] is True, route
+        assert route["typed_per_filter_config"][JSON_TO_METADATA]["disabled"] is True, route
     assert native_routes(cold) == []
 
 
@@ -192,7 +208,7 @@ def test_native_routes_by_header_path_and_body_skip_extproc_and_mark_the_request
     path_any = next(i for i, x in enumerate(table) if x["match"].get("prefix") == contract.MODEL_PATH_PREFIX)
     assert order[0] < header_any < order[1] < path_any < order[2] < len(table) - 1
     # The catch-all reads the body's model into metadata now.
-    assert r.JSON_TO_METADATA not in table[-1]["typed_per_filter_config"]
+    assert JSON_TO_METADATA not in table[-1]["typed_per_filter_config"]
     # Extproc is off in this listener unless a route turns it on: every route but the native
     # ones does (the cluster_header one too: a request meeting it skips no check). A native
     # route names no extproc config at all: even a disabling one would make Envoy create it.
@@ -207,7 +223,7 @@ def test_extproc_is_created_only_for_requests_a_route_gives_it() -> None:
     then costs Envoy no extproc filter at all) and a client's cluster header is dropped before
     any route is matched; a gateway of decided models keeps extproc on for every request."""
     for native, disabled in ((True, True), (False, False)):
-        listener = json_format.MessageToDict(r.listener(ON, native=native), preserving_proto_field_name=True)
+        listener = json_format.MessageToDict(listeners.listener(ON, native=native), preserving_proto_field_name=True)
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         (extproc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
         assert extproc.get("disabled", False) is disabled
@@ -216,9 +232,9 @@ def test_extproc_is_created_only_for_requests_a_route_gives_it() -> None:
 
 
 def test_the_listener_hides_native_requests_from_extproc_and_drops_a_clients_mark() -> None:
-    listener = json_format.MessageToDict(r.listener(ON, native=True), preserving_proto_field_name=True)
+    listener = json_format.MessageToDict(listeners.listener(ON, native=True), preserving_proto_field_name=True)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    assert hcm["http_filters"][0]["name"] == r.JSON_TO_METADATA
+    assert hcm["http_filters"][0]["name"] == JSON_TO_METADATA
     mutations = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     assert {"remove": contract.NATIVE_HEADER} in mutations
     assert {"remove": contract.DESTINATION_HEADER} in mutations
@@ -243,7 +259,7 @@ def test_the_last_endpoint_leaves_only_after_envoy_dropped_its_native_routes() -
     assert native_routes(switching) == []
     assert endpoints(switching, cluster) == {EP}
     # extproc, which holds the model's requests from now on, sees no endpoint at all.
-    assert list(switching.by_type[r.MODEL_ROUTE]["ns/n"].endpoints) == []  # type: ignore[attr-defined]
+    assert list(switching.by_type[MODEL_ROUTE]["ns/n"].endpoints) == []  # type: ignore[attr-defined]
     # Envoy acknowledged the routes without native ones: the endpoint may go.
     switched = r.build([cold, DECIDED], ON, confirmed={cluster: frozenset({EP})}, routed_natively=frozenset())
     assert endpoints(switched, cluster) == set()
@@ -257,4 +273,4 @@ def test_a_draining_replica_leaves_a_native_model_at_once_while_another_serves()
     view = r.build([one], ON, confirmed={cluster: frozenset({EP, other})}, routed_natively={cluster})
     assert endpoints(view, cluster) == {other}
     assert {x["route"]["cluster"] for x in native_routes(view)} == {cluster}
-    assert r.native_keys([two], ON) == r.native_keys([one], ON) == {"ns/n"}
+    assert native_keys([two], ON) == native_keys([one], ON) == {"ns/n"}

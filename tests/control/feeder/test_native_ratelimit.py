@@ -18,13 +18,27 @@ from google.protobuf import json_format
 from tests.control.feeder.test_native import NATIVE, ON
 from tests.control.feeder.test_resources import assert_envoy_accepts
 from wakegate import contract
+from wakegate.control.feeder import listeners
 from wakegate.control.feeder import resources as r
+from wakegate.control.feeder.envoy_types import LISTENER, LISTENER_NAME, MODEL_ROUTE, ROUTE, ROUTE_NAME
+from wakegate.control.feeder.listeners import JSON_TO_METADATA
+from wakegate.control.feeder.native import may_go_native, native_blocker, native_keys
+from wakegate.control.feeder.ratelimit import (
+    HEADER_MUTATION,
+    LOCAL_RATE_LIMIT,
+    RATE_LIMIT_METADATA,
+    envoy_rate_limited,
+    refused_retry_after,
+    token_bucket,
+)
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.extproc.ratelimit import retry_after_header
 from wakegate.extproc.responses import error_body
 
 LIMITED = replace(NATIVE, requests_per_second=2.5, burst=4)
 #: A model beside it whose requests no bucket counts (unlimited, decided).
-DECIDED = r.RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
+DECIDED = RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
 MARK = {"key": contract.RATE_COUNTED_HEADER, "value": "ns/n"}
 
 
@@ -33,12 +47,12 @@ def as_dict(message: Any) -> dict[str, Any]:
 
 
 def hcm(built: r.Resources) -> dict[str, Any]:
-    listener = as_dict(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    listener = as_dict(built.by_type[LISTENER][LISTENER_NAME])
     return dict(listener["filter_chains"][0]["filters"][0]["typed_config"])
 
 
 #: The listener's filters up to ext_proc where Envoy keeps buckets: the body read, then the bucket.
-BUCKET_FIRST = [r.JSON_TO_METADATA, r.LOCAL_RATE_LIMIT, r.HEADER_MUTATION, "envoy.filters.http.ext_proc"]
+BUCKET_FIRST = [JSON_TO_METADATA, LOCAL_RATE_LIMIT, HEADER_MUTATION, "envoy.filters.http.ext_proc"]
 
 
 def filters_to_extproc(config: dict[str, Any]) -> list[str]:
@@ -47,12 +61,12 @@ def filters_to_extproc(config: dict[str, Any]) -> list[str]:
 
 
 def routes(built: r.Resources) -> list[dict[str, Any]]:
-    return list(as_dict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtual_hosts"][0]["routes"])
+    return list(as_dict(built.by_type[ROUTE][ROUTE_NAME])["virtual_hosts"][0]["routes"])
 
 
 def drawn(route: dict[str, Any]) -> str | None:
     """The model whose bucket the route draws from, if any."""
-    found = route.get("metadata", {}).get("filter_metadata", {}).get(r.RATE_LIMIT_METADATA, {})
+    found = route.get("metadata", {}).get("filter_metadata", {}).get(RATE_LIMIT_METADATA, {})
     return found.get("model")
 
 
@@ -63,13 +77,13 @@ def named_by_header(route: dict[str, Any]) -> str | None:
 
 
 def marks(route: dict[str, Any]) -> bool:
-    mutation = route.get("typed_per_filter_config", {}).get(r.HEADER_MUTATION, {})
+    mutation = route.get("typed_per_filter_config", {}).get(HEADER_MUTATION, {})
     return any(m["append"]["header"] == MARK for m in mutation.get("mutations", {}).get("request_mutations", []))
 
 
 def marked(route: dict[str, Any]) -> str | None:
     """The model a route tells extproc Envoy counted, if any."""
-    mutation = route.get("typed_per_filter_config", {}).get(r.HEADER_MUTATION, {})
+    mutation = route.get("typed_per_filter_config", {}).get(HEADER_MUTATION, {})
     for m in mutation.get("mutations", {}).get("request_mutations", []):
         if m["append"]["header"]["key"] == contract.RATE_COUNTED_HEADER:
             return str(m["append"]["header"]["value"])
@@ -80,7 +94,7 @@ def marked(route: dict[str, Any]) -> str | None:
     ("rate", "burst"), [(0.5, 2), (1.0, 0), (2.5, 4), (100.0, 10), (1 / 3, 1), (1000.7, 0), (0.001, 3.9)]
 )
 def test_envoys_bucket_is_extprocs_to_the_millisecond(rate: float, burst: float) -> None:
-    bucket = json_format.ParseDict(r.token_bucket(rate, burst), token_bucket_pb2.TokenBucket())
+    bucket = json_format.ParseDict(token_bucket(rate, burst), token_bucket_pb2.TokenBucket())
     interval = bucket.fill_interval.ToMilliseconds()
     assert interval >= 50  # Envoy refuses shorter intervals
     assert bucket.tokens_per_fill.value / (interval / 1000) == pytest.approx(rate, rel=5e-4)
@@ -90,7 +104,7 @@ def test_envoys_bucket_is_extprocs_to_the_millisecond(rate: float, burst: float)
 
 
 def test_an_absurd_rate_still_gives_a_bucket_envoy_takes() -> None:
-    bucket = json_format.ParseDict(r.token_bucket(1e12, 1e12), token_bucket_pb2.TokenBucket())
+    bucket = json_format.ParseDict(token_bucket(1e12, 1e12), token_bucket_pb2.TokenBucket())
     assert bucket.fill_interval.ToMilliseconds() >= 50
     assert bucket.max_tokens == bucket.tokens_per_fill.value == 2**32 - 1
 
@@ -98,9 +112,9 @@ def test_an_absurd_rate_still_gives_a_bucket_envoy_takes() -> None:
 @pytest.mark.parametrize("rate", [0.1, 0.3, 1 / 3, 0.5, 0.75, 1.0, 2.5, 50.0])
 def test_envoys_retry_after_is_extprocs_longest_wait(rate: float) -> None:
     # extproc answers ceil of the wait for one token, which is at most 1 / rate (an empty bucket).
-    assert r.refused_retry_after(rate) == retry_after_header(1 / rate)
+    assert refused_retry_after(rate) == retry_after_header(1 / rate)
     if rate >= 1:
-        assert r.refused_retry_after(rate) == "1"  # the only answer extproc gives at such rates
+        assert refused_retry_after(rate) == "1"  # the only answer extproc gives at such rates
 
 
 def test_a_limited_native_model_has_its_bucket_in_the_listener_before_extproc() -> None:
@@ -115,11 +129,11 @@ def test_a_limited_native_model_has_its_bucket_in_the_listener_before_extproc() 
     (descriptor,) = limit["descriptors"]
     assert descriptor["entries"][0]["value"] == "ns/n"
     assert descriptor["token_bucket"] == as_dict(
-        json_format.ParseDict(r.token_bucket(2.5, 4), token_bucket_pb2.TokenBucket())
+        json_format.ParseDict(token_bucket(2.5, 4), token_bucket_pb2.TokenBucket())
     )
     (action,) = limit["rate_limits"][0]["actions"]
     assert action["metadata"]["source"] == "ROUTE_ENTRY"
-    assert action["metadata"]["metadata_key"]["key"] == r.RATE_LIMIT_METADATA
+    assert action["metadata"]["metadata_key"]["key"] == RATE_LIMIT_METADATA
     # A client cannot claim its request was counted.
     mutations = config["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     assert {"remove": contract.RATE_COUNTED_HEADER} in mutations
@@ -129,8 +143,8 @@ def test_a_limited_native_model_has_its_bucket_in_the_listener_before_extproc() 
     assert json.loads(error_body(429, "rate_limited", "rate limit exceeded; retry later")) == {
         "error": refused["body_format_override"]["json_format"]["error"]
     }
-    assert built.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
-    assert built.by_type[r.MODEL_ROUTE]["d"].rate_limit.counted_by_envoy is False  # type: ignore[attr-defined]
+    assert built.by_type[MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
+    assert built.by_type[MODEL_ROUTE]["d"].rate_limit.counted_by_envoy is False  # type: ignore[attr-defined]
 
 
 def test_warm_every_native_route_and_the_aliases_in_the_body_draw_from_the_bucket() -> None:
@@ -145,7 +159,7 @@ def test_warm_every_native_route_and_the_aliases_in_the_body_draw_from_the_bucke
     assert marks(alias) and table.index(alias) == len(table) - 2
     # Buffered, as the catch-all: extproc on with no override of its mode.
     assert alias["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"] == {}
-    assert alias["metadata"]["filter_metadata"][r.RATE_LIMIT_METADATA]["retry_after"] == "1"
+    assert alias["metadata"]["filter_metadata"][RATE_LIMIT_METADATA]["retry_after"] == "1"
 
 
 def test_cold_every_name_every_way_draws_from_the_bucket_and_tells_extproc() -> None:
@@ -175,27 +189,27 @@ def test_cold_every_name_every_way_draws_from_the_bucket_and_tells_extproc() -> 
         else:
             assert path_any < at < len(table) - 1
     # The catch-all reads the body's `model` even with no model native now: the body routes need it.
-    assert r.JSON_TO_METADATA not in table[-1].get("typed_per_filter_config", {})
+    assert JSON_TO_METADATA not in table[-1].get("typed_per_filter_config", {})
 
 
 @pytest.mark.parametrize(
     ("model", "settings"),
     [
-        (LIMITED, r.GatewaySettings()),
+        (LIMITED, GatewaySettings()),
         (replace(LIMITED, requests_per_second=0.0), ON),
         (replace(LIMITED, lora_adapters=("a",)), ON),
     ],
     ids=["keys", "unlimited", "adapters"],
 )
 def test_without_a_bucket_in_envoy_the_listener_and_extproc_are_as_before(
-    model: r.RoutedModel, settings: r.GatewaySettings
+    model: RoutedModel, settings: GatewaySettings
 ) -> None:
     built = r.build([model, DECIDED], settings)
-    assert r.envoy_rate_limited([model, DECIDED], settings) == ()
-    assert built.by_type[r.LISTENER][r.LISTENER_NAME] == r.listener(settings, r.may_go_native([model], settings))
-    assert r.LOCAL_RATE_LIMIT not in str(built.by_type[r.LISTENER][r.LISTENER_NAME])
+    assert envoy_rate_limited([model, DECIDED], settings) == ()
+    assert built.by_type[LISTENER][LISTENER_NAME] == listeners.listener(settings, may_go_native([model], settings))
+    assert LOCAL_RATE_LIMIT not in str(built.by_type[LISTENER][LISTENER_NAME])
     assert not any(drawn(x) for x in routes(built))
-    assert built.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is False  # type: ignore[attr-defined]
+    assert built.by_type[MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is False  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -208,13 +222,13 @@ def test_without_a_bucket_in_envoy_the_listener_and_extproc_are_as_before(
     ids=["decided", "scored", "global-limit"],
 )
 def test_a_limited_model_that_never_goes_native_draws_from_envoys_bucket_too(
-    model: r.RoutedModel, settings: r.GatewaySettings
+    model: RoutedModel, settings: GatewaySettings
 ) -> None:
     """Whichever extproc Envoy sends a request to (the standby, at start-up or on a failover),
     the model's one bucket is Envoy's: every name, every way, the body read before extproc."""
     for fleet in ([model, DECIDED], [model]):  # with or without a model that asks for the native path
         built = r.build(fleet, settings)
-        assert r.envoy_rate_limited(fleet, settings) == (model,)
+        assert envoy_rate_limited(fleet, settings) == (model,)
         config = hcm(built)
         assert filters_to_extproc(config) == BUCKET_FIRST
         table = routes(built)
@@ -228,48 +242,48 @@ def test_a_limited_model_that_never_goes_native_draws_from_envoys_bucket_too(
         )
         assert bodies == ["n", "n-alias"]
         # The catch-all reads the body's `model` for the body routes; extproc is on for it.
-        assert r.JSON_TO_METADATA not in table[-1].get("typed_per_filter_config", {})
+        assert JSON_TO_METADATA not in table[-1].get("typed_per_filter_config", {})
         assert "envoy.filters.http.ext_proc" in table[-1]["typed_per_filter_config"]
-        assert built.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
+        assert built.by_type[MODEL_ROUTE]["ns/n"].rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
 
 
 def test_a_global_limit_keeps_every_model_decided() -> None:
     settings = replace(ON, global_rate_limit=True)
-    assert r.native_blocker(replace(LIMITED, requests_per_second=0.0), settings) == (
+    assert native_blocker(replace(LIMITED, requests_per_second=0.0), settings) == (
         "a gateway-wide rate limit (--global-rps)"
     )
-    assert r.native_keys([LIMITED], settings) == frozenset()
+    assert native_keys([LIMITED], settings) == frozenset()
 
 
 def test_with_the_global_bucket_in_envoy_every_model_draws_from_it_and_extproc_is_told() -> None:
     settings = replace(ON, global_rate_limit=True, global_rps=0.5, global_burst=3)
     built = r.build([replace(LIMITED, path="decided"), DECIDED], settings)
-    limit = next(f for f in hcm(built)["http_filters"] if f["name"] == r.LOCAL_RATE_LIMIT)["typed_config"]
+    limit = next(f for f in hcm(built)["http_filters"] if f["name"] == LOCAL_RATE_LIMIT)["typed_config"]
     buckets = {d["entries"][0]["value"]: d["token_bucket"] for d in limit["descriptors"]}
     # One bucket per limited model, one gateway-wide; the unlimited model has none of its own.
     assert set(buckets) == {"ns/n", "all"} and buckets["all"]["max_tokens"] == 3
     for key in ("ns/n", "d"):
         table = [x for x in routes(built) if marked(x) == key]
-        assert table and all(x["metadata"]["filter_metadata"][r.RATE_LIMIT_METADATA]["global"] for x in table)
-        rate = built.by_type[r.MODEL_ROUTE][key].rate_limit  # type: ignore[attr-defined]
+        assert table and all(x["metadata"]["filter_metadata"][RATE_LIMIT_METADATA]["global"] for x in table)
+        rate = built.by_type[MODEL_ROUTE][key].rate_limit  # type: ignore[attr-defined]
         assert rate.counted_by_envoy and rate.global_counted_by_envoy
     unlimited = next(x for x in routes(built) if marked(x) == "d")
     assert drawn(unlimited) is None  # the global bucket only
     # The slower bucket's wait: 1 / 0.5 s.
-    assert unlimited["metadata"]["filter_metadata"][r.RATE_LIMIT_METADATA]["retry_after"] == "2"
+    assert unlimited["metadata"]["filter_metadata"][RATE_LIMIT_METADATA]["retry_after"] == "2"
     # Without it in Envoy (the chart's extproc keeps it), extproc is told nothing of a global token.
     plain = r.build([replace(LIMITED, path="decided")], replace(ON, global_rate_limit=True))
-    assert not plain.by_type[r.MODEL_ROUTE]["ns/n"].rate_limit.global_counted_by_envoy  # type: ignore[attr-defined]
+    assert not plain.by_type[MODEL_ROUTE]["ns/n"].rate_limit.global_counted_by_envoy  # type: ignore[attr-defined]
 
 
 def test_waking_and_gating_keep_the_buckets_and_what_extproc_is_told() -> None:
     cold = r.build([replace(LIMITED, endpoints=()), DECIDED], ON)
     warm = r.build([LIMITED, DECIDED], ON)
     # The buckets live in the listener, which does not change when the model wakes (no drain).
-    assert cold.by_type[r.LISTENER] == warm.by_type[r.LISTENER]
+    assert cold.by_type[LISTENER] == warm.by_type[LISTENER]
     # A gateway whose Envoy has not the endpoint yet: extproc's route is rebuilt, still counted.
     gated = r.build([LIMITED, DECIDED], ON, confirmed={LIMITED.cluster: frozenset()})
-    route = gated.by_type[r.MODEL_ROUTE]["ns/n"]
+    route = gated.by_type[MODEL_ROUTE]["ns/n"]
     assert list(route.endpoints) == [] and route.rate_limit.counted_by_envoy is True  # type: ignore[attr-defined]
     assert any(drawn(x) and marks(x) for x in routes(gated))
 

@@ -12,12 +12,15 @@ from google.protobuf import json_format
 
 from wakegate import contract
 from wakegate.control.feeder import resources as r
+from wakegate.control.feeder.envoy_types import LISTENER, LISTENER_NAME, ROUTE, ROUTE_NAME
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.settings import GatewaySettings
 
 MODELS = [
-    r.RoutedModel(key="a", names=("a",), served_name="a", requests_per_second=2, burst=2),
-    r.RoutedModel(key="b", names=("b",), served_name="b", path="native", endpoints=(("127.0.0.1", 9000),)),
+    RoutedModel(key="a", names=("a",), served_name="a", requests_per_second=2, burst=2),
+    RoutedModel(key="b", names=("b",), served_name="b", path="native", endpoints=(("127.0.0.1", 9000),)),
 ]
-SETTINGS = r.GatewaySettings(native_allowed=True, replay=True)
+SETTINGS = GatewaySettings(native_allowed=True, replay=True)
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
@@ -39,7 +42,7 @@ def _removed_early(listener: dict[str, Any]) -> set[str]:
 
 def test_only_requests_extproc_never_decided_are_sent_through_again() -> None:
     built = r.build(MODELS, SETTINGS)
-    routes = _as_dict(built.by_type[r.ROUTE][r.ROUTE_NAME])["virtual_hosts"][0]["routes"]
+    routes = _as_dict(built.by_type[ROUTE][ROUTE_NAME])["virtual_hosts"][0]["routes"]
     replaying = [route for route in routes if route.get("route", {}).get("cluster") == contract.REPLAY_CLUSTER]
     # Every route that would have answered "no route" (extproc names the cluster of every request
     # it decides) replays instead; no route that reaches a model server does.
@@ -58,8 +61,8 @@ def test_only_requests_extproc_never_decided_are_sent_through_again() -> None:
 
 
 def test_the_replay_listener_is_internal_keeps_the_gateways_marks_and_fails_with_the_retriable_503() -> None:
-    listeners = r.build(MODELS, SETTINGS).by_type[r.LISTENER]
-    outer, inner = _as_dict(listeners[r.LISTENER_NAME]), _as_dict(listeners[contract.REPLAY_LISTENER])
+    listeners = r.build(MODELS, SETTINGS).by_type[LISTENER]
+    outer, inner = _as_dict(listeners[LISTENER_NAME]), _as_dict(listeners[contract.REPLAY_LISTENER])
     assert "address" not in inner and "internal_listener" in inner
     assert _ext_proc(outer)["typed_config"]["failure_mode_allow"] is True
     assert not _ext_proc(inner)["typed_config"].get("failure_mode_allow")
@@ -70,11 +73,11 @@ def test_the_replay_listener_is_internal_keeps_the_gateways_marks_and_fails_with
 
 
 def test_without_replay_nothing_changes() -> None:
-    built = r.build(MODELS, r.GatewaySettings(native_allowed=True))
-    assert set(built.by_type[r.LISTENER]) == {r.LISTENER_NAME}
-    assert not _ext_proc(_as_dict(built.by_type[r.LISTENER][r.LISTENER_NAME]))["typed_config"].get(
+    built = r.build(MODELS, GatewaySettings(native_allowed=True))
+    assert set(built.by_type[LISTENER]) == {LISTENER_NAME}
+    assert not _ext_proc(_as_dict(built.by_type[LISTENER][LISTENER_NAME]))["typed_config"].get(
         "failure_mode_allow"
     )
-    config = _as_dict(built.by_type[r.ROUTE][r.ROUTE_NAME])
+    config = _as_dict(built.by_type[ROUTE][ROUTE_NAME])
     assert config["response_headers_to_remove"] == [contract.UNSERVED_HEADER]
     assert contract.REPLAY_CLUSTER not in str(config)

@@ -20,7 +20,8 @@ from tests.support.tools import registry_bin
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.operator import render as rnd
-from wakegate.control.operator.controller import CATALOG_KEY, Reconciler
+from wakegate.control.operator.controller import Reconciler
+from wakegate.control.operator.keys import CATALOG_KEY
 
 __all__ = ["registry_bin"]
 pytestmark = pytest.mark.usefixtures("registry_bin")

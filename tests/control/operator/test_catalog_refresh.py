@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from wakegate.control.operator.controller import catalog_delay, secret_auths
+from wakegate.control.operator.catalogs import catalog_delay, secret_auths
 
 
 def catalog(

@@ -277,7 +277,8 @@ def llama_pod(name: str, uid: str, adapters: str) -> dict[str, Any]:
 
 
 def test_the_operator_renders_the_adapters_and_counts_each_pod_that_loads_one_once() -> None:
-    from wakegate.control.operator.controller import ADAPTER_KEY, Reconciler
+    from wakegate.control.operator.controller import Reconciler
+    from wakegate.control.operator.keys import ADAPTER_KEY
 
     kube = Kube()
     reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from wakegate.control.k8s.client import KubeError
+from wakegate.control.manifests import parse_models
 from wakegate.control.scaler.kube import WaitingWriter, pods_per_model
 from wakegate.control.scaling.core import Verdict
-from wakegate.control.schema import parse_models
 
 MODELS = """
 apiVersion: wakegate.io/v1alpha1

@@ -6,9 +6,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from wakegate.control.demand.book import DemandBook
+from wakegate.control.manifests import parse_models
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
-from wakegate.control.schema import parse_models
 from wakegate.v1 import demand_pb2
 
 MODELS = """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from wakegate.control.demand.book import DemandBook
+from wakegate.control.manifests import parse_models
 from wakegate.control.scaling.core import Core
-from wakegate.control.schema import parse_models
 from wakegate.v1 import demand_pb2
 
 MODELS = """

@@ -18,8 +18,8 @@ from tests.support.sim import SimFactory, SimProcess, start_sim
 from tests.support.up import adapter_doc, model_doc
 from wakegate.control.delivery.resolver import Access
 from wakegate.control.demand.book import AdapterLoad, DemandBook
-from wakegate.control.feeder.resources import routed_adapters
-from wakegate.control.schema import parse_models
+from wakegate.control.feeder.routed import routed_adapters
+from wakegate.control.manifests import parse_models
 from wakegate.control.up import hotswap
 from wakegate.control.up.adapters import AdapterError, AdapterLoader, AdapterSlots
 from wakegate.control.up.hotswap import HotSwap, choose

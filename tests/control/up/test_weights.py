@@ -27,7 +27,8 @@ from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
 from wakegate.control.delivery.resolver import Access
-from wakegate.control.schema import Model, parse_models
+from wakegate.control.manifests import parse_models
+from wakegate.control.schema import Model
 from wakegate.control.up.weights import Delivery, DeliveryConfig, WeightsWatch
 
 __all__ = ["registry_bin"]

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 
 from wakegate.control.feeder import resources as r
+from wakegate.control.feeder.envoy_types import MODEL_ROUTE, ROUTE, ROUTE_NAME
+from wakegate.control.feeder.native import routing_path
+from wakegate.control.feeder.routed import RoutedModel
+from wakegate.control.feeder.routes import natively_routed
+from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.operator import main as operator
 from wakegate.control.xds import main as xds
 
-WARM_NATIVE = r.RoutedModel(
+WARM_NATIVE = RoutedModel(
     key="ns/n", names=("n",), served_name="n", strategy="round-robin", endpoints=(("10.0.0.1", 8000),), path="native"
 )
 
@@ -25,16 +30,16 @@ def test_the_feeder_routes_natively_only_with_native_path() -> None:
     assert not off.native_allowed and on.native_allowed
     assert xds.Settings.from_args(parsed(xds, "--no-internal-auth", "--no-native-path")).gateway == off
     # What each builds for a warm round-robin Model that asks for native.
-    assert not r.natively_routed(r.build([WARM_NATIVE], off).by_type[r.ROUTE][r.ROUTE_NAME])
-    assert r.natively_routed(r.build([WARM_NATIVE], on).by_type[r.ROUTE][r.ROUTE_NAME]) == {"model.ns.n"}
+    assert not natively_routed(r.build([WARM_NATIVE], off).by_type[ROUTE][ROUTE_NAME])
+    assert natively_routed(r.build([WARM_NATIVE], on).by_type[ROUTE][ROUTE_NAME]) == {"model.ns.n"}
     keys = "the gateway's native path is off (API keys or a global rate limit on the cluster)"
-    assert r.routing_path(WARM_NATIVE, off) == {"routingPath": "decided", "routingPathReason": keys}
-    assert r.routing_path(WARM_NATIVE, on) == {"routingPath": "native"}
+    assert routing_path(WARM_NATIVE, off) == {"routingPath": "decided", "routingPathReason": keys}
+    assert routing_path(WARM_NATIVE, on) == {"routingPath": "native"}
 
 
 def test_the_routes_tell_extproc_which_models_ask_for_native() -> None:
-    built = r.build([WARM_NATIVE, r.RoutedModel(key="ns/d", names=("d",), served_name="d")], r.GatewaySettings())
-    routes = built.by_type[r.MODEL_ROUTE]
+    built = r.build([WARM_NATIVE, RoutedModel(key="ns/d", names=("d",), served_name="d")], GatewaySettings())
+    routes = built.by_type[MODEL_ROUTE]
     assert (routes["ns/n"].path, routes["ns/d"].path) == ("native", "decided")
 
 

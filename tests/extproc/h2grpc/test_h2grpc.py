@@ -17,8 +17,34 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wakegate.extproc.h2grpc import call as grpc_call
-from wakegate.extproc.h2grpc import connection as h2
 from wakegate.extproc.h2grpc.call import Call, GrpcError, GrpcServer, unary
+from wakegate.extproc.h2grpc.frames import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    WINDOW_UPDATE,
+)
 from wakegate.extproc.h2grpc.limits import H2Limits
 
 ECHO = "/wakegate.test.Echo/Chat"
@@ -296,14 +322,14 @@ def _raw(address: str) -> socket.socket:
 @pytest.mark.parametrize(
     ("opening", "code"),
     [
-        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", h2.PROTOCOL_ERROR),
-        (h2.PREFACE + _frame(h2.SETTINGS, 0, 0, b"\x00\x04\x00"), h2.FRAME_SIZE_ERROR),
-        (h2.PREFACE + b"\x20\x00\x00" + bytes((0, 0)) + b"\x00\x00\x00\x01", h2.FRAME_SIZE_ERROR),
-        (h2.PREFACE + _frame(h2.HEADERS, h2.END_HEADERS, 2, b"\x83"), h2.PROTOCOL_ERROR),
-        (h2.PREFACE + _frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), 9),
-        (h2.PREFACE + _frame(h2.DATA, 0, 7, b"\x00"), h2.PROTOCOL_ERROR),
-        (h2.PREFACE + _frame(h2.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), h2.PROTOCOL_ERROR),
-        (h2.PREFACE + _frame(h2.PUSH_PROMISE, 0, 1, b"\x00\x00\x00\x02"), h2.PROTOCOL_ERROR),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", PROTOCOL_ERROR),
+        (PREFACE + _frame(SETTINGS, 0, 0, b"\x00\x04\x00"), FRAME_SIZE_ERROR),
+        (PREFACE + b"\x20\x00\x00" + bytes((0, 0)) + b"\x00\x00\x00\x01", FRAME_SIZE_ERROR),
+        (PREFACE + _frame(HEADERS, END_HEADERS, 2, b"\x83"), PROTOCOL_ERROR),
+        (PREFACE + _frame(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), 9),
+        (PREFACE + _frame(DATA, 0, 7, b"\x00"), PROTOCOL_ERROR),
+        (PREFACE + _frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), PROTOCOL_ERROR),
+        (PREFACE + _frame(PUSH_PROMISE, 0, 1, b"\x00\x00\x00\x02"), PROTOCOL_ERROR),
     ],
     ids=["http1", "short-settings", "huge-frame", "even-stream", "bad-hpack", "data-idle", "window-0", "push"],
 )
@@ -314,10 +340,10 @@ async def test_protocol_errors_end_only_that_connection(served, opening: bytes, 
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
             sock.sendall(opening)
-            return _read_frames(sock, h2.GOAWAY)
+            return _read_frames(sock, GOAWAY)
 
     frames = await loop.run_in_executor(None, exchange)
-    goaway = [f for f in frames if f[0] == h2.GOAWAY]
+    goaway = [f for f in frames if f[0] == GOAWAY]
     assert goaway, frames
     assert struct.unpack(">I", goaway[-1][3][4:8])[0] == code
     assert await channel.unary_unary(UPPER)(b"fine") == b"FINE"
@@ -328,11 +354,11 @@ async def test_ping_is_answered(served) -> None:
 
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"12345678"))
-            return _read_frames(sock, h2.PING)
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + _frame(PING, 0, 0, b"12345678"))
+            return _read_frames(sock, PING)
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    assert frames[-1] == (h2.PING, h2.ACK, 0, b"12345678")
+    assert frames[-1] == (PING, ACK, 0, b"12345678")
 
 
 async def test_continuation_and_padding_are_understood(served) -> None:
@@ -349,24 +375,24 @@ async def test_continuation_and_padding_are_understood(served) -> None:
     padding = 7
     data = bytes((padding,)) + grpc_message + b"\x00" * padding
     frames = (
-        h2.PREFACE
-        + _frame(h2.SETTINGS, 0, 0)
-        + _frame(h2.HEADERS, 0, 1, block[:5])
-        + _frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[5:])
-        + _frame(h2.DATA, h2.PADDED | h2.END_STREAM, 1, data)
+        PREFACE
+        + _frame(SETTINGS, 0, 0)
+        + _frame(HEADERS, 0, 1, block[:5])
+        + _frame(CONTINUATION, END_HEADERS, 1, block[5:])
+        + _frame(DATA, PADDED | END_STREAM, 1, data)
     )
 
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
             sock.sendall(frames)
-            return _read_frames(sock, h2.HEADERS, until_flags=h2.END_STREAM)
+            return _read_frames(sock, HEADERS, until_flags=END_STREAM)
 
     got = await asyncio.get_running_loop().run_in_executor(None, exchange)
     on_stream = [f for f in got if f[2] == 1]
-    body = b"".join(f[3] for f in on_stream if f[0] == h2.DATA)
+    body = b"".join(f[3] for f in on_stream if f[0] == DATA)
     assert body == b"\x00" + struct.pack(">I", len(message)) + message.upper()
     trailers = hpack.Decoder().decode(on_stream[-1][3])  # our blocks never use the dynamic table
-    assert on_stream[-1][1] & h2.END_STREAM and ("grpc-status", "0") in trailers
+    assert on_stream[-1][1] & END_STREAM and ("grpc-status", "0") in trailers
 
 
 # -- limits ----------------------------------------------------------------------------------
@@ -393,7 +419,7 @@ def _request(path: str = UPPER, content_type: bytes = b"application/grpc") -> by
 
 
 def _settings(frames: list[tuple[int, int, int, bytes]]) -> dict[int, int]:
-    payload = next(f[3] for f in frames if f[0] == h2.SETTINGS and not f[1] & h2.ACK)
+    payload = next(f[3] for f in frames if f[0] == SETTINGS and not f[1] & ACK)
     return dict(struct.unpack_from(">HI", payload, i) for i in range(0, len(payload), 6))
 
 
@@ -404,15 +430,15 @@ async def test_streams_past_the_advertised_limit_are_refused_and_the_rest_served
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
             # three open streams on a connection that allows two; then the first two end
-            opening = b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) for sid in (1, 3, 5))
-            ending = b"".join(_frame(h2.DATA, h2.END_STREAM, sid) for sid in (1, 3))
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + opening + ending)
+            opening = b"".join(_frame(HEADERS, END_HEADERS, sid, block) for sid in (1, 3, 5))
+            ending = b"".join(_frame(DATA, END_STREAM, sid) for sid in (1, 3))
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + opening + ending)
             return _read_frames(sock, -1, timeout=1.5)  # everything it answers
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    assert _settings(frames)[h2.SETTINGS_MAX_CONCURRENT_STREAMS] == 2
-    assert (h2.RST_STREAM, 0, 5, struct.pack(">I", h2.REFUSED_STREAM)) in frames
-    ended = {f[2] for f in frames if f[0] == h2.HEADERS and f[1] & h2.END_STREAM}
+    assert _settings(frames)[SETTINGS_MAX_CONCURRENT_STREAMS] == 2
+    assert (RST_STREAM, 0, 5, struct.pack(">I", REFUSED_STREAM)) in frames
+    ended = {f[2] for f in frames if f[0] == HEADERS and f[1] & END_STREAM}
     assert ended == {1, 3}
     assert server.transport.refused["stream_limit"] == 1
 
@@ -422,12 +448,12 @@ async def test_a_ping_flood_ends_the_connection_with_enhance_your_calm_and_is_co
 
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"01234567") * 50)
-            return _read_frames(sock, h2.GOAWAY)
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + _frame(PING, 0, 0, b"01234567") * 50)
+            return _read_frames(sock, GOAWAY)
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    assert sum(f[0] == h2.PING for f in frames) == 5  # the burst is answered, then the connection ends
-    assert struct.unpack(">I", frames[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert sum(f[0] == PING for f in frames) == 5  # the burst is answered, then the connection ends
+    assert struct.unpack(">I", frames[-1][3][4:8])[0] == ENHANCE_YOUR_CALM
     assert server.transport.refused["ping"] == 1
 
 
@@ -438,8 +464,8 @@ async def test_connections_past_the_limit_are_closed_at_once(limited) -> None:
         socks = [_raw(address) for _ in range(3)]
         try:
             for sock in socks:
-                sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0))
-                assert _read_frames(sock, h2.SETTINGS)
+                sock.sendall(PREFACE + _frame(SETTINGS, 0, 0))
+                assert _read_frames(sock, SETTINGS)
             with _raw(address) as extra:
                 extra.settimeout(3)
                 return extra.recv(100)
@@ -457,15 +483,15 @@ async def test_a_request_that_is_not_grpc_gets_415_with_a_body(limited) -> None:
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
             block = _request(content_type=b"text/html")
-            request = _frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block)
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + request)
-            return _read_frames(sock, h2.DATA, until_flags=h2.END_STREAM)
+            request = _frame(HEADERS, END_HEADERS | END_STREAM, 1, block)
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + request)
+            return _read_frames(sock, DATA, until_flags=END_STREAM)
 
     import hpack
 
     frames = [f for f in await asyncio.get_running_loop().run_in_executor(None, exchange) if f[2] == 1]
     assert (":status", "415") in hpack.Decoder().decode(frames[0][3])
-    assert b"only gRPC" in b"".join(f[3] for f in frames if f[0] == h2.DATA)
+    assert b"only gRPC" in b"".join(f[3] for f in frames if f[0] == DATA)
 
 
 async def test_data_beyond_the_connection_window_is_a_flow_control_error(limited) -> None:
@@ -476,27 +502,27 @@ async def test_data_beyond_the_connection_window_is_a_flow_control_error(limited
             # one message larger than the window (128 KiB), never finished: nothing is given back
             header = b"\x00" + struct.pack(">I", 1 << 20)
             chunks = [header + b"x" * 16_000] + [b"x" * 16_000] * 9
-            data = b"".join(_frame(h2.DATA, 0, 1, chunk) for chunk in chunks)
-            opening = _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO))
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + opening + data)
-            return _read_frames(sock, h2.GOAWAY)
+            data = b"".join(_frame(DATA, 0, 1, chunk) for chunk in chunks)
+            opening = _frame(HEADERS, END_HEADERS, 1, _request(ECHO))
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + opening + data)
+            return _read_frames(sock, GOAWAY)
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    assert struct.unpack(">I", frames[-1][3][4:8])[0] == h2.FLOW_CONTROL_ERROR
+    assert struct.unpack(">I", frames[-1][3][4:8])[0] == FLOW_CONTROL_ERROR
 
 
 async def test_a_client_that_does_not_read_stops_being_read(limited) -> None:
     """Write backpressure: echoed output piles up only to the write buffer, then we stop reading."""
     server, address = limited
     message = b"\x00" + struct.pack(">I", 60_000) + b"e" * 60_000
-    grants = _frame(h2.SETTINGS, 0, 0, struct.pack(">HI", h2.SETTINGS_INITIAL_WINDOW_SIZE, h2.MAX_WINDOW))
-    grants += _frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", h2.MAX_WINDOW - h2.DEFAULT_WINDOW))
+    grants = _frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW))
+    grants += _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - DEFAULT_WINDOW))
     sock = _raw(address)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-    sock.sendall(h2.PREFACE + grants + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)))
+    sock.sendall(PREFACE + grants + _frame(HEADERS, END_HEADERS, 1, _request(ECHO)))
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
-    data = b"".join(_frame(h2.DATA, 0, 1, message[i : i + 15_000]) for i in range(0, len(message), 15_000))
+    data = b"".join(_frame(DATA, 0, 1, message[i : i + 15_000]) for i in range(0, len(message), 15_000))
     sent = 0
     deadline = loop.time() + 20
     while loop.time() < deadline:  # echo 60 kB messages, read nothing, until the server stops taking them
@@ -525,29 +551,29 @@ async def test_rapid_resets_are_judged_by_their_share_of_the_streams() -> None:
     server = GrpcServer({ECHO: lambda call: EchoCall(call, [])}, limits=H2Limits(rapid_reset_streams=20))
     address = await server.listen("127.0.0.1:0")
     block = _request(ECHO)
-    answered = b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.DATA, h2.END_STREAM, sid)
+    answered = b"".join(_frame(HEADERS, END_HEADERS, sid, block) + _frame(DATA, END_STREAM, sid)
                         for sid in range(1, 61, 2))  # fmt: skip
-    cancel = struct.pack(">I", h2.CANCEL)
+    cancel = struct.pack(">I", CANCEL)
 
     def resets(first: int, count: int) -> bytes:
-        return b"".join(_frame(h2.HEADERS, h2.END_HEADERS, sid, block) + _frame(h2.RST_STREAM, 0, sid, cancel)
+        return b"".join(_frame(HEADERS, END_HEADERS, sid, block) + _frame(RST_STREAM, 0, sid, cancel)
                         for sid in range(first, first + 2 * count, 2))  # fmt: skip
 
     def exchange() -> tuple[list[tuple[int, int, int, bytes]], list[tuple[int, int, int, bytes]]]:
         with _raw(address) as sock:
             # 30 answered streams, then 12 reset at once: 12 of 42 is not half
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + answered + resets(61, 12))
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + answered + resets(61, 12))
             calm = _read_frames(sock, -1, timeout=1.0)
             # 30 more resets: now most streams were reset before an answer
             sock.sendall(resets(85, 30))
-            return calm, _read_frames(sock, h2.GOAWAY)
+            return calm, _read_frames(sock, GOAWAY)
 
     try:
         first, second = await asyncio.get_running_loop().run_in_executor(None, exchange)
     finally:
         await server.stop(1.0)
-    assert not [f for f in first if f[0] == h2.GOAWAY]
-    assert struct.unpack(">I", second[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert not [f for f in first if f[0] == GOAWAY]
+    assert struct.unpack(">I", second[-1][3][4:8])[0] == ENHANCE_YOUR_CALM
     assert server.transport.refused["rapid_reset"] == 1
 
 
@@ -575,8 +601,8 @@ def _converse(sock: socket.socket, seconds: float, answer_pings: bool) -> tuple[
             got = (data[3], data[4], int.from_bytes(data[5:9], "big"), data[9 : 9 + length])
             data = data[9 + length :]
             frames.append(got)
-            if answer_pings and got[0] == h2.PING and not got[1] & h2.ACK:
-                sock.sendall(_frame(h2.PING, h2.ACK, 0, got[3]))
+            if answer_pings and got[0] == PING and not got[1] & ACK:
+                sock.sendall(_frame(PING, ACK, 0, got[3]))
     return frames, False
 
 
@@ -596,13 +622,13 @@ async def test_a_quiet_client_with_a_stream_open_is_asked_if_it_is_still_there(q
 
     def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool]:
         with _raw(address) as sock:
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _request(ECHO)))
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + _frame(HEADERS, END_HEADERS, 1, _request(ECHO)))
             return _converse(sock, 2.5, answer_pings)
 
     frames, closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    assert [f for f in frames if f[0] == h2.PING and not f[1] & h2.ACK], "no liveness PING"
+    assert [f for f in frames if f[0] == PING and not f[1] & ACK], "no liveness PING"
     assert closed is not answer_pings
-    assert not [f for f in frames if f[0] == h2.GOAWAY]
+    assert not [f for f in frames if f[0] == GOAWAY]
 
 
 async def test_an_idle_connection_is_closed_the_graceful_way_and_a_silent_one_at_once(quick_idle) -> None:
@@ -610,14 +636,14 @@ async def test_an_idle_connection_is_closed_the_graceful_way_and_a_silent_one_at
 
     def exchange() -> tuple[list[tuple[int, int, int, bytes]], bool, bool]:
         with _raw(address) as idle, _raw(address) as silent:
-            idle.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0))
+            idle.sendall(PREFACE + _frame(SETTINGS, 0, 0))
             frames, closed = _converse(idle, 3.0, answer_pings=True)
             _, silent_closed = _converse(silent, 0.1, answer_pings=False)  # already closed by now
             return frames, closed, silent_closed
 
     frames, closed, silent_closed = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    goaways = [struct.unpack(">II", f[3][:8]) for f in frames if f[0] == h2.GOAWAY]
-    assert goaways == [(h2.MAX_WINDOW, h2.NO_ERROR), (0, h2.NO_ERROR)]  # announced, then final
+    goaways = [struct.unpack(">II", f[3][:8]) for f in frames if f[0] == GOAWAY]
+    assert goaways == [(MAX_WINDOW, NO_ERROR), (0, NO_ERROR)]  # announced, then final
     assert closed and silent_closed
     assert server.transport.refused["preface_timeout"] == 1
 
@@ -632,13 +658,13 @@ async def test_a_ping_flood_under_the_shipped_limits_is_cut_within_the_documente
 
     def exchange() -> list[tuple[int, int, int, bytes]]:
         with _raw(address) as sock:
-            sock.sendall(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.PING, 0, 0, b"01234567") * (20 * burst))
-            return _read_frames(sock, h2.GOAWAY)
+            sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + _frame(PING, 0, 0, b"01234567") * (20 * burst))
+            return _read_frames(sock, GOAWAY)
 
     frames = await asyncio.get_running_loop().run_in_executor(None, exchange)
-    answered = sum(f[0] == h2.PING for f in frames)
+    answered = sum(f[0] == PING for f in frames)
     # the burst, and what the documented 10/s refills while the flood is read: never the flood
     assert burst <= answered <= burst + 10, answered
-    assert frames[-1][0] == h2.GOAWAY and struct.unpack(">I", frames[-1][3][4:8])[0] == h2.ENHANCE_YOUR_CALM
+    assert frames[-1][0] == GOAWAY and struct.unpack(">I", frames[-1][3][4:8])[0] == ENHANCE_YOUR_CALM
     assert server.transport.refused["ping"] == 1
     assert await channel.unary_unary(UPPER)(b"fine") == b"FINE"  # only that connection ended

@@ -1,4 +1,4 @@
-"""Supervised children (control/up/children.py) on their own: the pauses between restarts of a
+"""Supervised children (control/local/children.py) on their own: the pauses between restarts of a
 child that keeps exiting, and the crash loop that ends them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from wakegate.control.up import children
-from wakegate.control.up.children import CrashLoop, Supervised
+from wakegate.control.local import children
+from wakegate.control.local.children import CrashLoop, Supervised
 
 
 class ExitsAtOnce:

@@ -1,4 +1,4 @@
-"""Child processes of `wakegate up`: started so they cannot outlive us, logged to files, stopped gracefully.
+"""Child processes of a control process: started so they cannot outlive us, logged to files, stopped gracefully.
 
 Every child gets PR_SET_PDEATHSIG=SIGKILL (Linux), so even a SIGKILLed `up`
 leaves no orphan, and its own process group, so a stop reaches its children too.
