@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from wakegate.control.feeder.resources import Resources
+from wakegate.control.feeder.resources import Resources, new_digest_generation
 
 log = logging.getLogger("wakegate.xds.cache")
 
@@ -43,6 +43,7 @@ class SnapshotCache:
             self._snapshot = snapshot
             self._views = dict(views or {})
             self._serial += 1
+            new_digest_generation()
             self._changed.notify_all()
 
     async def wait_newer(self, serial: int) -> int:

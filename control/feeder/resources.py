@@ -458,23 +458,49 @@ def version_of(resources: Mapping[str, Message]) -> str:
     return digest.hexdigest()
 
 
-#: id(message) -> (message, digest). The message is kept alive by the entry, so its id cannot be
-#: taken by another object while the entry stands; resources are never changed once built.
-_DIGESTS: dict[int, tuple[Message, bytes]] = {}
-#: Entries kept at most; past it the oldest half goes (the live set is a few per model and gateway).
+class _DigestMemo:
+    """id(message) -> (message, digest) of the messages whose digest was asked for since the last
+    snapshot was set, and of those asked for in the generation before (`new_digest_generation`).
+
+    An entry keeps its message alive, so its id cannot be taken by another object while the entry
+    stands. Entries of messages no snapshot uses any more go two generations later, and the
+    messages with them: keeping every message ever built grew a feeder by about a megabyte a minute
+    while models woke and idled (tests/bench/bench_soak.py).
+    """
+
+    def __init__(self) -> None:
+        self.current: dict[int, tuple[Message, bytes]] = {}
+        self.older: dict[int, tuple[Message, bytes]] = {}
+
+    def rotate(self) -> None:
+        self.older, self.current = self.current, {}
+
+
+_DIGESTS = _DigestMemo()
+#: Entries of one generation at most; past it a new generation starts (the live set is a few per
+#: model and gateway).
 DIGEST_MEMO_LIMIT = 200_000
+
+
+def new_digest_generation() -> None:
+    """A new snapshot was set: digests not asked for since the one before are forgotten."""
+    _DIGESTS.rotate()
 
 
 def resource_digest(message: Message) -> bytes:
     """A digest of one resource's content, memoised per message object (built messages never change)."""
-    found = _DIGESTS.get(id(message))
+    key = id(message)
+    found = _DIGESTS.current.get(key)
     if found is not None and found[0] is message:
         return found[1]
-    value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
-    if len(_DIGESTS) >= DIGEST_MEMO_LIMIT:
-        for key in list(_DIGESTS)[: DIGEST_MEMO_LIMIT // 2]:
-            del _DIGESTS[key]
-    _DIGESTS[id(message)] = (message, value)
+    found = _DIGESTS.older.get(key)
+    if found is not None and found[0] is message:
+        value = found[1]
+    else:
+        value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
+    if len(_DIGESTS.current) >= DIGEST_MEMO_LIMIT:
+        _DIGESTS.rotate()
+    _DIGESTS.current[key] = (message, value)
     return value
 
 
@@ -1947,7 +1973,11 @@ def for_gateway(
 
 
 def natively_routed(config: route_pb2.RouteConfiguration) -> frozenset[str]:
-    """Clusters a route table sends requests to without extproc (the native routes)."""
+    """Clusters a route table sends requests to without extproc (the native routes; not the replay
+    route, whose requests an extproc decides on the replay listener)."""
     return frozenset(
-        route.route.cluster for host in config.virtual_hosts for route in host.routes if route.route.cluster
+        route.route.cluster
+        for host in config.virtual_hosts
+        for route in host.routes
+        if route.route.cluster and route.route.cluster != contract.REPLAY_CLUSTER
     )
