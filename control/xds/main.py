@@ -52,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its Envoy's native requests (--envoy-admin): the chart sets it so",
     )
     parser.add_argument(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request whose extproc died or stalled before deciding it (no model server saw it) goes through "
+        "the gateway's Envoy again and is held by the restarted extproc instead of failing with a 503; the "
+        "bootstrap's internal listener and replay cluster must be there (the chart's are)",
+    )
+    parser.add_argument(
         "--admin-listen", default=None, help="HTTP address for /metrics and /healthz (HOST:PORT); none by default"
     )
     internal_token.add_arguments(parser, server=True)
@@ -67,7 +75,7 @@ class Settings(ProcessSettings):
     kubeconfig: str | None
     """Where the cluster is (the seam's lookup order when None)."""
     gateway: GatewaySettings
-    """The Envoy listener every gateway gets (address, body limit, debug header, native path allowed)."""
+    """The Envoy listener every gateway gets (address, body limit, debug header, native path allowed, replay)."""
     admin_listen: str | None
     """HTTP address of /metrics and /healthz; None: not served."""
     internal_token: TokenSource | None
@@ -83,6 +91,7 @@ class Settings(ProcessSettings):
             max_request_bytes=args.max_request_bytes,
             upstream_header=args.upstream_header,
             native_allowed=args.native_path,
+            replay=args.replay,
         )
         if args.admin_listen is not None:
             host_port(args.admin_listen, "0.0.0.0")
