@@ -458,49 +458,35 @@ def version_of(resources: Mapping[str, Message]) -> str:
     return digest.hexdigest()
 
 
-class _DigestMemo:
-    """id(message) -> (message, digest) of the messages whose digest was asked for since the last
-    snapshot was set, and of those asked for in the generation before (`new_digest_generation`).
-
-    An entry keeps its message alive, so its id cannot be taken by another object while the entry
-    stands. Entries of messages no snapshot uses any more go two generations later, and the
-    messages with them: keeping every message ever built grew a feeder by about a megabyte a minute
-    while models woke and idled (tests/bench/bench_soak.py).
-    """
-
-    def __init__(self) -> None:
-        self.current: dict[int, tuple[Message, bytes]] = {}
-        self.older: dict[int, tuple[Message, bytes]] = {}
-
-    def rotate(self) -> None:
-        self.older, self.current = self.current, {}
+#: id(message) -> (message, digest). The message is kept alive by the entry, so its id cannot be
+#: taken by another object while the entry stands; resources are never changed once built.
+_DIGESTS: dict[int, tuple[Message, bytes]] = {}
+#: Entries the memo may hold beyond twice what the current snapshot and views use.
+DIGEST_MEMO_SLACK = 64
 
 
-_DIGESTS = _DigestMemo()
-#: Entries of one generation at most; past it a new generation starts (the live set is a few per
-#: model and gateway).
-DIGEST_MEMO_LIMIT = 200_000
-
-
-def new_digest_generation() -> None:
-    """A new snapshot was set: digests not asked for since the one before are forgotten."""
-    _DIGESTS.rotate()
+def keep_digests_of(snapshots: Iterable[Resources]) -> None:
+    """A new snapshot (and its views) was set: once the memo holds more than twice what they use,
+    the entries of messages none of them uses go, and the messages with them. Keeping every
+    message ever built grew a feeder by about a megabyte a minute while models woke and idled
+    (tests/bench/bench_soak.py). The pass over the live messages runs only after the memo grew
+    by at least their number, so it costs O(1) per message built."""
+    snapshots = list(snapshots)
+    live = sum(len(messages) for resources in snapshots for messages in resources.by_type.values())
+    if len(_DIGESTS) <= 2 * live + DIGEST_MEMO_SLACK:
+        return
+    used = {id(m) for resources in snapshots for messages in resources.by_type.values() for m in messages.values()}
+    for key in [k for k in _DIGESTS if k not in used]:
+        del _DIGESTS[key]
 
 
 def resource_digest(message: Message) -> bytes:
     """A digest of one resource's content, memoised per message object (built messages never change)."""
-    key = id(message)
-    found = _DIGESTS.current.get(key)
+    found = _DIGESTS.get(id(message))
     if found is not None and found[0] is message:
         return found[1]
-    found = _DIGESTS.older.get(key)
-    if found is not None and found[0] is message:
-        value = found[1]
-    else:
-        value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
-    if len(_DIGESTS.current) >= DIGEST_MEMO_LIMIT:
-        _DIGESTS.rotate()
-    _DIGESTS.current[key] = (message, value)
+    value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
+    _DIGESTS[id(message)] = (message, value)
     return value
 
 
