@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from wakegate.control.feeder.resources import Resources
+from wakegate.control.feeder.resources import Resources, keep_digests_of
 
 log = logging.getLogger("wakegate.xds.cache")
 
@@ -43,6 +43,7 @@ class SnapshotCache:
             self._snapshot = snapshot
             self._views = dict(views or {})
             self._serial += 1
+            keep_digests_of([snapshot, *self._views.values()])
             self._changed.notify_all()
 
     async def wait_newer(self, serial: int) -> int:

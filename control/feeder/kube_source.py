@@ -21,7 +21,7 @@ llama.cpp's with their `--lora` id and scale. Refused adapters are not routed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,30 @@ def slice_nodes(body: Mapping[str, Any]) -> dict[tuple[str, int], str | None]:
         for address in endpoint.get("addresses") or []:
             out[(str(address), int(http["port"]))] = str(node) if node else None
     return out
+
+
+@dataclass(frozen=True)
+class Listed:
+    """What a plain list of the cluster found: Model keys, (model key, EndpointSlice name) of the
+    model backends' slices, (namespace, name) of LoRAAdapters."""
+
+    models: frozenset[str]
+    slices: frozenset[tuple[str, str]]
+    adapters: frozenset[tuple[str, str]]
+
+    @classmethod
+    def of(
+        cls,
+        models: Iterable[Mapping[str, Any]],
+        slices: Iterable[Mapping[str, Any]],
+        adapters: Iterable[Mapping[str, Any]],
+    ) -> Listed:
+        slice_keys = ((names.owning_model_key(s["metadata"]), s["metadata"]["name"]) for s in slices)
+        return cls(
+            models=frozenset(names.model_key(m["metadata"]["namespace"], m["metadata"]["name"]) for m in models),
+            slices=frozenset((key, name) for key, name in slice_keys if key is not None),
+            adapters=frozenset((a["metadata"]["namespace"], a["metadata"]["name"]) for a in adapters),
+        )
 
 
 @dataclass
@@ -159,6 +183,14 @@ class KubeSource:
         if changed:
             self._touch_namespace(str(meta["namespace"]))
         return changed
+
+    def holds(self, listed: Listed) -> bool:
+        """Whether the watches delivered at least everything `listed` names."""
+        return (
+            listed.models <= self.models.keys()
+            and all(name in self.slices.get(key, {}) for key, name in listed.slices)
+            and all(name in self.adapters.get(namespace, {}) for namespace, name in listed.adapters)
+        )
 
     def on_slice(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         meta = body["metadata"]

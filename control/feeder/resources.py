@@ -71,10 +71,23 @@ def version_of(resources: Mapping[str, Message]) -> str:
 #: id(message) -> (message, digest). The message is kept alive by the entry, so its id cannot be
 #: taken by another object while the entry stands; resources are never changed once built.
 _DIGESTS: dict[int, tuple[Message, bytes]] = {}
+#: Entries the memo may hold beyond twice what the current snapshot and views use.
+DIGEST_MEMO_SLACK = 64
 
 
-#: Entries kept at most; past it the oldest half goes (the live set is a few per model and gateway).
-DIGEST_MEMO_LIMIT = 200_000
+def keep_digests_of(snapshots: Iterable[Resources]) -> None:
+    """A new snapshot (and its views) was set: once the memo holds more than twice what they use,
+    the entries of messages none of them uses go, and the messages with them. Keeping every
+    message ever built grew a feeder by about a megabyte a minute while models woke and idled
+    (tests/bench/bench_soak.py). The pass over the live messages runs only after the memo grew
+    by at least their number, so it costs O(1) per message built."""
+    snapshots = list(snapshots)
+    live = sum(len(messages) for resources in snapshots for messages in resources.by_type.values())
+    if len(_DIGESTS) <= 2 * live + DIGEST_MEMO_SLACK:
+        return
+    used = {id(m) for resources in snapshots for messages in resources.by_type.values() for m in messages.values()}
+    for key in [k for k in _DIGESTS if k not in used]:
+        del _DIGESTS[key]
 
 
 def resource_digest(message: Message) -> bytes:
@@ -83,9 +96,6 @@ def resource_digest(message: Message) -> bytes:
     if found is not None and found[0] is message:
         return found[1]
     value = hashlib.blake2b(message.SerializeToString(deterministic=True), digest_size=12).digest()
-    if len(_DIGESTS) >= DIGEST_MEMO_LIMIT:
-        for key in list(_DIGESTS)[: DIGEST_MEMO_LIMIT // 2]:
-            del _DIGESTS[key]
     _DIGESTS[id(message)] = (message, value)
     return value
 

@@ -397,7 +397,11 @@ def _retry_policy(retries: int, retry_on: str) -> dict[str, Any]:
 
 
 def natively_routed(config: route_pb2.RouteConfiguration) -> frozenset[str]:
-    """Clusters a route table sends requests to without extproc (the native routes)."""
+    """Clusters a route table sends requests to without extproc (the native routes; not the replay
+    route, whose requests an extproc decides on the replay listener)."""
     return frozenset(
-        route.route.cluster for host in config.virtual_hosts for route in host.routes if route.route.cluster
+        route.route.cluster
+        for host in config.virtual_hosts
+        for route in host.routes
+        if route.route.cluster and route.route.cluster != contract.REPLAY_CLUSTER
     )

@@ -15,9 +15,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -28,6 +30,9 @@ from wakegate.control.feeder.settings import GatewaySettings
 from wakegate.control.k8s.client import add_kubeconfig
 from wakegate.internal_token import Authenticator, TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
+
+if TYPE_CHECKING:
+    from wakegate.control.feeder.kube_source import KubeSource, Listed
 
 log = logging.getLogger("wakegate.xds")
 
@@ -51,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its Envoy's native requests (--envoy-admin): the chart sets it so",
     )
     parser.add_argument(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request whose extproc died or stalled before deciding it (no model server saw it) goes through "
+        "the gateway's Envoy again and is held by the restarted extproc instead of failing with a 503; the "
+        "bootstrap's internal listener and replay cluster must be there (the chart's are)",
+    )
+    parser.add_argument(
         "--admin-listen", default=None, help="HTTP address for /metrics and /healthz (HOST:PORT); none by default"
     )
     internal_token.add_arguments(parser, server=True)
@@ -66,7 +79,7 @@ class Settings(ProcessSettings):
     kubeconfig: str | None
     """Where the cluster is (the seam's lookup order when None)."""
     gateway: GatewaySettings
-    """The Envoy listener every gateway gets (address, body limit, debug header, native path allowed)."""
+    """The Envoy listener every gateway gets (address, body limit, debug header, native path allowed, replay)."""
     admin_listen: str | None
     """HTTP address of /metrics and /healthz; None: not served."""
     internal_token: TokenSource | None
@@ -82,6 +95,7 @@ class Settings(ProcessSettings):
             max_request_bytes=args.max_request_bytes,
             upstream_header=args.upstream_header,
             native_allowed=args.native_path,
+            replay=args.replay,
         )
         if args.admin_listen is not None:
             host_port(args.admin_listen, "0.0.0.0")
@@ -134,6 +148,17 @@ async def run(settings: Settings) -> int:
 
     kopf.on.event("", "v1", "nodes", registry=registry)(node_event)
 
+    stop = asyncio.Event()
+    graceful_exit(stop, "xds")
+    # Before the watches start: their discovery, run while the apiserver still comes up, can find
+    # no wakegate API and then never watch Models. A plain list that answers means it is served.
+    listed = await list_routable(settings.kubeconfig, stop)
+    operator = asyncio.create_task(kopfing.run(registry, stop))
+    if listed is None or not await synced(source, listed, operator, stop):
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(operator, 10)
+        return 0 if listed is None else 1
     await publisher.publish()
     authenticator = Authenticator(settings.internal_token) if settings.internal_token is not None else None
     server, publisher.ads, bound = await start_server(
@@ -149,9 +174,6 @@ async def run(settings: Settings) -> int:
         "allowed" if settings.gateway.native_allowed else "off",
     )
     print(f"wakegate xds: listening on port {bound}", flush=True)
-    stop = asyncio.Event()
-    graceful_exit(stop, "xds")
-    operator = asyncio.create_task(kopfing.run(registry, stop))
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({operator, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -171,6 +193,69 @@ async def run(settings: Settings) -> int:
     return 0
 
 
+#: How long the watches may take to deliver what the first list found before the feeder gives up
+#: and exits (to be started again): serving less would replace the gateways' working routes.
+SYNC_TIMEOUT_SECONDS = 60.0
+
+
+async def list_routable(kubeconfig: str | None, stop: asyncio.Event) -> Listed | None:
+    """The Models, model backends' EndpointSlices and LoRAAdapters on the cluster now; listed again
+    (every 1 s, one warning a minute) until the apiserver answers. None: stopped first."""
+    from wakegate.control.feeder.kube_source import Listed
+    from wakegate.control.k8s import names
+    from wakegate.control.k8s.client import Kube, KubeError, api_client, path
+
+    kube = Kube(api_client(kubeconfig))
+    selector = f"{names.LABEL_COMPONENT}=model-backend,{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
+
+    def items(resource: str, query: dict[str, str] | None = None, missing_ok: bool = False) -> list[dict[str, Any]]:
+        try:
+            return list(kube.request("GET", resource, query=query)["items"])
+        except KubeError as exc:
+            if missing_ok and exc.status == 404:
+                return []  # no LoRAAdapter CRD installed
+            raise
+
+    def once() -> Listed:
+        return Listed.of(
+            items(path(names.API_VERSION, "Model")),
+            items("/apis/discovery.k8s.io/v1/endpointslices", {"labelSelector": selector}),
+            items(path(names.API_VERSION, "LoRAAdapter"), missing_ok=True),
+        )
+
+    warned = -math.inf
+    while not stop.is_set():
+        try:
+            return await asyncio.to_thread(once)
+        except KubeError as exc:
+            if time.monotonic() - warned >= 60:
+                warned = time.monotonic()
+                log.warning("cannot list Models yet (%s); no routes are served until it answers", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    return None
+
+
+async def synced(source: KubeSource, listed: Listed, watches: asyncio.Task[None], stop: asyncio.Event) -> bool:
+    """Wait until the watches delivered everything `listed` names; False if they did not within
+    SYNC_TIMEOUT_SECONDS (an object deleted since the list never arrives: a restart lists anew)."""
+    deadline = time.monotonic() + SYNC_TIMEOUT_SECONDS
+    while not source.holds(listed):
+        if stop.is_set() or watches.done():
+            return False
+        if time.monotonic() > deadline:
+            log.error(
+                "the watches did not deliver the %d Models and %d EndpointSlices listed within %.0f s; exiting",
+                len(listed.models),
+                len(listed.slices),
+                SYNC_TIMEOUT_SECONDS,
+            )
+            return False
+        await asyncio.sleep(0.1)
+    log.info("watches synced: %d Models, %d EndpointSlices", len(listed.models), len(listed.slices))
+    return True
+
+
 async def _serve_admin(listen: str | None, authenticator: Authenticator | None) -> web.AppRunner | None:
     if listen is None:
         return None
@@ -186,4 +271,3 @@ async def _serve_admin(listen: str | None, authenticator: Authenticator | None) 
 
     host, port = host_port(listen, "0.0.0.0")
     return await admin.serve({"/metrics": metrics, "/healthz": healthz}, host, port)
-

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from wakegate.control.feeder.kube_source import KubeSource, node_leaving, slice_endpoints
+from wakegate.control.feeder.kube_source import KubeSource, Listed, node_leaving, slice_endpoints
 from wakegate.control.k8s import names
 from wakegate.control.operator.controller import _replicas_owned_elsewhere
 
@@ -240,3 +240,23 @@ def test_a_change_rebuilds_only_the_models_it_touched(monkeypatch: pytest.Monkey
     # A node starts leaving: any Model may have endpoints there, so all are looked at (not parsed).
     assert source.on_node(None, {"metadata": {"name": "n1"}, "spec": {"unschedulable": True}})
     assert len(source.routed()) == 200 and parsed == ["m8"]
+
+
+def test_the_feeder_knows_when_its_watches_hold_what_the_cluster_listed() -> None:
+    """`wakegate xds` serves ADS only once its watches delivered every Model, backend slice and
+    adapter a plain list found: a feeder restarted in an apiserver outage served an empty route
+    table over the gateways' working one (e2e/test_chaos.py)."""
+    adapter = {"metadata": {"name": "a", "namespace": "ns"}, "spec": {"baseModel": "m", "source": "file:///a"}}
+    stranger = {"metadata": {"name": "other", "namespace": "ns", "labels": {}}}  # no Model's slice
+    listed = Listed.of([model()], [endpoint_slice("s", "m", ("10.0.0.1", True, False)), stranger], [adapter])
+    assert listed.slices == {("ns/m", "s")}
+    source = KubeSource()
+    assert not source.holds(listed)
+    source.on_model(None, model())
+    source.on_slice(None, endpoint_slice("s", "m", ("10.0.0.1", True, False)))
+    assert not source.holds(listed)  # the adapter is still missing
+    source.on_adapter(None, adapter)
+    assert source.holds(listed)
+    source.on_model(None, model("n"))  # more than listed (made since): still synced
+    assert source.holds(listed)
+    assert KubeSource().holds(Listed.of([], [], []))

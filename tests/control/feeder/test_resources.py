@@ -275,3 +275,27 @@ def test_flow_control_thresholds_default_per_engine_and_keep_the_model_decided()
     assert native_blocker(replace(native, flow=None), settings) == ""
     route = model_route(vllm)
     assert route.flow.enabled and route.flow.max_waiting == 5 and route.flow.queue_timeout_ms == 30000
+
+
+async def test_the_digest_memo_keeps_only_what_recent_snapshots_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A feeder that republishes as models wake and idle must not keep every message it ever
+    built: the digest memo holds its messages alive, and it once grew a feeder by about a
+    megabyte a minute (tests/bench/bench_soak.py)."""
+    from wakegate.control.feeder.cache import SnapshotCache
+
+    monkeypatch.setattr(r, "DIGEST_MEMO_SLACK", 16)  # a small slack: a few hundred builds show the bound
+    cache = SnapshotCache()
+    memo = r.BuildMemo()
+    sizes = []
+    for i in range(300):
+        # One model's replica comes and goes: each build makes new messages for it.
+        endpoints = (("127.0.0.1", 9000 + i % 7),) if i % 2 else ()
+        built = r.build([replace(MODELS[0], endpoints=endpoints), MODELS[1]], r.GatewaySettings(), memo=memo)
+        await cache.set(built)
+        for type_url in built.by_type:  # what a stream does with each snapshot
+            r.version_of(cache.snapshot.select(type_url, ()))
+        sizes.append(len(r._DIGESTS))
+    live = sum(len(v) for v in built.by_type.values())
+    assert max(sizes) <= 2 * live + r.DIGEST_MEMO_SLACK + live, (live, max(sizes))
+    # What the current snapshot uses stays memoised: no digest is computed again.
+    assert all(id(m) in r._DIGESTS for v in cache.snapshot.by_type.values() for m in v.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from wakegate import contract
 from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.envoy_types import MODEL_ROUTE, ROUTE, ROUTE_NAME
 from wakegate.control.feeder.native import routing_path
@@ -46,3 +47,13 @@ def test_the_routes_tell_extproc_which_models_ask_for_native() -> None:
 def test_the_operator_says_what_the_feeder_does() -> None:
     assert operator.Settings.from_args(parsed(operator)).native_path is False
     assert operator.Settings.from_args(parsed(operator, "--native-path")).native_path is True
+
+
+def test_the_feeder_replays_held_requests_unless_told_not_to() -> None:
+    """The chart's gateway pod has one extproc: with replay, a request it held when it died goes
+    through its Envoy again and waits for the restarted one (e2e/test_chaos.py measures it)."""
+    on = xds.Settings.from_args(parsed(xds, "--no-internal-auth")).gateway
+    off = xds.Settings.from_args(parsed(xds, "--no-internal-auth", "--no-replay")).gateway
+    assert on.replay and not off.replay
+    assert contract.REPLAY_LISTENER in r.build([WARM_NATIVE], on).by_type[r.LISTENER]
+    assert contract.REPLAY_LISTENER not in r.build([WARM_NATIVE], off).by_type[r.LISTENER]
