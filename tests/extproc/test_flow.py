@@ -3,7 +3,6 @@ by the test: saturation, fair shares by weight, strict bands, shedding, timeouts
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
@@ -38,11 +37,16 @@ class Engine:
     def __init__(self) -> None:
         self.book: dict[str, EngineState] = {}
         self.inflight = 0
-        self.flow = FlowControl(self.book, lambda ep: self.inflight)
+        self.now = 1000.0
+        self.flow = FlowControl(self.book, lambda ep: self.inflight, clock=lambda: self.now)
 
-    def read(self, running: int, waiting: int) -> None:
+    def read(self, running: int, waiting: int, own: int | None = None) -> None:
+        """A reading; `own`: this gateway's count at the reading when it differs from its count now."""
         self.book[EP] = EngineState(
-            waiting=float(waiting), running=float(running), kv_usage=0.1, own=float(self.inflight)
+            waiting=float(waiting),
+            running=float(running),
+            kv_usage=0.1,
+            own=float(self.inflight if own is None else own),
         )
         self.flow.engines_read()
 
@@ -58,7 +62,7 @@ async def dispatched(
         for t in tickets:
             if t.granted and t not in order:
                 order.append(t)
-                await flow.wait(r, t, asyncio.get_running_loop().time() + 1)  # as the held request does
+                await flow.wait(r, t, engine.now + 1)  # as the held request does
                 engine.inflight += 1
     return order
 
@@ -78,6 +82,44 @@ async def test_engine_signals_learn_the_cap_and_the_gateway_count_fills_in_betwe
     engine.inflight -= 1  # another one: a free slot
     engine.flow.kick("m")
     assert ticket.future.done() and ticket.granted
+
+
+async def test_a_request_the_engine_finished_frees_one_slot_not_two() -> None:
+    engine = Engine()
+    r = route(max_waiting=1)
+    engine.inflight = 17
+    engine.read(running=16, waiting=1)  # runs 16 at once
+    engine.inflight = 16
+    held = [engine.flow.admit(r, "a", 1, 1.0) for _ in range(3)]
+    # One request ended in the engine; its end has not reached this gateway yet (its count is 16).
+    engine.read(running=15, waiting=0)
+    engine.inflight = 15  # now it has: the one free slot is taken once, not once per source
+    engine.flow.kick("m")
+    assert [t is not None and t.granted for t in held] == [True, False, False]
+
+
+async def test_a_sparse_tenant_takes_the_reserve_while_a_backlogged_one_leaves_it_free() -> None:
+    engine = Engine()
+    r = route(max_waiting=1)
+    engine.inflight = 13
+    engine.read(running=12, waiting=1)  # runs 12 at once: one slot of them is the reserve
+    engine.inflight = 12
+    loud = [engine.flow.admit(r, "loud", 1, 1.0) for _ in range(10)]
+    first = engine.flow.admit(r, "quiet", 1, 1.0)
+    assert first is not None and not first.granted  # full: the next slot to free is its
+    order = await dispatched(engine.flow, r, [t for t in [first, *loud] if t is not None], engine, 1)
+    assert order == [first]
+    engine.inflight -= 1  # a loud request ends: the loud backlog leaves that slot free ...
+    engine.flow.kick("m")
+    assert not any(t is not None and t.granted for t in loud)
+    second = engine.flow.admit(r, "quiet", 1, 1.0)  # ... and the quiet tenant's next request goes at once
+    assert second is not None and second.granted
+    await engine.flow.wait(r, second, engine.now + 1)
+    engine.inflight += 1
+    engine.now += 10  # no sparse flow lately: the backlog may use every slot
+    engine.inflight -= 1
+    engine.flow.kick("m")
+    assert sum(t is not None and t.granted for t in loud) == 1
 
 
 async def test_in_flight_limit_holds_without_engine_signals() -> None:
@@ -135,7 +177,7 @@ async def test_a_held_request_times_out_and_leaves_the_queue() -> None:
     ticket = engine.flow.admit(r, "a", 1, 1.0)
     assert ticket is not None
     with pytest.raises(Shed) as info:
-        await engine.flow.wait(r, ticket, asyncio.get_running_loop().time() + 0.05)
+        await engine.flow.wait(r, ticket, engine.now + 0.05)
     assert info.value.code == "queue_timeout" and engine.flow.depth("m") == 0
 
 
