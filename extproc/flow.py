@@ -86,6 +86,12 @@ class Ticket:
     #: Its tenant had nothing held in its band when it came while others had (a sparse flow,
     #: within its share), so it may take the reserve.
     sparse: bool = False
+    #: It came while the model had no endpoint (held while the model wakes: see `wait`).
+    cold: bool = False
+    #: Cold, and the model has had no endpoint since: its deadline is the activation timeout's.
+    waking: bool = False
+    #: When it stops waiting (set by `wait`, moved on when its model turns ready).
+    deadline: float = 0.0
 
 
 @dataclass(slots=True)
@@ -185,6 +191,11 @@ class _ModelFlow:
     granted: int = 0
     #: When a sparse flow last came while others were held: the reserve is kept until RESERVE_SECONDS later.
     contended_at: float = float("-inf")
+    #: Some held request came while the model had no endpoint and it has had none since.
+    waking: bool = False
+
+    def tickets(self) -> list[Ticket]:
+        return [ticket for band in self.bands for queue in band.queues.values() for ticket in queue]
 
     def pop(self) -> Ticket:
         for band in self.bands:
@@ -292,6 +303,8 @@ class FlowControl:
         model.route = route
         loop = asyncio.get_running_loop()
         ticket = Ticket(tenant, band, weight, self._clock(), loop.create_future())
+        if not route.endpoints:
+            ticket.cold = ticket.waking = model.waking = True
         if model.size >= route.flow.max_queue:
             self._make_room(model, ticket)
         if model.bands[band].push(ticket) and model.size:
@@ -307,19 +320,20 @@ class FlowControl:
         """The queue is full: refuse `ticket` (raise Shed) or evict the request it replaces."""
         lowest = max(rank for rank, band in enumerate(model.bands) if band.size)
         key = model.route.key
+        state = "is saturated" if model.route.endpoints else "is starting"
         if lowest < ticket.band:
-            raise Shed(503, "model_saturated", f"model {key!r} is saturated and holds higher-priority requests")
+            raise Shed(503, "model_saturated", f"model {key!r} {state} and holds higher-priority requests")
         band = model.bands[lowest]
         if lowest > ticket.band:
             victim_tenant = band.heaviest()
-            shed = Shed(503, "shed", f"model {key!r} is saturated: higher-priority requests took this one's place")
+            shed = Shed(503, "shed", f"model {key!r} {state}: higher-priority requests took this one's place")
         else:
             victim_tenant = band.heaviest(ticket)
             shed = Shed(429, "over_share", f"tenant is over its share of model {key!r}; retry later")
             if victim_tenant == ticket.tenant:
                 queue = band.queues.get(ticket.tenant)
                 if queue is not None and len(queue) == model.size:  # nobody else waits: no share to be over
-                    raise Shed(503, "model_saturated", f"model {key!r} is saturated; retry later")
+                    raise Shed(503, "model_saturated", f"model {key!r} {state}; retry later")
                 raise shed
         victim = band.queues[victim_tenant][-1]
         band.remove(victim)
@@ -328,15 +342,33 @@ class FlowControl:
         victim.future.set_exception(shed)
 
     async def wait(self, route: routing_pb2.ModelRoute, ticket: Ticket, deadline: float) -> float:
-        """Until the ticket is dispatched: the seconds it waited. Raises Shed (evicted, timed out)."""
-        remaining = deadline - self._clock()
+        """Until the ticket is dispatched: the seconds it waited. Raises Shed (evicted, timed out),
+        or the activation's failure (`fail_waking`) for a request held while its model wakes.
+
+        A request that came while the model had no endpoint waits until `deadline` (the activation
+        timeout) for the model to turn ready, then up to the queue timeout from that moment on."""
+        ticket.deadline = max(ticket.deadline, deadline)
         routed = False
         try:
-            if remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
+            while True:
+                until = ticket.deadline
+                remaining = until - self._clock()
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
+                    break
+                except TimeoutError:
+                    if ticket.deadline == until:  # not moved on meanwhile (its model turned ready)
+                        raise
             routed = True
         except TimeoutError:
+            if ticket.waking:
+                raise Shed(
+                    503,
+                    "activation_timeout",
+                    f"model {route.key!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
+                ) from None
             raise Shed(
                 503, "queue_timeout", f"model {route.key!r} stayed saturated for {route.flow.queue_timeout_ms // 1000}s"
             ) from None
@@ -399,12 +431,33 @@ class FlowControl:
             model.route = route
             if not route.flow.enabled:
                 self._release(model)
-            else:
-                self.kick(route.key)
+                continue
+            if model.waking and route.endpoints:
+                # Ready: who waited for the wake may now wait up to the queue timeout for its turn.
+                model.waking = False
+                until = self._clock() + route.flow.queue_timeout_ms / 1000
+                for ticket in model.tickets():
+                    if ticket.waking:
+                        ticket.waking = False
+                        ticket.deadline = max(ticket.deadline, until)
+            self.kick(route.key)
         for key in removed:
             model = self._models.get(key)
             if model is not None:
                 self._release(model)
+
+    def fail_waking(self, key: str, failure: Exception) -> None:
+        """The model's activation failed: the requests held while it woke get `failure`."""
+        model = self._models.get(key)
+        if model is None or not model.waking:
+            return
+        model.waking = False
+        for ticket in model.tickets():
+            if ticket.waking and model.bands[ticket.band].remove(ticket):
+                model.size -= 1
+                self._on_change(key, self.label(ticket.tenant), BANDS[ticket.band], -1)
+                ticket.future.set_exception(failure)
+        self.kick(key)
 
     def _release(self, model: _ModelFlow) -> None:
         while model.size:

@@ -138,7 +138,7 @@ class Gateway:
         self.on_demand_change: Callable[[], None] = lambda: None
         #: Load changes that may be reported a little later (coalesced).
         self.on_load_change: Callable[[], None] = lambda: None
-        self.cold = ColdQueues(self._demand_changed)
+        self.cold = ColdQueues(self._demand_changed, on_failure=self.flow.fail_waking)
         #: LoRA adapters loaded on demand: requests held for one, and use per endpoint.
         self.adapters = AdapterBook(self._demand_changed)
         #: One line per refused request (no traceback), a few per second per error code at most.
@@ -368,9 +368,16 @@ class _Cold:
     def timeout_s(self) -> float:
         """How long the request may wait (the cold activation timeout, or the flow queue's)."""
         route = self.resolved.route
-        if self.ticket is not None:
+        if self.ticket is not None and not self.ticket.cold:
             return route.flow.queue_timeout_ms / 1000
         return route.cold.activation_timeout_ms / 1000
+
+    def longest_s(self) -> float:
+        """How long it may wait at most: a cold request of a flow-controlled model may wait for its
+        turn once the model is ready."""
+        flow = self.resolved.route.flow
+        turn = flow.enabled and (self.ticket is None or self.ticket.cold)
+        return self.timeout_s() + (flow.queue_timeout_ms / 1000 if turn else 0)
 
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -602,12 +609,9 @@ class Processor:
         lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
             if flow:
-                try:
-                    ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
-                except Shed as exc:
-                    return self._shed(route, exc, ex)
-                if ticket is not None:
-                    return _Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
+                held = self._flow_admit(ex, resolved, parsed, raw_body, in_body)
+                if held is not None:
+                    return held
             if lora is None:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
@@ -630,7 +634,22 @@ class Processor:
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
+        if flow and lora is None:  # held by flow control's rules while the model wakes, too
+            return self._flow_admit(ex, resolved, parsed, raw_body, in_body) or _Cold(
+                resolved, parsed, raw_body, in_body
+            )
         return _Cold(resolved, parsed, raw_body, in_body)
+
+    def _flow_admit(
+        self, ex: _Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, in_body: bool
+    ) -> ep.ProcessingResponse | _Cold | None:
+        """Flow control's admission: None (the request goes on now), held (for its turn), or refused."""
+        route = resolved.route
+        try:
+            ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
+        except Shed as exc:
+            return self._shed(route, exc, ex)
+        return None if ticket is None else _Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
 
     def _identify(self, ex: _Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
         """Who a request of a flow-controlled model is fair-shared as, and its band; a refusal when
@@ -663,10 +682,21 @@ class Processor:
         """A request held by flow control: once dispatched, routed as usual."""
         route = cold.resolved.route
         assert cold.ticket is not None
+        if cold.ticket.cold:
+            self.gw.metrics.queue_depth.labels(route.key).inc()
         try:
             waited = await self.gw.flow.wait(route, cold.ticket, deadline)
         except Shed as exc:
             return self._shed(route, exc, ex)
+        except ActivationFailed as exc:
+            return self._retry_later(route, 503, exc.code, exc.answer(ex.model_name or route.key))
+        finally:
+            if cold.ticket.cold:
+                self.gw.metrics.queue_depth.labels(route.key).dec()
+        if cold.ticket.cold:
+            woke = self.gw.cold.flushed(route.key)
+            if woke is not None:
+                self.gw.metrics.cold_start.labels(route.key, "first_byte").observe(woke)
         self.gw.metrics.flow_wait.labels(route.key, BANDS[ex.band]).observe(waited)
         self.gw.metrics.flow_dispatched.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band]).inc()
         resolved = self.gw.table.resolve(ex.model_name or "")
@@ -737,13 +767,11 @@ class Processor:
                 refused = self._identify(ex, resolved.route)
                 if refused is not None:
                     return refused
-            try:
-                ticket = self.gw.flow.admit(resolved.route, ex.tenant, ex.band, ex.scope.weight)
-            except Shed as exc:
-                return self._shed(resolved.route, exc, ex)
-            if ticket is not None:
-                held = _Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
-                return await self._admitted(ex, held, time.monotonic() + held.timeout_s())
+            admitted = self._flow_admit(ex, resolved, cold.parsed, cold.raw_body, cold.in_body)
+            if isinstance(admitted, _Cold):
+                return await self._admitted(ex, admitted, time.monotonic() + admitted.timeout_s())
+            if admitted is not None:
+                return admitted
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:
@@ -969,13 +997,10 @@ class ProcessCall:
             decided = self._proc.failed(exc)
         if isinstance(decided, _Cold):
             timeout_s = decided.timeout_s()
-            flow = decided.resolved.route.flow
-            # A cold request of a flow-controlled model may wait for its turn once the model is ready.
-            longest = timeout_s + (flow.queue_timeout_ms / 1000 if decided.ticket is None and flow.enabled else 0)
             # Tell Envoy this message may take up to the activation (or queue) timeout.
             self._call.send(
                 ep.ProcessingResponse(
-                    override_message_timeout=duration_pb2.Duration(seconds=int(longest) + 1)
+                    override_message_timeout=duration_pb2.Duration(seconds=int(decided.longest_s()) + 1)
                 ).SerializeToString()
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))

@@ -3,6 +3,7 @@ by the test: saturation, fair shares by weight, strict bands, shedding, timeouts
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -203,3 +204,50 @@ def test_token_budget_window_and_usage_of_json_and_sse_responses() -> None:
     sse.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n')
     sse.feed(b"data: [DONE]\n\n")
     assert sse.tokens() == 8
+
+
+async def test_requests_of_a_cold_model_wait_in_the_queues_by_band_until_it_is_ready() -> None:
+    engine = Engine()
+    ready = route(max_queue=3, max_in_flight=1, max_waiting=0)
+    cold = routing_pb2.ModelRoute()
+    cold.CopyFrom(ready)
+    del cold.endpoints[:]
+    cold.cold.activation_timeout_ms = 60000
+    bulk = [engine.flow.admit(cold, "d", 2, 1.0) for _ in range(3)]
+    assert all(t is not None and t.cold and not t.granted for t in bulk)  # no endpoint: all held
+    crit = engine.flow.admit(cold, "c", 0, 1.0)  # full: it takes the newest sheddable one's place
+    assert crit is not None and bulk[2] is not None
+    assert isinstance(bulk[2].future.exception(), Shed) and bulk[2].future.exception().code == "shed"  # type: ignore[union-attr]
+    waits = [asyncio.ensure_future(engine.flow.wait(cold, t, engine.now + 60)) for t in (bulk[0], bulk[1], crit)]
+    await asyncio.sleep(0)
+    engine.now += 40  # ready after 40 s: each may now wait the queue timeout (30 s) from then on
+    engine.flow.on_routes([ready], [])
+    assert crit.granted and not bulk[0].granted  # one at a time (max_in_flight 1), critical first
+    await waits[2]
+    engine.inflight += 1  # routed
+    assert bulk[0].deadline == bulk[1].deadline == engine.now + 30
+    engine.flow.kick("m")  # still one in flight: the sheddable ones wait
+    assert not bulk[0].granted
+    engine.flow.fail_waking("m", RuntimeError("a failure after readiness is not theirs"))
+    assert not bulk[0].future.done()
+    for task in waits[:2]:
+        task.cancel()
+    await asyncio.gather(*waits[:2], return_exceptions=True)
+
+
+async def test_a_failed_activation_or_its_timeout_ends_the_wait_of_requests_held_for_a_cold_model() -> None:
+    engine = Engine()
+    cold = route(max_in_flight=1, max_waiting=0)
+    del cold.endpoints[:]
+    cold.cold.activation_timeout_ms = 1000
+    failing = engine.flow.admit(cold, "a", 1, 1.0)
+    assert failing is not None
+    engine.flow.fail_waking("m", RuntimeError("the engine exited"))
+    with pytest.raises(RuntimeError, match="exited"):
+        await engine.flow.wait(cold, failing, engine.now + 60)
+    assert engine.flow.depth("m") == 0
+    late = engine.flow.admit(cold, "a", 1, 1.0)
+    assert late is not None
+    with pytest.raises(Shed) as info:
+        await engine.flow.wait(cold, late, engine.now + 0.05)  # never ready within its activation timeout
+    assert info.value.code == "activation_timeout" and engine.flow.depth("m") == 0
