@@ -87,10 +87,17 @@ class ModelQueue:
 class ColdQueues:
     """All cold-path state of one gateway process."""
 
-    def __init__(self, on_demand_change: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        on_demand_change: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[str, ActivationFailed], None] = lambda key, failure: None,
+    ) -> None:
         self._models: dict[str, ModelQueue] = {}
         self._on_demand_change = on_demand_change
         self._clock = clock
+        #: An activation failed (requests held for the model elsewhere, by flow control, get it too).
+        self._on_failure = on_failure
 
     def queue(self, key: str) -> ModelQueue:
         queue = self._models.get(key)
@@ -185,6 +192,7 @@ class ColdQueues:
             queue.ready.set_exception(failed)
             queue.ready.exception()  # retrieved here: waiters may all be gone
         queue.ready = asyncio.get_running_loop().create_future()
+        self._on_failure(queue.key, failed)
         log.warning("activation failed model=%s held=%d code=%s reason=%s", queue.key, queue.waiting, failed.code,
                     message)
 

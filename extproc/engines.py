@@ -113,5 +113,8 @@ class EngineWatch:
         if state is None or endpoint not in self.endpoints():
             self.book.pop(endpoint, None)
         else:
-            state.own = float(own)  # so the queue scorer can tell other gateways' requests from its own
+            # So the scorers and flow control can tell other gateways' requests from this one's: the
+            # larger of the counts before and after the read, so that a request routed while the
+            # engine answered is not taken for another gateway's.
+            state.own = float(max(own, self.inflight(endpoint)))
             self.book[endpoint] = state

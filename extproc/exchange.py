@@ -105,9 +105,16 @@ class Cold:
     def timeout_s(self) -> float:
         """How long the request may wait (the cold activation timeout, or the flow queue's)."""
         route = self.resolved.route
-        if self.ticket is not None:
+        if self.ticket is not None and not self.ticket.cold:
             return route.flow.queue_timeout_ms / 1000
         return route.cold.activation_timeout_ms / 1000
+
+    def longest_s(self) -> float:
+        """How long it may wait at most: a cold request of a flow-controlled model may wait for its
+        turn once the model is ready."""
+        flow = self.resolved.route.flow
+        turn = flow.enabled and (self.ticket is None or self.ticket.cold)
+        return self.timeout_s() + (flow.queue_timeout_ms / 1000 if turn else 0)
 
 
 #: What a request still held when extproc stops gets: the gateway's retriable 503, marked as having

@@ -9,6 +9,11 @@ headroom sum over the model's endpoints. Otherwise it waits in one queue per (te
   weight in credit, each dispatched request costs one); a tenant that had nothing held goes to
   the front of the round (as fq_codel's new flows do), so a tenant within its share waits for
   one free slot rather than for a turn of every other tenant;
+- a reserve: while a sparse flow (a tenant that came with nothing of its own held while others
+  had requests held) came in the last RESERVE_SECONDS, the backlogged flows leave one slot in
+  RESERVE_EVERY of each endpoint's capacity free, and a sparse flow's request takes it at once
+  (of the highest band holding any: a lower band never overtakes a higher one); so a tenant within
+  its share, or a higher band's first request, does not wait for the next request to finish;
 - the model's queue holds `max_queue` requests: when it is full, a request of a higher band takes
   the place of the newest request of the lowest band (which gets 503 `shed`: the model cannot take
   it); within the same band, the tenant holding the most per weight loses its newest (429
@@ -17,15 +22,18 @@ headroom sum over the model's endpoints. Otherwise it waits in one queue per (te
 - a request held longer than `queue_timeout_ms` gets 503 `queue_timeout`.
 
 Saturation, per endpoint, from the engine's own signals (extproc/engines.py, read every 0.5 s)
-corrected by this gateway's in-flight count since the reading: an engine that reported requests
-waiting told us how many it runs at once (its `cap`); its load now is what it reported plus what
-this gateway routed to it since, less what finished. An endpoint has room while that load leaves
-fewer than `max_waiting` requests waiting in the engine (load < cap + max_waiting), while its
-KV-cache usage is under `max_kv_usage` (at or over it: only as many as finished since the
-reading), and while this gateway has fewer than `max_in_flight` requests on it. An engine that
-never queued has no known cap: it is not saturated until it reports waiting. Dispatch is driven
-by the events that free room: a request finishing (its access-log entry), a new engine reading,
-a route change.
+and this gateway's in-flight count: an engine that reported requests waiting told us how many it
+runs at once (its `cap`); its load now is this gateway's in-flight count (which includes what it
+routed that has not reached the engine yet) plus what other gateways had there at the reading
+(the reading's running and waiting less this gateway's count then). A request the engine finished
+is so counted once: a reading taken after its end and the gateway's count going down when its
+access-log entry comes would otherwise each free its slot, and the engine's own queue would fill
+behind the gateway's back. An endpoint has room while that load leaves fewer than `max_waiting`
+requests waiting in the engine (load < cap + max_waiting), while its KV-cache usage is under
+`max_kv_usage` (at or over it: only as many as finished since the reading), and while this
+gateway has fewer than `max_in_flight` requests on it. An engine that never queued has no known
+cap: it is not saturated until it reports waiting. Dispatch is driven by the events that free
+room: a request finishing (its access-log entry), a new engine reading, a route change.
 """
 
 from __future__ import annotations
@@ -47,6 +55,12 @@ BAND_RANK = {band: rank for rank, band in enumerate(BANDS)}
 #: the clients' choice).
 MAX_TENANT_LABELS = 100
 _UNLIMITED = 1 << 30
+#: While the model holds requests, flows with a backlog leave one slot in RESERVE_EVERY of each
+#: endpoint's capacity free (at most MAX_RESERVE) for sparse flows; kept for RESERVE_SECONDS
+#: after a sparse flow last came while others were held.
+RESERVE_EVERY = 12
+MAX_RESERVE = 4
+RESERVE_SECONDS = 5.0
 
 
 class Shed(Exception):
@@ -69,6 +83,15 @@ class Ticket:
     future: asyncio.Future[None]
     #: Dispatched (its future resolved) and not yet routed.
     granted: bool = False
+    #: Its tenant had nothing held in its band when it came while others had (a sparse flow,
+    #: within its share), so it may take the reserve.
+    sparse: bool = False
+    #: It came while the model had no endpoint (held while the model wakes: see `wait`).
+    cold: bool = False
+    #: Cold, and the model has had no endpoint since: its deadline is the activation timeout's.
+    waking: bool = False
+    #: When it stops waiting (set by `wait`, moved on when its model turns ready).
+    deadline: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,7 +104,8 @@ class _Band:
     deficit: dict[str, float] = field(default_factory=dict)
     size: int = 0
 
-    def push(self, ticket: Ticket) -> None:
+    def push(self, ticket: Ticket) -> bool:
+        """Queue the ticket; True if its tenant had nothing held in this band."""
         queue = self.queues.get(ticket.tenant)
         if queue is None:
             # A tenant with nothing held is served next (its quantum, then to the back of the line):
@@ -89,8 +113,24 @@ class _Band:
             queue = self.queues[ticket.tenant] = deque()
             self.active.appendleft(ticket.tenant)
             self.deficit[ticket.tenant] = 0.0
+            queue.append(ticket)
+            self.size += 1
+            return True
         queue.append(ticket)
         self.size += 1
+        return False
+
+    def pop_sparse(self) -> Ticket | None:
+        """The first request of a sparse flow (one that came with nothing of its tenant held), if any."""
+        for tenant in self.active:
+            queue = self.queues[tenant]
+            if queue[0].sparse:
+                ticket = queue.popleft()
+                self.size -= 1
+                if not queue:
+                    self._drop(tenant)
+                return ticket
+        return None
 
     def pop(self) -> Ticket:
         """The next request by weighted deficit round robin (the band must not be empty)."""
@@ -149,6 +189,13 @@ class _ModelFlow:
     bands: list[_Band] = field(default_factory=lambda: [_Band() for _ in BANDS])
     size: int = 0
     granted: int = 0
+    #: When a sparse flow last came while others were held: the reserve is kept until RESERVE_SECONDS later.
+    contended_at: float = float("-inf")
+    #: Some held request came while the model had no endpoint and it has had none since.
+    waking: bool = False
+
+    def tickets(self) -> list[Ticket]:
+        return [ticket for band in self.bands for queue in band.queues.values() for ticket in queue]
 
     def pop(self) -> Ticket:
         for band in self.bands:
@@ -156,6 +203,16 @@ class _ModelFlow:
                 self.size -= 1
                 return band.pop()
         raise IndexError("empty")
+
+    def pop_sparse(self) -> Ticket | None:
+        """A sparse flow's request of the highest band holding any (none of a lower band overtakes)."""
+        for band in self.bands:
+            if band.size:
+                ticket = band.pop_sparse()
+                if ticket is not None:
+                    self.size -= 1
+                return ticket
+        return None
 
 
 class FlowControl:
@@ -180,32 +237,39 @@ class FlowControl:
 
     # -- saturation -------------------------------------------------------------------------------
 
-    def headroom(self, route: routing_pb2.ModelRoute) -> int:
-        """Requests the model's endpoints can take now before any is saturated."""
+    def headroom(self, route: routing_pb2.ModelRoute) -> tuple[int, int]:
+        """Requests the model's endpoints can take now before any is saturated: all requests, and
+        those of flows with a backlog (which leave each endpoint's reserve free)."""
         flow = route.flow
-        total = 0
+        total = bulk = 0
         for e in route.endpoints:
-            room = self._room(f"{e.address}:{e.port}", flow)
+            room, reserve = self._room(f"{e.address}:{e.port}", flow)
             if room >= _UNLIMITED:
-                return _UNLIMITED
+                return _UNLIMITED, _UNLIMITED
             total += max(0, room)
-        return total
+            bulk += max(0, room - reserve)
+        return total, bulk
 
-    def _room(self, endpoint: str, flow: routing_pb2.FlowControl) -> int:
+    def _room(self, endpoint: str, flow: routing_pb2.FlowControl) -> tuple[int, int]:
+        """Requests the endpoint can take now, and how many of those are its reserve."""
         own = self._inflight(endpoint)
-        room = flow.max_in_flight - own if flow.max_in_flight else _UNLIMITED
+        limit = flow.max_in_flight or _UNLIMITED
+        room = limit - own
         state = self._engines.get(endpoint)
-        if state is None:
-            return room
-        since = own - int(state.own)  # routed since the reading, less what finished
-        if flow.max_kv_usage and state.kv_usage is not None and state.kv_usage >= flow.max_kv_usage:
-            room = min(room, -since)
-        if flow.max_waiting and state.waiting is not None:
+        if state is not None:
+            if flow.max_kv_usage and state.kv_usage is not None and state.kv_usage >= flow.max_kv_usage:
+                room = min(room, int(state.own) - own)  # only as many as finished since the reading
             cap = self.caps.get(endpoint)
-            if cap is not None:
-                load = int(state.running or 0) + int(state.waiting) + since
-                room = min(room, cap + flow.max_waiting - 1 - load)  # fewer than max_waiting left waiting
-        return room
+            if flow.max_waiting and state.waiting is not None and cap is not None:
+                # Other gateways' requests at the reading, plus all of this one's now: this one's count
+                # includes what it routed that has not reached the engine yet, and never counts a
+                # request the engine finished twice (as the reading and the count both would).
+                others = int(state.running or 0) + int(state.waiting) - int(state.own)
+                load = own + max(0, others)
+                fits = cap + flow.max_waiting - 1  # fewer than max_waiting left waiting in the engine
+                room = min(room, fits - load)
+                limit = min(limit, fits)
+        return room, (min(MAX_RESERVE, limit // RESERVE_EVERY) if limit < _UNLIMITED else 0)
 
     def engines_read(self) -> None:
         """A round of engine readings is in: learn caps, then dispatch what now fits."""
@@ -231,16 +295,22 @@ class FlowControl:
         """None: the request may go now. A Ticket: it waits (`wait`). Raises Shed when refused."""
         model = self._models.get(route.key)
         if model is None or not model.size:
-            if self.headroom(route) - (model.granted if model is not None else 0) > 0:
+            # Nobody waits: it goes while there is room, the reserve included (it is a sparse flow).
+            if self.headroom(route)[0] - (model.granted if model is not None else 0) > 0:
                 return None
             if model is None:
                 model = self._models[route.key] = _ModelFlow(route)
         model.route = route
         loop = asyncio.get_running_loop()
         ticket = Ticket(tenant, band, weight, self._clock(), loop.create_future())
+        if not route.endpoints:
+            ticket.cold = ticket.waking = model.waking = True
         if model.size >= route.flow.max_queue:
             self._make_room(model, ticket)
-        model.bands[band].push(ticket)
+        if model.bands[band].push(ticket) and model.size:
+            # Its tenant had nothing held while others had: a sparse flow, which may take the reserve.
+            ticket.sparse = True
+            model.contended_at = ticket.enqueued
         model.size += 1
         self._on_change(route.key, self.label(tenant), BANDS[band], 1)
         self.kick(route.key)
@@ -250,19 +320,20 @@ class FlowControl:
         """The queue is full: refuse `ticket` (raise Shed) or evict the request it replaces."""
         lowest = max(rank for rank, band in enumerate(model.bands) if band.size)
         key = model.route.key
+        state = "is saturated" if model.route.endpoints else "is starting"
         if lowest < ticket.band:
-            raise Shed(503, "model_saturated", f"model {key!r} is saturated and holds higher-priority requests")
+            raise Shed(503, "model_saturated", f"model {key!r} {state} and holds higher-priority requests")
         band = model.bands[lowest]
         if lowest > ticket.band:
             victim_tenant = band.heaviest()
-            shed = Shed(503, "shed", f"model {key!r} is saturated: higher-priority requests took this one's place")
+            shed = Shed(503, "shed", f"model {key!r} {state}: higher-priority requests took this one's place")
         else:
             victim_tenant = band.heaviest(ticket)
             shed = Shed(429, "over_share", f"tenant is over its share of model {key!r}; retry later")
             if victim_tenant == ticket.tenant:
                 queue = band.queues.get(ticket.tenant)
                 if queue is not None and len(queue) == model.size:  # nobody else waits: no share to be over
-                    raise Shed(503, "model_saturated", f"model {key!r} is saturated; retry later")
+                    raise Shed(503, "model_saturated", f"model {key!r} {state}; retry later")
                 raise shed
         victim = band.queues[victim_tenant][-1]
         band.remove(victim)
@@ -271,15 +342,33 @@ class FlowControl:
         victim.future.set_exception(shed)
 
     async def wait(self, route: routing_pb2.ModelRoute, ticket: Ticket, deadline: float) -> float:
-        """Until the ticket is dispatched: the seconds it waited. Raises Shed (evicted, timed out)."""
-        remaining = deadline - self._clock()
+        """Until the ticket is dispatched: the seconds it waited. Raises Shed (evicted, timed out),
+        or the activation's failure (`fail_waking`) for a request held while its model wakes.
+
+        A request that came while the model had no endpoint waits until `deadline` (the activation
+        timeout) for the model to turn ready, then up to the queue timeout from that moment on."""
+        ticket.deadline = max(ticket.deadline, deadline)
         routed = False
         try:
-            if remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
+            while True:
+                until = ticket.deadline
+                remaining = until - self._clock()
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
+                    break
+                except TimeoutError:
+                    if ticket.deadline == until:  # not moved on meanwhile (its model turned ready)
+                        raise
             routed = True
         except TimeoutError:
+            if ticket.waking:
+                raise Shed(
+                    503,
+                    "activation_timeout",
+                    f"model {route.key!r} did not become ready within {route.cold.activation_timeout_ms // 1000}s",
+                ) from None
             raise Shed(
                 503, "queue_timeout", f"model {route.key!r} stayed saturated for {route.flow.queue_timeout_ms // 1000}s"
             ) from None
@@ -309,14 +398,24 @@ class FlowControl:
             if not model.granted:
                 del self._models[key]
             return
-        room = self.headroom(model.route) - model.granted
+        room, bulk = self.headroom(model.route)
+        if self._clock() - model.contended_at >= RESERVE_SECONDS:
+            bulk = room  # no sparse flow came lately: nothing to keep the reserve for
+        room -= model.granted
+        bulk -= model.granted
         while model.size and room > 0:
-            ticket = model.pop()
+            # Flows with a backlog fill the room less the reserve; a sparse flow's request takes the
+            # reserve, so a tenant within its share (or a higher band's first request) goes at once
+            # rather than after the next request to finish.
+            ticket = model.pop() if bulk > 0 else model.pop_sparse()
+            if ticket is None:
+                break
             self._on_change(key, self.label(ticket.tenant), BANDS[ticket.band], -1)
             ticket.granted = True
             model.granted += 1
             ticket.future.set_result(None)
             room -= 1
+            bulk -= 1
 
     def kick_all(self) -> None:
         for key in list(self._models):
@@ -332,12 +431,33 @@ class FlowControl:
             model.route = route
             if not route.flow.enabled:
                 self._release(model)
-            else:
-                self.kick(route.key)
+                continue
+            if model.waking and route.endpoints:
+                # Ready: who waited for the wake may now wait up to the queue timeout for its turn.
+                model.waking = False
+                until = self._clock() + route.flow.queue_timeout_ms / 1000
+                for ticket in model.tickets():
+                    if ticket.waking:
+                        ticket.waking = False
+                        ticket.deadline = max(ticket.deadline, until)
+            self.kick(route.key)
         for key in removed:
             model = self._models.get(key)
             if model is not None:
                 self._release(model)
+
+    def fail_waking(self, key: str, failure: Exception) -> None:
+        """The model's activation failed: the requests held while it woke get `failure`."""
+        model = self._models.get(key)
+        if model is None or not model.waking:
+            return
+        model.waking = False
+        for ticket in model.tickets():
+            if ticket.waking and model.bands[ticket.band].remove(ticket):
+                model.size -= 1
+                self._on_change(key, self.label(ticket.tenant), BANDS[ticket.band], -1)
+                ticket.future.set_exception(failure)
+        self.kick(key)
 
     def _release(self, model: _ModelFlow) -> None:
         while model.size:

@@ -75,7 +75,7 @@ class Gateway:
         self.on_demand_change: Callable[[], None] = lambda: None
         #: Load changes that may be reported a little later (coalesced).
         self.on_load_change: Callable[[], None] = lambda: None
-        self.cold = ColdQueues(self._demand_changed)
+        self.cold = ColdQueues(self._demand_changed, on_failure=self.flow.fail_waking)
         #: LoRA adapters loaded on demand: requests held for one, and use per endpoint.
         self.adapters = AdapterBook(self._demand_changed)
         #: One line per refused request (no traceback), a few per second per error code at most.

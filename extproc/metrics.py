@@ -64,7 +64,7 @@ class Metrics:
         )
         self.flow_queued = Gauge(
             "wakegate_gateway_flow_queued",
-            "Requests flow control holds while their model is saturated, by model, tenant and band.",
+            "Requests flow control holds while their model is saturated or starting, by model, tenant and band.",
             ["model", "tenant", "band"],
             registry=r,
         )

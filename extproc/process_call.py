@@ -96,13 +96,10 @@ class ProcessCall:
             decided = self._proc.failed(exc)
         if isinstance(decided, Cold):
             timeout_s = decided.timeout_s()
-            flow = decided.resolved.route.flow
-            # A cold request of a flow-controlled model may wait for its turn once the model is ready.
-            longest = timeout_s + (flow.queue_timeout_ms / 1000 if decided.ticket is None and flow.enabled else 0)
             # Tell Envoy this message may take up to the activation (or queue) timeout.
             self._call.send(
                 ep.ProcessingResponse(
-                    override_message_timeout=duration_pb2.Duration(seconds=int(longest) + 1)
+                    override_message_timeout=duration_pb2.Duration(seconds=int(decided.longest_s()) + 1)
                 ).SerializeToString()
             )
             self._held = asyncio.get_running_loop().create_task(self._hold(decided, self._exchange.started + timeout_s))

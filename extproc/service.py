@@ -292,12 +292,9 @@ class Processor:
         lora = adapter_route(route, resolved.adapter)
         if route.endpoints:
             if flow:
-                try:
-                    ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
-                except Shed as exc:
-                    return self._shed(route, exc, ex)
-                if ticket is not None:
-                    return Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
+                held = self._flow_admit(ex, resolved, parsed, raw_body, in_body)
+                if held is not None:
+                    return held
             if lora is None:
                 return self._forward(ex, resolved, parsed, raw_body, in_body=in_body)
             place = placement(route, lora, self.gw.adapters.draw)
@@ -320,7 +317,22 @@ class Processor:
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
             return self._to_activator(ex, resolved, parsed, raw_body, in_body=in_body)
+        if flow and lora is None:  # held by flow control's rules while the model wakes, too
+            return self._flow_admit(ex, resolved, parsed, raw_body, in_body) or Cold(
+                resolved, parsed, raw_body, in_body
+            )
         return Cold(resolved, parsed, raw_body, in_body)
+
+    def _flow_admit(
+        self, ex: Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, in_body: bool
+    ) -> ep.ProcessingResponse | Cold | None:
+        """Flow control's admission: None (the request goes on now), held (for its turn), or refused."""
+        route = resolved.route
+        try:
+            ticket = self.gw.flow.admit(route, ex.tenant, ex.band, ex.scope.weight)
+        except Shed as exc:
+            return self._shed(route, exc, ex)
+        return None if ticket is None else Cold(resolved, parsed, raw_body, in_body, ticket=ticket)
 
     def _identify(self, ex: Exchange, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse | None:
         """Who a request of a flow-controlled model is fair-shared as, and its band; a refusal when
@@ -353,10 +365,21 @@ class Processor:
         """A request held by flow control: once dispatched, routed as usual."""
         route = cold.resolved.route
         assert cold.ticket is not None
+        if cold.ticket.cold:
+            self.gw.metrics.queue_depth.labels(route.key).inc()
         try:
             waited = await self.gw.flow.wait(route, cold.ticket, deadline)
         except Shed as exc:
             return self._shed(route, exc, ex)
+        except ActivationFailed as exc:
+            return self._retry_later(route, 503, exc.code, exc.answer(ex.model_name or route.key))
+        finally:
+            if cold.ticket.cold:
+                self.gw.metrics.queue_depth.labels(route.key).dec()
+        if cold.ticket.cold:
+            woke = self.gw.cold.flushed(route.key)
+            if woke is not None:
+                self.gw.metrics.cold_start.labels(route.key, "first_byte").observe(woke)
         self.gw.metrics.flow_wait.labels(route.key, BANDS[ex.band]).observe(waited)
         self.gw.metrics.flow_dispatched.labels(route.key, self.gw.flow.label(ex.tenant), BANDS[ex.band]).inc()
         resolved = self.gw.table.resolve(ex.model_name or "")
@@ -427,13 +450,11 @@ class Processor:
                 refused = self._identify(ex, resolved.route)
                 if refused is not None:
                     return refused
-            try:
-                ticket = self.gw.flow.admit(resolved.route, ex.tenant, ex.band, ex.scope.weight)
-            except Shed as exc:
-                return self._shed(resolved.route, exc, ex)
-            if ticket is not None:
-                held = Cold(resolved, cold.parsed, cold.raw_body, cold.in_body, ticket=ticket)
-                return await self._admitted(ex, held, time.monotonic() + held.timeout_s())
+            admitted = self._flow_admit(ex, resolved, cold.parsed, cold.raw_body, cold.in_body)
+            if isinstance(admitted, Cold):
+                return await self._admitted(ex, admitted, time.monotonic() + admitted.timeout_s())
+            if admitted is not None:
+                return admitted
         return self._forward(ex, resolved, cold.parsed, cold.raw_body, in_body=cold.in_body, place=place)
 
     def _queue_full(self, route: routing_pb2.ModelRoute) -> ep.ProcessingResponse:

@@ -38,11 +38,16 @@ class Engine:
     def __init__(self) -> None:
         self.book: dict[str, EngineState] = {}
         self.inflight = 0
-        self.flow = FlowControl(self.book, lambda ep: self.inflight)
+        self.now = 1000.0
+        self.flow = FlowControl(self.book, lambda ep: self.inflight, clock=lambda: self.now)
 
-    def read(self, running: int, waiting: int) -> None:
+    def read(self, running: int, waiting: int, own: int | None = None) -> None:
+        """A reading; `own`: this gateway's count at the reading when it differs from its count now."""
         self.book[EP] = EngineState(
-            waiting=float(waiting), running=float(running), kv_usage=0.1, own=float(self.inflight)
+            waiting=float(waiting),
+            running=float(running),
+            kv_usage=0.1,
+            own=float(self.inflight if own is None else own),
         )
         self.flow.engines_read()
 
@@ -58,7 +63,7 @@ async def dispatched(
         for t in tickets:
             if t.granted and t not in order:
                 order.append(t)
-                await flow.wait(r, t, asyncio.get_running_loop().time() + 1)  # as the held request does
+                await flow.wait(r, t, engine.now + 1)  # as the held request does
                 engine.inflight += 1
     return order
 
@@ -78,6 +83,44 @@ async def test_engine_signals_learn_the_cap_and_the_gateway_count_fills_in_betwe
     engine.inflight -= 1  # another one: a free slot
     engine.flow.kick("m")
     assert ticket.future.done() and ticket.granted
+
+
+async def test_a_request_the_engine_finished_frees_one_slot_not_two() -> None:
+    engine = Engine()
+    r = route(max_waiting=1)
+    engine.inflight = 17
+    engine.read(running=16, waiting=1)  # runs 16 at once
+    engine.inflight = 16
+    held = [engine.flow.admit(r, "a", 1, 1.0) for _ in range(3)]
+    # One request ended in the engine; its end has not reached this gateway yet (its count is 16).
+    engine.read(running=15, waiting=0)
+    engine.inflight = 15  # now it has: the one free slot is taken once, not once per source
+    engine.flow.kick("m")
+    assert [t is not None and t.granted for t in held] == [True, False, False]
+
+
+async def test_a_sparse_tenant_takes_the_reserve_while_a_backlogged_one_leaves_it_free() -> None:
+    engine = Engine()
+    r = route(max_waiting=1)
+    engine.inflight = 13
+    engine.read(running=12, waiting=1)  # runs 12 at once: one slot of them is the reserve
+    engine.inflight = 12
+    loud = [engine.flow.admit(r, "loud", 1, 1.0) for _ in range(10)]
+    first = engine.flow.admit(r, "quiet", 1, 1.0)
+    assert first is not None and not first.granted  # full: the next slot to free is its
+    order = await dispatched(engine.flow, r, [t for t in [first, *loud] if t is not None], engine, 1)
+    assert order == [first]
+    engine.inflight -= 1  # a loud request ends: the loud backlog leaves that slot free ...
+    engine.flow.kick("m")
+    assert not any(t is not None and t.granted for t in loud)
+    second = engine.flow.admit(r, "quiet", 1, 1.0)  # ... and the quiet tenant's next request goes at once
+    assert second is not None and second.granted
+    await engine.flow.wait(r, second, engine.now + 1)
+    engine.inflight += 1
+    engine.now += 10  # no sparse flow lately: the backlog may use every slot
+    engine.inflight -= 1
+    engine.flow.kick("m")
+    assert sum(t is not None and t.granted for t in loud) == 1
 
 
 async def test_in_flight_limit_holds_without_engine_signals() -> None:
@@ -135,7 +178,7 @@ async def test_a_held_request_times_out_and_leaves_the_queue() -> None:
     ticket = engine.flow.admit(r, "a", 1, 1.0)
     assert ticket is not None
     with pytest.raises(Shed) as info:
-        await engine.flow.wait(r, ticket, asyncio.get_running_loop().time() + 0.05)
+        await engine.flow.wait(r, ticket, engine.now + 0.05)
     assert info.value.code == "queue_timeout" and engine.flow.depth("m") == 0
 
 
@@ -161,3 +204,50 @@ def test_token_budget_window_and_usage_of_json_and_sse_responses() -> None:
     sse.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n')
     sse.feed(b"data: [DONE]\n\n")
     assert sse.tokens() == 8
+
+
+async def test_requests_of_a_cold_model_wait_in_the_queues_by_band_until_it_is_ready() -> None:
+    engine = Engine()
+    ready = route(max_queue=3, max_in_flight=1, max_waiting=0)
+    cold = routing_pb2.ModelRoute()
+    cold.CopyFrom(ready)
+    del cold.endpoints[:]
+    cold.cold.activation_timeout_ms = 60000
+    bulk = [engine.flow.admit(cold, "d", 2, 1.0) for _ in range(3)]
+    assert all(t is not None and t.cold and not t.granted for t in bulk)  # no endpoint: all held
+    crit = engine.flow.admit(cold, "c", 0, 1.0)  # full: it takes the newest sheddable one's place
+    assert crit is not None and bulk[2] is not None
+    assert isinstance(bulk[2].future.exception(), Shed) and bulk[2].future.exception().code == "shed"  # type: ignore[union-attr]
+    waits = [asyncio.ensure_future(engine.flow.wait(cold, t, engine.now + 60)) for t in (bulk[0], bulk[1], crit)]
+    await asyncio.sleep(0)
+    engine.now += 40  # ready after 40 s: each may now wait the queue timeout (30 s) from then on
+    engine.flow.on_routes([ready], [])
+    assert crit.granted and not bulk[0].granted  # one at a time (max_in_flight 1), critical first
+    await waits[2]
+    engine.inflight += 1  # routed
+    assert bulk[0].deadline == bulk[1].deadline == engine.now + 30
+    engine.flow.kick("m")  # still one in flight: the sheddable ones wait
+    assert not bulk[0].granted
+    engine.flow.fail_waking("m", RuntimeError("a failure after readiness is not theirs"))
+    assert not bulk[0].future.done()
+    for task in waits[:2]:
+        task.cancel()
+    await asyncio.gather(*waits[:2], return_exceptions=True)
+
+
+async def test_a_failed_activation_or_its_timeout_ends_the_wait_of_requests_held_for_a_cold_model() -> None:
+    engine = Engine()
+    cold = route(max_in_flight=1, max_waiting=0)
+    del cold.endpoints[:]
+    cold.cold.activation_timeout_ms = 1000
+    failing = engine.flow.admit(cold, "a", 1, 1.0)
+    assert failing is not None
+    engine.flow.fail_waking("m", RuntimeError("the engine exited"))
+    with pytest.raises(RuntimeError, match="exited"):
+        await engine.flow.wait(cold, failing, engine.now + 60)
+    assert engine.flow.depth("m") == 0
+    late = engine.flow.admit(cold, "a", 1, 1.0)
+    assert late is not None
+    with pytest.raises(Shed) as info:
+        await engine.flow.wait(cold, late, engine.now + 0.05)  # never ready within its activation timeout
+    assert info.value.code == "activation_timeout" and engine.flow.depth("m") == 0

@@ -372,6 +372,29 @@ async def test_a_held_request_is_sent_on_when_its_model_becomes_ready() -> None:
     assert gw.in_flight == {"waiting": 1}
 
 
+async def test_a_request_held_by_flow_control_while_its_model_wakes_gets_the_activations_failure() -> None:
+    gw = gateway()
+    cold = route("fair")
+    cold.flow.CopyFrom(
+        routing_pb2.FlowControl(enabled=True, band="standard", max_queue=4, queue_timeout_ms=5000, max_in_flight=1)
+    )
+    gw.set_routes([*ROUTES, cold])
+    proc = Processor(gw)
+    exchange, held = decide(proc, headers("/v1/x", **{"x-model-id": "fair"}))
+    assert isinstance(held, Cold) and held.ticket is not None  # in flow control's queues while it wakes
+    task = asyncio.create_task(proc.hold(exchange, held, exchange.started + held.timeout_s()))
+    await asyncio.sleep(0.01)
+    assert [m["queued"] for m in gw.queue_view()["models"] if m["model"] == "fair"] == [1]
+    failed = routing_pb2.ModelRoute()
+    failed.CopyFrom(cold)
+    failed.failed_activations = 1
+    failed.last_failure = "the engine exited"
+    gw.set_routes([*ROUTES, failed])
+    status, sent, payload = immediate(await asyncio.wait_for(task, 2))
+    assert (status, payload["error"]["code"], sent["retry-after"]) == (503, "activation_failed", "5")
+    assert "the engine exited" in payload["error"]["message"] and gw.flow.depth("fair") == 0
+
+
 def test_routes_that_go_away_drop_their_hash_rings() -> None:
     gw = gateway()
     affinity = route("sticky", "10.0.0.5:1", "10.0.0.6:1", strategy="session-affinity")

@@ -4,6 +4,8 @@ One model, `fc`, runs on one sim replica that serves 2 requests at once (more wa
 flow control holds requests while the gateway has 2 in flight on it, up to 4 held. The key file
 gives tenants and bands: a and b (standard), crit (critical), bulk (sheddable). Each test
 saturates the model with slow requests and asserts who is served, who waits and who is refused.
+A second model, `fcold`, starts from zero (3 s to load, one request at a time, up to 3 held): the
+same rules hold while it wakes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ KEYS = {"a": "sk-flow-a-0123456789", "b": "sk-flow-b-0123456789", "crit": "sk-fl
 #: Tenant t may use 60 tokens a minute: about five of these requests.
 BUDGET = 60
 KEYS_TEXT = (
-    f"{KEYS['a']} fc tenant=a\n{KEYS['b']} fc tenant=b\n{KEYS['crit']} fc tenant=c band=critical\n"
-    f"{KEYS['bulk']} fc tenant=d band=sheddable\n{KEYS['open']} fc\n"
+    f"{KEYS['a']} fc tenant=a\n{KEYS['b']} fc tenant=b\n{KEYS['crit']} fc,fcold tenant=c band=critical\n"
+    f"{KEYS['bulk']} fc,fcold tenant=d band=sheddable\n{KEYS['open']} fc\n"
     f"{KEYS['budget']} fc tenant=t tokens-per-minute={BUDGET}\n"
 )
 #: One request runs about 0.6 s on the sim (12 tokens at 20/s).
@@ -37,6 +39,12 @@ FLEET = model_doc(
     extra="""  args: [--max-concurrency, "2", --tokens-per-second, "20"]
   scaling: {min: 1, max: 1}
   flowControl: {enabled: true, maxQueue: 4, queueTimeout: 8, saturation: {maxInFlight: 2, maxWaiting: 0}}
+""",
+) + model_doc(
+    "fcold",
+    extra="""  args: [--startup-seconds, "3", --tokens-per-second, "20"]
+  scaling: {min: 0, max: 1, idleTimeout: 120}
+  flowControl: {enabled: true, maxQueue: 3, queueTimeout: 8, saturation: {maxInFlight: 1, maxWaiting: 0}}
 """,
 )
 
@@ -58,13 +66,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
 class Sent:
     """A request sent from its own thread: its response and when it came back."""
 
-    def __init__(self, gateway: UpProcess, who: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, gateway: UpProcess, who: str, headers: dict[str, str] | None = None, model: str = "fc") -> None:
         self.response: Response | None = None
         self.done_at = 0.0
         auth = {"authorization": f"Bearer {KEYS[who]}", **(headers or {})}
+        body = {**SLOW, "model": model}
 
         def run() -> None:
-            self.response = request("POST", f"{gateway.url}/v1/chat/completions", body=SLOW, headers=auth, timeout=30)
+            self.response = request("POST", f"{gateway.url}/v1/chat/completions", body=body, headers=auth, timeout=30)
             self.done_at = time.monotonic()
 
         self._thread = threading.Thread(target=run, daemon=True)
@@ -76,10 +85,12 @@ class Sent:
         return self.response
 
 
-def send(gateway: UpProcess, who: str, n: int, headers: dict[str, str] | None = None, gap: float = 0.02) -> list[Sent]:
+def send(
+    gateway: UpProcess, who: str, n: int, headers: dict[str, str] | None = None, gap: float = 0.02, model: str = "fc"
+) -> list[Sent]:
     sent = []
     for _ in range(n):
-        sent.append(Sent(gateway, who, headers))
+        sent.append(Sent(gateway, who, headers, model))
         time.sleep(gap)  # arrival order is the order sent
     return sent
 
@@ -120,6 +131,23 @@ def test_critical_goes_first_and_sheddable_is_shed_first(gateway: UpProcess) -> 
     assert len(shed) == 3 and all(error(r)["code"] == "shed" for r in shed), statuses(bulk)
     served_bulk_held = [s.done_at for s in bulk[2:] if s.result().status == 200]
     assert served_bulk_held and max(c.done_at for c in crit) <= min(served_bulk_held) + 0.3
+
+
+def test_while_a_model_wakes_its_requests_wait_by_band_and_the_lowest_band_is_shed_first(gateway: UpProcess) -> None:
+    bulk = send(gateway, "bulk", 3, model="fcold")  # it is cold: all three wait while it loads
+    crit = send(gateway, "crit", 2, model="fcold")  # the queue is full: each takes a sheddable one's place
+    deadline = time.monotonic() + 10
+    while sum(s.response is not None for s in bulk) < 2:
+        assert time.monotonic() < deadline, "no sheddable request was shed"
+        time.sleep(0.05)
+    # refused while the model still loads, not once it is ready
+    assert [m["ready"] for m in gateway.status()["models"] if m["key"] == "fcold"] == [0]
+    shed = [s.result() for s in bulk if s.response is not None]
+    assert all(r.status == 503 and error(r)["code"] == "shed" for r in shed), [r.text for r in shed]
+    # ready: one at a time, critical first
+    assert statuses(crit) == [200, 200]
+    kept = [s for s in bulk if s.result().status == 200]
+    assert len(kept) == 1 and max(c.done_at for c in crit) < kept[0].done_at
 
 
 def test_a_request_can_lower_its_band_not_raise_it(gateway: UpProcess) -> None:
