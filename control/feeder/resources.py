@@ -928,10 +928,8 @@ def listener(
                     # A stream that cannot reach an extproc (it just died, before health checks
                     # noticed) is opened again on the next priority: the standby. (A host
                     # predicate as well cost ~30 us of Envoy CPU per request and added nothing
-                    # with one host per priority; docs/performance.md.) Where the gateway replays,
-                    # the replay listener's stream retries instead: a retry policy makes Envoy
-                    # keep a copy of every message for the retry, ~10 KB per held request.
-                    **({} if replays else {"retry_policy": {
+                    # with one host per priority; docs/performance.md.)
+                    "retry_policy": {
                         "num_retries": 2,
                         "retry_on": "connect-failure,refused-stream,reset",
                         "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
@@ -943,7 +941,7 @@ def listener(
                                 "update_frequency": 1,
                             },
                         },
-                    }}),
+                    },
                 },
                 "failure_mode_allow": replays,
                 # Bodies are buffered unless the route says the model is named in the request's
