@@ -14,8 +14,8 @@ one listener whose filter chain holds every request in one of these ways, and a 
 * `ext_proc`: an ext_proc filter (Envoy gRPC, body BUFFERED) whose processor is the holder, so
   the ext_proc stream stays open with its headers message unanswered, as a cold request's does
   in wakegate;
-* `ext_proc+retry`: the same with wakegate's retry policy on the gRPC service (where the
-  gateway does not replay, control/feeder/resources.py).
+* `ext_proc+retry`: the same with the retry policy wakegate's listener puts on the gRPC
+  service (control/feeder/resources.py): Envoy keeps a copy of each message for the retry.
 
 Each way is measured with `--held` requests from HTTP/1.1 clients (one connection each) and
 from HTTP/2 clients (`--h2-connections` connections, tests/support/h2requests.py), all in one
@@ -57,7 +57,7 @@ FAULT = {
         "delay": {"fixed_delay": "600s", "percentage": {"numerator": 100}},
     },
 }
-#: The gRPC retry policy wakegate's listener sets where it does not replay.
+#: The gRPC retry policy of wakegate's listener (without its retry priority).
 RETRY = {
     "num_retries": 2,
     "retry_on": "connect-failure,refused-stream,reset",
