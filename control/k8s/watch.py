@@ -5,7 +5,9 @@ scheduler extender's Nodes and bench results). It lists the collection, then wat
 the list's resourceVersion; a watch that ends is resumed from the last version seen, one
 that expired (410) or broke is answered with a fresh list after a short pause. Objects are
 kept as plain JSON (after an optional `convert`), keyed by namespace and name; `on_change`
-runs in the watch thread after every list and every event.
+runs in the watch thread after every list and every event, and `changed` then says what moved
+(the one object an event was about, or None after a list: anything), so a reader can keep its
+own work proportional to the change.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class ListWatch:
         self.synced = threading.Event()
         self._items: dict[Key, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        #: During `on_change`: the key of the object the event was about; None after a list.
+        self.changed: Key | None = None
 
     def get(self, name: str, namespace: str = "") -> dict[str, Any] | None:
         with self._lock:
@@ -70,6 +74,7 @@ class ListWatch:
         with self._lock:
             self._items = items
         self.synced.set()
+        self.changed = None
         self.on_change(self)
         return str(listing["metadata"]["resourceVersion"])
 
@@ -89,6 +94,7 @@ class ListWatch:
                 self._items.pop(key, None)
             else:
                 self._items[key] = self.convert(obj)
+        self.changed = key
         self.on_change(self)
         return version
 

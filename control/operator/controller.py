@@ -73,6 +73,8 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
         self.settings = settings
         self.models: dict[str, dict[str, Any]] = {}
         self.runtimes: dict[str, dict[str, Any]] = {}
+        #: the runtimes parsed once per watch event (None: invalid), not once per reconcile
+        self._parsed_runtimes: dict[str, InferenceRuntime | None] = {}
         self.deployments: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, dict[str, Any]]] = {}
         #: ModelCaches by namespace, then name
@@ -107,6 +109,9 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
         self.workers = workers
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
+        #: keys a worker is reconciling now, and those of them poked meanwhile (queued again after)
+        self._busy: set[str] = set()
+        self._again: set[str] = set()
         self.export_to(OperatorMetrics())
 
     def export_to(self, metrics: OperatorMetrics) -> None:
@@ -117,7 +122,9 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
     # -- queue ----------------------------------------------------------------------------------
 
     def poke(self, key: str) -> None:
-        if key not in self._queued:
+        if key in self._busy:
+            self._again.add(key)  # one worker per key: reconciled again once this one is done
+        elif key not in self._queued:
             self._queued.add(key)
             self._queue.put_nowait(key)
 
@@ -128,6 +135,7 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
         while True:
             key = await self._queue.get()
             self._queued.discard(key)
+            self._busy.add(key)
             try:
                 await self.reconcile(key)
             except (KubeError, OSError) as exc:
@@ -136,6 +144,11 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
             except Exception:
                 log.exception("reconcile %s crashed; retrying", key)
                 asyncio.get_running_loop().call_later(5.0, self.poke, key)
+            finally:
+                self._busy.discard(key)
+                if key in self._again:
+                    self._again.discard(key)
+                    self.poke(key)
 
     # -- watch events -----------------------------------------------------------------------------
 
@@ -152,8 +165,10 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
         name = body["metadata"]["name"]
         if event_type == "DELETED":
             self.runtimes.pop(name, None)
+            self._parsed_runtimes.pop(name, None)
         else:
             self.runtimes[name] = _plain(body)
+            self._parsed_runtimes[name] = rnd.parse_runtime(body)
         backend = (body.get("spec") or {}).get("backend")
         for key, model in self.models.items():
             spec = model.get("spec") or {}
@@ -260,10 +275,11 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
             pinned = await self._pin(key, body, model)
             served_body = pinning.pinned_body(body, pinned) if pinned else body
             caches = self.caches.get(body["metadata"]["namespace"], {}).values()
-            weights = weights_for(served_body, model_from_object(served_body), caches)
-            runtime = rnd.select_runtime(model, self.runtimes.values())
+            served_model = model if served_body is body else model_from_object(served_body)
+            weights = weights_for(served_body, served_model, caches)
+            runtime = rnd.select_runtime(model, self._runtimes())
             adapters = self.selection(body["metadata"]["namespace"]).of(model.name)
-            autoscaling = (await self._apply(key, served_body, runtime, weights, adapters)).autoscaling
+            autoscaling = (await self._apply(key, served_body, runtime, weights, adapters, served_model)).autoscaling
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             render_error = rnd.Condition("Ready", "False", "InvalidSpec", problems)
@@ -374,6 +390,9 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
         await self._patch_status("ModelCache", body, summary, {**previous, **summary},
                                  lambda: self.caches.get(namespace, {}).get(name))
 
+    def _runtimes(self) -> list[InferenceRuntime]:
+        return [r for r in self._parsed_runtimes.values() if r is not None]
+
     def _prunable(self, namespace: str, api_version: str, kind: str, name: str, owner: str | None) -> bool:
         """A ModelCache is deleted only when this Model owns it (a person's may carry the same name)."""
         if kind != "ModelCache":
@@ -384,25 +403,28 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
 
     async def _apply(
         self, key: str, body: dict[str, Any], runtime: InferenceRuntime, weights: Any = None,
-        adapters: tuple[LoRAAdapter, ...] = (),
+        adapters: tuple[LoRAAdapter, ...] = (), model: Model | None = None,
     ) -> rnd.Rendered:
         """Apply what the Model renders to, when that changed; seed replicas once for a new Deployment."""
         deployment = self.deployments.get(key)
+        first = False
         if deployment is None and key not in self.applied:
             meta = body["metadata"]
             deployment = await asyncio.to_thread(
                 self.kube.get_or_none,
                 path("apps/v1", "Deployment", meta["namespace"], names.backend_name(meta["name"])),
             )
-        rendered = rnd.render(body, runtime, self.settings, weights=weights, adapters=adapters)
+            first = deployment is None and rnd.never_reconciled(body)
+        model = model if model is not None else model_from_object(body)
+        rendered = rnd.render(body, runtime, self.settings, weights=weights, adapters=adapters, model=model)
         if self.applied.get(key) == rendered.digest():
             return rendered
         seed: int | None = None
         if deployment is None or not _replicas_owned_elsewhere(deployment):
             current = ((deployment or {}).get("spec") or {}).get("replicas")
-            seed = int(current) if current is not None else model_from_object(body).spec.scaling.min
+            seed = int(current) if current is not None else model.spec.scaling.min
             rendered_with_seed = rnd.render(
-                body, runtime, self.settings, initial_replicas=seed, weights=weights, adapters=adapters
+                body, runtime, self.settings, initial_replicas=seed, weights=weights, adapters=adapters, model=model
             )
         else:
             rendered_with_seed = rendered
@@ -425,7 +447,7 @@ class Reconciler(LoraReconcile, TagPinner, CatalogReconcile):
             if obj["kind"] == "Deployment":
                 self.deployments[key] = result
         meta = body["metadata"]
-        for api_version, kind in rnd.PRUNABLE_KINDS:
+        for api_version, kind in () if first else rnd.PRUNABLE_KINDS:  # a new Model has nothing to prune
             if (api_version, kind) in kinds or (kind in rnd.KEDA_KINDS and not self.settings.keda_available):
                 continue
             name = names.backend_name(meta["name"])

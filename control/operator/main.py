@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=f"{os.environ.get('HOSTNAME', socket.gethostname())}-{os.getpid()}",
         help="this replica's name in the Lease",
     )
-    parser.add_argument("--workers", type=int, default=4, help="Models reconciled concurrently")
+    parser.add_argument(
+        "--workers", type=int, default=16,
+        help="Models reconciled concurrently (each waits on the API server most of its time)",
+    )
     parser.add_argument(
         "--admin-listen",
         default="",
@@ -200,7 +204,11 @@ async def _main(args: Settings) -> int:
 
 
 async def _run(args: Settings, metrics: OperatorMetrics) -> int:
-    kube = Kube(api_client(args.kubeconfig))
+    # Every API call runs in a thread: one per worker (and a few for the lease and start-up), where
+    # asyncio's default pool would hold the workers to min(32, cores + 4) calls at once.
+    threads = args.workers + 4
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(threads, thread_name_prefix="kube"))
+    kube = Kube(api_client(args.kubeconfig, pool_size=threads))
     lease = LeaderLease(kube, args.lease)
     stop = asyncio.Event()
     graceful_exit(stop, "operator")

@@ -17,6 +17,7 @@ from wakegate.control.delivery.errors import DeliveryError
 from wakegate.control.delivery.registry import RegistryClient, RegistrySettings
 from wakegate.control.operator import pinning
 from wakegate.control.operator import render as rnd
+from wakegate.control.runtime_schema import InferenceRuntime
 from wakegate.control.schema import Model
 
 #: Seconds before a Model whose oci:// tag could not be resolved is tried again.
@@ -35,6 +36,7 @@ class TagPinner:
         _pin_failures: dict[str, tuple[str | None, str, float, rnd.RenderError]]
 
         def poke(self, key: str) -> None: ...
+        def _runtimes(self) -> list[InferenceRuntime]: ...
         async def _registry_auths(self, namespace: str, secret: str | None) -> DockerAuths: ...
 
     async def _pin(self, key: str, body: Mapping[str, Any], model: Model) -> str | None:
@@ -58,7 +60,7 @@ class TagPinner:
         if pinned is None:
             refs = list(model.spec.imagePullSecrets)
             with contextlib.suppress(rnd.RenderError):  # the runtime's too, when there is one
-                refs += rnd.select_runtime(model, self.runtimes.values()).spec.imagePullSecrets
+                refs += rnd.select_runtime(model, self._runtimes()).spec.imagePullSecrets
             auths = await self._registry_auths_of(body["metadata"]["namespace"], [ref.name for ref in refs])
             try:
                 async with RegistryClient(tag.registry, self.registry_settings, auths) as client:

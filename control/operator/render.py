@@ -9,6 +9,7 @@ else the best runtime for the Model's backend and GPU vendor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -113,14 +114,41 @@ class Rendered:
         return hashlib.blake2b(json.dumps(self.objects, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> InferenceRuntime:
+def parse_runtime(body: Mapping[str, Any]) -> InferenceRuntime | None:
+    """An InferenceRuntime object parsed, or None when it is invalid (`select_runtime` skips it)."""
+    try:
+        return runtime_from_object(body)
+    except ValidationError:
+        return None
+
+
+def never_reconciled(body: Mapping[str, Any]) -> bool:
+    """Whether no operator has finished a reconcile of this Model yet: its first generation, and no
+    `observedGeneration` in its status (every reconcile writes one). Whatever an operator that
+    stopped mid-way applied for it came from this same spec, so it renders the same kinds now
+    and nothing needs pruning: a new Model is spared a DELETE per prunable kind."""
+    status = body.get("status") or {}
+    return int((body.get("metadata") or {}).get("generation", 1) or 1) <= 1 and "observedGeneration" not in status
+
+
+@functools.cache
+def _shipped() -> tuple[InferenceRuntime, ...]:
+    """The shipped runtimes, parsed once per process (they never change while it runs)."""
+    return tuple(runtime_from_object(body) for body in shipped_runtimes())
+
+
+def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any] | InferenceRuntime]) -> InferenceRuntime:
     """Explicit `runtimeRef`, else the best runtime for backend + GPU vendor (shipped before user's).
 
-    `runtimes` are the cluster's InferenceRuntime objects; the shipped ones are
-    the fallback when the cluster has none for the backend.
+    `runtimes` are the cluster's InferenceRuntime objects (as bodies, or already parsed: the
+    operator parses each once per watch event); the shipped ones are the fallback when the
+    cluster has none for the backend.
     """
     parsed: dict[str, InferenceRuntime] = {}
     for body in runtimes:
+        if isinstance(body, InferenceRuntime):
+            parsed[body.metadata.name] = body
+            continue
         try:
             runtime = runtime_from_object(body)
         except ValidationError:
@@ -138,8 +166,7 @@ def select_runtime(model: Model, runtimes: Iterable[Mapping[str, Any]]) -> Infer
                 f"not {spec.backend!r}",
             )
         return chosen
-    for body in shipped_runtimes():
-        shipped = runtime_from_object(body)
+    for shipped in _shipped():
         parsed.setdefault(shipped.metadata.name, shipped)
     vendor = spec.resources.gpu.vendor
     candidates = [r for r in parsed.values() if r.spec.backend == spec.backend]
@@ -589,8 +616,10 @@ def render(
     initial_replicas: int | None = None,
     weights: Weights | None = None,
     adapters: Sequence[LoRAAdapter] = (),
+    model: Model | None = None,
 ) -> Rendered:
-    """Everything a Model owns. `body` is the Model object (metadata with namespace and uid).
+    """Everything a Model owns. `body` is the Model object (metadata with namespace and uid);
+    `model` is it parsed, when the caller has that already.
 
     `weights` is where the weights stand in the node caches (`operator.weights.weights_for`)
     for `cache: node|prewarm` Models: until they are Ready on some node only the Service (and
@@ -598,7 +627,7 @@ def render(
     claim a GPU; then the pods mount the cache entry and go only to nodes that hold it.
     `adapters` are the LoRAAdapters the base serves, in id order (`k8s.adapters.select`).
     """
-    model = model_from_object(body)
+    model = model if model is not None else model_from_object(body)
     engine = model.spec.scaling.engine
     objects: list[dict[str, Any]] = [service(body, model, runtime)]
     conditions = list(weights.conditions) if weights is not None else []

@@ -3,7 +3,7 @@
 Run from the repository root (not collected by `pytest tests`):
 
     python -m tests.bench.bench_cold [--starts 50] [--models 10] [--startup-seconds 0.3]
-                                     [--held 10000] [--held-startup-seconds 30]
+                                     [--held 10000] [--held-h2 C] [--held-startup-seconds 30]
                                      [--skip-latency] [--skip-held] [--json OUT] [--keep-tmp]
 
 Part (a), readiness -> held request reaches the backend. One `wakegate up` (via
@@ -28,9 +28,12 @@ Part (b), `--held` held cold requests on one gateway. A second `wakegate up` ser
 `held` (`maxQueue` = `--held`, `activationTimeout` 600 s, sim `--startup-seconds
 --held-startup-seconds`). The benchmark raises RLIMIT_NOFILE (children inherit it), samples
 VmRSS of extproc and Envoy (children of `up`, told apart by their command lines) before load,
-opens `--held` concurrent requests (aiohttp, `TCPConnector(limit=0)`), waits for `/status`
+opens `--held` concurrent requests (aiohttp, `TCPConnector(limit=0)`: one HTTP/1.1 connection
+each; with `--held-h2 C`, over C HTTP/2 connections, `tests/support/h2requests.py`), waits for `/status`
 queued to reach them, samples RSS while they are held, then waits for activation and checks
-every answer, and samples RSS again after the client closed its connections. Flush times are
+every answer, and samples RSS again after the client closed its connections. Envoy's
+allocator total (`/memory`) is sampled with RSS: per held request, it is Envoy's cost without
+the allocator's page noise. Flush times are
 from the sim's `sim ready` line to the first and last response.
 
 Every process it started is stopped on exit, Ctrl-C or error.
@@ -62,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
+from tests.support.h2requests import Connection
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc, pids_alive
 from wakegate.control.admin import free_port
@@ -163,6 +167,19 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 ENVOY_STATS = r"http2\.|ext_proc|_overflow|cx_connect_fail|destroy_remote_with_active_rq|rq_timeout|overload"
+
+
+def envoy_allocated_mib(up: UpProcess) -> float | None:
+    """What Envoy's allocator holds (`/memory` on its admin port), in MiB: its heap without the
+    allocator's free pages and the binary, so held requests' cost shows apart from RSS noise."""
+    found = re.search(r"envoy_admin=127\.0\.0\.1:(\d+)", up.log())
+    if not found:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/memory", timeout=5) as r:
+            return round(int(json.loads(r.read())["allocated"]) / 2**20, 2)
+    except (urllib.error.URLError, OSError, KeyError, ValueError):
+        return None
 
 
 def envoy_stats(up: UpProcess) -> dict[str, int]:
@@ -349,6 +366,7 @@ async def run_held_async(args: argparse.Namespace, up: UpProcess, pids: dict[str
     def sample(label: str) -> None:
         mem[label] = {name: proc_mem(pid) for name, pid in pids.items()}
         mem[label]["bench-client"] = proc_mem(os.getpid())
+        mem[label]["envoy-allocated"] = envoy_allocated_mib(up)
         fds[label] = {name: open_fds(pid) for name, pid in pids.items()}
         cpu[label] = {name: cpu_seconds(pid) for name, pid in pids.items()}
         cpu[label]["bench-client"] = cpu_seconds(os.getpid())
@@ -378,6 +396,23 @@ async def run_held_async(args: argparse.Namespace, up: UpProcess, pids: dict[str
         if r.status != 200 and r.status not in bodies:
             bodies[r.status] = text[:300]
 
+    h2: list[Connection] = []
+
+    async def one_h2(index: int) -> None:
+        # --held-h2 C: the requests share C HTTP/2 connections, round robin
+        conn = h2[index % len(h2)]
+        try:
+            answer = await asyncio.wait_for(
+                conn.request("POST", "/v1/chat/completions", "gateway", {"content-type": "application/json"}, body),
+                args.client_timeout,
+            )
+        except TimeoutError:
+            results.append((0, time.time(), "TimeoutError"))
+            return
+        results.append((answer.status, time.time(), answer.error))
+        if answer.status not in (0, 200) and answer.status not in bodies:
+            bodies[answer.status] = answer.body.decode(errors="replace")[:300]
+
     t0 = time.time()
     tasks: list[asyncio.Task[None]] = []
     max_queued = 0
@@ -385,9 +420,12 @@ async def run_held_async(args: argparse.Namespace, up: UpProcess, pids: dict[str
     t_ready_seen: float | None = None
     open_s: float | None = None
     try:
+        if args.held_h2:
+            port = int(urllib.parse.urlsplit(url).port or 80)
+            h2.extend([await Connection.open("127.0.0.1", port) for _ in range(args.held_h2)])
         for start in range(0, n, args.batch):
-            for _ in range(min(args.batch, n - start)):
-                tasks.append(asyncio.create_task(one()))
+            for i in range(start, start + min(args.batch, n - start)):
+                tasks.append(asyncio.create_task(one_h2(i) if h2 else one()))
             await asyncio.sleep(args.batch_gap)
         # wait until all are held (or the model got ready first, or requests failed)
         deadline = time.monotonic() + args.held_startup_seconds + 120
@@ -435,6 +473,8 @@ async def run_held_async(args: argparse.Namespace, up: UpProcess, pids: dict[str
             t.cancel()
         await client.close()
         await admin.close()
+        for conn in h2:
+            await conn.close()
     await asyncio.sleep(3.0)
     sample("after")
     return {
@@ -512,6 +552,7 @@ def run_held(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         }
     return {
         "held": n,
+        "client": f"HTTP/2, {args.held_h2} connections" if args.held_h2 else "HTTP/1.1, one connection each",
         "startup_seconds": args.held_startup_seconds,
         "envoy_concurrency": args.envoy_concurrency,
         "rlimit_nofile": limits,
@@ -616,6 +657,19 @@ def fmt_held(res: dict[str, Any]) -> str:
         ]
         peak = mem.get("after", {}).get(who, {}).get("VmHWM", float("nan"))
         lines.append(f"    {who:12s} {row[0]:8.1f} {row[1]:8.1f} {row[2]:9.1f} {row[3]:8.1f} {peak:8.1f}")
+    lines.append(f"    client: {res['client']}")
+    held_n = max(res["max_queued_seen"], 1)
+    per = {
+        who: (mem.get("held", {}).get(who, {}).get("VmRSS", float("nan"))
+              - mem.get("before", {}).get(who, {}).get("VmRSS", float("nan"))) * 1024 / held_n
+        for who in ("extproc", "envoy")
+    }
+    alloc = mem.get("held", {}).get("envoy-allocated"), mem.get("before", {}).get("envoy-allocated")
+    envoy_alloc = (alloc[0] - alloc[1]) * 1024 / held_n if None not in alloc else float("nan")
+    lines.append(
+        f"    per held request (KB): Envoy RSS {per['envoy']:.1f}, Envoy allocated {envoy_alloc:.1f}, "
+        f"extproc RSS {per['extproc']:.1f}; gateway (Envoy allocated + extproc) {envoy_alloc + per['extproc']:.1f}"
+    )
     lines.append(f"    open fds: {res['fds']}")
     lines.append(f"    time to queued (s after first request): {res['time_to_queued']}")
     lines.append(f"    CPU seconds by phase: {res['cpu_s']}")
@@ -639,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held-startup-seconds", type=float, default=30.0, help="sim load time in part (b)")
     ap.add_argument("--batch", type=int, default=500, help="part (b): requests started per batch")
     ap.add_argument("--batch-gap", type=float, default=0.05, help="part (b): seconds between batches")
+    ap.add_argument(
+        "--held-h2", type=int, default=0, metavar="C",
+        help="part (b): send the held requests over C HTTP/2 connections (prior knowledge) instead of one "
+        "HTTP/1.1 connection each",
+    )
     ap.add_argument("--client-timeout", type=float, default=300.0, help="part (b): per-request timeout")
     ap.add_argument("--nofile", type=int, default=65536, help="RLIMIT_NOFILE to set (children inherit it)")
     ap.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads (up's default: 2)")

@@ -98,3 +98,25 @@ def test_a_refused_delete_is_said_once_and_the_model_still_reconciles(caplog: py
         "cannot delete failed backend pod ns/wg-m-1: 403 Forbidden: pods is forbidden"
     ]
     assert reconciler.models["ns/m"]["status"]["phase"] in ("Pending", "Idle", "Loading")
+
+
+def _owned_deletes(kube: Kube) -> list[str]:
+    return [d for d in kube.deleted if "/pods/" not in d]
+
+
+def test_a_new_model_costs_no_prune_delete_a_known_one_is_pruned_as_before() -> None:
+    """1,000 new Models must not cost 1,000 DELETEs that answer 404: nothing was rendered for a
+    Model no reconcile has finished, but a restarted operator still prunes one it had seen."""
+    kube = Kube()
+    reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
+    reconciler.on_model(None, MODEL)
+    asyncio.run(reconciler.reconcile("ns/m"))
+    assert _owned_deletes(kube) == []
+
+    # The same Model after a reconcile wrote its status, seen by a fresh operator: its PDB (max 1
+    # renders none) may be left over from an earlier spec, so it is deleted.
+    kube = Kube()
+    reconciler = Reconciler(kube, rnd.Settings())  # type: ignore[arg-type]
+    reconciler.on_model(None, {**MODEL, "status": {"observedGeneration": 1, "phase": "Idle"}})
+    asyncio.run(reconciler.reconcile("ns/m"))
+    assert any("/poddisruptionbudgets/" in d for d in _owned_deletes(kube)), kube.deleted

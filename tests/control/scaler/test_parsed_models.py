@@ -6,16 +6,31 @@ from typing import Any
 
 import pytest
 
+from wakegate.control.k8s.watch import ListWatch
 from wakegate.control.scaler import kube as scaler_kube
 from wakegate.control.scaler.kube import ParsedModels
 
 
 class Watch:
+    """A watch that has just listed (`changed` None): every call looks at every object."""
+
+    changed = None
+
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
 
     def items(self) -> list[dict[str, Any]]:
         return list(self.objects.values())
+
+
+class Listing:
+    """The API server as a ListWatch's list sees it."""
+
+    def __init__(self, objects: list[dict[str, Any]]) -> None:
+        self.objects = objects
+
+    def request(self, method: str, resource: str, **_: Any) -> dict[str, Any]:
+        return {"items": self.objects, "metadata": {"resourceVersion": "1"}}
 
 
 def model(name: str, generation: int = 1, status: str = "Idle", **spec: Any) -> dict[str, Any]:
@@ -74,3 +89,26 @@ def test_an_invalid_model_is_left_out_with_one_warning_until_it_changes(caplog: 
     assert models(watch) is None and caplog.text.count("ignoring Model ns/bad") == 1
     watch.objects["bad"] = model("bad", generation=2, scaling={"min": 0})
     assert sorted(m.name for m in models(watch) or []) == ["bad", "good"]
+
+
+def test_after_a_list_each_event_looks_at_its_own_model_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 Models: a watch event (a status write, a new Model, a deletion) never walks the set."""
+    handed: list[list[Any] | None] = []
+    models = ParsedModels()
+    watch = ListWatch(Listing([model(f"m{i}") for i in range(1000)]), "models", "/models",  # type: ignore[arg-type]
+                      on_change=lambda w: handed.append(models(w)))
+    watch._list()
+    assert len(handed[-1] or []) == 1000
+    walks: list[int] = []
+    real_items = watch.items
+    monkeypatch.setattr(watch, "items", lambda: walks.append(1) or real_items())
+    for i in range(1000):
+        watch._apply({"type": "MODIFIED", "object": model(f"m{i}", status="Ready")})
+    assert handed[1:] == [None] * 1000  # status writes: nothing handed over
+    watch._apply({"type": "ADDED", "object": model("new")})
+    assert {m.name for m in handed[-1] or []} == {f"m{i}" for i in range(1000)} | {"new"}
+    watch._apply({"type": "DELETED", "object": model("m5")})
+    assert "m5" not in {m.name for m in handed[-1] or []} and len(handed[-1] or []) == 1000
+    watch._apply({"type": "MODIFIED", "object": model("m6", generation=2, scaling={"min": 1})})
+    assert next(m for m in handed[-1] or [] if m.name == "m6").spec.scaling.min == 1
+    assert walks == []

@@ -1,0 +1,283 @@
+"""What one held request costs plain Envoy, by what holds it and how the client connects.
+
+Run from the repository root (not collected by `pytest tests`):
+
+    python -m tests.bench.bench_held_envoy [--held 2000] [--h2-connections 20] [--json OUT]
+
+No wakegate here: one Envoy (the one measured, `--concurrency 2` as `wakegate up` runs it) with
+one listener whose filter chain holds every request in one of these ways, and a second Envoy
+(the holder, not measured) that parks whatever reaches it in a 600 s fault-filter delay:
+
+* `fault`: the request parked in the measured Envoy's own fault filter (no upstream at all);
+* `routed-h2`: routed to the holder over HTTP/2 (one multiplexed upstream stream per request);
+* `routed-h1`: routed to the holder over HTTP/1.1 (one upstream connection per request);
+* `ext_proc`: an ext_proc filter (Envoy gRPC, body BUFFERED) whose processor is the holder, so
+  the ext_proc stream stays open with its headers message unanswered, as a cold request's does
+  in wakegate;
+* `ext_proc+retry`: the same with the retry policy wakegate's listener puts on the gRPC
+  service (control/feeder/resources.py): Envoy keeps a copy of each message for the retry.
+
+Each way is measured with `--held` requests from HTTP/1.1 clients (one connection each) and
+from HTTP/2 clients (`--h2-connections` connections, tests/support/h2requests.py), all in one
+run. The cost is the growth of Envoy's allocator total (`/memory` on its admin port: what
+tcmalloc handed out, without its page cache) divided by the held requests, read two seconds
+after Envoy counts all of them active. docs/performance.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.bench.common import git_state, loadavg
+from tests.support.h2requests import Connection
+from wakegate.control.admin import free_port
+from wakegate.control.bootstrap import envoy_binary
+
+WAYS = ("fault", "routed-h2", "routed-h1", "ext_proc", "ext_proc+retry")
+BODY = b'{"model":"held","messages":[{"role":"user","content":"hi"}]}'
+ROUTER = {"name": "envoy.filters.http.router",
+          "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+FAULT = {
+    "name": "envoy.filters.http.fault",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+        "max_active_faults": 1000000,
+        "delay": {"fixed_delay": "600s", "percentage": {"numerator": 100}},
+    },
+}
+#: The gRPC retry policy of wakegate's listener (without its retry priority).
+RETRY = {
+    "num_retries": 2,
+    "retry_on": "connect-failure,refused-stream,reset",
+    "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+}
+
+
+def _listener(port: int, filters: list[dict[str, Any]], cluster: str | None) -> dict[str, Any]:
+    action: dict[str, Any] = (
+        {"route": {"cluster": cluster, "timeout": "0s"}} if cluster else {"direct_response": {"status": 200}}
+    )
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "held",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "0s",
+        "request_timeout": "0s",
+        "http2_protocol_options": {"max_concurrent_streams": 100000},
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                                            "routes": [{"match": {"prefix": "/"}, **action}]}]},
+        "http_filters": [*filters, ROUTER],
+    }
+    return {
+        "name": "held",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                        "typed_config": hcm}]}],
+    }
+
+
+def _cluster(name: str, port: int, h2: bool) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                             "max_requests": 100000}]},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
+    }
+    if h2:
+        cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 1000}},
+        }}
+    return cluster
+
+
+def _bootstrap(admin: int, listener: dict[str, Any], clusters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {"listeners": [listener], "clusters": clusters},
+        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
+            "overload": {"global_downstream_max_connections": 50000}}}]},
+    }
+
+
+def measured_config(way: str, port: int, admin: int, holder: int) -> dict[str, Any]:
+    clusters = [_cluster("hold_h2", holder, True), _cluster("hold_h1", holder, False)]
+    if way == "fault":
+        return _bootstrap(admin, _listener(port, [FAULT], None), clusters)
+    if way.startswith("routed"):
+        return _bootstrap(admin, _listener(port, [], "hold_h1" if way == "routed-h1" else "hold_h2"), clusters)
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "hold_h2"}}
+    if way == "ext_proc+retry":
+        service["retry_policy"] = RETRY
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": service,
+            "message_timeout": "600s",
+            "max_message_timeout": "600s",
+            "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+                                "request_body_mode": "BUFFERED"},
+        },
+    }
+    return _bootstrap(admin, _listener(port, [ext_proc], "hold_h2"), clusters)
+
+
+def _admin(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return r.read().decode()  # type: ignore[no-any-return]
+
+
+def _stat(port: int, name: str) -> int:
+    for line in _admin(port, f"/stats?filter=^{name}$").splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
+
+
+class Envoy:
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any], admin: int) -> None:
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.admin = admin
+        self.proc = subprocess.Popen(
+            [envoy_binary(), "-c", str(path), "--base-id", str(admin), "--concurrency", "2", "-l", "error"],
+            stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _admin(admin, "/ready")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"Envoy {name} did not start (see {tmp / name}.log)") from None
+                time.sleep(0.1)
+
+    def allocated(self) -> int:
+        return int(json.loads(_admin(self.admin, "/memory"))["allocated"])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def _hold(port: int, admin: int, client: str, held: int, connections: int) -> tuple[int, list[Any]]:
+    """Open `held` requests; return how many Envoy counts active, and what to close later."""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+    )
+    opened: list[Any] = []
+    if client == "h1":
+        for _ in range(held):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(request)
+            opened.append(sock)
+    else:
+        conns = [await Connection.open("127.0.0.1", port) for _ in range(connections)]
+        opened.extend(conns)
+        for i in range(held):
+            conns[i % connections].request("POST", "/v1/chat/completions", "bench",
+                                           {"content-type": "application/json"}, BODY)
+        for conn in conns:
+            await conn.drain()
+    deadline = time.monotonic() + 120
+    active = 0
+    while time.monotonic() < deadline:
+        active = await asyncio.to_thread(_stat, admin, "http.held.downstream_rq_active")
+        if active >= held:
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(2.0)
+    return active, opened
+
+
+async def _close(opened: list[Any]) -> None:
+    for item in opened:
+        if isinstance(item, Connection):
+            await item.close()
+        else:
+            item.close()
+
+
+def measure(tmp: Path, way: str, client: str, held: int, connections: int, holder_port: int) -> dict[str, Any]:
+    port, admin = free_port(), free_port()
+    envoy = Envoy(tmp, f"measured-{way}-{client}", measured_config(way, port, admin, holder_port), admin)
+    try:
+        time.sleep(0.5)
+        before = envoy.allocated()
+
+        async def run() -> dict[str, Any]:
+            active, opened = await _hold(port, admin, client, held, connections)
+            allocated = await asyncio.to_thread(envoy.allocated)
+            await _close(opened)
+            return {"active": active, "allocated": allocated}
+
+        got = asyncio.run(run())
+    finally:
+        envoy.stop()
+    return {
+        "way": way,
+        "client": "HTTP/1.1" if client == "h1" else f"HTTP/2 x{connections}",
+        "held": held,
+        "active": got["active"],
+        "kb_per_request": round((got["allocated"] - before) / held / 1024, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--held", type=int, default=2000, help="requests held at once per measurement")
+    ap.add_argument("--h2-connections", type=int, default=20, help="HTTP/2 connections the requests share")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    args = ap.parse_args(argv)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < args.held + 200:
+        raise SystemExit(f"RLIMIT_NOFILE {hard} is below --held {args.held} (+200)")
+    print(f"load average before: {loadavg()}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="wakegate-bench-held-envoy-") as name:
+        tmp = Path(name)
+        holder_port, holder_admin = free_port(), free_port()
+        holder = Envoy(tmp, "holder", _bootstrap(holder_admin, _listener(holder_port, [FAULT], None), []), holder_admin)
+        try:
+            for client in ("h1", "h2"):
+                for way in WAYS:
+                    row = measure(tmp, way, client, args.held, args.h2_connections, holder_port)
+                    rows.append(row)
+                    print(f"  {row['client']:12s} {way:16s} {row['kb_per_request']:6.1f} KB per held request "
+                          f"({row['active']} active)", flush=True)  # fmt: skip
+        finally:
+            holder.stop()
+    print(f"load average after: {loadavg()}\ncode: {git_state()}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "load": loadavg(), "code": git_state()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
