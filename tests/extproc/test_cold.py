@@ -184,3 +184,35 @@ async def test_held_requests_wait_for_an_endpoint_not_for_any_route_push(queues:
     assert not again.done() and queues.depth("m") == 1
     queues.on_routes({"m": route("10.0.0.2:80")})
     await asyncio.wait_for(again, 1)
+
+
+async def test_a_thousand_held_requests_are_released_a_batch_per_loop_turn(queues: ColdQueues, clock: Clock) -> None:
+    """Between batches the loop turns (and reads its sockets: Envoy's keepalive pings), so a
+    model waking with thousands held does not look like a stalled extproc; all are released,
+    in the order they came."""
+    held = 1000
+    queues.demand(route())
+    released: list[int] = []
+
+    async def hold(index: int) -> None:
+        await queues.wait(route(max_queue=held), clock.now + 30)
+        released.append(index)
+
+    waiters = [asyncio.create_task(hold(i)) for i in range(held)]
+    await asyncio.sleep(0)
+    assert queues.depth("m") == held
+    seen: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    def probe() -> None:  # one callback per loop turn, as a socket read would be
+        seen.append(len(released))
+        if len(released) < held:
+            loop.call_soon(probe)
+
+    queues.on_routes({"m": route("10.0.0.1:80")})
+    loop.call_soon(probe)
+    await asyncio.wait_for(asyncio.gather(*waiters), 5)
+    assert sorted(released) == list(range(held))
+    steps = [after - before for before, after in zip(seen, seen[1:], strict=False)]
+    assert max(steps) <= 128, steps  # never more than a batch between two turns
+    assert len(seen) >= held // 128
