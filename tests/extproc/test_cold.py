@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -213,6 +214,6 @@ async def test_a_thousand_held_requests_are_released_a_batch_per_loop_turn(queue
     loop.call_soon(probe)
     await asyncio.wait_for(asyncio.gather(*waiters), 5)
     assert sorted(released) == list(range(held))
-    steps = [after - before for before, after in zip(seen, seen[1:], strict=False)]
+    steps = [after - before for before, after in itertools.pairwise(seen)]
     assert max(steps) <= 128, steps  # never more than a batch between two turns
     assert len(seen) >= held // 128
