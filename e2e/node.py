@@ -132,6 +132,10 @@ def ensure_pause(log: Log = _log) -> tuple[str, Path]:
     if archive.exists():
         return ref, archive
     log(f"building the pause image from {source.name} (gcc -static)")
+    # Before the project's image on a fresh clone and machine (`python -m e2e.node build` in
+    # e2e/ci.sh): neither podman nor the image work folder may be there yet.
+    image.install_packages()
+    image.WORK.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=image.WORK) as tmp:
         subprocess.run(["gcc", "-static", "-O2", f"-DVERSION={pinned_version('k8s.io/kubernetes')}",
                         "-o", f"{tmp}/pause", str(source)], check=True)
