@@ -3,8 +3,7 @@
 The image (e2e/image.py) is pushed to the tests' Distribution registry and pulled from it by
 containerd; the kubelet runs its probes, mounts and security context for real.
 
-Runs under e2e/ci.sh (which builds the kubelet first); `WAKEGATE_E2E_REAL_NODE=0` leaves it out
-(docs/testing.md, "A real node": what it adds to a run).
+Off unless WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, "A real node": what it adds to a cold run).
 Own cluster (module scope): one emulated node beside the real one.
 """
 
@@ -51,8 +50,8 @@ from e2e.tools.registry import start_registry
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(os.environ.get("WAKEGATE_E2E_REAL_NODE", "1") == "0",
-                       reason="WAKEGATE_E2E_REAL_NODE=0 leaves the real node out (docs/testing.md, 'A real node')"),
+    pytest.mark.skipif(os.environ.get("WAKEGATE_E2E_REAL_NODE") != "1",
+                       reason="the real node runs with WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, 'A real node')"),
     pytest.mark.skipif(os.geteuid() != 0, reason="containerd, runc and network namespaces need root"),
 ]
 
