@@ -132,8 +132,9 @@ def ensure_pause(log: Log = _log) -> tuple[str, Path]:
     if archive.exists():
         return ref, archive
     log(f"building the pause image from {source.name} (gcc -static)")
-    # Before the project's image on a fresh clone and machine (`python -m e2e.node build` in
-    # e2e/ci.sh): neither podman nor the image work folder may be there yet.
+    # `python -m e2e.node build` (e2e/ci.sh runs it when the real node is on) comes before the
+    # project's image on a fresh clone and machine: neither podman nor the image work folder may
+    # be there yet (as in ensure_llama_image).
     image.install_packages()
     image.WORK.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=image.WORK) as tmp:
