@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from e2e import llama
+
 #: special tokens: the padding/end-of-text token and ChatML's two markers (ids 0, 1, 2)
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT, IM_START, IM_END = range(len(SPECIALS))
@@ -44,7 +46,7 @@ CORPUS = (
     "that has the longest river in the world? please answer in one short sentence."
 )
 #: the projections a generated adapter adapts (all of a Llama block's linear layers)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = llama.lora_targets("hf")
 HEAD_DIM = 32
 
 
@@ -112,8 +114,7 @@ class HFModelSpec:
 
     @property
     def ffn(self) -> int:
-        """About 8/3 of the width, rounded up to a multiple of 32, as Llama models do."""
-        return -(-8 * self.dim // 3 // 32) * 32
+        return llama.ffn_width(self.dim)
 
     def validate(self) -> None:
         if self.layers < 1:
@@ -134,25 +135,7 @@ class HFModelSpec:
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (rows = outputs), as transformers' LlamaForCausalLM names them."""
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, self.dim)}
-        for i in range(self.layers):
-            p = f"model.layers.{i}"
-            shapes.update(
-                {
-                    f"{p}.input_layernorm.weight": (self.dim,),
-                    f"{p}.self_attn.q_proj.weight": (self.dim, self.dim),
-                    f"{p}.self_attn.k_proj.weight": (self.dim, self.dim),
-                    f"{p}.self_attn.v_proj.weight": (self.dim, self.dim),
-                    f"{p}.self_attn.o_proj.weight": (self.dim, self.dim),
-                    f"{p}.post_attention_layernorm.weight": (self.dim,),
-                    f"{p}.mlp.gate_proj.weight": (self.ffn, self.dim),
-                    f"{p}.mlp.up_proj.weight": (self.ffn, self.dim),
-                    f"{p}.mlp.down_proj.weight": (self.dim, self.ffn),
-                }
-            )
-        shapes["model.norm.weight"] = (self.dim,)
-        shapes["lm_head.weight"] = (self.vocab_size, self.dim)
-        return shapes
+        return llama.shapes("hf", layers=self.layers, dim=self.dim, vocab=self.vocab_size)
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> Path:

@@ -34,6 +34,8 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import Keys
 
+from e2e import llama
+
 ARCH = "llama"
 #: the word-boundary marker SentencePiece vocabularies use
 SPACE = "\u2581"
@@ -69,8 +71,7 @@ class ModelSpec:
 
     @property
     def ffn(self) -> int:
-        """About 8/3 of the width, rounded up to a multiple of 32, as llama models do."""
-        return -(-8 * self.dim // 3 // 32) * 32
+        return llama.ffn_width(self.dim)
 
     def validate(self) -> None:
         if self.layers < 1:
@@ -82,24 +83,7 @@ class ModelSpec:
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> numpy shape (rows = outputs), in file order."""
-        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.vocab, self.dim)}
-        for i in range(self.layers):
-            shapes.update(
-                {
-                    f"blk.{i}.attn_norm.weight": (self.dim,),
-                    f"blk.{i}.attn_q.weight": (self.dim, self.dim),
-                    f"blk.{i}.attn_k.weight": (self.dim, self.dim),
-                    f"blk.{i}.attn_v.weight": (self.dim, self.dim),
-                    f"blk.{i}.attn_output.weight": (self.dim, self.dim),
-                    f"blk.{i}.ffn_norm.weight": (self.dim,),
-                    f"blk.{i}.ffn_gate.weight": (self.ffn, self.dim),
-                    f"blk.{i}.ffn_up.weight": (self.ffn, self.dim),
-                    f"blk.{i}.ffn_down.weight": (self.dim, self.ffn),
-                }
-            )
-        shapes["output_norm.weight"] = (self.dim,)
-        shapes["output.weight"] = (self.vocab, self.dim)
-        return shapes
+        return llama.shapes("gguf", layers=self.layers, dim=self.dim, vocab=self.vocab)
 
     def file_size(self) -> int:
         """Bytes of tensor data (F32), a close estimate of the file size."""
@@ -215,7 +199,7 @@ def write_model(path: Path, spec: ModelSpec = ModelSpec()) -> Path:
 
 
 #: the projections a generated adapter adapts (all of a llama block's linear layers)
-LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LORA_TARGETS = llama.lora_targets("gguf")
 
 
 def write_lora(path: Path, spec: ModelSpec = ModelSpec(), rank: int = 8, seed: int | None = None) -> Path:

@@ -49,9 +49,6 @@ class Settings:
     flow_retry_after: int = 1
 
 
-PUBLIC_METRICS = ("off", "open", "keys")
-
-
 class Gateway:
     """State shared by every stream of one extproc process."""
 

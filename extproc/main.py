@@ -25,13 +25,14 @@ from wakegate.extproc.completions import STREAM_ACCESS_LOGS_METHOD, Completions
 from wakegate.extproc.demand import DemandReporter
 from wakegate.extproc.engines import EngineWatch
 from wakegate.extproc.feed import RouteFeed
-from wakegate.extproc.gateway import PUBLIC_METRICS, Gateway
+from wakegate.extproc.gateway import Gateway
 from wakegate.extproc.gateway import Settings as GatewaySettings
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError, GrpcServer, unary
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.native import NativeCounts
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Processor
+from wakegate.gateway_flags import add_request_arguments
 from wakegate.internal_token import TokenSource
 from wakegate.process import ProcessSettings, add_log_level, graceful_exit, host_port, settings_from, start
 
@@ -76,25 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="xDS node id: its Envoy's node id, whose acknowledgements gate this extproc's routes (default: --node-id)",
     )
-    parser.add_argument(
-        "--api-keys-file",
-        type=Path,
-        default=None,
-        help="API keys, one per line, each optionally followed by the models it may use "
-        "(`KEY model-a,model-b`); re-read on change; omit to disable auth",
-    )
-    parser.add_argument(
-        "--public-metrics",
-        choices=PUBLIC_METRICS,
-        default="off",
-        help="GET /metrics on the public listener: off (404; scrape --admin-listen), open, or keys "
-        "(any valid API key)",
-    )
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body read to find `model`"
-    )
-    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models (0 = unlimited)")
-    parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
+    add_request_arguments(parser, metrics_elsewhere="on --admin-listen at /metrics")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="time in-flight streams get to finish")
     parser.add_argument(
         "--h2-limit",
@@ -104,12 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="one limit of the HTTP/2 server Envoy connects to (repeatable; docs/decisions.md). "
         f"Defaults: {H2Limits.names()}",
-    )
-    parser.add_argument(
-        "--fairness-header",
-        action="store_true",
-        help="flow control: a request whose API key names no tenant is fair-shared as the tenant its "
-        "x-gateway-inference-fairness-id header names (otherwise: the default tenant)",
     )
     parser.add_argument(
         "--engine-metrics-interval",

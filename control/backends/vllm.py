@@ -21,6 +21,7 @@ vLLM-Omni is a plugin on top of vLLM (`--omni`); its images are tagged per relea
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from wakegate import contract
 from wakegate.control.backends.base import Backend, HttpStep, Image, LoadMetrics
@@ -102,27 +103,14 @@ VLLM = Backend(
     **SLEEP_MODE,  # type: ignore[arg-type]
 )
 
-VLLM_OMNI = Backend(
+#: vLLM-Omni is vLLM with a plugin: the same engine, API and metrics, its own images and GPUs.
+VLLM_OMNI = replace(
+    VLLM,
     name="vllm-omni",
     description="vLLM-Omni multimodal server (vLLM with the --omni plugin)",
-    program=("vllm", "serve"),
     args=("{model}", "--omni", *VLLM_FLAGS),
-    default_port=8000,
-    health_path="/health",
     images=(Image("nvidia", "vllm/vllm-omni:v0.20.0", suffix="cuda"),),
     gpu_arch=NVIDIA_ARCH[3:],
-    metrics_path="/metrics",
-    metrics_prefix="vllm:",
-    load_metrics=VLLM_LOAD,
-    drains_on_sigterm=True,
-    term_grace=30.0,
-    lora_runtime_args=LORA_ARGS,
-    lora_runtime_env=LORA_ENV,
-    loads_folder=True,
-    kv_events_arg=KV_EVENTS_ARG,
-    prefix_caching_args=PREFIX_CACHING,
-    kv_hashes_token_ids=True,
-    **SLEEP_MODE,  # type: ignore[arg-type]
 )
 
 SIM = Backend(

@@ -24,6 +24,7 @@ from wakegate.control.delivery.resolver import Verify
 from wakegate.control.up.settings import Settings
 from wakegate.control.up.supervisor import Up
 from wakegate.control.up.weights import default_flash_dir
+from wakegate.gateway_flags import add_request_arguments
 from wakegate.process import add_log_level, start
 
 log = logging.getLogger("wakegate.up")
@@ -45,31 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: an owner-only Unix socket in the state dir",
     )
     parser.add_argument("--state-dir", type=Path, default=Path(".wakegate"), help="logs and rendered configs")
-    parser.add_argument(
-        "--api-keys-file",
-        type=Path,
-        default=None,
-        help="API keys, one per line, each optionally followed by the models it may use (`KEY model-a,model-b`); "
-        "re-read on change (auth off if unset)",
-    )
-    parser.add_argument(
-        "--public-metrics",
-        choices=("off", "open", "keys"),
-        default="off",
-        help="GET /metrics on the gateway's listener: off (404), open, or keys (any valid API key); the "
-        "gateway's metrics are always on --admin-listen at /metrics/gateway",
-    )
-    parser.add_argument(
-        "--fairness-header",
-        action="store_true",
-        help="flow control: a request whose API key names no tenant is fair-shared as the tenant its "
-        "x-gateway-inference-fairness-id header names (otherwise: the default tenant)",
-    )
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body the gateway reads, bytes"
-    )
-    parser.add_argument("--global-rps", type=float, default=0.0, help="requests/s over all models; 0: unlimited")
-    parser.add_argument("--global-burst", type=float, default=0.0, help="burst of --global-rps; 0: max(1, rps)")
+    add_request_arguments(parser, metrics_elsewhere="on --admin-listen at /metrics/gateway")
     parser.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument(
         "--extproc-h2-limit",
