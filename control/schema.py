@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
+
+from wakegate import contract
 
 API_VERSION = "wakegate.io/v1alpha1"
 GROUP = "wakegate.io"
@@ -68,25 +70,42 @@ DEFAULT_PROFILE = Profile.BALANCED
 chosen from tests/bench/bench_routing.py (docs/decisions.md, "The default picking")."""
 
 
-class Weights(Spec):
-    queue: float = Field(0, ge=0, le=100, description="Fewest requests queued or in flight.")
-    kvCache: float = Field(0, ge=0, le=100, description="Most free KV cache, as the engine reports it.")
-    prefix: float = Field(0, ge=0, le=100, description="Longest prompt prefix recently sent to the endpoint.")
-    precise: float = Field(
-        0, ge=0, le=100, description="Longest prompt prefix the engine holds, from its KV events (routing.kvEvents)."
-    )
-    session: float = Field(0, ge=0, le=100, description="The endpoint the session key hashes to.")
+class WeightsBase(Spec):
+    """What every `routing.weights` model has; :func:`weights_model` adds one field per scorer."""
+
+    #: Field name -> scorer name (as extproc knows it), in the table's order.
+    scorer_names: ClassVar[dict[str, str]] = {}
 
     def scorers(self) -> dict[str, float]:
         """Scorer name (as extproc knows it) -> weight, the zero ones left out."""
-        pairs = {
-            "queue": self.queue,
-            "kv-cache": self.kvCache,
-            "prefix": self.prefix,
-            "precise": self.precise,
-            "session": self.session,
-        }
-        return {name: w for name, w in pairs.items() if w > 0}
+        pairs = ((name, float(getattr(self, field))) for field, name in self.scorer_names.items())
+        return {name: w for name, w in pairs if w > 0}
+
+
+def weights_model(table: Iterable[contract.ScorerSpec]) -> type[WeightsBase]:
+    """The `routing.weights` model of a scorer table: one weight in [0, 100] per scorer, default 0,
+    named :attr:`~wakegate.contract.ScorerSpec.field`."""
+    specs = list(table)
+    fields: dict[str, Any] = {
+        spec.field: (float, Field(0, ge=0, le=100, description=spec.description)) for spec in specs
+    }
+    if len(fields) < len(specs) or any(hasattr(WeightsBase, name) for name in fields):
+        raise ValueError(f"scorer fields clash: {[spec.field for spec in specs]}")
+    names = {spec.field: spec.name for spec in specs}
+    return create_model(
+        "Weights",
+        __base__=WeightsBase,
+        __module__=__name__,
+        scorer_names=(ClassVar[dict[str, str]], names),
+        **fields,
+    )
+
+
+if TYPE_CHECKING:
+    Weights = WeightsBase
+else:
+    #: A Model's `routing.weights`: one field per scorer of `contract.SCORERS`.
+    Weights = weights_model(contract.SCORERS)
 
 
 class KVEvents(Spec):
@@ -150,7 +169,7 @@ class Routing(Spec):
         """Whether picking weighs the precise scorer."""
         if self.profile is not None:
             return self.profile == Profile.PRECISE
-        return self.weights is not None and self.weights.precise > 0
+        return self.weights is not None and "precise" in self.weights.scorers()
 
     @model_validator(mode="after")
     def _one_form(self) -> Routing:

@@ -51,6 +51,7 @@ from wakegate.extproc.engineprompt import EnginePrompt, PromptError
 from wakegate.extproc.kvindex import KVIndex, Target, target_for
 from wakegate.extproc.prefix import PrefixIndex, chain, prompt_text
 from wakegate.extproc.scheduling import Decision, EngineState, Request, Rotation, Signals, schedule, weights_for
+from wakegate.extproc.scorers import SCORERS, Scorer
 from wakegate.kvevents import MAX_BLOCKS, body_blocks, vllm_block_hashes
 from wakegate.v1 import routing_pb2
 
@@ -400,9 +401,9 @@ class _RouteInfo:
     tokenizer: str = ""
 
 
-def _route_info(route: routing_pb2.ModelRoute) -> _RouteInfo:
+def _route_info(route: routing_pb2.ModelRoute, scorers: Mapping[str, Scorer]) -> _RouteInfo:
     endpoints = tuple(f"{e.address}:{e.port}" for e in route.endpoints)
-    chosen = weights_for(route.profile, route.weights)
+    chosen = weights_for(route.profile, route.weights, scorers)
     adapters: frozenset[str] = frozenset()
     targets: tuple[tuple[str, Target], ...] = ()
     if chosen:
@@ -446,10 +447,13 @@ class Picker:
         "kv",
         "last",
         "prefix_chars",
+        "scorers",
         "vnodes",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, scorers: Mapping[str, Scorer] = SCORERS) -> None:
+        #: scorer name -> scorer: what a route's weights may name (default: the registry)
+        self.scorers = scorers
         self.inflight = InFlight()
         self.vnodes = 160
         self.prefix_chars = 1024
@@ -502,7 +506,7 @@ class Picker:
                 self._weights.pop(key, None)
                 self._adapters.pop(key, None)
         for route in changed:
-            info = _route_info(route)
+            info = _route_info(route, self.scorers)
             old = self._per_route.get(route.key)
             if old == info:
                 continue
@@ -624,7 +628,7 @@ class Picker:
                 request.blocks = body_blocks(body)
             if request.blocks:
                 request.block_matches = self.kv.matches(request.blocks)
-        decision = schedule(endpoints, weights, request, self._signals, self._rotation)
+        decision = schedule(endpoints, weights, request, self._signals, self._rotation, self.scorers)
         self.last = decision
         if decision.endpoint is not None and request.chain:
             self.index.record(decision.endpoint, request.chain)

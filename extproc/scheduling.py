@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wakegate import contract
-from wakegate.extproc.scorers import SCORERS
+from wakegate.extproc.scorers import SCORERS, Scorer
 
 __all__ = [
     "FILTERS",
@@ -181,10 +181,13 @@ FILTERS: tuple[Filter, ...] = (adapter_present, adapter_room, under_capacity)
 """The filters, in the order they run."""
 
 
-def weights_for(profile: str, weights: Mapping[str, float]) -> dict[str, float]:
-    """A Model's effective weights: explicit ``weights`` win, else the named profile's (unknown: {})."""
+def weights_for(
+    profile: str, weights: Mapping[str, float], scorers: Mapping[str, Scorer] = SCORERS
+) -> dict[str, float]:
+    """A Model's effective weights: explicit ``weights`` win (those naming one of ``scorers``),
+    else the named profile's (unknown: {})."""
     if weights:
-        return {name: float(w) for name, w in weights.items() if name in SCORERS and w > 0}
+        return {name: float(w) for name, w in weights.items() if name in scorers and w > 0}
     return dict(contract.PROFILES.get(profile, {}))
 
 
@@ -203,8 +206,10 @@ def schedule(
     request: Request,
     signals: Signals,
     rotation: Rotation,
+    scorers: Mapping[str, Scorer] = SCORERS,
 ) -> Decision:
-    """Filter, score and pick one of ``endpoints`` (None only when there are none)."""
+    """Filter, score with ``scorers`` (by the names ``weights`` use) and pick one of ``endpoints``
+    (None only when there are none)."""
     candidates = list(endpoints)
     if not candidates:
         return Decision(None, [], {})
@@ -214,7 +219,7 @@ def schedule(
             candidates = narrowed
     totals = [0.0] * len(candidates)
     for name, weight in weights.items():
-        scorer = SCORERS.get(name)
+        scorer = scorers.get(name)
         if scorer is None or weight <= 0:
             continue
         for i, s in enumerate(scorer(candidates, request, signals)):

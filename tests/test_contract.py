@@ -12,12 +12,14 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import pytest
 from google.protobuf import descriptor_pb2
 
 from tests.support import REPO_ROOT
 from wakegate import contract
 from wakegate.control.schema import ColdMode, Profile, Strategy, Weights
 from wakegate.extproc.picking import STRATEGIES as PICKER_STRATEGIES
+from wakegate.extproc.scorers import SCORERS
 from wakegate.v1 import routing_pb2
 
 #: Every string value the contract defines (the type URL included).
@@ -65,10 +67,20 @@ def test_schema_words_are_the_proto_enums() -> None:
 
 
 def test_schema_profiles_and_weights_are_the_scorers() -> None:
+    names = [spec.name for spec in contract.SCORERS]
     assert {p.value for p in Profile} == set(contract.PROFILES)
-    every = Weights(queue=1, kvCache=1, prefix=1, precise=1, session=1).scorers()
-    assert set(every) == set(contract.SCORERS)
-    assert all(set(weights) <= set(contract.SCORERS) for weights in contract.PROFILES.values())
+    assert list(Weights.model_fields) == ["queue", "kvCache", "prefix", "precise", "session"]
+    every = Weights(**{field: 1 for field in Weights.model_fields}).scorers()
+    assert list(every) == names == list(SCORERS)
+    assert all(set(weights) <= set(names) for weights in contract.PROFILES.values())
+
+
+def test_a_scorer_spec_derives_its_field_and_module_from_its_name() -> None:
+    spec = contract.ScorerSpec("kv-cache", "")
+    assert (spec.field, spec.module) == ("kvCache", "wakegate.extproc.scorers.kv_cache")
+    assert contract.ScorerSpec("x", "", module="my.scorer").module == "my.scorer"
+    with pytest.raises(ValueError, match="lowercase words"):
+        contract.ScorerSpec("kv_cache", "")
 
 
 def test_an_enum_edited_on_either_side_is_caught() -> None:

@@ -1,4 +1,4 @@
-"""The scorers of scored picking, one module each, registered here by name (*pure*).
+"""The scorers of scored picking, one module each, registered by name (*pure*).
 
 A scorer gives each candidate endpoint of one request a score in [0, 1], higher is better;
 :func:`wakegate.extproc.scheduling.schedule` adds them up with the route's weights and picks the
@@ -7,40 +7,41 @@ best. It reads only what the request and the load signals say
 picker prepared for the built-in scorers; :class:`~wakegate.extproc.scheduling.Signals`: in-flight
 counts and engine state), so a new one needs no change anywhere else in extproc: write a module
 with a function ``score(candidates, request, signals) -> list[float]`` and add one
-:func:`register` line below (docs/architecture.md, "Writing a scorer"). A route names it in its
-weights by the registered name; a Model names it in ``routing.weights`` once the Model schema has
-a weight for it (control/schema.py, ``Weights``; the built-in names are ``contract.SCORERS``).
+:class:`~wakegate.contract.ScorerSpec` line to ``contract.SCORERS``, which this registry is built
+from and the Model schema's ``routing.weights`` too (docs/architecture.md, "Writing a scorer").
+:func:`register` adds one more by hand, for routes only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import importlib
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, cast
 
 from wakegate import contract
-from wakegate.extproc.scorers import kv_cache, precise, prefix, queue, session
 
 if TYPE_CHECKING:
     from wakegate.extproc.scheduling import Request, Signals
 
 Scorer = Callable[[list[str], "Request", "Signals"], list[float]]
 
-SCORERS: dict[str, Scorer] = {}
+
+def registry(table: Iterable[contract.ScorerSpec]) -> dict[str, Scorer]:
+    """Scorer name -> the ``score`` function of its spec's module, for each spec of `table`."""
+    found: dict[str, Scorer] = {}
+    for spec in table:
+        if spec.name in found:
+            raise ValueError(f"a scorer named {spec.name!r} is in the table twice")
+        found[spec.name] = cast(Scorer, importlib.import_module(spec.module).score)
+    return found
+
+
+SCORERS: dict[str, Scorer] = registry(contract.SCORERS)
 """Scorer name -> scorer; the names are the keys of a route's (and a Model's) weights."""
 
 
 def register(name: str, scorer: Scorer) -> None:
-    """Make `scorer` pickable by `name` (a name is registered once)."""
+    """Make `scorer` pickable by `name` in :data:`SCORERS` (a name is registered once)."""
     if name in SCORERS:
         raise ValueError(f"a scorer named {name!r} is registered already")
     SCORERS[name] = scorer
-
-
-register("queue", queue.score)
-register("kv-cache", kv_cache.score)
-register("prefix", prefix.score)
-register("precise", precise.score)
-register("session", session.score)
-
-if set(SCORERS) != set(contract.SCORERS):  # pragma: no cover - caught by any import in the tests
-    raise ImportError("contract.SCORERS and extproc's scorers disagree")

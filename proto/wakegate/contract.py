@@ -12,7 +12,9 @@ values cannot disagree either; the Model schema's enums are checked against them
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import cast
 
 from wakegate import promtext
@@ -154,8 +156,43 @@ COLD_MODES = cast(dict[str, routing_pb2.ColdMode], enum_names(routing_pb2.ColdMo
 #: Wire value -> word, for extproc's picker.
 STRATEGY_NAMES: dict[int, str] = {value: name for name, value in STRATEGIES.items()}
 
-#: The scorers of extproc's scored picking, by the word a Model's `routing.weights` uses.
-SCORERS = ("queue", "kv-cache", "prefix", "precise", "session")
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """One scorer of extproc's scored picking. extproc imports `module` and weighs its
+    ``score(candidates, request, signals)`` under `name`; the Model schema gives
+    ``routing.weights`` a field for it (:attr:`field`) described by `description`."""
+
+    #: What routes' and Models' weights call it: lowercase words joined by `-` ("kv-cache").
+    name: str
+    #: The weight field's description in the Model schema (and the CRD).
+    description: str
+    #: Dotted path of its module; default ``wakegate.extproc.scorers.<name, `-` as `_`>``.
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", self.name):
+            raise ValueError(f"scorer name {self.name!r}: lowercase words joined by '-'")
+        if not self.module:
+            object.__setattr__(self, "module", "wakegate.extproc.scorers." + self.name.replace("-", "_"))
+
+    @property
+    def field(self) -> str:
+        """Its weight's field in a Model's `routing.weights`: the name in camelCase ("kvCache")."""
+        first, *rest = self.name.split("-")
+        return first + "".join(word.capitalize() for word in rest)
+
+
+#: The scorers of scored picking, in the order the Model schema lists their weights: what extproc
+#: registers (extproc/scorers) and what a Model's `routing.weights` accepts (control/schema.py,
+#: `Weights`, and the CRD generated from it). A new scorer is its module plus one line here.
+SCORERS: tuple[ScorerSpec, ...] = (
+    ScorerSpec("queue", "Fewest requests queued or in flight."),
+    ScorerSpec("kv-cache", "Most free KV cache, as the engine reports it."),
+    ScorerSpec("prefix", "Longest prompt prefix recently sent to the endpoint."),
+    ScorerSpec("precise", "Longest prompt prefix the engine holds, from its KV events (routing.kvEvents)."),
+    ScorerSpec("session", "The endpoint the session key hashes to."),
+)
 #: Named weight sets a Model's `routing.profile` chooses (docs/architecture.md, "picking").
 #: `balanced` is the default profile; its weights come from tests/bench/bench_routing.py.
 PROFILES: dict[str, dict[str, float]] = {
