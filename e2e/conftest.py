@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube, fresh_namespace
 
 # kubectl keeps API discovery and OpenAPI schemas per server address under ~/.kube/cache for hours;
 # harness API servers reuse loopback ports across runs, so a cache written for an older cluster (or
@@ -64,15 +62,5 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture
 def kube(cluster: Cluster) -> Iterator[Kube]:
     """A fresh namespace per test; deleting it (real namespace controller) ends its pods."""
-    with cluster.api_client() as api:
-        ns = f"e2e-{uuid.uuid4().hex[:8]}"
-        core = client.CoreV1Api(api)
-        core.create_namespace({"metadata": {"name": ns}})
-        # Pods are refused until the serviceaccount controller created `default`.
-        wait_for(lambda: _has_default_sa(core, ns), 30, "default service account")
-        yield Kube(api, ns, cluster)
-        core.delete_namespace(ns)
-
-
-def _has_default_sa(core: client.CoreV1Api, ns: str) -> bool:
-    return any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items)
+    with fresh_namespace(cluster) as kube:
+        yield kube

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,3 +63,30 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, every: float = 0
         time.sleep(every)
         last = check()
     return last
+
+
+def http_ok(url: str) -> bool:
+    """Whether GET `url` answers 200 within a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def has_default_sa(core: client.CoreV1Api, ns: str) -> bool:
+    return any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items)
+
+
+@contextmanager
+def fresh_namespace(cluster: Cluster) -> Iterator[Kube]:
+    """A new namespace on `cluster` for the block, deleted after it (the real namespace controller
+    then ends its pods)."""
+    with cluster.api_client() as api:
+        ns = f"e2e-{uuid.uuid4().hex[:8]}"
+        core = client.CoreV1Api(api)
+        core.create_namespace({"metadata": {"name": ns}})
+        # Pods are refused until the serviceaccount controller created `default`.
+        wait_for(lambda: has_default_sa(core, ns), 30, "default service account")
+        yield Kube(api, ns, cluster)
+        core.delete_namespace(ns)

@@ -13,9 +13,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +23,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import REPO_ROOT, Cluster
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube, fresh_namespace, http_ok, wait_for
 from e2e.procs import Proc
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
@@ -68,14 +65,6 @@ class Placement:
     extender: Proc
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _bench(kubeconfig: Path, model: str, tps: int, device_class: str) -> None:
     """A sim decoding at `tps` tokens/s per stream, measured by the real `wakegate bench`."""
     port = free_port()
@@ -85,7 +74,7 @@ def _bench(kubeconfig: Path, model: str, tps: int, device_class: str) -> None:
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), 20, f"sim for {device_class}")
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 20, f"sim for {device_class}")
         proc = subprocess.run(
             [sys.executable, "-m", "wakegate", "bench", "--url", f"http://127.0.0.1:{port}/v1", "--model", model,
              "--requests", "4", "--concurrency", "2", "--max-tokens", "16", "--backend", "vllm",
@@ -129,7 +118,7 @@ def placement(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Placement]:
             ], work / f"agent-{node['name']}.log")
             agent.start()
             procs.append(agent)
-        wait_for(lambda: _http_ok(f"{url}/readyz"), 30, "extender caches synced")
+        wait_for(lambda: http_ok(f"{url}/readyz"), 30, "extender caches synced")
         yield Placement(cluster, url, extender)
     finally:
         for proc in procs:
@@ -140,14 +129,8 @@ def placement(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Placement]:
 @pytest.fixture
 def gkube(placement: Placement) -> Iterator[Kube]:
     """A fresh namespace on the placement cluster."""
-    with placement.cluster.api_client() as api:
-        ns = f"e2e-{uuid.uuid4().hex[:8]}"
-        core = client.CoreV1Api(api)
-        core.create_namespace({"metadata": {"name": ns}})
-        wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items),
-                 30, "default service account")
-        yield Kube(api, ns, placement.cluster)
-        core.delete_namespace(ns)
+    with fresh_namespace(placement.cluster) as kube:
+        yield kube
 
 
 def node_meta(kube: Kube, name: str) -> Any:

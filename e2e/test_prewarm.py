@@ -15,7 +15,6 @@ import base64
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from e2e.gateway import (
     python_env,
     scoped_kubeconfig,
 )
-from e2e.helpers import Kube, is_ready, wait_for
+from e2e.helpers import Kube, fresh_namespace, has_default_sa, http_ok, is_ready, wait_for
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_model
 from e2e.tools.registry import Registry, start_registry
@@ -116,9 +115,7 @@ def prewarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prewarm]:
                 install_crds(api)
                 core = client.CoreV1Api(api)
                 core.create_namespace({"metadata": {"name": SYSTEM}})
-                wait_for(lambda: any(sa.metadata.name == "default"
-                                     for sa in core.list_namespaced_service_account(SYSTEM).items),
-                         30, "default service account")
+                wait_for(lambda: has_default_sa(core, SYSTEM), 30, "default service account")
                 system = Kube(api, SYSTEM, cluster)
                 with (scoped_kubeconfig(system, work, "operator", OPERATOR_RULES, LEASE_RULES) as operator_config,
                       scoped_kubeconfig(system, work, "agent", AGENT_RULES) as agent_config):
@@ -139,7 +136,7 @@ def prewarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prewarm]:
                     try:
                         for proc in procs:
                             proc.start()
-                        wait_for(lambda: _ok(f"{url}/readyz"), 30, "extender caches synced")
+                        wait_for(lambda: http_ok(f"{url}/readyz"), 30, "extender caches synced")
                         yield Prewarm(cluster, registry, secure, url, caches, procs, work)
                     finally:  # before the tokens' roles go
                         for proc in procs:
@@ -148,27 +145,10 @@ def prewarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prewarm]:
             cluster.stop()
 
 
-def _ok(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture
 def pkube(prewarm: Prewarm) -> Iterator[Kube]:
-    with prewarm.cluster.api_client() as api:
-        ns = f"e2e-{uuid.uuid4().hex[:8]}"
-        core = client.CoreV1Api(api)
-        core.create_namespace({"metadata": {"name": ns}})
-        wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items),
-                 30, "default service account")
-        yield Kube(api, ns, prewarm.cluster)
-        core.delete_namespace(ns)
+    with fresh_namespace(prewarm.cluster) as kube:
+        yield kube
 
 
 def create(kube: Kube, plural: str, name: str, spec: dict[str, Any]) -> None:

@@ -33,19 +33,19 @@ def sleeper(name):
         out.write(f"{name} {proc.pid}\\n")
     return proc
 
-@pytest.fixture(scope="session")
-def everywhere():
-    proc = sleeper("session")
+def stopped_at_teardown(name):
+    proc = sleeper(name)
     yield proc
     proc.kill()
     proc.wait()
 
+@pytest.fixture(scope="session")
+def everywhere():
+    yield from stopped_at_teardown("session")
+
 @pytest.fixture(scope="module")
 def shared():
-    proc = sleeper("shared")
-    yield proc
-    proc.kill()
-    proc.wait()
+    yield from stopped_at_teardown("shared")
 
 @pytest.fixture(scope="module")
 def forgotten():

@@ -85,6 +85,15 @@ def hf_tiny(tmp_path_factory: pytest.TempPathFactory) -> HFTiny:
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
 
 
+#: The tiny GGUF on llama-server as a Model's spec (no scaling), from `weights/tiny.gguf` beside the manifest.
+TINY_LLAMA = {
+    "backend": "llamacpp",
+    "servedName": "org/tiny-llama",
+    "source": "file://weights/tiny.gguf",
+    "args": ["--threads", "1", "--ctx-size", "512"],
+}
+
+
 @dataclass(frozen=True)
 class TinyFiles:
     model: Path

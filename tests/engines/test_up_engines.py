@@ -14,32 +14,25 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.engines.conftest import PROMPT, TinyFiles
+from tests.engines.conftest import PROMPT, TINY_LLAMA, TinyFiles
 from tests.support.http import request
+from tests.support.models import models
 from tests.support.up import UpProcess, pids_alive
 
 #: The same file twice through relative paths: resolved against the manifest's folder.
-FLEET = """---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: llama}
-spec:
-  backend: llamacpp
-  servedName: org/tiny-llama
-  source: file://weights/tiny.gguf
-  args: [--threads, "1", --ctx-size, "512"]
-  scaling: {min: 0, max: 1, idleTimeout: 3, activationTimeout: 120}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: olla}
-spec:
-  backend: ollama
-  servedName: tiny-olla
-  source: file://weights/tiny.gguf
-  env: {OLLAMA_NUM_PARALLEL: "1", OLLAMA_CONTEXT_LENGTH: "512"}
-  scaling: {min: 0, max: 1, idleTimeout: 3, activationTimeout: 120}
-"""
+FLEET = models(
+    {
+        "llama": {**TINY_LLAMA, "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 120}},
+        "olla": {
+            "backend": "ollama",
+            "servedName": "tiny-olla",
+            "source": "file://weights/tiny.gguf",
+            "env": {"OLLAMA_NUM_PARALLEL": "1", "OLLAMA_CONTEXT_LENGTH": "512"},
+            "scaling": {"min": 0, "max": 1, "idleTimeout": 3, "activationTimeout": 120},
+        },
+    },
+    namespace=None,
+)
 
 
 def engines_path(*binaries: Path) -> dict[str, str]:

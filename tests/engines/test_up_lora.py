@@ -14,31 +14,22 @@ import openai
 import pytest
 
 from e2e.tinymodel import ModelSpec, write_lora
-from tests.engines.conftest import PROMPT, TinyFiles, greedy, start_llama_server
+from tests.engines.conftest import PROMPT, TINY_LLAMA, TinyFiles, greedy, start_llama_server
 from tests.engines.test_up_engines import engines_path, model_status, wait_for
+from tests.support.models import document, manifest
 from tests.support.up import UpProcess, pids_alive
 
-FLEET = """---
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: llama}
-spec:
-  backend: llamacpp
-  servedName: org/tiny-llama
-  source: file://weights/tiny.gguf
-  args: [--threads, "1", --ctx-size, "512"]
-  scaling: {min: 0, max: 1, idleTimeout: 300, activationTimeout: 120}
----
-apiVersion: wakegate.io/v1alpha1
-kind: LoRAAdapter
-metadata: {name: sql}
-spec: {baseModel: llama, source: file://weights/sql.gguf, servedName: tiny-sql, aliases: [sql-v1]}
----
-apiVersion: wakegate.io/v1alpha1
-kind: LoRAAdapter
-metadata: {name: poet}
-spec: {baseModel: llama, source: file://weights/poet.gguf, scale: 1.0}
-"""
+
+def fleet_manifest(activation_timeout: int = 120) -> str:
+    """The tiny model on llama-server with two adapters, from `weights/` beside the manifest."""
+    scaling = {"min": 0, "max": 1, "idleTimeout": 300, "activationTimeout": activation_timeout}
+    sql = {"baseModel": "llama", "source": "file://weights/sql.gguf", "servedName": "tiny-sql", "aliases": ["sql-v1"]}
+    return manifest(
+        document("Model", "llama", {**TINY_LLAMA, "scaling": scaling}),
+        document("LoRAAdapter", "sql", sql),
+        document("LoRAAdapter", "poet", {"baseModel": "llama", "source": "file://weights/poet.gguf", "scale": 1.0}),
+    )
+
 
 MAX_TOKENS = 12
 
@@ -75,7 +66,7 @@ def fleet(
     shutil.copy(tiny.model, tmp / "weights" / "tiny.gguf")
     shutil.copy(adapters[0], tmp / "weights" / "sql.gguf")
     shutil.copy(adapters[1], tmp / "weights" / "poet.gguf")
-    up = UpProcess(tmp, FLEET, env=engines_path(llama_server_bin))
+    up = UpProcess(tmp, fleet_manifest(), env=engines_path(llama_server_bin))
     try:
         up.wait_ready({"llama": 0}, timeout=90)
         yield up
@@ -158,8 +149,7 @@ def test_an_adapter_whose_weights_are_missing_fails_its_activation_with_the_reas
     shutil.copy(tiny.model, tmp_path / "weights" / "tiny.gguf")
     # A start that fails is retried until the activation's time is up (docs/scaling.md): a short
     # activationTimeout, so the request hears the reason within the client's timeout.
-    fleet = FLEET.replace("activationTimeout: 120", "activationTimeout: 6")
-    up = UpProcess(tmp_path, fleet, env=engines_path(llama_server_bin))
+    up = UpProcess(tmp_path, fleet_manifest(activation_timeout=6), env=engines_path(llama_server_bin))
     try:
         up.wait_ready({"llama": 0}, timeout=90)
         client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=60)

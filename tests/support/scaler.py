@@ -15,33 +15,21 @@ from pathlib import Path
 import grpc
 
 from tests.support import REPO_ROOT
+from tests.support.models import models
 from wakegate.control.admin import free_port
 from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
-MODELS = """
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: m, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 8, idleTimeout: 2, targetInFlight: 4}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: big, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 60}
-  gpu: {shared: g, priority: 5, minRunSeconds: 60}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: small, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 60}
-  gpu: {shared: g, priority: 0}
-"""
+#: A model of its own, and two sharing GPU group g (`big` has the higher priority).
+MODELS = models(
+    {
+        "m": {"scaling": {"min": 0, "max": 8, "idleTimeout": 2, "targetInFlight": 4}},
+        "big": {
+            "scaling": {"min": 0, "max": 1, "idleTimeout": 60},
+            "gpu": {"shared": "g", "priority": 5, "minRunSeconds": 60},
+        },
+        "small": {"scaling": {"min": 0, "max": 1, "idleTimeout": 60}, "gpu": {"shared": "g", "priority": 0}},
+    }
+)
 
 
 def ref(name: str, namespace: str = "ns", **metadata: str) -> externalscaler_pb2.ScaledObjectRef:

@@ -8,23 +8,18 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from tests.control.feeder.test_native import DECIDED, NATIVE, native_routes
 from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.envoy_types import LISTENER, LISTENER_NAME, ROUTE, ROUTE_NAME
 from wakegate.control.feeder.keys import API_KEY_AUTH, BEARER_KEY
 from wakegate.control.feeder.listeners import JSON_TO_METADATA, listener
 from wakegate.control.feeder.ratelimit import LOCAL_RATE_LIMIT, RATE_LIMIT_METADATA
 from wakegate.control.feeder.replies import LOCAL_REPLY_CONFIG
-from wakegate.control.feeder.routed import RoutedModel
 from wakegate.control.feeder.settings import GatewaySettings, gateway_keys
 from wakegate.keyfile import ALL_MODELS, Scope, parse_entries
 
 KEYED = GatewaySettings(native_allowed=True, key_checks=True)
-EP = ("127.0.0.1", 9100)
-NATIVE = RoutedModel(
-    key="ns/n", names=("n", "n-alias"), served_name="n", strategy="round-robin", path="native", endpoints=(EP,)
-)
 OTHER = replace(NATIVE, key="ns/o", names=("o",), served_name="o", endpoints=(("127.0.0.1", 9101),))
-DECIDED = RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
 KEYS = gateway_keys(
     [
         ("sk-wide-0123", ALL_MODELS),
@@ -37,11 +32,6 @@ KEYS = gateway_keys(
 
 def as_dict(message: Any) -> dict[str, Any]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[no-any-return]
-
-
-def native_routes(built: r.Resources) -> list[dict[str, Any]]:
-    table = as_dict(built.by_type[ROUTE][ROUTE_NAME])["virtual_hosts"][0]["routes"]
-    return [x for x in table if x.get("route", {}).get("cluster")]
 
 
 def http_filters(built: r.Resources) -> list[dict[str, Any]]:

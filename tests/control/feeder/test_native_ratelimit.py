@@ -15,7 +15,7 @@ import pytest
 from envoy.type.v3 import token_bucket_pb2
 from google.protobuf import json_format
 
-from tests.control.feeder.test_native import NATIVE, ON
+from tests.control.feeder.test_native import DECIDED, NATIVE, ON
 from tests.control.feeder.test_resources import assert_envoy_accepts
 from wakegate import contract
 from wakegate.control.feeder import listeners
@@ -37,8 +37,6 @@ from wakegate.extproc.ratelimit import retry_after_header
 from wakegate.extproc.responses import error_body
 
 LIMITED = replace(NATIVE, requests_per_second=2.5, burst=4)
-#: A model beside it whose requests no bucket counts (unlimited, decided).
-DECIDED = RoutedModel(key="d", names=("d",), served_name="d", endpoints=(("127.0.0.1", 9200),))
 MARK = {"key": contract.RATE_COUNTED_HEADER, "value": "ns/n"}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
+from tests.control.feeder.test_native import NATIVE
 from wakegate import contract
 from wakegate.control.feeder import resources as r
 from wakegate.control.feeder.clusters import TLS_MATCH_KEY
@@ -103,16 +104,6 @@ def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     assert policy["retriableHeaders"] == [{"name": contract.UNSERVED_HEADER, "stringMatch": {"exact": "1"}}]
     assert policy["retryHostPredicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert built.by_type[MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
-
-
-NATIVE = RoutedModel(
-    key="ns/n",
-    names=("n", "n-alias"),
-    served_name="n",
-    strategy="round-robin",
-    path="native",
-    endpoints=(("127.0.0.1", 9002),),
-)
 
 
 @pytest.mark.parametrize(

@@ -8,22 +8,13 @@ from typing import Any
 
 import pytest
 
+from tests.support.models import models
 from wakegate.control.k8s.client import KubeError
 from wakegate.control.manifests import parse_models
 from wakegate.control.scaler.kube import WaitingWriter, pods_per_model
 from wakegate.control.scaling.core import Verdict
 
-MODELS = """
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: a, namespace: ns}
-spec: {backend: sim, gpu: {shared: g}}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: solo, namespace: ns}
-spec: {backend: sim}
-"""
+MODELS = models({"a": {"gpu": {"shared": "g"}}, "solo": {}})
 
 
 def pod(model: str | None, phase: str = "Running", terminating: bool = False) -> dict[str, Any]:

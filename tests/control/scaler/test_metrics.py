@@ -5,38 +5,22 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from tests.support.models import demand, models
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.manifests import parse_models
 from wakegate.control.scaler.metrics import ScalerMetrics
 from wakegate.control.scaling.core import Core
-from wakegate.v1 import demand_pb2
 
-MODELS = """
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: a, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 30}
-  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 0, demandWindowSeconds: 0}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: b, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 30}
-  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 0, demandWindowSeconds: 0}
-"""
+#: A member of GPU group g with no min run, cooldown or demand window: a swap happens at once.
+SWAPPABLE = {
+    "scaling": {"min": 0, "max": 1, "idleTimeout": 30},
+    "gpu": {"shared": "g", "minRunSeconds": 0, "swapCooldownSeconds": 0, "demandWindowSeconds": 0},
+}
+MODELS = models({"a": SWAPPABLE, "b": SWAPPABLE})
 
 
 class Refusals:
     refused = {"demand": 3}
-
-
-def report(book: DemandBook, seq: int, now: float, **leases: int) -> None:
-    models = [demand_pb2.ModelDemand(model=f"ns/{k}", queued=v, leases=v) for k, v in leases.items()]
-    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=seq, models=models), now)[0]
 
 
 def samples(metrics: ScalerMetrics) -> dict[str, float]:
@@ -62,13 +46,13 @@ def test_leases_and_swaps_follow_the_core() -> None:
     assert before['wakegate_internal_auth_refused_total{service="demand"}'] == 3
     assert not any('service="ads"' in series for series in before)
 
-    report(book, 1, 1.0, a=1)
+    demand(book, 1, 1.0, {"a": 1}, leases=True)
     core.evaluate(1.0)
     assert core.verdicts["ns/a"].active
     assert samples(metrics)['wakegate_model_activation_leases{model="ns/a"}'] == 1
 
     # Demand moves to b: b takes the group from a, one swap.
-    report(book, 2, 2.0, b=1)
+    demand(book, 2, 2.0, {"b": 1}, leases=True)
     core.evaluate(3.0)
     after = samples(metrics)
     assert core.verdicts["ns/b"].active

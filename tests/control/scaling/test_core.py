@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.models import demand, models
 from wakegate.control.demand.book import DemandBook
 from wakegate.control.manifests import parse_models
 from wakegate.control.scaling.core import Core
-from wakegate.v1 import demand_pb2
 
-MODELS = """
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: a, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 4, idleTimeout: 30, targetInFlight: 2}
-  gpu: {shared: g, priority: 1}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: b, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 30}
-  gpu: {shared: g, priority: 0}
-"""
-
-
-def demand(book: DemandBook, seq: int, now: float, **per_model: int) -> None:
-    models = [demand_pb2.ModelDemand(model=f"ns/{k}", queued=v) for k, v in per_model.items()]
-    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=seq, models=models), now)[0]
+MODELS = models(
+    {
+        "a": {
+            "scaling": {"min": 0, "max": 4, "idleTimeout": 30, "targetInFlight": 2},
+            "gpu": {"shared": "g", "priority": 1},
+        },
+        "b": {"scaling": {"min": 0, "max": 1, "idleTimeout": 30}, "gpu": {"shared": "g", "priority": 0}},
+    }
+)
 
 
 def test_wake_scale_out_idle() -> None:
@@ -39,15 +26,15 @@ def test_wake_scale_out_idle() -> None:
     core.set_models(parse_models(MODELS), 0.0)
     verdicts, _ = core.evaluate(0.0)
     assert not verdicts["ns/a"].active
-    demand(book, 1, 1.0, a=1)
+    demand(book, 1, 1.0, {"a": 1})
     verdicts, _ = core.evaluate(1.0)
     assert verdicts["ns/a"].active and verdicts["ns/a"].replicas == 1 and verdicts["ns/a"].demand == 1
-    demand(book, 2, 1.5, a=7)
+    demand(book, 2, 1.5, {"a": 7})
     verdicts, next_at = core.evaluate(1.5)
     assert verdicts["ns/a"].replicas == 1 and next_at == 3.5  # scale-out window
     verdicts, _ = core.evaluate(3.5)
     assert verdicts["ns/a"].replicas == 4
-    demand(book, 3, 4.0)
+    demand(book, 3, 4.0, {})
     verdicts, next_at = core.evaluate(4.0)
     assert verdicts["ns/a"].active and next_at is not None
     verdicts, _ = core.evaluate(34.0)
@@ -58,7 +45,7 @@ def test_group_loser_reports_inactive() -> None:
     book = DemandBook()
     core = Core(book)
     core.set_models(parse_models(MODELS), 0.0)
-    demand(book, 1, 0.0, a=1, b=3)
+    demand(book, 1, 0.0, {"a": 1, "b": 3})
     verdicts, _ = core.evaluate(0.0)
     assert verdicts["ns/a"].active
     assert not verdicts["ns/b"].active and verdicts["ns/b"].demand == 0 and verdicts["ns/b"].busy
@@ -77,39 +64,28 @@ def test_a_lease_older_than_the_newest_failed_activation_does_not_wake_again() -
     book = DemandBook()
     core = Core(book)
     core.set_models(parse_models(MODELS), 0.0)
-    lease = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=0)
-    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=1, models=[lease]), 0.0)[0]
+    demand(book, 1, 0.0, {"b": 1}, leases=True)
     verdicts, _ = core.evaluate(0.0, failures={"ns/b": 0})
     assert verdicts["ns/b"].replicas == 1
     # The load failed (failures -> 1) and the replica went away without a verdict.
     core.resync("ns/b", 0)
     verdicts, _ = core.evaluate(1.0, failures={"ns/b": 1})
     assert verdicts["ns/b"].replicas == 0, "the stale lease must not start a retry loop"
-    fresh = demand_pb2.ModelDemand(model="ns/b", queued=1, leases=1, failures_seen=1)
-    assert book.apply(demand_pb2.DemandReport(gateway_id="gw", instance="i", sequence=2, models=[fresh]), 2.0)[0]
+    demand(book, 2, 2.0, {"b": 1}, leases=True, failures_seen=1)
     verdicts, _ = core.evaluate(2.0, failures={"ns/b": 1})
     assert verdicts["ns/b"].replicas == 1, "a lease begun after the failure starts a new activation"
 
 
 # --- GPU group hand-over with pod counts (what the cluster scaler and `up` pass as `live`) -------
 
-GROUP_MODELS = """
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: a, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 2}
-  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 60, demandWindowSeconds: 0}
----
-apiVersion: wakegate.io/v1alpha1
-kind: Model
-metadata: {name: b, namespace: ns}
-spec:
-  backend: sim
-  scaling: {min: 0, max: 1, idleTimeout: 2}
-  gpu: {shared: g, minRunSeconds: 0, swapCooldownSeconds: 60, demandWindowSeconds: 0, queueThreshold: 2}
-"""
+GROUP_SCALING = {"min": 0, "max": 1, "idleTimeout": 2}
+GROUP_GPU = {"shared": "g", "minRunSeconds": 0, "swapCooldownSeconds": 60, "demandWindowSeconds": 0}
+GROUP_MODELS = models(
+    {
+        "a": {"scaling": GROUP_SCALING, "gpu": GROUP_GPU},
+        "b": {"scaling": GROUP_SCALING, "gpu": {**GROUP_GPU, "queueThreshold": 2}},
+    }
+)
 
 Step = tuple[float, dict[str, int], dict[str, int] | None]
 #: id, steps (now, queued per model, pods per model or None), then after the last step: replicas,
@@ -170,7 +146,7 @@ def test_gpu_group_handover(
     core = Core(book)
     core.set_models(parse_models(GROUP_MODELS), 0.0)
     for seq, (now, queued, live) in enumerate(steps, 1):
-        demand(book, seq, now, **queued)
+        demand(book, seq, now, queued)
         verdicts, _ = core.evaluate(now, None if live is None else {f"ns/{k}": v for k, v in live.items()})
     assert {k.removeprefix("ns/"): v.replicas for k, v in verdicts.items()} == replicas
     assert {k.removeprefix("ns/"): v.waiting_for for k, v in verdicts.items() if v.waiting_for} == waiting
