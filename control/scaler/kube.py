@@ -32,6 +32,10 @@ log = logging.getLogger("wakegate.scaler.kube")
 
 #: Seconds before a failed write is tried again.
 RETRY_SECONDS = 2.0
+#: Seconds before a write whose target did not exist (a Model's Deployment the operator has not made
+#: yet) is tried again without news of it; the Model's next event (the operator writes its status
+#: once it applied the Deployment) tries it at once.
+ABSENT_RETRY_SECONDS = 30.0
 #: The backend pods the operator renders (the selector of the pod watch).
 BACKEND_SELECTOR = f"{names.LABEL_COMPONENT}=model-backend,{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
@@ -100,15 +104,23 @@ class ParsedModels:
 
 
 def model_watch(
-    kube: Kube, namespace: str | None, loop: asyncio.AbstractEventLoop, on_models: Callable[[list[Model]], None]
+    kube: Kube,
+    namespace: str | None,
+    loop: asyncio.AbstractEventLoop,
+    on_models: Callable[[list[Model]], None],
+    on_event: Callable[[str], None] = lambda _key: None,
 ) -> ListWatch:
-    """A watch of the Models (one namespace, or all) that hands each changed valid set to the loop."""
+    """A watch of the Models (one namespace, or all) that hands each changed valid set to the loop,
+    and the key (`namespace/name`) of the Model each event was about to `on_event` (status
+    writes included)."""
     parsed = ParsedModels()
 
     def changed(watch: ListWatch) -> None:
         models = parsed(watch)
         if models is not None:
             loop.call_soon_threadsafe(on_models, models)
+        if watch.changed is not None:
+            loop.call_soon_threadsafe(on_event, f"{watch.changed[0]}/{watch.changed[1]}")
 
     return ListWatch(kube, "models", path(names.API_VERSION, "Model", namespace), on_change=changed)
 
@@ -119,7 +131,12 @@ def _scale_path(model: Model) -> str:
 
 class _LeaderWrites:
     """One value per model written to the cluster while this scaler leads: the newest wanted one,
-    once per change (a write in flight is followed by the newest value), retried after a failure."""
+    once per change (a write in flight is followed by the newest value), retried after a failure.
+
+    A write whose target does not exist (404) waits for news of the model (:meth:`model_event`) or
+    ABSENT_RETRY_SECONDS, logged once: a thousand new Models whose Deployments the operator has
+    not made yet are a thousand writes, not a thousand every RETRY_SECONDS.
+    """
 
     what = "value"
 
@@ -131,6 +148,12 @@ class _LeaderWrites:
         self._known: dict[str, Any] = {}
         self._busy: set[str] = set()
         self._wanted: dict[str, Any] = {}
+        #: key -> loop time until which its target is taken to be missing (no write tried)
+        self._absent: dict[str, float] = {}
+        #: key -> events seen about it (:meth:`model_event`), to tell a 404 older than the news
+        self._events: dict[str, int] = {}
+        #: the one timer that asks for an evaluation once missing targets may be tried again
+        self._absent_timer: asyncio.TimerHandle | None = None
 
     def set_leader(self, leader: bool) -> None:
         self.leader = leader
@@ -143,28 +166,73 @@ class _LeaderWrites:
 
     def _want(self, key: str, model: Model, value: Any) -> None:
         self._wanted[key] = value
-        if not self.leader or key in self._busy or self._settled(key, value):
+        if not self.leader or key in self._busy or self._settled(key, value) or self._missing(key):
             return
         self._busy.add(key)
         asyncio.get_running_loop().create_task(self._write(key, model))
 
+    def _missing(self, key: str) -> bool:
+        until = self._absent.get(key)
+        if until is None:
+            return False
+        if asyncio.get_running_loop().time() < until:
+            return True
+        del self._absent[key]
+        return False
+
+    def model_event(self, key: str) -> None:
+        """The cluster said something about model `key` (any event of its Model): a write held back
+        because its target was missing is tried now."""
+        self._events[key] = self._events.get(key, 0) + 1
+        model = self.models.get(key)
+        if self._absent.pop(key, None) is not None and model is not None and key in self._wanted:
+            self._want(key, model, self._wanted[key])
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Models no longer watched."""
+        for key in keys:
+            self._absent.pop(key, None)
+            self._events.pop(key, None)
+
+    def _retry_absent_later(self) -> None:
+        """One timer for all missing targets: at the earliest time one may be tried again, an
+        evaluation (which tries it), and again while any is left."""
+        if self._absent_timer is not None or not self._absent:
+            return
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._absent_timer = None
+            self._on_retry()
+            self._retry_absent_later()
+
+        delay = max(ABSENT_RETRY_SECONDS / 10, min(self._absent.values()) - loop.time())
+        self._absent_timer = loop.call_later(delay, fire)
+
     async def _write(self, key: str, model: Model) -> None:
-        retry = False
+        retry: float | None = None
         try:
             while self.leader and not self._settled(key, wanted := self._wanted[key]):
+                seen = self._events.get(key, 0)
                 try:
                     await asyncio.to_thread(self._patch, model, wanted)
                 except (KubeError, OSError) as exc:
                     self._failed(key, exc)
-                    log.warning("writing %s of %s (%s) failed: %s", self.what, key, wanted, exc)
-                    retry = True
+                    if isinstance(exc, KubeError) and exc.status == 404 and self._events.get(key, 0) == seen:
+                        if key not in self._absent:
+                            log.info("%s of %s (%s) not written yet: %s", self.what, key, wanted, exc)
+                        self._absent[key] = asyncio.get_running_loop().time() + ABSENT_RETRY_SECONDS
+                        self._retry_absent_later()
+                    else:
+                        log.warning("writing %s of %s (%s) failed: %s", self.what, key, wanted, exc)
+                        retry = RETRY_SECONDS
                     return
                 self._known[key] = wanted
                 self._written(key, wanted)
         finally:
             self._busy.discard(key)
-            if retry:
-                asyncio.get_running_loop().call_later(RETRY_SECONDS, self._on_retry)
+            if retry is not None:
+                asyncio.get_running_loop().call_later(retry, self._on_retry)
 
     def _patch(self, model: Model, value: Any) -> None:
         raise NotImplementedError

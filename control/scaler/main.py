@@ -227,8 +227,11 @@ class Scaler:
                         with contextlib.suppress(Exception):
                             current[model.key] = await asyncio.to_thread(engine.current_replicas, model)
                 self.core.set_models(models, time.monotonic(), current)
+                gone = engine.models.keys() - self.core.models.keys()
                 engine.models = dict(self.core.models)
                 waiting.models = dict(self.core.models)
+                engine.forget(gone)
+                waiting.forget(gone)
                 self.hub.poke()
 
         def on_models(models: list[Model]) -> None:
@@ -254,7 +257,7 @@ class Scaler:
         cfg = self.settings
         elector = LeaseElector(kube, cfg.lease_namespace, cfg.lease_name, cfg.identity, on_leader)
         threads = [
-            model_watch(kube, cfg.namespace, loop, on_models).start(stop),
+            model_watch(kube, cfg.namespace, loop, on_models, engine.model_event).start(stop),
             pod_watch(kube, cfg.namespace, loop, on_pods).start(stop),
             threading.Thread(target=elector.run, args=(stop,), name="lease", daemon=True),
         ]
