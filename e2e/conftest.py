@@ -36,6 +36,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real node's module runs last: it changes this machine more than any other (containerd,
+    a kubelet, cgroups, kernel tunables it sets back), so nothing else runs after it."""
+    items.sort(key=lambda item: item.nodeid.startswith("e2e/test_real_node.py"))
+
+
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """The session's cluster: `.kubeconfig`, `.dir`, `.api_client()`, `.pod_cidr`, `.network`."""

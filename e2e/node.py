@@ -336,6 +336,10 @@ class RealNode:
             # A cgroup tree of its own: a kubelet kills what runs in pod cgroups it does not know
             # (orphans), so two real nodes on one machine must not share /kubepods.
             "cgroupRoot": f"/{self.cgroup_root}",
+            # The kubelet would add KUBE-FIREWALL (dropping packets to 127.0.0.0/8 from other
+            # sources) and canary chains to this machine's own iptables, and nothing removes them
+            # when it stops: the node's network stays in its namespace, this machine's untouched.
+            "makeIPTablesUtilChains": False,
         }
         config_file = self.dir / "kubelet.yaml"
         config_file.write_text(json.dumps(config))

@@ -3,8 +3,9 @@
 The image (e2e/image.py) is pushed to the tests' Distribution registry and pulled from it by
 containerd; the kubelet runs its probes, mounts and security context for real.
 
-Off unless WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, "A real node": what it adds to a cold run).
-Own cluster (module scope): one emulated node beside the real one.
+On by default (WAKEGATE_E2E_REAL_NODE=0 leaves it out; docs/testing.md, "A real node": what it
+adds to a run); the e2e session runs this module last (e2e/conftest.py). Own cluster (module
+scope): one emulated node beside the real one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,8 +52,8 @@ from e2e.tools.registry import start_registry
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(os.environ.get("WAKEGATE_E2E_REAL_NODE") != "1",
-                       reason="the real node runs with WAKEGATE_E2E_REAL_NODE=1 (docs/testing.md, 'A real node')"),
+    pytest.mark.skipif(os.environ.get("WAKEGATE_E2E_REAL_NODE") == "0",
+                       reason="WAKEGATE_E2E_REAL_NODE=0 leaves the real node out (docs/testing.md, 'A real node')"),
     pytest.mark.skipif(os.geteuid() != 0, reason="containerd, runc and network namespaces need root"),
 ]
 
@@ -67,6 +69,17 @@ class Setup:
     node: RealNode
     #: the component image as pods name it: REGISTRY/wakegate/wakegate:TAG
     image: str
+    #: this machine's own iptables rules before the node started
+    host_rules: str
+
+
+def host_rules() -> str:
+    """This machine's iptables and ip6tables rules (filter, nat, mangle), as `-S` prints them."""
+    return "".join(
+        subprocess.run([tool, "-t", table, "-S"], capture_output=True, text=True, check=True).stdout
+        for tool in ("iptables", "ip6tables")
+        for table in ("filter", "nat", "mangle")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +90,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         cluster = Cluster(tmp_path_factory.mktemp("real-node-cluster"), nodes=1)
         cluster.start()
         node = RealNode(cluster, registry=reg.host)
+        image.install_packages((*image.APT_PACKAGES, *image.NODE_APT_PACKAGES))  # iptables among them
+        before = host_rules()
         try:
             node.start()
-            yield Setup(cluster, node, pushed)
+            yield Setup(cluster, node, pushed, before)
         finally:
             node.stop()
             cluster.stop()
@@ -324,3 +339,12 @@ def _exists(apps: client.AppsV1Api, name: str) -> bool:
             return False
         raise
     return True
+
+
+def test_the_node_leaves_this_machines_iptables_alone(real: Setup) -> None:
+    """The node's network lives in its namespace: with its kubelet, containerd and pods running
+    (this runs after the chart's test), this machine's own rules are the ones it had before."""
+    with real.cluster.api_client() as api:
+        node = client.CoreV1Api(api).read_node(real.node.name)
+    assert any(c.type == "Ready" and c.status == "True" for c in node.status.conditions), node.status.conditions
+    assert host_rules() == real.host_rules
