@@ -32,5 +32,5 @@ if [[ "${WAKEGATE_E2E_REAL_NODE:-1}" != 0 ]]; then
   python -m e2e.node build
 fi
 echo "e2e: binaries ready after $(( $(date +%s) - start ))s"
-python -m pytest e2e -q "$@"
+python -m pytest e2e -q --durations=25 "$@"
 echo "e2e: done in $(( $(date +%s) - start ))s"
