@@ -99,7 +99,7 @@ def learn_merges(text: str, count: int) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True)
-class HFModelSpec:
+class HFModelSpec(llama.Shape):
     """The shape of a generated model; the same spec and seed give the same files."""
 
     layers: int = 2
@@ -109,18 +109,11 @@ class HFModelSpec:
     context: int = 512
 
     @property
-    def heads(self) -> int:
-        return self.dim // HEAD_DIM
-
-    @property
-    def ffn(self) -> int:
-        return llama.ffn_width(self.dim)
+    def head_dim(self) -> int:
+        return HEAD_DIM
 
     def validate(self) -> None:
-        if self.layers < 1:
-            raise ValueError(f"--layers must be at least 1, not {self.layers}")
-        if self.dim < HEAD_DIM or self.dim % HEAD_DIM:
-            raise ValueError(f"--dim must be a multiple of {HEAD_DIM}, not {self.dim}")
+        self.check_shape(f"a multiple of {HEAD_DIM}")
 
     def vocabulary(self) -> tuple[dict[str, int], list[tuple[str, str]]]:
         """Token -> id (specials, the 256 bytes, then one token per merge) and the merges."""

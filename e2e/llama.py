@@ -53,6 +53,34 @@ NORM = Tensor("output_norm.weight", "model.norm.weight", "dim")
 OUTPUT = Tensor("output.weight", "lm_head.weight", "vocab", "dim")
 
 
+class Shape:
+    """What the generators' specs share: a model of `layers` blocks, `dim` wide, in heads of
+    `head_dim` (each spec says how wide its heads are)."""
+
+    layers: int
+    dim: int
+
+    @property
+    def head_dim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def heads(self) -> int:
+        return self.dim // self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return ffn_width(self.dim)
+
+    def check_shape(self, dims: str) -> None:
+        """A ValueError naming the flag when the blocks or the width cannot make a model; `dims`
+        says which widths can (for the message)."""
+        if self.layers < 1:
+            raise ValueError(f"--layers must be at least 1, not {self.layers}")
+        if self.dim < self.head_dim or self.dim % self.head_dim:
+            raise ValueError(f"--dim must be {dims}, not {self.dim}")
+
+
 def ffn_width(dim: int) -> int:
     """About 8/3 of the width, rounded up to a multiple of 32, as Llama models do."""
     return -(-8 * dim // 3 // 32) * 32

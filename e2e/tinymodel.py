@@ -51,7 +51,7 @@ MIN_VOCAB = len(SPECIALS) + 256 + 32
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(llama.Shape):
     """The shape of a generated model; the same spec and seed give the same file."""
 
     layers: int = 2
@@ -65,19 +65,8 @@ class ModelSpec:
         """16 for the tiny default, 64 (the usual size) once the model is wide enough."""
         return 64 if self.dim >= 256 else 16
 
-    @property
-    def heads(self) -> int:
-        return self.dim // self.head_dim
-
-    @property
-    def ffn(self) -> int:
-        return llama.ffn_width(self.dim)
-
     def validate(self) -> None:
-        if self.layers < 1:
-            raise ValueError(f"--layers must be at least 1, not {self.layers}")
-        if self.dim < 16 or self.dim % self.head_dim:
-            raise ValueError(f"--dim must be a multiple of 16 (of 64 from 256 on), not {self.dim}")
+        self.check_shape("a multiple of 16 (of 64 from 256 on)")
         if not MIN_VOCAB <= self.vocab <= MIN_VOCAB + _piece_capacity():
             raise ValueError(f"--vocab must be between {MIN_VOCAB} and {MIN_VOCAB + _piece_capacity()}")
 

@@ -113,22 +113,16 @@ VLLM_OMNI = replace(
     gpu_arch=NVIDIA_ARCH[3:],
 )
 
-SIM = Backend(
+#: The simulator speaks vLLM's API, metrics, adapters, KV events and sleep mode, on a CPU: vLLM
+#: with its own program and image, and a model that is a name (no folder, no token-id hashes).
+SIM = replace(
+    VLLM,
     name="sim",
     description="wakegate's vLLM-like simulator (no GPU)",
     program=(sys.executable, "-m", "wakegate", "sim"),
     args=VLLM_FLAGS,
-    default_port=8000,
-    health_path="/health",
     images=(Image("cpu", "ghcr.io/wakegate/sim:latest", program=()),),
-    metrics_path="/metrics",
-    metrics_prefix="vllm:",
-    load_metrics=VLLM_LOAD,
-    drains_on_sigterm=True,
-    term_grace=30.0,
-    lora_runtime_args=LORA_ARGS,
-    lora_runtime_env=LORA_ENV,
-    kv_events_arg=KV_EVENTS_ARG,
-    prefix_caching_args=PREFIX_CACHING,
-    **SLEEP_MODE,  # type: ignore[arg-type]
+    gpu_arch=(),
+    loads_folder=False,
+    kv_hashes_token_ids=False,
 )
