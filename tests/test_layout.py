@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 
 from tests.support import REPO_ROOT
 
@@ -41,3 +42,20 @@ def test_the_table_is_one_table_with_one_row_per_path() -> None:
     assert all(line.startswith("| ") for line in body), "a blank or stray line splits the table"
     firsts = [row.split("|")[1].strip() for row in ROWS]
     assert sorted(f for f in firsts if firsts.count(f) > 1) == []
+
+
+#: One concept per room: no hand-written Python file grows past this (generated protobuf modules
+#: excepted; issue 32).
+MAX_LINES = 700
+
+
+def test_no_hand_written_module_is_past_the_line_budget() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    long = {
+        path: lines
+        for path in tracked
+        if "_pb2" not in path and (lines := len((REPO_ROOT / path).read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

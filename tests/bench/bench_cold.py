@@ -54,7 +54,6 @@ import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
+from tests.bench.gateway_probes import envoy_allocated_mib, envoy_stats, gateway_pids
+from tests.bench.procs import cpu_seconds, open_fds, proc_mem
 from tests.support.h2requests import Connection
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc, pids_alive
@@ -129,99 +130,9 @@ def model_status(up: UpProcess, key: str) -> dict[str, Any]:
     raise KeyError(key)
 
 
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
-    return [int(p) for p in out.split()]
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def proc_mem(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM (peak RSS) in MiB."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return out
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process, seconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-ENVOY_STATS = r"http2\.|ext_proc|_overflow|cx_connect_fail|destroy_remote_with_active_rq|rq_timeout|overload"
-
-
-def envoy_allocated_mib(up: UpProcess) -> float | None:
-    """What Envoy's allocator holds (`/memory` on its admin port), in MiB: its heap without the
-    allocator's free pages and the binary, so held requests' cost shows apart from RSS noise."""
-    found = re.search(r"envoy_admin=127\.0\.0\.1:(\d+)", up.log())
-    if not found:
-        return None
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/memory", timeout=5) as r:
-            return round(int(json.loads(r.read())["allocated"]) / 2**20, 2)
-    except (urllib.error.URLError, OSError, KeyError, ValueError):
-        return None
-
-
-def envoy_stats(up: UpProcess) -> dict[str, int]:
-    """Non-zero Envoy counters about HTTP/2 codec errors, ext_proc, overflows (from the admin port)."""
-    found = re.search(r"envoy_admin=127\.0\.0\.1:(\d+)", up.log())
-    if not found:
-        return {}
-    url = f"http://127.0.0.1:{found.group(1)}/stats?usedonly&filter={urllib.parse.quote(ENVOY_STATS)}"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError):
-        return {}
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        if value.strip().isdigit() and int(value):
-            out[name] = int(value)
-    return out
-
-
-def open_fds(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-
-
 def _up_args(args: argparse.Namespace) -> list[str]:
     """Envoy's admin API on a loopback port, for `envoy_stats` (up's default is a Unix socket)."""
     return ["--envoy-concurrency", str(args.envoy_concurrency), "--envoy-admin-listen", f"127.0.0.1:{free_port()}"]
-
-
-def gateway_pids(up: UpProcess) -> dict[str, int]:
-    pids: dict[str, int] = {}
-    for pid in children_of(up.proc.pid):
-        cmd = cmdline(pid)
-        if Path(cmd.split(" ")[0]).name == "envoy" or "envoy.yaml" in cmd:
-            pids["envoy"] = pid
-        elif "wakegate.extproc" in cmd and "extproc-1" not in cmd:
-            pids["extproc"] = pid  # the active one; extproc-1 is the standby
-    return pids
 
 
 # -- part (a): readiness -> held request --------------------------------------------------------

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.common import git_state, loadavg
+from tests.bench.procs import cmdline
 from wakegate import internal_token
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
@@ -77,13 +78,6 @@ def tree(pid: int) -> list[int]:
         for child in children.read_text().split():
             out += tree(int(child))
     return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def cpu_ticks(pid: int) -> int:

@@ -114,6 +114,24 @@ def cmdline(pid: int) -> str:
     return ""
 
 
+def proc_mem(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM (peak RSS) in MiB; empty once the process is gone."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
 # -- CPU accounting -----------------------------------------------------------------------------
 
 
@@ -124,6 +142,12 @@ def proc_ticks(pid: int) -> int | None:
     except OSError:
         return None
     return int(fields[11]) + int(fields[12])
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process, seconds; None once it is gone."""
+    ticks = proc_ticks(pid)
+    return None if ticks is None else ticks / CLK_TCK
 
 
 def machine_ticks() -> tuple[int, int]:
