@@ -26,23 +26,34 @@ def _forward(record: Callable[[str | None, Mapping[str, Any]], None]) -> Callabl
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     """Kopf handlers: record the object, enqueue the Model it belongs to. Nothing is written here."""
     ours = (names.GROUP, names.VERSION)
-    watched: list[tuple[str, tuple[str, str, str], Callable[[str | None, Mapping[str, Any]], None], dict[str, Any]]] = [
-        ("model", (*ours, names.MODEL_PLURAL), reconciler.on_model, {}),
-        ("runtime", (*ours, names.RUNTIME_PLURAL), reconciler.on_runtime, {}),
-        ("cache", (*ours, names.MODELCACHE_PLURAL), reconciler.on_cache, {}),
-        ("catalog", (*ours, names.MODELCATALOG_PLURAL), reconciler.on_catalog, {}),
-        ("adapter", (*ours, names.LORAADAPTER_PLURAL), reconciler.on_adapter, {}),
-        ("deployment", ("apps", "v1", "deployments"), reconciler.on_deployment, {"labels": BACKEND_LABELS}),
-        ("pod", ("", "v1", "pods"), reconciler.on_pod, {"labels": BACKEND_LABELS}),
-        (
-            "crd",
-            ("apiextensions.k8s.io", "v1", "customresourcedefinitions"),
-            lambda event_type, _body: reconciler.on_keda_crd(event_type != "DELETED"),
-            {"when": lambda name, **_: name == SCALEDOBJECT_CRD},
-        ),
+    #: handler id, (group, version, plural), the Reconciler method it calls, Kopf's filters
+    watched: list[tuple[str, tuple[str, str, str], str, dict[str, Any]]] = [
+        ("model", (*ours, names.MODEL_PLURAL), "on_model", {}),
+        ("runtime", (*ours, names.RUNTIME_PLURAL), "on_runtime", {}),
+        ("cache", (*ours, names.MODELCACHE_PLURAL), "on_cache", {}),
+        ("catalog", (*ours, names.MODELCATALOG_PLURAL), "on_catalog", {}),
+        ("adapter", (*ours, names.LORAADAPTER_PLURAL), "on_adapter", {}),
+        ("deployment", ("apps", "v1", "deployments"), "on_deployment", {"labels": BACKEND_LABELS}),
+        ("pod", ("", "v1", "pods"), "on_pod", {"labels": BACKEND_LABELS}),
     ]
-    for name, (group, version, plural), record, filters in watched:
+    for name, (group, version, plural), method, filters in watched:
+
+        def record(event_type: str | None, body: Mapping[str, Any], method: str = method) -> None:
+            getattr(reconciler, method)(event_type, body)
+
         kopf.on.event(group, version, plural, id=f"{name}_event", registry=registry, **filters)(_forward(record))
+
+    def keda_crd(event_type: str | None, _body: Mapping[str, Any]) -> None:
+        reconciler.on_keda_crd(event_type != "DELETED")
+
+    kopf.on.event(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        id="crd_event",
+        when=lambda name, **_: name == SCALEDOBJECT_CRD,
+        registry=registry,
+    )(_forward(keda_crd))
 
 
 def keda_installed(kube: Kube) -> bool:
