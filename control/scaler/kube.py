@@ -134,8 +134,9 @@ class _LeaderWrites:
     once per change (a write in flight is followed by the newest value), retried after a failure.
 
     A write whose target does not exist (404) waits for news of the model (:meth:`model_event`) or
-    ABSENT_RETRY_SECONDS, logged once: a thousand new Models whose Deployments the operator has
-    not made yet are a thousand writes, not a thousand every RETRY_SECONDS.
+    ABSENT_RETRY_SECONDS, logged at INFO (a missing Deployment is the operator's pace, not a
+    failure): a thousand new Models whose Deployments the operator has not made yet are a
+    thousand writes, not a thousand every RETRY_SECONDS.
     """
 
     what = "value"
@@ -210,7 +211,7 @@ class _LeaderWrites:
         self._absent_timer = loop.call_later(delay, fire)
 
     async def _write(self, key: str, model: Model) -> None:
-        retry: float | None = None
+        retry = False
         try:
             while self.leader and not self._settled(key, wanted := self._wanted[key]):
                 seen = self._events.get(key, 0)
@@ -225,14 +226,14 @@ class _LeaderWrites:
                         self._retry_absent_later()
                     else:
                         log.warning("writing %s of %s (%s) failed: %s", self.what, key, wanted, exc)
-                        retry = RETRY_SECONDS
+                        retry = True
                     return
                 self._known[key] = wanted
                 self._written(key, wanted)
         finally:
             self._busy.discard(key)
-            if retry is not None:
-                asyncio.get_running_loop().call_later(retry, self._on_retry)
+            if retry:
+                asyncio.get_running_loop().call_later(RETRY_SECONDS, self._on_retry)
 
     def _patch(self, model: Model, value: Any) -> None:
         raise NotImplementedError
