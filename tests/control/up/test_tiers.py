@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc
 
@@ -111,17 +113,27 @@ def test_a_request_during_the_idle_release_is_a_booked_wake(tmp_path: Path) -> N
     like any other, not started silently by the stopping task."""
     doc = model_doc("m", extra="  scaling: {min: 0, max: 1, idleTimeout: 1, activationTimeout: 30}\n")
     up = UpProcess(tmp_path, doc)
+
+    def wakes() -> int:
+        return int(up.status()["savings"]["models"]["m"]["wakes"]["zero"]["count"])
+
     try:
         up.wait_ready({}, timeout=60)
-        assert chat(up, "m") == 200
-        first = model_status(up, "m")["replicas"][0]["pid"]
-        wait_for("the idle release", lambda: model_status(up, "m")["replicas"] == [], timeout=30)
-        assert chat(up, "m") == 200  # held while the release finishes, then served by a new process
+        for _ in range(3):
+            assert chat(up, "m") == 200  # a warm replica (a wake from zero)
+            first, before = model_status(up, "m")["replicas"][0]["pid"], wakes()
+            wait_for("the idle release", lambda: model_status(up, "m")["replicas"] == [], timeout=30)
+            assert chat(up, "m") == 200  # held while the release finishes, then served by a new process
+            if wakes() == before + 1:
+                break
+            # Answered by the replica being released, its unrouting not at the gateway yet (a few
+            # ms): no wake was needed. Wait for the release to end and try again from warm.
+            wait_for("zero", lambda: model_status(up, "m")["tier"] == "zero")
+        else:
+            pytest.fail("three requests during an idle release were all answered by the released replica")
         (replica,) = model_status(up, "m")["replicas"]
         assert replica["pid"] != first
-        wakes = up.status()["savings"]["models"]["m"]["wakes"]
-        assert wakes["zero"]["count"] == 2
         metrics = request("GET", f"http://127.0.0.1:{up.admin_port}/metrics").body.decode()
-        assert 'wakegate_cold_start_seconds_count{model="m",stage="total"} 2.0' in metrics
+        assert f'wakegate_cold_start_seconds_count{{model="m",stage="total"}} {float(wakes())}' in metrics
     finally:
         assert up.stop() == 0, up.log()
