@@ -12,9 +12,8 @@ from typing import Any
 import yaml
 
 from wakegate.control.demand.book import DemandBook
+from wakegate.control.k8s.names import API_VERSION
 from wakegate.v1 import demand_pb2
-
-API_VERSION = "wakegate.io/v1alpha1"
 
 
 class _Dumper(yaml.SafeDumper):
