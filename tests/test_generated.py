@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,11 @@ def test_protos_are_regenerated(tmp_path: Path) -> None:
     for rel in generated:
         committed = ROOT / "proto" / rel
         if not filecmp.cmp(tmp_path / rel, committed, shallow=False):
-            pytest.fail(f"{committed} is stale: run python scripts/gen_protos.py")
+            pytest.fail(
+                f"{committed} is stale: run python scripts/gen_protos.py "
+                f"(generated here by grpcio-tools {version('grpcio-tools')}; pyproject.toml pins "
+                "the version the committed files came from)"
+            )
 
 
 def test_upb_runtime_is_in_use() -> None:
