@@ -83,6 +83,9 @@ class ModelQueue:
     ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     failures_seen: int = 0
     started_activations: int = 0
+    #: Bumped when the held requests are failed: they are no longer counted (`waiting` starts
+    #: again from 0), though each leaves `wait` only when its task next runs.
+    generation: int = 0
 
 
 class ColdQueues:
@@ -146,6 +149,7 @@ class ColdQueues:
         if queue.waiting >= route.cold.max_queue:
             raise QueueFull(route.key)
         queue.waiting += 1
+        generation = queue.generation
         self._on_demand_change()
         try:
             remaining = deadline - self._clock()
@@ -156,8 +160,9 @@ class ColdQueues:
             except TimeoutError:
                 raise ActivationTimeout(route.key) from None
         finally:
-            queue.waiting -= 1
-            self._on_demand_change()
+            if queue.generation == generation:
+                queue.waiting -= 1
+                self._on_demand_change()
         await self._release.turn()
 
     def on_routes(self, routes: dict[str, routing_pb2.ModelRoute]) -> None:
@@ -195,9 +200,13 @@ class ColdQueues:
             queue.ready.set_exception(failed)
             queue.ready.exception()  # retrieved here: waiters may all be gone
         queue.ready = asyncio.get_running_loop().create_future()
+        # The failed requests stop counting now, not when their tasks get to run: a demand report
+        # sent in between would show them held with no lease (no longer tied to the failure it
+        # was part of) and start a new activation that nobody waits for.
+        held, queue.waiting = queue.waiting, 0
+        queue.generation += 1
         self._on_failure(queue.key, failed)
-        log.warning("activation failed model=%s held=%d code=%s reason=%s", queue.key, queue.waiting, failed.code,
-                    message)
+        log.warning("activation failed model=%s held=%d code=%s reason=%s", queue.key, held, failed.code, message)
 
     def delivered(self) -> list[tuple[str, float]]:
         """Leases whose demand report just reached the scaler: (model, seconds since lease start)."""

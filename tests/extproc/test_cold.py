@@ -106,6 +106,30 @@ async def test_a_failed_activation_fails_every_held_request(queues: ColdQueues, 
     assert queues.snapshot() == {"m": (0, 1, 1)}  # a new lease knows that failure
 
 
+async def test_requests_failed_with_their_activation_stop_counting_before_their_tasks_run(
+    queues: ColdQueues, clock: Clock
+) -> None:
+    """A demand report sent between the failure and the failed requests' tasks running must not
+    show them held without a lease: the scaler would start an activation nobody waits for."""
+    queues.demand(route())
+    waiters = [asyncio.create_task(queues.wait(route(), clock.now + 30)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert queues.snapshot() == {"m": (2, 1, 0)}
+    queues.on_routes({"m": route(failed=1)})
+    assert queues.snapshot() == {} and queues.depth("m") == 0
+    for waiter in waiters:
+        with pytest.raises(ActivationFailed):
+            await asyncio.wait_for(waiter, 1)
+    assert queues.snapshot() == {} and queues.depth("m") == 0  # not counted down twice
+    queues.demand(route(failed=1))
+    again = asyncio.create_task(queues.wait(route(failed=1), clock.now + 30))
+    await asyncio.sleep(0)
+    assert queues.snapshot() == {"m": (1, 1, 1)}
+    queues.on_routes({"m": route("10.0.0.1:80", failed=1)})
+    await asyncio.wait_for(again, 1)
+    assert queues.depth("m") == 0
+
+
 async def test_a_first_request_after_a_failure_elsewhere_is_not_failed_by_it(queues: ColdQueues, clock: Clock) -> None:
     """This extproc never held a request for the model while its activation failed (the other
     extproc did): its first request waits for the new activation, not for the old failure."""
