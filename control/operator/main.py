@@ -159,7 +159,7 @@ async def _lead(args: Settings, kube: Kube, lease: LeaderLease, stop: asyncio.Ev
     register(registry, reconciler)
     kopf_stop = asyncio.Event()
     tasks = {
-        "kopf": asyncio.create_task(kopfing.run(registry, kopf_stop)),
+        "kopf": asyncio.create_task(kopfing.run(registry, kopf_stop, signals=lambda: graceful_exit(stop, "operator"))),
         "workers": asyncio.create_task(reconciler.run()),
         "lease": asyncio.create_task(lease.keep()),
         "stop": asyncio.create_task(stop.wait()),

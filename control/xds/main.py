@@ -153,7 +153,7 @@ async def run(settings: Settings) -> int:
     # Before the watches start: their discovery, run while the apiserver still comes up, can find
     # no wakegate API and then never watch Models. A plain list that answers means it is served.
     listed = await list_routable(settings.kubeconfig, stop)
-    operator = asyncio.create_task(kopfing.run(registry, stop))
+    operator = asyncio.create_task(kopfing.run(registry, stop, signals=lambda: graceful_exit(stop, "xds")))
     if listed is None or not await synced(source, listed, operator, stop):
         stop.set()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
@@ -182,7 +182,7 @@ async def run(settings: Settings) -> int:
         stopped.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(operator, 10)
-        # Kopf cancels the tasks started while it ran, the ADS streams' among them.
+        # The ADS streams end with the server (Kopf leaves the process's own tasks alone).
         with contextlib.suppress(asyncio.CancelledError):
             await server.stop(1)
         if admin_runner is not None:
