@@ -42,11 +42,11 @@ class LeaseElector:
         """One attempt (blocking): True while this identity holds the Lease."""
         return self._lease.try_acquire_or_renew()
 
-    def _set(self, leader: bool) -> None:
+    def _set(self, leader: bool, change: str = "") -> None:
         if leader != self.leader:
             self.leader = leader
             cfg = self._lease.cfg
-            log.info("lease %s/%s: %s", cfg.namespace, cfg.name, "acquired" if leader else "lost")
+            log.info("lease %s/%s: %s", cfg.namespace, cfg.name, change or ("acquired" if leader else "lost"))
             self._on_change(leader)
 
     def run(self, stop: threading.Event) -> None:
@@ -62,7 +62,7 @@ class LeaseElector:
             stop.wait(self.renew_seconds)
         if self.leader:
             self.release()
-            self._set(False)
+            self._set(False, "released")
 
     def release(self) -> None:
         """Give the Lease up on shutdown so a successor need not wait for it to expire."""
