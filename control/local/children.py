@@ -78,10 +78,18 @@ class Child:
             log.warning("process did not stop in %.0fs, killing name=%s pid=%s", grace, self.name, proc.pid)
             self._signal_group(signal.SIGKILL)
             code = await proc.wait()
+        except asyncio.CancelledError:
+            self._signal_group(signal.SIGKILL)  # a stop cut short still stops the group
+            raise
         # Anything the child left in its group goes too.
         self._signal_group(signal.SIGKILL)
         log.info("process stopped name=%s pid=%s code=%s", self.name, proc.pid, code)
         return code
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once (no grace): for a stop that cannot wait."""
+        if self.proc is not None:
+            self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
         assert self.proc is not None

@@ -80,7 +80,8 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
         self._on_change = on_change
         self.replicas: list[Replica] = []
         self.gpu_slots: dict[str, list[Slot]] = {}
-        self._stopping = 0
+        #: Replicas taken out of `replicas` and being stopped (unrouted, drained, signalled).
+        self._stopping: list[Replica] = []
         self._indexes = itertools.count()
         self.generation = 0
         self.failed_activations = 0
@@ -201,7 +202,7 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
     @property
     def live_count(self) -> int:
         """Processes of this model that exist, including replicas being stopped."""
-        return len(self.replicas) + self._stopping
+        return len(self.replicas) + len(self._stopping)
 
     async def scale_to(self, count: int) -> None:
         if count != len(self.replicas):
@@ -226,7 +227,13 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
         in flight through the gateway and no drain is waited for."""
         if self._tier_task is not None:
             self._tier_task.cancel()
-        await asyncio.gather(*(self._stop_replica(r, drain=False) for r in self.replicas))
+        # Replicas a scale-down is still stopping too: their task may not get to signal them before
+        # `up` exits, and a process that only dies with its parent leaves its own children behind
+        # (Ollama's runner).
+        await asyncio.gather(
+            *(self._stop_replica(r, drain=False) for r in self.replicas),
+            *(r.child.stop(self.backend.term_grace) for r in list(self._stopping)),
+        )
         self.replicas.clear()
         if self.hotswap is not None:
             self.hotswap.close()
@@ -272,7 +279,7 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
         return replica
 
     async def _stop_replica(self, replica: Replica, drain: bool = True) -> None:
-        self._stopping += 1
+        self._stopping.append(replica)
         try:
             # Supervision ends first, so no health probe can mark the replica ready again.
             if replica.task is not None:
@@ -291,7 +298,10 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
                     await self._drain(replica)
                 await replica.child.stop(self.backend.term_grace)
         finally:
-            self._stopping -= 1
+            self._stopping.remove(replica)
+            if replica.child.running:
+                # Cancelled (or failed) before the process was stopped: it must not outlive this.
+                replica.child.kill()
             self.gpus.release(replica.gpu_owner)
             self.gpu_slots.pop(replica.gpu_owner, None)
         replica.state = ReplicaState.STOPPED
