@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -17,13 +15,20 @@ from wakegate.control.scaler.lease import LeaseElector
 def test_a_stopping_leader_releases_the_lease_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     server = FakeApiServer()
     changes: list[bool] = []
-    elector = LeaseElector(server.kube(), "ns", "scaler", "a", changes.append, lease_seconds=10, renew_seconds=0.05)
+    acquired = threading.Event()
+
+    def on_change(leader: bool) -> None:
+        changes.append(leader)
+        if leader:
+            acquired.set()
+
+    elector = LeaseElector(server.kube(), "ns", "scaler", "a", on_change, lease_seconds=10, renew_seconds=0.05)
     stop = threading.Event()
     runner = threading.Thread(target=elector.run, args=(stop,))
     with caplog.at_level(logging.INFO, logger="wakegate.scaler.lease"):
         runner.start()
         try:
-            assert _wait(lambda: changes == [True]), changes
+            assert acquired.wait(10) and changes == [True], changes
         finally:
             stop.set()
             runner.join(10)
@@ -34,11 +39,3 @@ def test_a_stopping_leader_releases_the_lease_and_says_so(caplog: pytest.LogCapt
     standby = LeaderLease(server.kube(), LeaseConfig("ns", "scaler", "b", 10, 2))
     assert standby.try_acquire_or_renew()
 
-
-def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
