@@ -67,7 +67,12 @@ def model_cluster(model: RoutedModel, settings: GatewaySettings) -> cluster_pb2.
                         "max_connections": settings.upstream_max_connections,
                         "max_pending_requests": 100000,
                         "max_requests": 100000,
-                        "max_retries": 3,
+                        # Retries (a federation's failover to another member) only repeat a
+                        # request no model server began, or one an upstream gateway marked
+                        # unserved, each a few times at most: one per request in flight may be
+                        # retrying at once. Envoy's default (3 at a time) turned the 4th of a
+                        # burst failing over from a dead member into a 503.
+                        "max_retries": 100000,
                     }
                 ]
             },

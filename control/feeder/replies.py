@@ -42,15 +42,20 @@ def _cel(expression: str) -> dict[str, Any]:
     }
 
 
+#: The mark of a reply for a request that reached no model server (contract.UNSERVED_HEADER).
+_UNSERVED_MARK: dict[str, Any] = {
+    "header": {"key": contract.UNSERVED_HEADER, "value": "1"},
+    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+}
+
+
 def _gateway_unavailable(match: dict[str, Any], *, unserved: bool) -> dict[str, Any]:
     """The 503 + Retry-After for an ext_proc stream that failed; `unserved`: with the mark."""
     headers: list[dict[str, Any]] = [
         {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     ]
     if unserved:
-        headers.append(
-            {"header": {"key": contract.UNSERVED_HEADER, "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-        )
+        headers.append(_UNSERVED_MARK)
     message = "the gateway is starting or restarting a component; retry shortly"
     return {
         **_mapper(match, "gateway_unavailable", message, _SERVER),
@@ -94,7 +99,16 @@ LOCAL_REPLY_CONFIG: dict[str, Any] = {
             _CLIENT,
         ),
         _mapper(_flags("UT"), "upstream_timeout", "the model server did not answer in time", _SERVER),
-        _mapper(_flags("UH", "UF", "UO", "URX", "UC", "NC"), "upstream_unavailable", "%LOCAL_REPLY_BODY%", _SERVER),
+        # A connection that ended after the request went out (UC), or retries given up (URX,
+        # where an earlier try may have been such a one): a model server may have the request.
+        _mapper(_flags("URX", "UC"), "upstream_unavailable", "%LOCAL_REPLY_BODY%", _SERVER),
+        # No upstream could be connected to (UF), none was there (UH, NC) or a limit refused it
+        # (UO): nothing of the request left the gateway, so it is marked unserved (contract) and
+        # a global gateway sends it to another member.
+        {
+            **_mapper(_flags("UH", "UF", "UO", "NC"), "upstream_unavailable", "%LOCAL_REPLY_BODY%", _SERVER),
+            "headers_to_add": [_UNSERVED_MARK],
+        },
         # extproc itself never answers 500 or 504: these are the gateway failing to
         # reach it (stream reset, message timeout). Upstream failures matched above.
         # No extproc answered (none running yet, or the one holding the request died): a

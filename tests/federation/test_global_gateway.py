@@ -129,8 +129,9 @@ class Sent:
 
 def taken_by_east(sent: Sent) -> bool:
     """A failure of a request east's gateway had taken: its connection ended after the request
-    went out. (East's Envoy answering for a request its dead extproc never decided is no failure:
-    that reply is marked unserved and the global gateway sends the request to west.)"""
+    went out. (East's Envoy answering for a request its dead extproc never decided, or one whose
+    dead sim refused the connection, is no failure: that reply is marked unserved and the global
+    gateway sends the request to west.)"""
     return "connection termination" in sent.text
 
 
@@ -167,7 +168,10 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
                 return
             time.sleep(0.02)
 
-    threads = [threading.Thread(target=worker) for _ in range(4)] + [threading.Thread(target=watch_routes)]
+    # More clients than Envoy's default limit of concurrent retries (3): every request that meets
+    # the dead member in the same moment is retried on the other, none refused for the limit.
+    clients = 12
+    threads = [threading.Thread(target=worker) for _ in range(clients)] + [threading.Thread(target=watch_routes)]
     for thread in threads:
         thread.start()
     time.sleep(2.0)
@@ -190,7 +194,7 @@ def test_a_member_gateway_stopped_mid_run_fails_no_request_that_had_not_reached_
     # reaches east's extproc a moment before its Envoy, that Envoy answers for requests it cannot
     # route any more, marked unserved, and the global gateway retries them on west.
     failed_before = [s for s in before if s.status != 200]
-    assert len(failed_before) <= 4, failed_before
+    assert len(failed_before) <= clients, failed_before
     assert all(s.member == "east" and taken_by_east(s) for s in failed_before), failed_before
     assert reroute and reroute[0] <= 2 * INTERVAL + 0.5, reroute
     status = glob.status()

@@ -2,7 +2,8 @@
 
 The real Envoy runs the generated listener (its HTTP filters and `local_reply_config` as
 built) with a static route table that reaches each failure on purpose: a backend port that
-refuses connections, a cluster with no endpoints, a backend that never answers, an extproc
+refuses connections, a cluster with no endpoints, a backend that never answers, one that
+closes the connection once the request arrived, an extproc
 that is down and one that never answers. The whole gateway (tests/gateway) shows the client
 side of the same mapping for codec errors and limits.
 """
@@ -44,9 +45,12 @@ def claims_unserved() -> LoopbackServer:
 
 
 class Silent:
-    """A TCP server that accepts connections and reads them, and never says a word."""
+    """A TCP server that accepts connections and reads them, and never says a word; `cut`: it
+    closes each connection once a request arrived on it (a model server dying mid-request)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cut: bool = False) -> None:
+        self.cut = cut
+        self.requests = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.conns: list[socket.socket] = []
@@ -59,6 +63,13 @@ class Silent:
             except OSError:
                 return
             self.conns.append(conn)
+            if self.cut:
+                threading.Thread(target=self._cut, args=(conn,), daemon=True).start()
+
+    def _cut(self, conn: socket.socket) -> None:
+        with conn:
+            if conn.recv(65536):
+                self.requests += 1
 
     def close(self) -> None:
         self.sock.close()
@@ -109,7 +120,15 @@ def served() -> Iterator[LoopbackServer]:
 
 
 @pytest.fixture(scope="module")
-def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> Iterator[int]:
+def cut() -> Iterator[Silent]:
+    """The backend that closes the connection once the request reached it."""
+    server = Silent(cut=True)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer, cut: Silent) -> Iterator[int]:
     tmp: Path = tmp_path_factory.mktemp("local-replies")
     silent = Silent()
     claims = claims_unserved()
@@ -129,6 +148,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> I
                 "routes": [
                     case("refused", {"route": {"cluster": "refused"}}, NO_EXT_PROC),
                     case("empty", {"route": {"cluster": "empty"}}, NO_EXT_PROC),
+                    case("cut", {"route": {"cluster": "cut"}}, NO_EXT_PROC),
                     case("slow", {"route": {"cluster": "silent", "timeout": "0.5s"}}, NO_EXT_PROC),
                     case("extproc-down", {"route": {"cluster": "refused"}}, {"overrides": {}}),
                     case(
@@ -157,6 +177,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory, served: LoopbackServer) -> I
             "clusters": [
                 cluster("refused", closed),
                 cluster("empty", None),
+                cluster("cut", cut.port),
                 cluster("silent", silent.port),
                 cluster("silent_grpc", silent.port, http2=True),
                 cluster("claims", claims.port),
@@ -208,6 +229,7 @@ def exchange(port: int, name: str) -> tuple[int, Any, bytes]:
     [
         ("refused", 503, "upstream_unavailable", "server_error"),  # connection refused (UF)
         ("empty", 503, "upstream_unavailable", "server_error"),  # no healthy upstream (UH)
+        ("cut", 503, "upstream_unavailable", "server_error"),  # the connection ended after the request (UC)
         ("slow", 504, "upstream_timeout", "server_error"),  # route timeout (UT)
         ("extproc-down", 503, "gateway_unavailable", "server_error"),  # the ext_proc stream fails
         ("extproc-down-after-upstream", 503, "gateway_unavailable", "server_error"),  # ... with a server's answer
@@ -216,7 +238,7 @@ def exchange(port: int, name: str) -> tuple[int, Any, bytes]:
     ],
 )
 def test_envoy_failures_reach_the_client_as_openai_errors(
-    envoy: int, served: LoopbackServer, name: str, status: int, code: str, error_type: str
+    envoy: int, served: LoopbackServer, cut: Silent, name: str, status: int, code: str, error_type: str
 ) -> None:
     got_status, headers, raw = exchange(envoy, name)
     assert (got_status, headers["content-type"]) == (status, "application/json")
@@ -224,13 +246,16 @@ def test_envoy_failures_reach_the_client_as_openai_errors(
     assert set(body) == {"error"}
     assert (body["error"]["code"], body["error"]["type"]) == (code, error_type)
     assert body["error"]["message"]
-    # Only a request no extproc could decide, and that went to no upstream, is marked as having
-    # reached no model server (safe to send again anywhere): not one a server answered before the
-    # stream failed, nor a refused or empty backend (the same mapper covers a connection that ended
-    # after the request went out).
-    assert headers.get(contract.UNSERVED_HEADER) == ("1" if name == "extproc-down" else None)
+    # Only a request that reached no model server is marked so (safe to send again anywhere): one
+    # no extproc could decide and that went to no upstream, one whose backend refused the
+    # connection or had no endpoint; not one a server answered before the stream failed, nor one
+    # that timed out upstream or whose connection ended after the request went out.
+    unserved = name in ("extproc-down", "refused", "empty")
+    assert headers.get(contract.UNSERVED_HEADER) == ("1" if unserved else None)
     if name == "extproc-down-after-upstream":
         assert served.requests >= 1  # the server did have it
+    if name == "cut":
+        assert cut.requests >= 1  # the server did have it
 
 
 def test_a_backend_cannot_mark_its_own_reply_unserved(envoy: int) -> None:
