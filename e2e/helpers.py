@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
+
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     from e2e.cluster import Cluster
@@ -51,18 +51,6 @@ def pod_pid(pod: Any, container: int = 0) -> int:
 
 def is_ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-
-
-def wait_for(check: Callable[[], T], timeout: float, what: str, every: float = 0.25) -> T:
-    """Poll until `check()` is truthy; return its value or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    last: T = check()
-    while not last:
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(every)
-        last = check()
-    return last
 
 
 def http_ok(url: str) -> bool:

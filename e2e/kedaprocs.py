@@ -30,9 +30,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from e2e.cluster import Cluster
-from e2e.helpers import wait_for
 from e2e.pki import PKI
 from e2e.procs import Proc
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from e2e.gateway import LEASE_RULES, OPERATOR_RULES, Operator, install_crds, running, scoped_kubeconfig
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.tools.registry import Registry, start_registry
+from tests.support.waiting import wait_for
 from wakegate.control.delivery.pushing import push
 from wakegate.control.delivery.registry import RegistrySettings
 

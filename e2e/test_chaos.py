@@ -46,10 +46,11 @@ import pytest
 
 from e2e.cluster import Cluster
 from e2e.gateway import Gateway, Operator, Scaler, post_json
-from e2e.helpers import Kube, is_ready, pod_pid, wait_for
+from e2e.helpers import Kube, is_ready, pod_pid
 from e2e.procs import Proc, kill_group
 from e2e.test_operator import apply, model_yaml, wait_phase
 from e2e.test_operator import wg as wg  # the namespace with the CRDs installed
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 pytestmark = [

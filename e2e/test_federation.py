@@ -31,10 +31,11 @@ from kubernetes import client
 
 from e2e.cluster import Cluster
 from e2e.gateway import Gateway, Operator, install_crds, python_env, running
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.procs import Proc
 from tests.support.federation import GlobalProcess, chat
 from tests.support.http import Response
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 pytestmark = pytest.mark.e2e

@@ -24,8 +24,10 @@ import yaml
 from kubernetes import client, watch
 
 from e2e.gateway import Gateway, Operator, Scaler, install_crds, running
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.test_operator import apply, get_model, kubectl, model_yaml, phase, wait_phase
+from tests.support.models import sim_runtime
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 
@@ -105,19 +107,7 @@ class PodRecorder:
 
 
 def runtime(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": names.API_VERSION,
-        "kind": "InferenceRuntime",
-        "metadata": {"name": name},
-        "spec": {
-            "backend": "sim",
-            "image": "ghcr.io/wakegate/sim:latest",
-            "args": ["--served-model-name", "{served_name}"],
-            "port": 8000,
-            "readinessProbe": {"path": "/health", "periodSeconds": 1},
-            "lifecycle": {"preStopDrainSeconds": PRESTOP_SECONDS, "terminationGracePeriodSeconds": GRACE_SECONDS},
-        },
-    }
+    return sim_runtime(name, {"preStopDrainSeconds": PRESTOP_SECONDS, "terminationGracePeriodSeconds": GRACE_SECONDS})
 
 
 def lists(url: str, model: str) -> bool:

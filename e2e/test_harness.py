@@ -22,8 +22,9 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e import net
 from e2e.cluster import Cluster
-from e2e.helpers import Kube, is_ready, pod_pid, wait_for
+from e2e.helpers import Kube, is_ready, pod_pid
 from e2e.procs import Proc
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 pytestmark = pytest.mark.e2e

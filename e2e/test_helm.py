@@ -35,7 +35,8 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
 from e2e.helm import ensure_helm
-from e2e.helpers import is_ready, wait_for
+from e2e.helpers import is_ready
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from e2e import image
-from e2e.helpers import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="rootful podman: the e2e suite runs as root")
 

@@ -29,7 +29,6 @@ from kubernetes import client
 from e2e import kedaprocs
 from e2e.cluster import Cluster
 from e2e.helm import ensure_helm
-from e2e.helpers import wait_for
 from e2e.procs import Proc, stop_all
 from e2e.test_helm import (
     BASE_VALUES,
@@ -48,6 +47,7 @@ from e2e.test_helm import (
     values_file,
 )
 from tests.support.required import missing
+from tests.support.waiting import wait_for
 from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
 pytestmark = pytest.mark.e2e

@@ -51,10 +51,11 @@ from e2e.gateway import (
     python_env,
     scoped_kubeconfig,
 )
-from e2e.helpers import Kube, is_ready, wait_for
+from e2e.helpers import Kube, is_ready
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_lora, write_model
 from tests.support.required import missing
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 from wakegate.control.k8s.adapters import GATE_ADAPTERS

@@ -21,10 +21,11 @@ import aiohttp
 import pytest
 
 from e2e.gateway import Gateway, Operator, Scaler, post_json, running
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.test_operator import apply, get_model, kubectl, model_yaml, phase, wait_phase
 from e2e.test_operator import wg as wg  # the namespace with the CRDs installed
 from tests.support.http import EXTPROC_STREAMS, envoy_stat
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.extproc.cold import LEASE_GRACE_SECONDS
 

@@ -46,7 +46,6 @@ from dashboards.grafana import expand
 from e2e import engines
 from e2e.cluster import Cluster
 from e2e.helm import ensure_helm
-from e2e.helpers import wait_for
 from e2e.test_helm import (
     BASE_VALUES,
     CHART,
@@ -71,6 +70,7 @@ from tests.support.prometheus import (
     workload,
 )
 from tests.support.required import missing
+from tests.support.waiting import wait_for
 from wakegate.v1 import demand_pb2, demand_pb2_grpc
 
 pytestmark = pytest.mark.e2e

@@ -31,8 +31,10 @@ from e2e.gateway import (
     running,
     scoped_kubeconfig,
 )
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.procs import Proc
+from tests.support.models import sim_runtime
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 pytestmark = pytest.mark.e2e
@@ -222,19 +224,7 @@ def _gone(read: Any) -> bool:
 
 
 def test_each_failure_reason_appears_in_status(wg: Kube, tmp_path: Path) -> None:
-    slow: dict[str, Any] = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "InferenceRuntime",
-        "metadata": {"name": f"sim-deadline-{wg.ns}"},
-        "spec": {
-            "backend": "sim",
-            "image": "ghcr.io/wakegate/sim:latest",
-            "args": ["--served-model-name", "{served_name}"],
-            "port": 8000,
-            "readinessProbe": {"path": "/health", "periodSeconds": 1},
-            "lifecycle": {"preStopDrainSeconds": 0, "progressDeadlineSeconds": 4},
-        },
-    }
+    slow = sim_runtime(f"sim-deadline-{wg.ns}", {"preStopDrainSeconds": 0, "progressDeadlineSeconds": 4})
     bad_image: dict[str, Any] = {
         **slow,
         "metadata": {"name": f"sim-badimage-{wg.ns}"},

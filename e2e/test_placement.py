@@ -23,8 +23,9 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import REPO_ROOT, Cluster
-from e2e.helpers import Kube, fresh_namespace, http_ok, wait_for
+from e2e.helpers import Kube, fresh_namespace, http_ok
 from e2e.procs import Proc
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 from wakegate.control.operator import render as operator_render

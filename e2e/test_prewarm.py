@@ -36,11 +36,12 @@ from e2e.gateway import (
     python_env,
     scoped_kubeconfig,
 )
-from e2e.helpers import Kube, fresh_namespace, has_default_sa, http_ok, is_ready, wait_for
+from e2e.helpers import Kube, fresh_namespace, has_default_sa, http_ok, is_ready
 from e2e.procs import Proc
 from e2e.tinymodel import ModelSpec, write_model
 from e2e.tools.registry import Registry, start_registry
 from tests.support.required import missing
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.control.k8s import names
 

@@ -29,7 +29,7 @@ from openai import OpenAI
 from e2e import image
 from e2e.cluster import Cluster
 from e2e.helm import ensure_helm
-from e2e.helpers import is_ready, wait_for
+from e2e.helpers import is_ready
 from e2e.node import RealNode
 from e2e.test_helm import (
     BASE_VALUES,
@@ -49,6 +49,7 @@ from e2e.test_helm import (
 )
 from e2e.tinymodel import write_model
 from e2e.tools.registry import start_registry
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.e2e,

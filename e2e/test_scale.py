@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from e2e.gateway import XDS_RULES, Gateway, Operator, Scaler, install_crds, running, scoped_kubeconfig
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.test_operator import GROUP, VERSION, _proc_usage, model_yaml
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 pytestmark = [

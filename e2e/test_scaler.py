@@ -32,9 +32,10 @@ from kubernetes.client.rest import ApiException
 
 from e2e import kedaprocs
 from e2e.cluster import Cluster
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.procs import Proc, stop_all
 from tests.support.required import missing
+from tests.support.waiting import wait_for
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary

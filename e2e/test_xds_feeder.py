@@ -22,8 +22,9 @@ from e2e.gateway import (
     scoped_kubeconfig,
     subscribe_without_token,
 )
-from e2e.helpers import Kube, wait_for
+from e2e.helpers import Kube
 from e2e.test_operator import apply, model_yaml, wait_phase
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -52,6 +52,7 @@ from e2e import engines
 from e2e.tinymodel import ModelSpec, write_model
 from e2e.tools.registry import start_registry
 from tests.bench.common import git_state, loadavg
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 from wakegate.control.delivery.cache import Cache, parse_size
 from wakegate.control.delivery.flashload import files_of, flash_load
@@ -157,12 +158,7 @@ def llama_server(binary: Path, model: Path) -> Iterator[tuple[int, subprocess.Po
     try:
         yield port, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
 
 
 def cold_start(binary: Path, model: Path, started: float) -> tuple[float, float]:

@@ -42,6 +42,7 @@ import yaml
 
 from tests.bench.common import git_state, loadavg
 from tests.support.h2requests import Connection
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
 
@@ -176,12 +177,7 @@ class Envoy:
         return int(json.loads(_admin(self.admin, "/memory"))["allocated"])
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, timeout=10)
 
 
 async def _hold(port: int, admin: int, client: str, held: int, connections: int) -> tuple[int, list[Any]]:

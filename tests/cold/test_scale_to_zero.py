@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.cold.conftest import CRASH_TIMEOUT, both_paths, warm_path
 from tests.support.http import request
 from tests.support.up import UpProcess, pids_alive
+from tests.support.waiting import wait_for
 
 
 def replicas(up: UpProcess, key: str) -> list[dict[str, object]]:
@@ -28,14 +29,6 @@ def replicas(up: UpProcess, key: str) -> list[dict[str, object]]:
 
 def path_of(up: UpProcess, key: str) -> str:
     return str(next(m for m in up.status()["models"] if m["key"] == key)["routingPath"])
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def chat_body(model: str, **extra: object) -> dict[str, object]:

@@ -11,10 +11,8 @@ send the same greedy chat completion through the official openai client to eithe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +28,7 @@ from openai.types import CompletionUsage
 
 from e2e import engines, hfmodel
 from e2e.tinymodel import ModelSpec, write_lora, write_model
+from tests.support.processes import stop_process
 from tests.support.required import missing
 from tests.support.sim import http_status
 from wakegate.control.admin import free_port
@@ -151,16 +150,7 @@ class EngineProcess:
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        with contextlib.suppress(OSError):
-            self._log.close()
-        return code
+        return stop_process(self.proc, self._log, timeout=timeout)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from tests.engines.conftest import PROMPT, TINY_LLAMA, TinyFiles
 from tests.support.http import request
 from tests.support.models import models
 from tests.support.up import UpProcess, pids_alive
+from tests.support.waiting import wait_for
 
 #: The same file twice through relative paths: resolved against the manifest's folder.
 FLEET = models(
@@ -58,14 +59,6 @@ def fleet(
 
 def model_status(up: UpProcess, key: str) -> dict[str, object]:
     return next(m for m in up.status()["models"] if m["key"] == key)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize(("key", "served"), [("llama", "org/tiny-llama"), ("olla", "tiny-olla")])

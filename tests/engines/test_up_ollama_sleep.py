@@ -9,7 +9,6 @@ import json
 import shutil
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from tests.engines.conftest import PROMPT, TinyFiles
 from tests.engines.test_up_engines import engines_path
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc, pids_alive
+from tests.support.waiting import wait_for
 
 
 def ollama_doc(name: str, scaling: str) -> str:
@@ -50,14 +50,6 @@ def model_status(up: UpProcess, key: str) -> dict[str, Any]:
     return next(m for m in up.status()["models"] if m["key"] == key)
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def loaded_models(port: int) -> list[str]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/ps", timeout=5) as response:
         return [m["name"] for m in json.loads(response.read())["models"]]
@@ -80,8 +72,8 @@ def test_ollama_idles_to_asleep_and_wakes_in_the_same_process(
         ask(up, "zeroed")
         (replica,) = model_status(up, "sleepy")["replicas"]
         assert loaded_models(replica["port"]) == ["sleepy:latest"]
-        wait_for("sleepy asleep", lambda: model_status(up, "sleepy")["tier"] == "asleep")
-        wait_for("zeroed at zero", lambda: model_status(up, "zeroed")["tier"] == "zero")
+        wait_for(lambda: model_status(up, "sleepy")["tier"] == "asleep", 60, "sleepy asleep")
+        wait_for(lambda: model_status(up, "zeroed")["tier"] == "zero", 60, "zeroed at zero")
         # Asleep: the process lives, the model is unloaded, nothing routes to it.
         status = model_status(up, "sleepy")
         assert status["ready"] == 0 and status["replicas"][0]["pid"] == replica["pid"]
@@ -96,7 +88,7 @@ def test_ollama_idles_to_asleep_and_wakes_in_the_same_process(
         def wakes() -> dict[str, Any]:
             return up.status()["savings"]["models"]  # type: ignore[no-any-return]
 
-        wait_for("both wakes booked", lambda: wakes()["zeroed"]["wakes"]["zero"]["count"] >= 2, timeout=15)
+        wait_for(lambda: wakes()["zeroed"]["wakes"]["zero"]["count"] >= 2, 15, "both wakes booked")
         booked = wakes()
         assert booked["sleepy"]["wakes"]["asleep"]["count"] == 1
         assert booked["zeroed"]["wakes"]["zero"]["count"] == 2 and booked["zeroed"]["wakes"]["asleep"]["count"] == 0

@@ -23,7 +23,8 @@ import pytest
 from e2e.pki import PKI, Pair
 from tests.support.federation import GlobalProcess, chat, member_port, refused_at_start
 from tests.support.http import Response
-from tests.support.up import UpProcess, model_doc, stop_process
+from tests.support.processes import stop_process
+from tests.support.up import UpProcess, model_doc
 from wakegate.control import bootstrap
 from wakegate.control.admin import free_port
 

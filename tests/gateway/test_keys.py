@@ -8,8 +8,7 @@ and `keys`.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -19,6 +18,7 @@ from tests.gateway.conftest import API_KEY, KEYS_TEXT, NATIVE, SCOPED_KEY, SCOPE
 from tests.support.http import Response, get_json, request
 from tests.support.rawhttp import http1
 from tests.support.up import UpProcess, model_doc
+from tests.support.waiting import wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SCOPED = {"authorization": f"Bearer {SCOPED_KEY}"}
@@ -64,13 +64,6 @@ def leases(gateway: UpProcess, model: str) -> int:
             if row["model"] == model:
                 total += row["leases"]
     return total
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not seen within {timeout}s"
-        time.sleep(0.2)
 
 
 #: (key's auth header, its model, a name of that model): the decided and the native scope
@@ -142,11 +135,11 @@ def test_scoped_key_file_rotation_without_restart(gateway: UpProcess, keys_file:
 
     keys_file.write_text(f"# test keys\n{API_KEY}\n{SCOPED_KEY}  chat-a, {model}\n")
     try:
-        wait_until(lambda: answers(200), "the widened scope by body, header and path")
+        wait_for(lambda: answers(200), 5.0, "the widened scope by body, header and path")
         assert model in listed(gateway, SCOPED)
     finally:
         keys_file.write_text(KEYS_TEXT)
-    wait_until(lambda: answers(404), "the narrowed scope by body, header and path")
+    wait_for(lambda: answers(404), 5.0, "the narrowed scope by body, header and path")
     assert listed(gateway, SCOPED) == CHAT_A_NAMES
 
 
@@ -160,7 +153,7 @@ def test_bad_key_file_lines_are_reported_by_number_without_the_key(gateway: UpPr
             chat(gateway, WIDE, model="chat-a")  # keys are re-read when a request is checked
             return any("line 4" in log.read_text(errors="replace") for log in logs)
 
-        wait_until(reported, "a warning naming line 4")
+        wait_for(reported, 5.0, "a warning naming line 4")
         assert chat(gateway, {"authorization": f"Bearer {bad_key}"}, model="chat-b").status == 401
         assert chat(gateway, SCOPED, model="chat-a").status == 200  # the good lines stay in force
     finally:

@@ -9,7 +9,6 @@ tell which path answered (a natively routed or refused request opens no ext_proc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from tests.gateway.test_native import Gateway as NativeGateway
 from tests.support.http import Response, request
 from tests.support.up import UpProcess, model_doc
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 
 WIDE = "sk-native-wide-0123456789"
@@ -58,18 +58,11 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     try:
         up.wait_ready(dict.fromkeys(PATHS, 1), timeout=90)
         gw = Gateway(up, envoy_admin, keys)
-        wait_until(lambda: gw.paths() == PATHS, "the native models on their native routes", timeout=10)
+        wait_for(lambda: gw.paths() == PATHS, 10, "the native models on their native routes")
         yield gw
     finally:
         code = up.stop()
         assert code == 0, up.log()
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not seen within {timeout}s"
-        time.sleep(0.1)
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -177,15 +170,15 @@ def test_a_rotation_applies_to_both_paths_without_a_listener_change(keyed: Gatew
     reloads = keyed.stat(r"http\.wakegate\.rds\.wakegate_routes\.config_reload")
     keyed.keys.write_text(f"{ROTATED}\n{SCOPED}  nat, dec\n")
     try:
-        wait_until(lambda: status_on_both(keyed, WIDE) == {401}, "the old key refused on both paths")
-        wait_until(lambda: status_on_both(keyed, ROTATED) == {200}, "the new key accepted on both paths")
+        wait_for(lambda: status_on_both(keyed, WIDE) == {401}, 5.0, "the old key refused on both paths")
+        wait_for(lambda: status_on_both(keyed, ROTATED) == {200}, 5.0, "the new key accepted on both paths")
         # Natively: the new key went through Envoy alone.
         assert answered(keyed, "nat", f"Bearer {ROTATED}")[1] == 0
         assert keyed.stat(r"http\.wakegate\.rds\.wakegate_routes\.config_reload") > reloads
         assert keyed.stat(r"listener_manager\.listener_modified") == modified, "a rotation drained connections"
     finally:
         keyed.keys.write_text(KEYS_TEXT)
-    wait_until(lambda: status_on_both(keyed, WIDE) == {200}, "the wide key back on both paths")
+    wait_for(lambda: status_on_both(keyed, WIDE) == {200}, 5.0, "the wide key back on both paths")
     assert status_on_both(keyed, ROTATED) == {401}
 
 
@@ -193,8 +186,8 @@ def test_a_vanished_key_file_keeps_the_keys_on_both_paths(keyed: Gateway) -> Non
     feeder_log = keyed.up.state_dir / "logs" / "feeder.log"
     keyed.keys.unlink()
     try:
-        wait_until(
-            lambda: "keeping the previous 2 keys" in feeder_log.read_text(errors="replace"), "the feeder's warning"
+        wait_for(
+            lambda: "keeping the previous 2 keys" in feeder_log.read_text(errors="replace"), 5.0, "the feeder's warning"
         )
         assert status_on_both(keyed, WIDE) == {200}
         assert status_on_both(keyed, "sk-native-wrong-key-000") == {401}

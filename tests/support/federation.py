@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 from tests.support.http import Response, get_json, request
-from tests.support.up import stop_process
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 
 

@@ -29,6 +29,22 @@ def document(kind: str, name: str, spec: Mapping[str, Any], namespace: str | Non
     return {"apiVersion": API_VERSION, "kind": kind, "metadata": metadata, "spec": dict(spec)}
 
 
+def sim_runtime(name: str, lifecycle: Mapping[str, Any]) -> dict[str, Any]:
+    """An InferenceRuntime of the simulator (its image, probe and port) with its own `lifecycle`."""
+    return document(
+        "InferenceRuntime",
+        name,
+        {
+            "backend": "sim",
+            "image": "ghcr.io/wakegate/sim:latest",
+            "args": ["--served-model-name", "{served_name}"],
+            "port": 8000,
+            "readinessProbe": {"path": "/health", "periodSeconds": 1},
+            "lifecycle": dict(lifecycle),
+        },
+    )
+
+
 def manifest(*documents: Mapping[str, Any]) -> str:
     """`documents` as one multi-document YAML text."""
     return yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, explicit_start=True)

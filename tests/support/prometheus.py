@@ -23,6 +23,7 @@ from dashboards.build import ALERTS_FILE
 from dashboards.definitions import DASHBOARDS
 from dashboards.grafana import expand
 from tests.support.http import get_json, request
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 
 #: Scrape and rule evaluation interval of the tests' Prometheus.
@@ -94,13 +95,7 @@ class Prometheus:
         raise AssertionError(f"prometheus not ready:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        stop_process(self.proc, self._log, timeout=10)
 
 
 def assert_every_panel_returns_data_and_every_alert_evaluates(prom: Prometheus, within: float = 20) -> None:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
 from tests.support import REPO_ROOT
 from tests.support.models import models
+from tests.support.processes import stop_process
+from tests.support.waiting import wait_for
 from wakegate.control.admin import free_port
 from wakegate.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 
@@ -43,16 +45,11 @@ def metric(stub: externalscaler_pb2_grpc.ExternalScalerStub, name: str) -> float
     return float(value.metricValueFloat)
 
 
-def wait_until(predicate: object, timeout: float, what: str, step: float = 0.05) -> float:
-    """Poll ``predicate`` until true; returns the seconds it took."""
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, step: float = 0.05) -> float:
+    """:func:`wait_for`, returning the seconds it took."""
     start = time.monotonic()
-    last: object = None
-    while time.monotonic() - start < timeout:
-        last = predicate()  # type: ignore[operator]
-        if last:
-            return time.monotonic() - start
-        time.sleep(step)
-    raise AssertionError(f"{what}: not within {timeout}s (last {last!r})")
+    wait_for(predicate, timeout, what, every=step)
+    return time.monotonic() - start
 
 
 class ScalerProcess:
@@ -118,14 +115,7 @@ class ScalerProcess:
 
     def stop(self) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout=15)
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.keda)

@@ -10,7 +10,6 @@ which stops whatever it started at teardown.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 
 from tests.support import REPO_ROOT
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 
 
@@ -86,15 +86,7 @@ class SimProcess:
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit status."""
-        self.signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        with contextlib.suppress(Exception):
-            self._log.close()
-        return code
+        return stop_process(self.proc, self._log, timeout=timeout)
 
 
 def start_sim(port: int, *args: str, wait_ready: bool = True, timeout: float = 10.0) -> SimProcess:

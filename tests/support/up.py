@@ -10,9 +10,10 @@ import sys
 import time
 import urllib.error
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tests.support.http import get_json
+from tests.support.processes import stop_process
 from wakegate.control.admin import free_port
 
 
@@ -103,21 +104,6 @@ class UpProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         return stop_process(self.proc, self._log, sig, timeout)
-
-
-def stop_process(
-    proc: subprocess.Popen[bytes], log: IO[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
-) -> int:
-    """Signal `proc`, kill it if it has not exited after `timeout` seconds, close its log; its status."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    log.close()
-    return int(proc.returncode)
 
 
 def model_doc(name: str, *, backend: str = "sim", extra: str = "") -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from tests.support.http import request
 from tests.support.up import UpProcess, model_doc
+from tests.support.waiting import wait_for
 
 
 def chat(up: UpProcess, model: str) -> int:
@@ -31,15 +31,6 @@ def chat(up: UpProcess, model: str) -> int:
 
 def model_status(up: UpProcess, key: str) -> dict[str, Any]:
     return next(m for m in up.status()["models"] if m["key"] == key)
-
-
-def wait_for(what: str, check: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def is_sleeping(port: int) -> bool:
@@ -59,7 +50,7 @@ def test_warm_asleep_zero_and_the_wake_in_between(tmp_path: Path) -> None:
         up.wait_ready({}, timeout=60)
         assert chat(up, "m") == 200
         replica = model_status(up, "m")["replicas"][0]
-        wait_for("asleep", lambda: model_status(up, "m")["tier"] == "asleep")
+        wait_for(lambda: model_status(up, "m")["tier"] == "asleep", 30.0, "asleep")
         status = model_status(up, "m")
         assert status["ready"] == 0 and status["state"] == "asleep"
         assert status["replicas"][0]["pid"] == replica["pid"] and is_sleeping(replica["port"])
@@ -74,7 +65,7 @@ def test_warm_asleep_zero_and_the_wake_in_between(tmp_path: Path) -> None:
         assert wakes["asleep"]["count"] == 1 and wakes["zero"]["count"] == 1
 
         # Asleep again, then zero once idleTimeout passed: no process left.
-        wait_for("zero", lambda: model_status(up, "m")["tier"] == "zero", timeout=30)
+        wait_for(lambda: model_status(up, "m")["tier"] == "zero", 30, "zero")
         assert model_status(up, "m")["replicas"] == []
         savings = up.status()["savings"]["models"]["m"]["accelerator_seconds"]
         assert savings["warm"] > 0 and savings["asleep"] > 0 and savings["zero"] > 0
@@ -96,10 +87,10 @@ def test_a_sleeping_engine_that_dies_is_started_anew(tmp_path: Path) -> None:
     try:
         up.wait_ready({}, timeout=60)
         assert chat(up, "m") == 200
-        wait_for("asleep", lambda: model_status(up, "m")["tier"] == "asleep")
+        wait_for(lambda: model_status(up, "m")["tier"] == "asleep", 30.0, "asleep")
         pid = model_status(up, "m")["replicas"][0]["pid"]
         os.kill(pid, signal.SIGKILL)
-        wait_for("zero", lambda: model_status(up, "m")["tier"] == "zero")
+        wait_for(lambda: model_status(up, "m")["tier"] == "zero", 30.0, "zero")
         assert chat(up, "m") == 200  # held, and answered by a new process
         (replica,) = model_status(up, "m")["replicas"]
         assert replica["pid"] != pid and model_status(up, "m")["tier"] == "warm"
@@ -122,13 +113,13 @@ def test_a_request_during_the_idle_release_is_a_booked_wake(tmp_path: Path) -> N
         for _ in range(3):
             assert chat(up, "m") == 200  # a warm replica (a wake from zero)
             first, before = model_status(up, "m")["replicas"][0]["pid"], wakes()
-            wait_for("the idle release", lambda: model_status(up, "m")["replicas"] == [], timeout=30)
+            wait_for(lambda: model_status(up, "m")["replicas"] == [], 30, "the idle release")
             assert chat(up, "m") == 200  # held while the release finishes, then served by a new process
             if wakes() == before + 1:
                 break
             # Answered by the replica being released, its unrouting not at the gateway yet (a few
             # ms): no wake was needed. Wait for the release to end and try again from warm.
-            wait_for("zero", lambda: model_status(up, "m")["tier"] == "zero")
+            wait_for(lambda: model_status(up, "m")["tier"] == "zero", 30.0, "zero")
         else:
             pytest.fail("three requests during an idle release were all answered by the released replica")
         (replica,) = model_status(up, "m")["replicas"]
