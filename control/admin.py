@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from aiohttp import web
@@ -16,8 +16,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: Buckets of `wakegate_cold_start_seconds`, the same under `wakegate up` and the operator.
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600)
-
-
 
 
 #: Where `free_port` looks: above the well-known and registered services most machines run, and
@@ -35,33 +33,50 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", offsets: Sequence[int] = ()) -> int:
     """A TCP port on `host` that nothing listens on right now (`wakegate up`'s children, tests).
 
     The caller binds it later (a child process, often a second or more later), so two things
     keep the port free until then: it is never one this process handed out lately (one `up` picks
     ports for its extprocs and then for its replicas before the extprocs have bound theirs), and
     it lies below the ephemeral range, where no outgoing connection's local port can take it.
+
+    `offsets`: the child also binds port + each offset, on every interface (an engine's KV-events
+    sockets, `routing.kvEvents.portOffset`); those are free too and handed out with the port, so
+    no other child is given one of them.
     """
-    high = _ephemeral_low() - 1
+    extra = sorted({o for o in offsets if o})
+    high = _ephemeral_low() - 1 - (extra[-1] if extra else 0)
     for _ in range(200) if high > PORT_FLOOR else ():
         port = random.randint(PORT_FLOOR, high)
-        if port in _given:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        _given.append(port)
-        return port
+        if _take(host, port, extra):
+            return port
     while True:  # a machine whose ephemeral range leaves nothing below it: the kernel's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _given:
-            _given.append(port)
-            return int(port)
+            port = int(sock.getsockname()[1])
+        if port + (extra[-1] if extra else 0) <= 65535 and _take(host, port, extra):
+            return port
+
+
+def _take(host: str, port: int, offsets: Sequence[int]) -> bool:
+    """Hand out `port` and port + each of `offsets` if none was handed out lately and all are free."""
+    wanted = [port, *(port + o for o in offsets)]
+    if any(p in _given for p in wanted):
+        return False
+    if not _bindable(host, port) or not all(_bindable("", p) for p in wanted[1:]):
+        return False
+    _given.extend(wanted)
+    return True
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:
@@ -104,4 +119,3 @@ class RefusedCalls:
         for service in self._services:
             family.add_metric([service], self._authenticator.refused.get(service, 0))
         yield family
-

@@ -266,7 +266,9 @@ class ModelRuntime(IdleTiers, ReplicaLaunch):
         slots = self.gpus.allocate(owner, self.gpus_per_replica, self.backend.gpu_vendors, gpu.vendor, gpu.minVramMb)
         if slots is None:
             return None
-        port = free_port(self.settings.host)
+        kv = self.model.spec.routing.kvEvents
+        # An engine publishing KV events binds port + their offsets too: handed out with the port.
+        port = free_port(self.settings.host, (kv.portOffset, kv.replayPortOffset) if kv is not None else ())
         name = f"{self.model.name}-{index}"
         used = {r.slot for r in self.replicas}
         slot = next(n for n in itertools.count() if n not in used)
