@@ -55,7 +55,8 @@ def free_port(host: str = "127.0.0.1", offsets: Sequence[int] = ()) -> int:
     no other child is given one of them.
     """
     extra = sorted({o for o in offsets if o})
-    high = _ephemeral_low() - 1 - (extra[-1] if extra else 0)
+    reach = max(extra, default=0)
+    high = _ephemeral_low() - 1 - reach
     for _ in range(200) if high > PORT_FLOOR else ():
         port = random.randint(PORT_FLOOR, high)
         if _take(host, port, extra):
@@ -64,7 +65,7 @@ def free_port(host: str = "127.0.0.1", offsets: Sequence[int] = ()) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])
-        if port + (extra[-1] if extra else 0) <= 65535 and _take(host, port, extra):
+        if port + reach <= 65535 and _take(host, port, extra):
             return port
 
 
