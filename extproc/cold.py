@@ -143,14 +143,27 @@ class ColdQueues:
             )
             self._on_demand_change()
 
-    async def wait(self, route: routing_pb2.ModelRoute, deadline: float) -> None:
-        """Hold one request until its model is ready; raise QueueFull, ActivationFailed or ActivationTimeout."""
+    def join(self, route: routing_pb2.ModelRoute) -> ModelQueue:
+        """Count one more request held for `route`'s model (QueueFull past its `maxQueue`). It waits
+        for the queue's `ready` future of now, and leaves with `left(queue, generation of now)`."""
         queue = self.queue(route.key)
         if queue.waiting >= route.cold.max_queue:
             raise QueueFull(route.key)
         queue.waiting += 1
-        generation = queue.generation
         self._on_demand_change()
+        return queue
+
+    def left(self, queue: ModelQueue, generation: int, count: int = 1) -> None:
+        """`count` requests that joined in `generation` stopped waiting (a failure already let go
+        of every request of its generation)."""
+        if queue.generation == generation:
+            queue.waiting -= count
+            self._on_demand_change()
+
+    async def wait(self, route: routing_pb2.ModelRoute, deadline: float) -> None:
+        """Hold one request until its model is ready; raise QueueFull, ActivationFailed or ActivationTimeout."""
+        queue = self.join(route)
+        generation = queue.generation
         try:
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -160,9 +173,7 @@ class ColdQueues:
             except TimeoutError:
                 raise ActivationTimeout(route.key) from None
         finally:
-            if queue.generation == generation:
-                queue.waiting -= 1
-                self._on_demand_change()
+            self.left(queue, generation)
         await self._release.turn()
 
     def on_routes(self, routes: dict[str, routing_pb2.ModelRoute]) -> None:

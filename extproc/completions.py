@@ -24,6 +24,7 @@ from collections.abc import Callable
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.message import DecodeError
 
+from wakegate.contract import EXTPROC_CLUSTER
 from wakegate.extproc.budget import USAGE_NAMESPACE
 from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, Call
 
@@ -66,6 +67,8 @@ class Completions:
         self.entries += len(entries)
         pending = self._pending
         for entry in entries:
+            if entry.common_properties.upstream_cluster == EXTPROC_CLUSTER:
+                continue  # a parked request's first pass (extproc/park.py); its second is logged too
             found = pending.pop(entry.request.request_id, None)
             if found is not None:
                 self._on_end(*found)

@@ -56,6 +56,7 @@ class Exchange:
         "model_name",
         "new_body",
         "new_path",
+        "release",
         "scope",
         "started",
         "tenant",
@@ -85,6 +86,9 @@ class Exchange:
         self.band = 0
         #: A tenant with a token budget: what its response says it used, read as it streams past.
         self.usage: Usage | None = None
+        #: Sent back by a park (extproc/park.py): the model key its valid release ticket names, ""
+        #: for a ticket that is not (never parked again either way); None: not parked.
+        self.release: str | None = None
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from wakegate.extproc.h2grpc.call import INVALID_ARGUMENT, NOT_FOUND, GrpcError,
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.kvsubscriber import KVSubscriber
 from wakegate.extproc.native import NativeCounts
+from wakegate.extproc.park import Parker, Tickets
 from wakegate.extproc.service import EXT_PROC_SERVICE, PROCESS_METHOD, Processor
 from wakegate.gateway_flags import add_request_arguments
 from wakegate.internal_token import TokenSource
@@ -218,7 +219,10 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         return bytes(health_pb2.HealthCheckResponse(status=status).SerializeToString())
 
-    processor = Processor(gateway)
+    # Both extprocs of a gateway share its internal token, so a ticket one signs the other reads.
+    tickets = Tickets.from_token(settings.internal_token.value())
+    processor = Processor(gateway, tickets)
+    parker = Parker(processor, tickets)
     methods = {PROCESS_METHOD: processor.call, HEALTH_CHECK_METHOD: unary(check_health)}
     if settings.release_on == "access-log":
         gateway.completions = Completions(gateway.finished)
@@ -228,6 +232,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
         methods,
         max_message_bytes=settings.gateway.max_body_bytes + 1024 * 1024,
         limits=settings.h2_limits,
+        http=parker.stream,
     )
     gateway.metrics.watch_h2(server.transport.refused)
     try:
@@ -297,7 +302,7 @@ async def serve(settings: Settings, gateway: Gateway) -> int:
     await stop.wait()
     log.info("extproc draining (up to %.0fs)", settings.drain_seconds)
     serving = False
-    held = processor.let_go()
+    held = processor.let_go() + parker.let_go()
     if held:
         log.info("answered %d held request(s) with the retriable 503: stopping", held)
     if gateway.completions is not None:

@@ -34,8 +34,11 @@ from wakegate.contract import (
     DESTINATION_HEADER,
     FAIRNESS_HEADER,
     LB_METADATA_NAMESPACE,
+    PARK_CLUSTER,
+    PARK_HEADER,
     PRIORITY_HEADER,
     RATE_COUNTED_HEADER,
+    RELEASE_HEADER,
     STATUS_PATH,
     STRATEGY_NAMES,
 )
@@ -56,6 +59,7 @@ from wakegate.extproc.naming import (
     model_from_multipart,
     parse_json_body,
 )
+from wakegate.extproc.park import Tickets
 from wakegate.extproc.process_call import ProcessCall
 from wakegate.extproc.ratelimit import retry_after_header
 from wakegate.extproc.responses import error, header, immediate
@@ -80,8 +84,11 @@ PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 class Processor:
     """Decides each ext_proc message; `call()` serves one ext_proc stream (one HTTP request)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, tickets: Tickets | None = None) -> None:
         self.gw = gateway
+        #: Parking on (extproc/park.py): cold requests wait at this process's HTTP/2 port, not in
+        #: their ext_proc streams. None: every cold request is held in its stream.
+        self.tickets = tickets
         #: The streams whose request is held for its model now.
         self.holding: set[ProcessCall] = set()
 
@@ -148,6 +155,10 @@ class Processor:
         if scope is None:
             return self._reject(None, 401, "invalid_api_key", "missing or invalid API key")
         ex.scope = scope
+        released = headers.get(RELEASE_HEADER)
+        if released is not None:  # sent back by a park: admitted once already if the ticket says so
+            read = self.tickets.read("release", released) if self.tickets is not None else None
+            ex.release = read[0] if read is not None else ""
         if get:
             if path == "/metrics":
                 return self._metrics()
@@ -248,7 +259,8 @@ class Processor:
             # outside its scope, and nothing else happens (no rate-limit token, no demand).
             return self._reject(None, 404, "model_not_found", f"model {ex.model_name!r} does not exist")
         scope = ex.scope
-        if scope.tokens_per_minute:
+        released = ex.release == route.key  # its first pass was admitted, then parked
+        if scope.tokens_per_minute and not released:
             tenant = scope.tenant or DEFAULT_TENANT
             wait = self.gw.budgets.retry_after(tenant, scope.tokens_per_minute)
             if wait > 0:
@@ -271,7 +283,7 @@ class Processor:
         rate = route.rate_limit
         # Envoy's bucket took the token of a request it counted (it said so, for this model).
         counted = rate.counted_by_envoy and ex.headers.get(RATE_COUNTED_HEADER) == route.key
-        wait = self.gw.limiter.admit(
+        wait = 0.0 if released else self.gw.limiter.admit(
             route.key,
             rate.requests_per_second or None,
             rate.burst or None,
@@ -321,7 +333,29 @@ class Processor:
             return self._flow_admit(ex, resolved, parsed, raw_body, in_body) or Cold(
                 resolved, parsed, raw_body, in_body
             )
+        if (
+            self.tickets is not None
+            and ex.release is None  # parked once at most: Envoy follows one redirect
+            and lora is None
+            and not scope.tokens_per_minute  # its stream stays open for the response anyway
+            and (in_body or ex.headers_only)  # Envoy holds the whole body for the redirect
+        ):
+            if self.gw.cold.depth(route.key) >= route.cold.max_queue:
+                return self._queue_full(route)
+            return self._park(ex, route, in_body=in_body)
         return Cold(resolved, parsed, raw_body, in_body)
+
+    def _park(self, ex: Exchange, route: routing_pb2.ModelRoute, *, in_body: bool) -> ep.ProcessingResponse:
+        """Send a cold request on to wait at an extproc's park (extproc/park.py): its ext_proc
+        stream ends here. Nothing else is changed: the request is decided again when released."""
+        assert self.tickets is not None
+        left = route.cold.activation_timeout_ms / 1000 - (time.monotonic() - ex.started)
+        ticket = self.tickets.park(route.key, ex.model_name or route.key, time.time() + left)
+        parked = [header(CLUSTER_HEADER, PARK_CLUSTER), header(PARK_HEADER, ticket)]
+        common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=parked), clear_route_cache=True)
+        if in_body:
+            return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), mode_override=_NO_BODY)
 
     def _flow_admit(
         self, ex: Exchange, resolved: Resolved, parsed: dict[str, Any] | None, raw_body: bytes | None, in_body: bool
@@ -479,6 +513,8 @@ class Processor:
         removals: list[str] = []
         if self.gw.keys.enabled:
             removals.append("authorization")  # the gateway's key is not the backend's business
+        if ex.release is not None:
+            removals.append(RELEASE_HEADER)
         if DESTINATION_HEADER in ex.headers and not any(m.header.key == DESTINATION_HEADER for m in extra):
             removals.append(DESTINATION_HEADER)  # clients may not pick backends themselves
         if ex.new_path is not None:
@@ -540,6 +576,10 @@ class Processor:
             metadata = struct_pb2.Struct()
             metadata.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = destination
         common = self._mutations(ex, resolved, parsed, raw_body, route.cluster, extra)
+        if ex.release == route.key:  # a parked request sent on: the cold start's first byte
+            woke = self.gw.cold.flushed(route.key)
+            if woke is not None:
+                self.gw.metrics.cold_start.labels(route.key, "first_byte").observe(woke)
         ex.model_key = route.key
         ex.endpoint = endpoint
         ex.adapter = resolved.adapter if place is not None else None

@@ -29,6 +29,23 @@ def processing_mode(request_body: str) -> dict[str, str]:
     }
 
 
+#: Retries of what Envoy sends an extproc (its ext_proc streams, the parked requests): on the next
+#: priority, the standby, when the first could not be reached or reset the stream.
+EXTPROC_RETRY: dict[str, Any] = {
+    "num_retries": 2,
+    "retry_on": "connect-failure,refused-stream,reset",
+    "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+    "retry_priority": {
+        "name": "envoy.retry_priorities.previous_priorities",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3"
+            ".PreviousPrioritiesConfig",
+            "update_frequency": 1,
+        },
+    },
+}
+
+
 #: The last HTTP filter of every listener: Envoy's router.
 ROUTER_FILTER = {
     "name": "envoy.filters.http.router",
@@ -148,19 +165,7 @@ def listener(
                     # noticed) is opened again on the next priority: the standby. (A host
                     # predicate as well cost ~30 us of Envoy CPU per request and added nothing
                     # with one host per priority; docs/performance.md.)
-                    "retry_policy": {
-                        "num_retries": 2,
-                        "retry_on": "connect-failure,refused-stream,reset",
-                        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
-                        "retry_priority": {
-                            "name": "envoy.retry_priorities.previous_priorities",
-                            "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3"
-                                ".PreviousPrioritiesConfig",
-                                "update_frequency": 1,
-                            },
-                        },
-                    },
+                    "retry_policy": EXTPROC_RETRY,
                 },
                 "failure_mode_allow": replays,
                 # Bodies are buffered unless the route says the model is named in the request's

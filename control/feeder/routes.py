@@ -14,7 +14,7 @@ from envoy.config.route.v3 import route_pb2
 from wakegate import contract
 from wakegate.control.feeder.envoy_types import ROUTE_NAME, parse
 from wakegate.control.feeder.keys import BEARER_KEY, key_check, routable_names
-from wakegate.control.feeder.listeners import processing_mode
+from wakegate.control.feeder.listeners import EXTPROC_RETRY, processing_mode
 from wakegate.control.feeder.ratelimit import HEADER_MUTATION, rate_limit_metadata
 from wakegate.control.feeder.routed import RoutedModel
 from wakegate.control.feeder.settings import GatewayKey, GatewaySettings
@@ -322,6 +322,7 @@ def route_configuration(
             *(_replays(r) if "direct_response" in r else {**r, **unserved} for r in routes[1:]),
         ]
         unserved = {}
+    routes.insert(0, _park(off, on))
     return parse(
         route_pb2.RouteConfiguration(),
         {
@@ -334,6 +335,40 @@ def route_configuration(
 
 
 _REPLAYED = {"name": contract.REPLAY_HEADER, "present_match": True}
+
+
+def _park(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """Where extproc sends a cold request to wait (extproc/park.py): the extproc cluster, whose
+    307 is followed inside Envoy (once), so the request goes through the filter chain again when
+    its model is ready. The 307 clears the park's headers from the request it restarts. A parked
+    request no extproc could hold (one died: a reset; one stopping: its unserved 503) is retried
+    on the other, as ext_proc streams are; a stopping one's 503 keeps its mark if none is left."""
+    return {
+        "name": "park",
+        "match": {
+            "prefix": "/",
+            "headers": [{"name": contract.CLUSTER_HEADER, "string_match": {"exact": contract.PARK_CLUSTER}}],
+        },
+        "route": {
+            "cluster": contract.EXTPROC_CLUSTER,
+            "timeout": "0s",
+            # As persistent as the replay route: a parked request reached no model server, so it
+            # is retried until an extproc holds it (both may be restarting).
+            "retry_policy": {
+                **EXTPROC_RETRY,
+                "retry_on": f"{EXTPROC_RETRY['retry_on']},retriable-headers",
+                "retriable_headers": [{"name": contract.UNSERVED_HEADER, "string_match": {"exact": "1"}}],
+                "num_retries": REPLAY_ATTEMPTS,
+                "retry_back_off": {"base_interval": "0.05s", "max_interval": "0.4s"},
+            },
+            "internal_redirect_policy": {
+                "max_internal_redirects": 1,
+                "redirect_response_codes": [307],
+                "response_headers_to_copy": [contract.RELEASE_HEADER, contract.CLUSTER_HEADER, contract.PARK_HEADER],
+            },
+        },
+        **({"typed_per_filter_config": {**off, **on}} if off else {}),
+    }
 
 
 #: Sends of one request through the replay listener at most. Each one that meets no extproc fails
@@ -403,5 +438,5 @@ def natively_routed(config: route_pb2.RouteConfiguration) -> frozenset[str]:
         route.route.cluster
         for host in config.virtual_hosts
         for route in host.routes
-        if route.route.cluster and route.route.cluster != contract.REPLAY_CLUSTER
+        if route.route.cluster and route.route.cluster not in (contract.REPLAY_CLUSTER, contract.EXTPROC_CLUSTER)
     )

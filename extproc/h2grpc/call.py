@@ -26,7 +26,7 @@ from wakegate.extproc.h2grpc.connection import Connection
 from wakegate.extproc.h2grpc.hpack import STATUS_200, literal
 from wakegate.extproc.h2grpc.limits import H2Limits
 from wakegate.extproc.h2grpc.server import H2Server
-from wakegate.extproc.h2grpc.stream import Stream
+from wakegate.extproc.h2grpc.stream import Stream, pick
 
 log = logging.getLogger("wakegate.extproc.h2")
 
@@ -233,9 +233,16 @@ class GrpcServer:
     """Serves gRPC methods (full names, '/package.Service/Method') over `H2Server`."""
 
     def __init__(
-        self, methods: dict[str, Method], *, max_message_bytes: int = 4 * 1024 * 1024, limits: H2Limits | None = None
+        self,
+        methods: dict[str, Method],
+        *,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        limits: H2Limits | None = None,
+        http: Callable[[Connection, int, list[tuple[bytes, bytes]]], Stream | None] | None = None,
     ) -> None:
         self.methods = dict(methods)
+        #: Offered every request that is not gRPC first: its stream, or None to refuse it (415).
+        self.http = http
         self.max_message_bytes = max_message_bytes
         self.transport = H2Server(self._new_call, limits)
 
@@ -255,18 +262,16 @@ class GrpcServer:
     def active_calls(self) -> int:
         return self.transport.active_streams
 
-    def _new_call(self, conn: Connection, stream_id: int, headers: list[tuple[bytes, bytes]]) -> Call:
-        method = path = content_type = b""
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name == b":method":
-                method = value
-            elif name == b"content-type":
-                content_type = value
+    def _new_call(self, conn: Connection, stream_id: int, headers: list[tuple[bytes, bytes]]) -> Stream:
+        path, method, content_type = pick(headers, b":path", b":method", b"content-type")
+        grpc = content_type.startswith(b"application/grpc")
+        if not grpc and self.http is not None:
+            stream = self.http(conn, stream_id, headers)
+            if stream is not None:
+                return stream
         call = Call(conn, stream_id, path.decode("ascii", "replace"), self.max_message_bytes)
         factory = self.methods.get(call.method)
-        if not content_type.startswith(b"application/grpc"):
+        if not grpc:
             call.reply_http(415, _NOT_GRPC)
         elif method != b"POST":
             call.reply_http(405, _NOT_GRPC)

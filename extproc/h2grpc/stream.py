@@ -38,6 +38,15 @@ log = logging.getLogger("wakegate.extproc.h2")
 _NO_TRAILERS = b""
 
 
+def pick(headers: list[tuple[bytes, bytes]], *names: bytes) -> list[bytes]:
+    """The values of `names` in a request's header list (b"" where absent; the last one wins)."""
+    found = dict.fromkeys(names, b"")
+    for name, value in headers:
+        if name in found:
+            found[name] = value
+    return list(found.values())
+
+
 class Stream:
     """One HTTP/2 stream of a connection; subclasses give it an application protocol."""
 
@@ -63,7 +72,8 @@ class Stream:
         self._recv_used = 0
         # Queued data as views: a frame's chunk is a slice of the view, so sending a message in
         # N frames copies each byte once (slicing bytes would copy the rest of it every frame).
-        self._pending: deque[memoryview] = deque()
+        # Made when first needed: most streams never queue (a deque costs ~0.7 KB).
+        self._pending: deque[memoryview] | None = None
         self._queued_end: bytes | None = None
         #: Bytes of received DATA the application still holds (see `buffered()`).
         self._held = 0
@@ -114,6 +124,8 @@ class Stream:
             conn.data_frames_sent += 1
             conn.write(frame(DATA, 0, self.stream_id, data))
             return
+        if self._pending is None:
+            self._pending = deque()
         self._pending.append(memoryview(data))
         self._flush()
 
@@ -130,8 +142,9 @@ class Stream:
         conn = self._conn
         if self.closed:
             return
-        while self._pending:
-            data = self._pending[0]
+        pending = self._pending
+        while pending:
+            data = pending[0]
             room = min(self.send_window, conn.send_window, conn.peer_max_frame)
             if room <= 0:
                 conn.blocked.add(self)
@@ -142,9 +155,9 @@ class Stream:
             conn.data_frames_sent += 1
             conn.write(frame(DATA, 0, self.stream_id, chunk))
             if rest:
-                self._pending[0] = rest
+                pending[0] = rest
             else:
-                self._pending.popleft()
+                pending.popleft()
         conn.blocked.discard(self)
         last = self._queued_end
         if last is not None:
@@ -199,7 +212,7 @@ class Stream:
         was_ended = self.ended
         self.closed = True
         self.ended = True
-        self._pending.clear()
+        self._pending = None
         self._queued_end = None
         if not was_ended:
             try:

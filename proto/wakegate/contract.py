@@ -51,6 +51,14 @@ UNSERVED_HEADER = "x-wakegate-unserved"
 #: Set by Envoy on a request it sends through itself again (the replay listener) because its
 #: ext_proc stream failed before extproc decided it (a client's copy is dropped first).
 REPLAY_HEADER = "x-wakegate-replayed"
+#: Parking (extproc/park.py): a cold request extproc sends on at once, to wait at an extproc's own
+#: HTTP/2 port instead of in its ext_proc stream. CLUSTER_HEADER names PARK_CLUSTER (the route that
+#: sends it to the extproc cluster and follows the 307 that releases it), PARK_HEADER carries its
+#: signed ticket (model, deadline); the 307 carries RELEASE_HEADER, a signed ticket that tells the
+#: extproc deciding the request again that it was admitted already (its rate-limit token taken).
+PARK_CLUSTER = "wakegate_park"
+PARK_HEADER = "x-wakegate-park"
+RELEASE_HEADER = "x-wakegate-released"
 
 #: Flow control (extproc/flow.py): the tenant a request is fair-shared as, when the gateway allows
 #: clients to name one (`--fairness-header`; a key's own tenant always wins), and the band a request

@@ -16,6 +16,11 @@ one listener whose filter chain holds every request in one of these ways, and a 
   in wakegate;
 * `ext_proc+retry`: the same with the retry policy wakegate's listener puts on the gRPC
   service (control/feeder/resources.py): Envoy keeps a copy of each message for the retry.
+  (Until wakegate parked its cold requests, this was what one cost.)
+* `parked`: what a cold request is in wakegate now (extproc/park.py): the ext_proc stream (with
+  the retry policy) answered at once by a processor of this benchmark that sends the request on
+  with a park header, and a route on that header, with a retry policy and an internal redirect
+  policy, to the holder over HTTP/2.
 
 Each way is measured with `--held` requests from HTTP/1.1 clients (one connection each) and
 from HTTP/2 clients (`--h2-connections` connections, tests/support/h2requests.py), all in one
@@ -32,6 +37,7 @@ import json
 import resource
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -39,14 +45,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from tests.bench.common import git_state, loadavg
 from tests.support.h2requests import Connection
 from tests.support.processes import stop_process
+from tests.support.waiting import accepting, wait_for
 from wakegate.control.admin import free_port
 from wakegate.control.bootstrap import envoy_binary
+from wakegate.extproc.h2grpc.call import GrpcServer
+from wakegate.extproc.service import PROCESS_METHOD
 
-WAYS = ("fault", "routed-h2", "routed-h1", "ext_proc", "ext_proc+retry")
+WAYS = ("fault", "routed-h2", "routed-h1", "ext_proc", "ext_proc+retry", "parked")
 BODY = b'{"model":"held","messages":[{"role":"user","content":"hi"}]}'
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
@@ -117,14 +128,16 @@ def _bootstrap(admin: int, listener: dict[str, Any], clusters: list[dict[str, An
     }
 
 
-def measured_config(way: str, port: int, admin: int, holder: int) -> dict[str, Any]:
+def measured_config(way: str, port: int, admin: int, holder: int, processor: int = 0) -> dict[str, Any]:
     clusters = [_cluster("hold_h2", holder, True), _cluster("hold_h1", holder, False)]
+    if way == "parked":
+        clusters.append(_cluster("processor", processor, True))
     if way == "fault":
         return _bootstrap(admin, _listener(port, [FAULT], None), clusters)
     if way.startswith("routed"):
         return _bootstrap(admin, _listener(port, [], "hold_h1" if way == "routed-h1" else "hold_h2"), clusters)
-    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "hold_h2"}}
-    if way == "ext_proc+retry":
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "processor" if way == "parked" else "hold_h2"}}
+    if way in ("ext_proc+retry", "parked"):
         service["retry_policy"] = RETRY
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -137,7 +150,51 @@ def measured_config(way: str, port: int, admin: int, holder: int) -> dict[str, A
                                 "request_body_mode": "BUFFERED"},
         },
     }
-    return _bootstrap(admin, _listener(port, [ext_proc], "hold_h2"), clusters)
+    listener = _listener(port, [ext_proc], "hold_h2")
+    if way == "parked":
+        ext_proc["typed_config"]["route_cache_action"] = "CLEAR"
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+            {"match": {"prefix": "/", "headers": [{"name": "x-park", "present_match": True}]},
+             "route": {"cluster": "hold_h2", "timeout": "0s", "retry_policy": RETRY,
+                       "internal_redirect_policy": {"redirect_response_codes": [307],
+                                                    "response_headers_to_copy": ["x-park"]}}},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+        ]  # fmt: skip
+    return _bootstrap(admin, listener, clusters)
+
+
+class _Parker:
+    """The `parked` way's processor: every request is sent on at once with the park header."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    def on_message(self, data: bytes) -> None:
+        message = ep.ProcessingRequest.FromString(data)
+        park = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-park", raw_value=b"1"))
+        common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[park]), clear_route_cache=True)
+        if message.HasField("request_headers"):
+            # The body (BUFFERED) comes next; the request is sent on with it.
+            self.call.send(ep.ProcessingResponse(request_headers=ep.HeadersResponse()).SerializeToString())
+            return
+        self.call.send(ep.ProcessingResponse(request_body=ep.BodyResponse(response=common)).SerializeToString())
+        self.call.finish()
+
+    def on_half_close(self) -> None:
+        self.call.finish()
+
+    def on_cancel(self) -> None:
+        pass
+
+
+def _serve_parker(port: int) -> None:
+    async def serve() -> None:
+        server = GrpcServer({PROCESS_METHOD: _Parker})
+        await server.listen(f"127.0.0.1:{port}")
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
 
 
 def _admin(port: int, path: str) -> str:
@@ -220,8 +277,15 @@ async def _close(opened: list[Any]) -> None:
 
 
 def measure(tmp: Path, way: str, client: str, held: int, connections: int, holder_port: int) -> dict[str, Any]:
-    port, admin = free_port(), free_port()
-    envoy = Envoy(tmp, f"measured-{way}-{client}", measured_config(way, port, admin, holder_port), admin)
+    port, admin, processor = free_port(), free_port(), free_port()
+    parker = None
+    if way == "parked":
+        command = [sys.executable, "-m", "tests.bench.bench_held_envoy", "--serve-parker", str(processor)]
+        parker = subprocess.Popen(command)
+        wait_for(lambda: accepting(processor) or parker.poll() is not None, 30, "the parked way's processor")
+        if parker.poll() is not None:
+            raise RuntimeError("the parked way's processor exited")
+    envoy = Envoy(tmp, f"measured-{way}-{client}", measured_config(way, port, admin, holder_port, processor), admin)
     try:
         time.sleep(0.5)
         before = envoy.allocated()
@@ -235,6 +299,8 @@ def measure(tmp: Path, way: str, client: str, held: int, connections: int, holde
         got = asyncio.run(run())
     finally:
         envoy.stop()
+        if parker is not None:
+            stop_process(parker)
     return {
         "way": way,
         "client": "HTTP/1.1" if client == "h1" else f"HTTP/2 x{connections}",
@@ -249,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held", type=int, default=2000, help="requests held at once per measurement")
     ap.add_argument("--h2-connections", type=int, default=20, help="HTTP/2 connections the requests share")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    ap.add_argument("--serve-parker", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_parker:
+        _serve_parker(args.serve_parker)
+        return 0
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard < args.held + 200:

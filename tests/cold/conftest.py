@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.up import UpProcess, model_doc
+from wakegate.control.admin import free_port
 
 #: cold-crash's activationTimeout: its start attempts are retried within it.
 CRASH_TIMEOUT = 15
@@ -32,6 +33,10 @@ def specs(faults: Path) -> dict[str, str]:
 """,
         "cold-d": """  args: [--startup-seconds, "4"]
   scaling: {min: 0, max: 1, idleTimeout: 120}
+""",
+        "cold-p": """  args: [--startup-seconds, "3"]
+  scaling: {min: 0, max: 1, idleTimeout: 120}
+  endpoint: {maxQueue: 100}
 """,
         "cold-crash": f"""  args: [--startup-seconds, "1", --fault-file, "{faults / "crash"}"]
   scaling: {{min: 0, max: 1, idleTimeout: 3, activationTimeout: {CRASH_TIMEOUT}}}
@@ -78,7 +83,10 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cold_gateway(tmp_path_factory: pytest.TempPathFactory, faults: Path) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("cold"), fleet(faults), "--keepalive-seconds", "0.5")
+    envoy_admin = f"127.0.0.1:{free_port()}"
+    args = ("--keepalive-seconds", "0.5", "--envoy-admin-listen", envoy_admin)
+    up = UpProcess(tmp_path_factory.mktemp("cold"), fleet(faults), *args)
+    up.envoy_admin = envoy_admin
     try:
         up.wait_ready({}, timeout=60)
         yield up

@@ -15,7 +15,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cold.conftest import CRASH_TIMEOUT, both_paths, warm_path
-from tests.support.http import request
+from tests.support.http import envoy_stat, request
 from tests.support.up import UpProcess, pids_alive
 from tests.support.waiting import wait_for
 
@@ -83,6 +83,42 @@ async def test_overflow_beyond_max_queue_gets_429_and_the_rest_one_activation(
             assert body["error"]["code"] == "queue_full"  # type: ignore[index]
     assert up.log().count(f"process started name={model}-") == 1
     wait_for(lambda: path_of(up, model) == warm_path(model), 5, "the warm path")
+
+
+@both_paths("cold-p")
+async def test_held_requests_wait_parked_not_in_ext_proc_streams_and_are_served_once(
+    cold_gateway: UpProcess, model: str
+) -> None:
+    """A cold request named in its body waits at extproc's park: Envoy keeps no ext_proc stream
+    for it, and its release is followed inside Envoy (the client only sees the model's answer)."""
+    up = cold_gateway
+    redirects = "cluster.wakegate_extproc.upstream_internal_redirect_succeeded_total"
+    before = envoy_stat(up.envoy_admin, redirects)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+    ) as session:
+
+        async def one() -> tuple[int, Any]:
+            body = chat_body(model)
+            async with session.post(f"{up.base_url}/chat/completions", json=body, allow_redirects=False) as response:
+                return response.status, await response.json(content_type=None)
+
+        sent = [asyncio.create_task(one()) for _ in range(20)]
+        await asyncio.to_thread(wait_for, lambda: model_status(up, model)["queued"] == 20, 10, "20 held")
+
+        def open_streams() -> int:
+            stat = "http.wakegate.ext_proc.streams_"
+            return envoy_stat(up.envoy_admin, f"{stat}started") - envoy_stat(up.envoy_admin, f"{stat}closed")
+
+        await asyncio.to_thread(wait_for, lambda: open_streams() == 0, 5, "no ext_proc stream open while held")
+        assert envoy_stat(up.envoy_admin, "cluster.wakegate_extproc.upstream_rq_active") >= 20
+        results = await asyncio.gather(*sent)
+    assert [status for status, _ in results] == [200] * 20, results
+    assert all(body["choices"][0]["message"]["content"] for _, body in results)
+    assert envoy_stat(up.envoy_admin, redirects) - before == 20
+    assert up.log().count(f"process started name={model}-") == 1
+    # Counted in flight once each (the park's pass is not), and released by their ends.
+    wait_for(lambda: model_status(up, model)["in_flight"] == 0, 10, "nothing in flight")
 
 
 @both_paths("cold-k")

@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from tests.support.sim import SimProcess, start_sim
+from tests.support.waiting import waited
 from wakegate.control.admin import free_port
 from wakegate.control.sim.app import _output_hashes
 from wakegate.control.sim.kvcache import KVCache, blocks_for
@@ -30,11 +31,7 @@ EP = "127.0.0.1:8000"  # the endpoint's name in the index; only the target's add
 
 
 async def until(ok: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
+    await waited(ok, timeout, "the index to change")
 
 
 @contextlib.asynccontextmanager

@@ -33,6 +33,7 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
 @dataclass
 class Answer:
     status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     error: str = ""
 
@@ -79,6 +80,12 @@ class Connection:
     async def drain(self) -> None:
         await self.writer.drain()
 
+    async def reset(self, stream: int) -> None:
+        """Cancel one request (RST_STREAM CANCEL), as a client that went away."""
+        self.writer.write(frame(RST_STREAM, 0, stream, struct.pack(">I", 8)))
+        self._end(stream, "reset by the client")
+        await self.writer.drain()
+
     def _end(self, stream: int, error: str = "") -> None:
         entry = self.streams.pop(stream, None)
         if entry is not None and not entry[1].done():
@@ -118,6 +125,8 @@ class Connection:
                     for name, value in fields:
                         if name == ":status":
                             entry[0].status = int(value)
+                        else:
+                            entry[0].headers[name] = value
             if flags & END_STREAM:
                 self._end(stream)
         elif kind == DATA:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,3 +22,24 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, every: float = 0
         time.sleep(every)
         last = check()
     return last
+
+
+async def waited(check: Callable[[], T], timeout: float, what: str, every: float = 0.02) -> T:
+    """`wait_for` for a test running on an event loop: the loop runs while it waits."""
+    deadline = time.monotonic() + timeout
+    last = check()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(every)
+        last = check()
+    return last
+
+
+def accepting(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on HOST:PORT now."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True

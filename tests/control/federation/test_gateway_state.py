@@ -113,11 +113,13 @@ spec: {{retries: {{attempts: 2, when: {when}}}}}
     gateway._recompute()
     built = build(gateway._routes, gateway.gateway)
     route = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"]
-    # The members' route; the replay route (a request extproc never decided, sent through again) has its own.
+    # The members' route; the replay route (a request extproc never decided, sent through again)
+    # and the park route (a cold request waiting at an extproc) have their own.
     (policy,) = [
         r["route"]["retryPolicy"]
         for r in route
-        if "retryPolicy" in r.get("route", {}) and r["route"].get("cluster") != contract.REPLAY_CLUSTER
+        if "retryPolicy" in r.get("route", {})
+        and r["route"].get("cluster") not in (contract.REPLAY_CLUSTER, contract.EXTPROC_CLUSTER)
     ]
     # retriable-headers: a member's reply no model server saw (x-wakegate-unserved) is retried in both
     assert set(policy["retryOn"].split(",")) == conditions | {"retriable-headers"}

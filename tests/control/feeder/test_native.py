@@ -47,7 +47,8 @@ def routes(built: r.Resources) -> list[dict[str, Any]]:
 
 
 def native_routes(built: r.Resources) -> list[dict[str, Any]]:
-    return [x for x in routes(built) if x.get("route", {}).get("cluster")]
+    # The park route (a cold request waiting at an extproc) is not a model's.
+    return [x for x in routes(built) if x.get("route", {}).get("cluster") not in (None, contract.EXTPROC_CLUSTER)]
 
 
 def endpoints(built: r.Resources, cluster: str) -> set[tuple[str, int]]:

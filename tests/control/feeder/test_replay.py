@@ -46,18 +46,21 @@ def test_only_requests_extproc_never_decided_are_sent_through_again() -> None:
     replaying = [route for route in routes if route.get("route", {}).get("cluster") == contract.REPLAY_CLUSTER]
     # Every route that would have answered "no route" (extproc names the cluster of every request
     # it decides) replays instead; no route that reaches a model server does.
-    assert replaying and not any("direct_response" in route for route in routes[2:])
+    # First the park (a cold request waiting at an extproc), the decided route, the replayed one.
+    assert routes[0]["route"]["cluster"] == contract.EXTPROC_CLUSTER
+    assert replaying and not any("direct_response" in route for route in routes[3:])
     for route in routes:
         action = route.get("route", {})
-        if action and action.get("cluster") != contract.REPLAY_CLUSTER:
+        # The park's own answers (a stopping extproc's unserved 503) keep their mark.
+        if action and action.get("cluster") not in (contract.REPLAY_CLUSTER, contract.EXTPROC_CLUSTER):
             assert route["response_headers_to_remove"] == [contract.UNSERVED_HEADER]  # a backend cannot claim it
     policy = replaying[0]["route"]["retry_policy"]
     # Retried only on the gateway's own "no extproc decided it" reply, or before anything was sent.
     assert set(policy["retry_on"].split(",")) == {"retriable-headers", "connect-failure", "reset-before-request"}
     assert policy["retriable_headers"] == [{"name": contract.UNSERVED_HEADER, "string_match": {"exact": "1"}}]
     # On the replay listener the replayed request is decided once more, never replayed again.
-    assert routes[1]["match"]["headers"] == [{"name": contract.REPLAY_HEADER, "present_match": True}]
-    assert routes[1]["direct_response"]["status"] == 404
+    assert routes[2]["match"]["headers"] == [{"name": contract.REPLAY_HEADER, "present_match": True}]
+    assert routes[2]["direct_response"]["status"] == 404
 
 
 def test_the_replay_listener_is_internal_keeps_the_gateways_marks_and_fails_with_the_retriable_503() -> None:

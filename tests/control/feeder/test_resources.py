@@ -93,10 +93,11 @@ def test_a_gateway_whose_envoy_has_not_confirmed_an_endpoint_sees_it_as_no_adapt
 
 def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     plain = json_format.MessageToDict(r.build(MODELS, GatewaySettings()).by_type[ROUTE][ROUTE_NAME])
-    assert "retryPolicy" not in plain["virtualHosts"][0]["routes"][0]["route"]
+    # routes[0] is the park's (extproc/park.py); routes[1] the decided one, to the cluster extproc names.
+    assert "retryPolicy" not in plain["virtualHosts"][0]["routes"][1]["route"]
     federated = [replace(MODELS[0], fallback_endpoints=2)]
     built = r.build(federated, GatewaySettings(upstream_retries=2))
-    route = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"][0]
+    route = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"][1]
     policy = route["route"]["retryPolicy"]
     assert policy["retryOn"] == "connect-failure,refused-stream,reset-before-request,retriable-headers"
     assert policy["numRetries"] == 2
@@ -104,6 +105,33 @@ def test_retries_are_off_unless_asked_and_then_go_to_hosts_not_tried() -> None:
     assert policy["retriableHeaders"] == [{"name": contract.UNSERVED_HEADER, "stringMatch": {"exact": "1"}}]
     assert policy["retryHostPredicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert built.by_type[MODEL_ROUTE]["a"].fallback_endpoints == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_first_route_parks_a_cold_request_at_the_extproc_cluster_and_follows_one_307(native: bool) -> None:
+    models = [NATIVE] if native else MODELS
+    built = r.build(models, GatewaySettings(native_allowed=native, replay=True))
+    routes = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"]
+    park = routes[0]
+    parked = {"name": contract.CLUSTER_HEADER, "stringMatch": {"exact": contract.PARK_CLUSTER}}
+    assert park["match"]["headers"] == [parked]
+    assert park["route"]["cluster"] == contract.EXTPROC_CLUSTER and park["route"]["timeout"] == "0s"
+    redirect = park["route"]["internalRedirectPolicy"]
+    assert redirect["maxInternalRedirects"] == 1 and redirect["redirectResponseCodes"] == [307]
+    # The release ticket goes with the request; the park's own headers are cleared from it.
+    copied = {contract.RELEASE_HEADER, contract.CLUSTER_HEADER, contract.PARK_HEADER}
+    assert set(redirect["responseHeadersToCopy"]) == copied
+    # Retried until an extproc holds it: it reached no model server.
+    policy = park["route"]["retryPolicy"]
+    assert {"connect-failure", "reset", "refused-stream", "retriable-headers"} <= set(policy["retryOn"].split(","))
+    assert policy["retriableHeaders"] == [{"name": contract.UNSERVED_HEADER, "stringMatch": {"exact": "1"}}]
+    assert policy["numRetries"] == 30 and "retryPriority" in policy
+    # A request that meets it first (a client's own header) is still decided by extproc.
+    assert ("typedPerFilterConfig" in park) == native
+    if native:
+        assert park["typedPerFilterConfig"]["envoy.filters.http.ext_proc"].get("disabled") is None
+    assert contract.EXTPROC_CLUSTER not in natively_routed(built.by_type[ROUTE][ROUTE_NAME])
+
 
 
 @pytest.mark.parametrize(
