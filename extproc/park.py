@@ -127,6 +127,14 @@ def _headers(status: int, fields: list[tuple[bytes, bytes]]) -> bytes:
 #: Parked requests released per turn of the event loop (as extproc/cold.py's ReleaseGate does for
 #: held streams): between two batches the loop reads its sockets, Envoy's keepalive pings among them.
 RELEASE_BATCH = 128
+#: Released requests not yet back at an ext_proc stream: at most this many. A released request
+#: is decided twice more (its headers, then its body) after its 307; sent back all at once,
+#: 10,000 of them queued every first message ahead of anyone's second, and the first answer came
+#: 1.3-2.7 s after the model was ready instead of ~0.1 s (docs/performance.md, "Scale").
+RELEASE_WINDOW = 256
+#: A window that saw no released request come back for this long is opened again (they went to
+#: the other extproc, or their clients left).
+RELEASE_STALL_SECONDS = 1.0
 
 
 class _Group:
@@ -226,6 +234,11 @@ class Parker:
         #: model key -> the group of its current activation.
         self.groups: dict[str, _Group] = {}
         self._releasing: collections.deque[tuple[str, Parked]] = collections.deque()
+        #: Sent back and not seen again yet (RELEASE_WINDOW).
+        self._out = 0
+        self._scheduled = False
+        self._stall: asyncio.TimerHandle | None = None
+        processor.on_released = self.back
 
     @property
     def parked(self) -> int:
@@ -263,19 +276,47 @@ class Parker:
         return stream
 
     def release(self, key: str, streams: list[Parked]) -> None:
-        """Send `streams` back to the gateway, RELEASE_BATCH per turn of the loop."""
-        start = not self._releasing
+        """Send `streams` back to the gateway: at most RELEASE_BATCH per turn of the loop and
+        RELEASE_WINDOW not yet back, in the order they came."""
         self._releasing.extend((key, stream) for stream in streams)
-        if start and self._releasing:
+        self._schedule()
+
+    def back(self) -> None:
+        """A released request reached an ext_proc stream of this extproc again (Processor)."""
+        if self._out:
+            self._out -= 1
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if self._releasing and not self._scheduled and self._out < RELEASE_WINDOW:
+            self._scheduled = True
             asyncio.get_running_loop().call_soon(self._release_some)
 
     def _release_some(self) -> None:
+        self._scheduled = False
         releasing = self._releasing
-        for _ in range(min(RELEASE_BATCH, len(releasing))):
+        sent = 0
+        while releasing and sent < RELEASE_BATCH and self._out < RELEASE_WINDOW:
             key, stream = releasing.popleft()
+            if stream.closed:
+                continue  # its client left after the model was ready
             self._send_back(stream, self.tickets.release(key, stream.name).encode())
-        if releasing:
-            asyncio.get_running_loop().call_soon(self._release_some)
+            self._out += 1
+            sent += 1
+        if not releasing:
+            return
+        if self._out < RELEASE_WINDOW:
+            self._schedule()
+        elif self._stall is None:
+            self._stall = asyncio.get_running_loop().call_later(RELEASE_STALL_SECONDS, self._stalled)
+
+    def _stalled(self) -> None:
+        self._stall = None
+        self._out = 0
+        self._schedule()
 
     def _send_back(self, stream: Stream, ticket: bytes) -> None:
         """307 to the same URL, headers only: Envoy's park route follows it inside the gateway."""

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -89,6 +90,8 @@ class Processor:
         #: Parking on (extproc/park.py): cold requests wait at this process's HTTP/2 port, not in
         #: their ext_proc streams. None: every cold request is held in its stream.
         self.tickets = tickets
+        #: A released request came back (the park paces its releases by this).
+        self.on_released: Callable[[], None] = lambda: None
         #: The streams whose request is held for its model now.
         self.holding: set[ProcessCall] = set()
 
@@ -159,6 +162,8 @@ class Processor:
         if released is not None:  # sent back by a park: admitted once already if the ticket says so
             read = self.tickets.read("release", released) if self.tickets is not None else None
             ex.release = read[0] if read is not None else ""
+            if read is not None:
+                self.on_released()
         if get:
             if path == "/metrics":
                 return self._metrics()

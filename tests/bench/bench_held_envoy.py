@@ -22,6 +22,9 @@ one listener whose filter chain holds every request in one of these ways, and a 
   with a park header, and a route on that header, with a retry policy and an internal redirect
   policy, to the holder over HTTP/2.
 
+And, for scale, `idle`: HTTP/1.1 connections to the fault listener that send nothing at all (what a
+client's connection costs before it asks for anything).
+
 Each way is measured with `--held` requests from HTTP/1.1 clients (one connection each) and
 from HTTP/2 clients (`--h2-connections` connections, tests/support/h2requests.py), all in one
 run. The cost is the growth of Envoy's allocator total (`/memory` on its admin port: what
@@ -244,7 +247,11 @@ async def _hold(port: int, admin: int, client: str, held: int, connections: int)
         b"content-length: %d\r\n\r\n" % len(BODY) + BODY
     )
     opened: list[Any] = []
-    if client == "h1":
+    stat = "http.held.downstream_rq_active"
+    if client == "idle":
+        stat = "http.held.downstream_cx_active"
+        opened.extend(socket.create_connection(("127.0.0.1", port)) for _ in range(held))
+    elif client == "h1":
         for _ in range(held):
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(request)
@@ -260,7 +267,7 @@ async def _hold(port: int, admin: int, client: str, held: int, connections: int)
     deadline = time.monotonic() + 120
     active = 0
     while time.monotonic() < deadline:
-        active = await asyncio.to_thread(_stat, admin, "http.held.downstream_rq_active")
+        active = await asyncio.to_thread(_stat, admin, stat)
         if active >= held:
             break
         await asyncio.sleep(0.5)
@@ -303,7 +310,7 @@ def measure(tmp: Path, way: str, client: str, held: int, connections: int, holde
             stop_process(parker)
     return {
         "way": way,
-        "client": "HTTP/1.1" if client == "h1" else f"HTTP/2 x{connections}",
+        "client": {"h1": "HTTP/1.1", "idle": "HTTP/1.1 idle"}.get(client, f"HTTP/2 x{connections}"),
         "held": held,
         "active": got["active"],
         "kb_per_request": round((got["allocated"] - before) / held / 1024, 1),
@@ -331,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         holder_port, holder_admin = free_port(), free_port()
         holder = Envoy(tmp, "holder", _bootstrap(holder_admin, _listener(holder_port, [FAULT], None), []), holder_admin)
         try:
+            row = measure(tmp, "fault", "idle", args.held, args.h2_connections, holder_port)
+            rows.append(row)
+            print(f"  {row['client']:12s} {'(no request)':16s} {row['kb_per_request']:6.1f} KB per connection "
+                  f"({row['active']} open)", flush=True)  # fmt: skip
             for client in ("h1", "h2"):
                 for way in WAYS:
                     row = measure(tmp, way, client, args.held, args.h2_connections, holder_port)

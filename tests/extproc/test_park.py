@@ -21,7 +21,7 @@ from wakegate import contract
 from wakegate.extproc.exchange import Cold
 from wakegate.extproc.gateway import Gateway
 from wakegate.extproc.h2grpc.call import GrpcServer
-from wakegate.extproc.park import RELEASE_SECONDS, Parker, Tickets
+from wakegate.extproc.park import RELEASE_SECONDS, RELEASE_STALL_SECONDS, RELEASE_WINDOW, Parker, Tickets
 from wakegate.extproc.service import Processor
 
 CHAT = {"model": "waiting", "messages": [{"role": "user", "content": "hi"}]}
@@ -104,6 +104,8 @@ async def test_a_released_request_is_not_counted_again_nor_parked_twice() -> Non
     gw = gateway()
     gw.set_routes([route("limited", "10.0.0.3:8000", rps=1), route("waiting")])
     proc, tickets = parking(gw)
+    back: list[int] = []
+    proc.on_released = lambda: back.append(1)
     chat = {**CHAT, "model": "limited"}
     released = {contract.RELEASE_HEADER: tickets.release("limited", "limited")}
     assert decide(proc, headers("/v1/chat/completions"), body(chat))[1].WhichOneof("response") == "request_body"
@@ -112,6 +114,7 @@ async def test_a_released_request_is_not_counted_again_nor_parked_twice() -> Non
     _, decided = decide(proc, headers("/v1/chat/completions", **released), body(chat))
     assert set_headers(decided.request_body.response)[contract.CLUSTER_HEADER] == "model.limited"
     assert contract.RELEASE_HEADER in decided.request_body.response.header_mutation.remove_headers
+    assert back == [1]  # the park hears that one of its releases came back
     # A ticket for another model, or one that does not verify, spares nothing.
     other = {contract.RELEASE_HEADER: tickets.release("waiting", "waiting")}
     assert immediate(decide(proc, headers("/v1/chat/completions", **other), body(chat))[1])[0] == 429
@@ -181,6 +184,23 @@ async def test_parked_requests_are_sent_back_with_a_release_ticket_when_their_mo
         assert answer.headers["location"] == "https://gw.example:8443/v1/chat/completions?x=1"
         assert park.tickets.read("release", answer.headers[contract.RELEASE_HEADER]) is not None
     assert park.proc.gw.cold.depth("waiting") == 0 and park.parker.parked == 0 and depth(park) == 0
+
+
+async def test_released_requests_go_back_a_window_at_a_time_as_earlier_ones_come_back(park: Park) -> None:
+    sent = [park.send() for _ in range(RELEASE_WINDOW + 40)]
+    await waited(lambda: park.parker.parked == RELEASE_WINDOW + 40, 5, "all parked")
+    park.ready()
+    answered = lambda: sum(f.done() for f in sent)  # noqa: E731
+    await waited(lambda: answered() == RELEASE_WINDOW, 2, "a window released")
+    await asyncio.sleep(0.2)
+    assert answered() == RELEASE_WINDOW  # the rest wait for those to come back...
+    for _ in range(10):
+        park.proc.on_released()  # ...as the Processor says when a release ticket reaches it
+    await waited(lambda: answered() == RELEASE_WINDOW + 10, 2, "ten more")
+    # Nothing else comes back (they went to the other extproc): the window opens again.
+    started = time.monotonic()
+    assert all(a.status == 307 for a in await asyncio.gather(*sent))
+    assert time.monotonic() - started < RELEASE_STALL_SECONDS + 1
 
 
 async def test_a_parked_request_past_its_deadline_gets_the_activation_timeout(park: Park) -> None:
