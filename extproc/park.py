@@ -173,7 +173,7 @@ class _Group:
         Model changed meanwhile) is answered when the ones before it are."""
         if self.streams:
             first = next(iter(self.streams))
-            self.timer = asyncio.get_running_loop().call_at(first.deadline, self._expire)
+            self.timer = asyncio.get_running_loop().call_later(first.deadline - time.monotonic(), self._expire)
         else:
             self.timer = None
 
