@@ -318,10 +318,9 @@ class Parker:
         self._out = 0
         self._schedule()
 
-    def _send_back(self, stream: Stream, ticket: bytes) -> None:
+    def _send_back(self, stream: Parked, ticket: bytes) -> None:
         """307 to the same URL, headers only: Envoy's park route follows it inside the gateway."""
-        location = stream.location if isinstance(stream, Parked) else b""
-        stream.end(_headers(307, [(b"location", location), (_RELEASE, ticket)]))
+        stream.end(_headers(307, [(b"location", stream.location), (_RELEASE, ticket)]))
 
     def let_go(self) -> int:
         """Stopping: answer every parked request with the unserved 503, which the park route
