@@ -75,9 +75,8 @@ class Tickets:
         return hmac.new(self._secret, f"{kind}\0{body}".encode(), hashlib.sha256).hexdigest()[:32]
 
     def _sign(self, kind: str, expiry: float, key: str, name: str) -> str:
-        body = f"{int(expiry * 1000)}:{quote(key, safe='')}:{quote(name, safe='')}"
-        expiry_ms, _, rest = body.partition(":")
-        return f"{expiry_ms}:{self._mac(kind, body)}:{rest}"
+        expiry_ms, named = int(expiry * 1000), f"{quote(key, safe='')}:{quote(name, safe='')}"
+        return f"{expiry_ms}:{self._mac(kind, f'{expiry_ms}:{named}')}:{named}"
 
     def park(self, key: str, name: str, deadline: float) -> str:
         """A park ticket: the request of model `key` (asked for as `name`) may wait until `deadline`
