@@ -54,6 +54,23 @@ def install_crds(api: ApiClient) -> None:
             if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
                 break
             time.sleep(0.2)
+        _wait_served(api, body, deadline)
+
+
+def _wait_served(api: ApiClient, crd: dict[str, Any], deadline: float) -> None:
+    """Wait until the apiserver lists `crd`'s objects: an Established CRD's storage may still be
+    initialising (a 429) for seconds on a busy machine, and what starts then meets that first."""
+    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+    version = next(v["name"] for v in crd["spec"]["versions"] if v.get("served", True))
+    custom = client.CustomObjectsApi(api)
+    while True:
+        try:
+            custom.list_cluster_custom_object(group, version, plural, limit=1)
+            return
+        except client.ApiException as exc:
+            if exc.status != 429 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
 
 
 #: The read-only ClusterRole of `wakegate xds` (docs/operator.md).
@@ -339,7 +356,7 @@ class Gateway:
     def procs(self) -> Sequence[Proc]:
         return (self.xds, self.extproc, self.envoy)
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 60.0) -> None:
         for proc in self.procs:
             proc.start()
         deadline = time.monotonic() + timeout

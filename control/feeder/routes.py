@@ -277,6 +277,7 @@ def route_configuration(
     stream_body = {"typed_per_filter_config": {**_STREAM_BODY["typed_per_filter_config"], **off}}
     # With native routes possible, extproc is off in the listener unless a route turns it on.
     on = _EXTPROC_ON if off else {}
+    decided: dict[str, Any] = {"typed_per_filter_config": {**off, **on}} if off else {}
     catch_all: dict[str, Any] = {**_NO_ROUTE, "match": {"prefix": "/"}}
     if off and not native and not rate_limited:
         # With a native or rate-limited model, the body's `model` is read into metadata here, for
@@ -297,6 +298,8 @@ def route_configuration(
             },
             **({"typed_per_filter_config": {**off, **on}} if off else {}),
         },
+        # A request a park sent back: decided by extproc, never by a native or counted route.
+        {**_NO_ROUTE, "name": "released", "match": {"prefix": "/", "headers": [_RELEASED]}, **decided},
         # Before extproc has named a cluster: these pick how its filter treats the
         # body. A model named by the X-Model-ID header or a /model/<name>/ path
         # needs no body, so it streams through; everything else is buffered.
@@ -336,13 +339,24 @@ def route_configuration(
 
 _REPLAYED = {"name": contract.REPLAY_HEADER, "present_match": True}
 
+#: A request a park sent back (its 307 set the release ticket). It goes to extproc whatever its
+#: model's path: extproc checks the ticket and spares the request the token its first pass took (a
+#: native or counted route would draw a second one from Envoy's bucket, and a native route would
+#: never tell the park it came back, `Parker.back`). A client's own header only sends its request
+#: to extproc, which finds no valid ticket and decides and counts it as any other.
+_RELEASED = {"name": contract.RELEASE_HEADER, "present_match": True}
+
 
 def _park(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     """Where extproc sends a cold request to wait (extproc/park.py): the extproc cluster, whose
     307 is followed inside Envoy (once), so the request goes through the filter chain again when
-    its model is ready. The 307 clears the park's headers from the request it restarts. A parked
-    request no extproc could hold (one died: a reset; one stopping: its unserved 503) is retried
-    on the other, as ext_proc streams are; a stopping one's 503 keeps its mark if none is left."""
+    its model is ready. The 307 clears the park's headers from the request it restarts, and the
+    route drops the rate-counted mark before the request leaves: Envoy's header_mutation filter
+    adds that header by reference to the name in the first pass's route, and the restarted request
+    keeps its headers but not that route, which an RDS update (the model getting ready) frees. A
+    parked request no extproc could hold (one died: a reset; one stopping: its unserved 503) is
+    retried on the other, as ext_proc streams are; a stopping one's 503 keeps its mark if none is
+    left."""
     return {
         "name": "park",
         "match": {
@@ -367,6 +381,7 @@ def _park(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
                 "response_headers_to_copy": [contract.RELEASE_HEADER, contract.CLUSTER_HEADER, contract.PARK_HEADER],
             },
         },
+        "request_headers_to_remove": [contract.RATE_COUNTED_HEADER],
         **({"typed_per_filter_config": {**off, **on}} if off else {}),
     }
 

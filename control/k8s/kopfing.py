@@ -45,6 +45,11 @@ async def run(
     """
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
+    # An apiserver that answers 429 names when to come back (1 s while a new CRD's storage
+    # initialises): come back then, not after Kopf's growing error backoff (1, 1, 2, 3, 5, 8 s...),
+    # which kept a watch away, and a feeder from serving, for tens of seconds after the apiserver
+    # was ready.
+    settings.networking.enforce_retry_after = True
     tasks = await kopf.spawn_tasks(
         registry=handlers, settings=settings, standalone=True, clusterwide=True, stop_flag=stop
     )

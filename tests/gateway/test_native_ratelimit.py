@@ -5,8 +5,10 @@ Twin models again, `rl-n` (native) and `rl-d` (decided), with the same limit: a 
 answers from both. `rl-m` mixes native requests (its own name) with decided ones (its alias in the
 body, rewritten by extproc): they share one budget. `rl-c` is a cold native model: its requests
 take the decided path (extproc holds them) yet draw from the same bucket in Envoy, and one over the
-limit is refused at once, never after waiting for the cold start. `rl-f` is named where Envoy
-cannot read the name (a multipart form): extproc still counts those.
+limit is refused at once, never after waiting for the cold start. `rl-hn` (native) and `rl-hd`
+(decided) are cold models whose bucket refills nothing within their start: the requests it admitted
+and a park held are not counted again when they are sent back. `rl-f` is named where Envoy cannot
+read the name (a multipart form): extproc still counts those.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from wakegate.control.admin import free_port
 
 RATE = 0.5
 BURST = 3
+#: A bucket that refills no token within a cold start.
+SLOW = 0.02
 LIMIT = f"  limits: {{requestsPerSecond: {RATE}, burst: {BURST}}}\n"
 FLEET = "".join(
     model_doc(
@@ -45,6 +49,16 @@ FLEET = "".join(
   scaling: {{min: 0, max: 1, idleTimeout: 60}}
   limits: {{requestsPerSecond: {RATE}, burst: 1}}
 """,
+) + "".join(
+    model_doc(
+        name,
+        extra=f"""  args: [--startup-seconds, "2"]
+  routing: {{strategy: round-robin{", path: native" if name == "rl-hn" else ""}}}
+  scaling: {{min: 0, max: 1, idleTimeout: 60}}
+  limits: {{requestsPerSecond: {SLOW}, burst: {BURST}}}
+""",
+    )
+    for name in ("rl-hn", "rl-hd")
 )
 REFUSED = {"error": {"message": "rate limit exceeded; retry later", "type": "rate_limit_error", "code": "rate_limited"}}
 
@@ -205,3 +219,17 @@ def test_a_gateway_wide_limit_keeps_every_model_decided_and_still_counts_every_r
         assert codes[:2] == [200, 200] and 2 <= codes.count(200) <= 4 + refilled and 429 in codes, codes
     finally:
         assert up.stop() == 0, up.log()
+
+
+@pytest.mark.parametrize("model", ["rl-hn", "rl-hd"])
+def test_requests_held_through_a_cold_start_are_counted_once(limited_gateway: Gateway, model: str) -> None:
+    """A full burst sent to a cold model: every request takes its token, waits in a park for the
+    start, and is answered once the model is ready; none is refused by a second count on the way
+    back (the bucket refills nothing meanwhile). The next one is refused: the burst is spent."""
+    gw = limited_gateway
+    assert gw.model(model)["ready"] == 0
+    replies, _ = burst([lambda: post(gw, chat(model)) for _ in range(BURST)])
+    assert [r.status for r in replies] == [200] * BURST, [r.text for r in replies]
+    assert {json.loads(r.text)["model"] for r in replies} == {model}
+    spent = post(gw, chat(model))
+    assert spent.status == 429 and spent.json() == REFUSED, spent.text

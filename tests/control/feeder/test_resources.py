@@ -131,6 +131,25 @@ def test_the_first_route_parks_a_cold_request_at_the_extproc_cluster_and_follows
     if native:
         assert park["typedPerFilterConfig"]["envoy.filters.http.ext_proc"].get("disabled") is None
     assert contract.EXTPROC_CLUSTER not in natively_routed(built.by_type[ROUTE][ROUTE_NAME])
+    # Envoy's rate-counted mark names its header by reference into the first pass's route, which
+    # may be gone when the request comes back: it never goes with a parked request.
+    assert park["requestHeadersToRemove"] == [contract.RATE_COUNTED_HEADER]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_released_request_is_decided_by_extproc_before_any_native_or_counted_route(native: bool) -> None:
+    limited = replace(NATIVE if native else MODELS[0], requests_per_second=1.0, burst=2.0)
+    # A limit Envoy keeps (the gateway may route natively), for a native and a decided model.
+    built = r.build([limited], GatewaySettings(native_allowed=True, replay=True))
+    routes = json_format.MessageToDict(built.by_type[ROUTE][ROUTE_NAME])["virtualHosts"][0]["routes"]
+    names = [route.get("name") for route in routes]
+    released = routes[names.index("released")]
+    assert released["match"]["headers"] == [{"name": contract.RELEASE_HEADER, "presentMatch": True}]
+    # Undecided (extproc names the cluster; replayed if its stream fails), and drawing no token.
+    assert released["route"]["cluster"] == contract.REPLAY_CLUSTER and "metadata" not in released
+    assert "disabled" not in released["typedPerFilterConfig"]["envoy.filters.http.ext_proc"]
+    model_routes = [i for i, route in enumerate(routes) if "metadata" in route]
+    assert model_routes and names.index("released") < min(model_routes)
 
 
 
