@@ -347,18 +347,26 @@ class Processor:
         ):
             if self.gw.cold.depth(route.key) >= route.cold.max_queue:
                 return self._queue_full(route)
-            return self._park(ex, route, in_body=in_body)
+            return self._park(ex, route, in_body=in_body, body=raw_body)
         return Cold(resolved, parsed, raw_body, in_body)
 
-    def _park(self, ex: Exchange, route: routing_pb2.ModelRoute, *, in_body: bool) -> ep.ProcessingResponse:
+    def _park(
+        self, ex: Exchange, route: routing_pb2.ModelRoute, *, in_body: bool, body: bytes | None
+    ) -> ep.ProcessingResponse:
         """Send a cold request on to wait at an extproc's park (extproc/park.py): its ext_proc
-        stream ends here. Nothing else is changed: the request is decided again when released."""
+        stream ends here. Nothing else is changed: the request is decided again when released.
+        `body`, the JSON body Envoy buffered, is sent back as it came: Envoy keeps an HTTP/1.1
+        request's body in the 16 KiB slice its connection read it into, and keeps it while parked
+        for the redirect; a body extproc sets is copied into a buffer of its own size (a 4 KiB
+        page for most): 12 KB less per request held over HTTP/1.1 (docs/performance.md, "Scale")."""
         assert self.tickets is not None
         left = route.cold.activation_timeout_ms / 1000 - (time.monotonic() - ex.started)
         ticket = self.tickets.park(route.key, ex.model_name or route.key, time.time() + left)
         parked = [header(CLUSTER_HEADER, PARK_CLUSTER), header(PARK_HEADER, ticket)]
         common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=parked), clear_route_cache=True)
         if in_body:
+            if body is not None:
+                common.body_mutation.body = body
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), mode_override=_NO_BODY)
 

@@ -19,8 +19,19 @@ one listener whose filter chain holds every request in one of these ways, and a 
   (Until wakegate parked its cold requests, this was what one cost.)
 * `parked`: what a cold request is in wakegate now (extproc/park.py): the ext_proc stream (with
   the retry policy) answered at once by a processor of this benchmark that sends the request on
-  with a park header, and a route on that header, with a retry policy and an internal redirect
-  policy, to the holder over HTTP/2.
+  with a park header and its body as it came (Envoy copies it out of the connection's read
+  buffer), and a route on that header, with a retry policy and an internal redirect policy, to
+  the holder over HTTP/2.
+
+And, to tell apart what `parked` adds to `routed-h2` (`--ways` picks them; not run by default):
+
+* `routed-h2+retry`, `routed-h2+redirect`: `routed-h2` with the park route's retry policy, or
+  with its internal redirect policy;
+* `parked-bare`: `parked` without either policy on the route and without the ext_proc retry;
+* `parked-uncopied`: `parked` with the body left where Envoy read it (as wakegate parked first);
+* `parked-hop`: `parked`, but the park route leads to a 307 (the holder answers it at once, with
+  a hop header) that Envoy follows, and the request waits in the stream that redirect opens, on
+  a route that turns on no ext_proc filter: the first pass's stream and filters are gone.
 
 And, for scale, `idle`: HTTP/1.1 connections to the fault listener that send nothing at all (what a
 client's connection costs before it asks for anything).
@@ -61,6 +72,7 @@ from wakegate.extproc.h2grpc.call import GrpcServer
 from wakegate.extproc.service import PROCESS_METHOD
 
 WAYS = ("fault", "routed-h2", "routed-h1", "ext_proc", "ext_proc+retry", "parked")
+PARTS = ("routed-h2+retry", "routed-h2+redirect", "parked-bare", "parked-uncopied", "parked-hop")
 BODY = b'{"model":"held","messages":[{"role":"user","content":"hi"}]}'
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
@@ -133,14 +145,18 @@ def _bootstrap(admin: int, listener: dict[str, Any], clusters: list[dict[str, An
 
 def measured_config(way: str, port: int, admin: int, holder: int, processor: int = 0) -> dict[str, Any]:
     clusters = [_cluster("hold_h2", holder, True), _cluster("hold_h1", holder, False)]
-    if way == "parked":
+    parked = way.startswith("parked")
+    if parked:
         clusters.append(_cluster("processor", processor, True))
     if way == "fault":
         return _bootstrap(admin, _listener(port, [FAULT], None), clusters)
     if way.startswith("routed"):
-        return _bootstrap(admin, _listener(port, [], "hold_h1" if way == "routed-h1" else "hold_h2"), clusters)
-    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "processor" if way == "parked" else "hold_h2"}}
-    if way in ("ext_proc+retry", "parked"):
+        listener = _listener(port, [], "hold_h1" if way == "routed-h1" else "hold_h2")
+        route = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+        route["routes"][0]["route"].update(_policies(way.partition("+")[2]))
+        return _bootstrap(admin, listener, clusters)
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "processor" if parked else "hold_h2"}}
+    if way in ("ext_proc+retry", "parked", "parked-uncopied", "parked-hop"):
         service["retry_policy"] = RETRY
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -154,21 +170,63 @@ def measured_config(way: str, port: int, admin: int, holder: int, processor: int
         },
     }
     listener = _listener(port, [ext_proc], "hold_h2")
-    if way == "parked":
+    if parked:
         ext_proc["typed_config"]["route_cache_action"] = "CLEAR"
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["route_config"]["virtual_hosts"][0]["routes"] = [
-            {"match": {"prefix": "/", "headers": [{"name": "x-park", "present_match": True}]},
-             "route": {"cluster": "hold_h2", "timeout": "0s", "retry_policy": RETRY,
-                       "internal_redirect_policy": {"redirect_response_codes": [307],
-                                                    "response_headers_to_copy": ["x-park"]}}},
-            {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
-        ]  # fmt: skip
+        policies = _policies("" if way == "parked-bare" else "retry+redirect")
+        park = {"match": {"prefix": "/", "headers": [{"name": "x-park", "present_match": True}]},
+                "route": {"cluster": "hold_h2", "timeout": "0s", **policies}}  # fmt: skip
+        routes = [park, {"match": {"prefix": "/"}, "direct_response": {"status": 404}}]
+        if way == "parked-hop":
+            # ext_proc is off unless a route turns it on (as on wakegate's native listeners): the
+            # stream the hop's redirect opens meets the hop route, which does not.
+            ext_proc["disabled"] = True
+            routes[-1]["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "overrides": {}}}  # fmt: skip
+            hop = {"match": {"prefix": "/", "headers": [{"name": "x-hop", "present_match": True}]},
+                   "route": {"cluster": "hold_h2", "timeout": "0s", **policies}}  # fmt: skip
+            park["route"]["internal_redirect_policy"] = {"max_internal_redirects": 2, "redirect_response_codes": [307],
+                                                         "response_headers_to_copy": ["x-hop"]}  # fmt: skip
+            park["request_headers_to_add"] = [{"header": {"key": "x-hop-me", "value": "1"}}]
+            routes.insert(0, hop)
+        hcm["route_config"]["virtual_hosts"][0]["routes"] = routes
     return _bootstrap(admin, listener, clusters)
 
 
+def holder_config(port: int, admin: int) -> dict[str, Any]:
+    """The holder: every request parked in a 600 s fault delay, but one that asks for a hop and
+    has not had it (`parked-hop`) answered at once with a 307 to its own path and the hop header."""
+    listener = _listener(port, [FAULT], None)
+    routes = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    no_fault = {"envoy.filters.http.fault": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}}  # fmt: skip
+    routes.insert(0, {
+        "match": {"prefix": "/", "headers": [{"name": "x-hop-me", "present_match": True},
+                                             {"name": "x-hop", "present_match": True, "invert_match": True}]},
+        "direct_response": {"status": 307},
+        "response_headers_to_add": [{"header": {"key": "location", "value": "http://bench%REQ(:PATH)%"}},
+                                    {"header": {"key": "x-hop", "value": "1"}}],
+        "typed_per_filter_config": no_fault,
+    })  # fmt: skip
+    return _bootstrap(admin, listener, [])
+
+
+def _policies(which: str) -> dict[str, Any]:
+    """The park route's policies named in `which` ("retry", "redirect", joined by "+")."""
+    wanted = set(which.split("+")) - {""}
+    return {
+        **({"retry_policy": RETRY} if "retry" in wanted else {}),
+        **({"internal_redirect_policy": {"redirect_response_codes": [307], "response_headers_to_copy": ["x-park"]}}
+           if "redirect" in wanted else {}),
+    }  # fmt: skip
+
+
 class _Parker:
-    """The `parked` way's processor: every request is sent on at once with the park header."""
+    """The `parked` way's processor: every request is sent on at once with the park header, its
+    body sent back as it came where `copy`."""
+
+    copy = True
 
     def __init__(self, call: Any) -> None:
         self.call = call
@@ -181,6 +239,8 @@ class _Parker:
             # The body (BUFFERED) comes next; the request is sent on with it.
             self.call.send(ep.ProcessingResponse(request_headers=ep.HeadersResponse()).SerializeToString())
             return
+        if self.copy:
+            common.body_mutation.body = message.request_body.body
         self.call.send(ep.ProcessingResponse(request_body=ep.BodyResponse(response=common)).SerializeToString())
         self.call.finish()
 
@@ -191,7 +251,9 @@ class _Parker:
         pass
 
 
-def _serve_parker(port: int) -> None:
+def _serve_parker(port: int, copy: bool) -> None:
+    _Parker.copy = copy
+
     async def serve() -> None:
         server = GrpcServer({PROCESS_METHOD: _Parker})
         await server.listen(f"127.0.0.1:{port}")
@@ -286,8 +348,9 @@ async def _close(opened: list[Any]) -> None:
 def measure(tmp: Path, way: str, client: str, held: int, connections: int, holder_port: int) -> dict[str, Any]:
     port, admin, processor = free_port(), free_port(), free_port()
     parker = None
-    if way == "parked":
-        command = [sys.executable, "-m", "tests.bench.bench_held_envoy", "--serve-parker", str(processor)]
+    if way.startswith("parked"):
+        command = [sys.executable, "-m", "tests.bench.bench_held_envoy", "--serve-parker", str(processor),
+                   *(["--uncopied"] if way == "parked-uncopied" else [])]  # fmt: skip
         parker = subprocess.Popen(command)
         wait_for(lambda: accepting(processor) or parker.poll() is not None, 30, "the parked way's processor")
         if parker.poll() is not None:
@@ -322,28 +385,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held", type=int, default=2000, help="requests held at once per measurement")
     ap.add_argument("--h2-connections", type=int, default=20, help="HTTP/2 connections the requests share")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"ways to measure, comma-separated, of {', '.join(WAYS + PARTS)} (default: {','.join(WAYS)})")
+    ap.add_argument("--clients", default="h1,h2", help="h1, h2 or both (default)")
     ap.add_argument("--serve-parker", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--uncopied", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_parker:
-        _serve_parker(args.serve_parker)
+        _serve_parker(args.serve_parker, copy=not args.uncopied)
         return 0
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard < args.held + 200:
         raise SystemExit(f"RLIMIT_NOFILE {hard} is below --held {args.held} (+200)")
+    ways = args.ways.split(",")
+    if unknown := set(ways) - set(WAYS + PARTS):
+        raise SystemExit(f"unknown ways: {', '.join(sorted(unknown))}")
     print(f"load average before: {loadavg()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="wakegate-bench-held-envoy-") as name:
         tmp = Path(name)
         holder_port, holder_admin = free_port(), free_port()
-        holder = Envoy(tmp, "holder", _bootstrap(holder_admin, _listener(holder_port, [FAULT], None), []), holder_admin)
+        holder = Envoy(tmp, "holder", holder_config(holder_port, holder_admin), holder_admin)
         try:
             row = measure(tmp, "fault", "idle", args.held, args.h2_connections, holder_port)
             rows.append(row)
             print(f"  {row['client']:12s} {'(no request)':16s} {row['kb_per_request']:6.1f} KB per connection "
                   f"({row['active']} open)", flush=True)  # fmt: skip
-            for client in ("h1", "h2"):
-                for way in WAYS:
+            for client in args.clients.split(","):
+                for way in ways:
                     row = measure(tmp, way, client, args.held, args.h2_connections, holder_port)
                     rows.append(row)
                     print(f"  {row['client']:12s} {way:16s} {row['kb_per_request']:6.1f} KB per held request "
