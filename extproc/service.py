@@ -82,6 +82,11 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 
 
+#: The slice Envoy reads a connection into (16 KiB): a parked body smaller than this is sent back
+#: to be copied out of it (`Processor._park`).
+_READ_SLICE = 16 * 1024
+
+
 class Processor:
     """Decides each ext_proc message; `call()` serves one ext_proc stream (one HTTP request)."""
 
@@ -355,17 +360,18 @@ class Processor:
     ) -> ep.ProcessingResponse:
         """Send a cold request on to wait at an extproc's park (extproc/park.py): its ext_proc
         stream ends here. Nothing else is changed: the request is decided again when released.
-        `body`, the JSON body Envoy buffered, is sent back as it came: Envoy keeps an HTTP/1.1
-        request's body in the 16 KiB slice its connection read it into, and keeps it while parked
-        for the redirect; a body extproc sets is copied into a buffer of its own size (a 4 KiB
-        page for most): 12 KB less per request held over HTTP/1.1 (docs/performance.md, "Scale")."""
+        `body`, the JSON body Envoy buffered, is sent back as it came when it is smaller than
+        Envoy's read slice: Envoy keeps an HTTP/1.1 request's body in the 16 KiB slice its
+        connection read it into, and keeps it while parked for the redirect; a body extproc sets
+        is copied into a buffer of its own size (a 4 KiB page for most): 12 KB less per request
+        held over HTTP/1.1 (docs/performance.md, "Scale"). A larger body fills its slices."""
         assert self.tickets is not None
         left = route.cold.activation_timeout_ms / 1000 - (time.monotonic() - ex.started)
         ticket = self.tickets.park(route.key, ex.model_name or route.key, time.time() + left)
         parked = [header(CLUSTER_HEADER, PARK_CLUSTER), header(PARK_HEADER, ticket)]
         common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=parked), clear_route_cache=True)
         if in_body:
-            if body is not None:
+            if body is not None and len(body) < _READ_SLICE:
                 common.body_mutation.body = body
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), mode_override=_NO_BODY)

@@ -77,8 +77,13 @@ async def test_a_cold_request_whose_body_envoy_holds_is_parked_not_held_in_its_s
     assert (key, name) == ("waiting", "waiting")
     assert 4 < deadline - time.time() <= 5  # the model's activation timeout, 5 s
     assert decided.request_body.response.clear_route_cache
-    # The body goes back as it came (Envoy copies it out of its connection's read buffer).
+    # The body goes back as it came (Envoy copies it out of its connection's read buffer)...
     assert decided.request_body.response.body_mutation.body == body(CHAT).request_body.body
+    # ...unless it fills slices of its own anyway.
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 20_000}]}
+    _, decided = decide(proc, headers("/v1/chat/completions"), body(big))
+    assert set_headers(decided.request_body.response)[contract.CLUSTER_HEADER] == contract.PARK_CLUSTER
+    assert not decided.request_body.response.HasField("body_mutation")
     assert proc.gw.cold.depth("waiting") == 0  # counted where it waits, at the park
     assert ex.model_key is None  # nothing in flight: its stream ends now
 
