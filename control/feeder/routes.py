@@ -296,7 +296,7 @@ def route_configuration(
                 "timeout": "0s",
                 **_retry_policy(settings.upstream_retries, settings.upstream_retry_on),
             },
-            **({"typed_per_filter_config": {**off, **on}} if off else {}),
+            **decided,
         },
         # A request a park sent back: decided by extproc, never by a native or counted route.
         {**_NO_ROUTE, "name": "released", "match": {"prefix": "/", "headers": [_RELEASED]}, **decided},
